@@ -1,0 +1,102 @@
+//! Chained XXH3-128 block hashes.
+//!
+//! Block `i`'s hash covers its parent's hash and its own token ids, so one
+//! hash names the whole prefix up to the end of its block. The chain starts
+//! from a salt (model, adapter, `cache_salt`), so equal tokens under a
+//! different salt never share blocks. A trailing partial block is not hashed:
+//! engines only cache full blocks.
+
+use xxhash_rust::xxh3::xxh3_128;
+
+/// The name of a block together with its whole prefix.
+pub type BlockHash = u128;
+
+/// The start of a chain for the given salt parts; each part is hashed with
+/// its length so `["ab", "c"]` and `["a", "bc"]` differ.
+pub fn salt(parts: &[&str]) -> BlockHash {
+    let mut buf = Vec::with_capacity(parts.iter().map(|p| p.len() + 8).sum());
+    for p in parts {
+        buf.extend_from_slice(&(p.len() as u64).to_le_bytes());
+        buf.extend_from_slice(p.as_bytes());
+    }
+    xxh3_128(&buf)
+}
+
+/// Hashes of every full block of `tokens`, chained from `seed`.
+pub fn block_hashes(seed: BlockHash, tokens: &[u32], block_size: usize) -> Vec<BlockHash> {
+    let mut out = Vec::with_capacity(tokens.len() / block_size.max(1));
+    extend_block_hashes(&mut out, seed, tokens, block_size);
+    out
+}
+
+/// Appends the hashes of the full blocks of `tokens` beyond those already in
+/// `hashes`, continuing its chain (or starting from `seed` when empty).
+pub fn extend_block_hashes(hashes: &mut Vec<BlockHash>, seed: BlockHash, tokens: &[u32], block_size: usize) {
+    if block_size == 0 {
+        return;
+    }
+    let mut buf = Vec::with_capacity(16 + 4 * block_size);
+    let mut parent = hashes.last().copied().unwrap_or(seed);
+    for block in tokens.chunks_exact(block_size).skip(hashes.len()) {
+        buf.clear();
+        buf.extend_from_slice(&parent.to_le_bytes());
+        for t in block {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+        parent = xxh3_128(&buf);
+        hashes.push(parent);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn partial_blocks_are_not_hashed() {
+        assert_eq!(block_hashes(0, &[1, 2, 3], 4).len(), 0);
+        assert_eq!(block_hashes(0, &[1, 2, 3, 4, 5], 4).len(), 1);
+    }
+
+    #[test]
+    fn salt_separates_chains_and_parts() {
+        let t = [7u32; 8];
+        assert_ne!(block_hashes(salt(&["m"]), &t, 4), block_hashes(salt(&["n"]), &t, 4));
+        assert_ne!(salt(&["ab", "c"]), salt(&["a", "bc"]));
+    }
+
+    proptest! {
+        #[test]
+        fn changing_a_token_changes_its_block_and_every_later_one(
+            tokens in proptest::collection::vec(0u32..50_000, 1..200),
+            bs in 1usize..33,
+            pos in any::<prop::sample::Index>(),
+        ) {
+            let i = pos.index(tokens.len());
+            let mut changed = tokens.clone();
+            changed[i] ^= 1;
+            let a = block_hashes(5, &tokens, bs);
+            let b = block_hashes(5, &changed, bs);
+            let block = i / bs;
+            for k in 0..a.len() {
+                if k < block { prop_assert_eq!(a[k], b[k]); } else { prop_assert_ne!(a[k], b[k]); }
+            }
+        }
+
+        #[test]
+        fn a_prefix_hashes_the_same_alone_or_inside_a_longer_prompt(
+            tokens in proptest::collection::vec(any::<u32>(), 0..200),
+            cut in any::<prop::sample::Index>(),
+            bs in 1usize..33,
+        ) {
+            let n = cut.index(tokens.len() + 1);
+            let whole = block_hashes(9, &tokens, bs);
+            let part = block_hashes(9, &tokens[..n], bs);
+            prop_assert_eq!(&whole[..part.len()], &part[..]);
+            let mut grown = part.clone();
+            extend_block_hashes(&mut grown, 9, &tokens, bs);
+            prop_assert_eq!(grown, whole);
+        }
+    }
+}

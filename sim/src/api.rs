@@ -1,0 +1,340 @@
+//! The HTTP API: routes requests to handlers and turns engine events into
+//! responses, streamed or whole.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, Limited, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::header::{ALLOW, CONTENT_TYPE, HeaderValue};
+use hyper::{HeaderMap, Method, Request, Response, StatusCode};
+use inferrail_tokenize::sim::decode;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::engine::{self, Engine, Event, Submitted};
+use crate::errors::ApiError;
+use crate::fault::{Action, FaultRequest, Faults};
+use crate::metrics::FinishReason;
+use crate::wire::{self, GenRequest, Kind, Reply, Served, Usage};
+
+/// Response body type.
+pub type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+/// The connection is to be dropped without an answer (a fault).
+#[derive(Debug)]
+pub struct Dropped;
+
+impl std::fmt::Display for Dropped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("connection dropped by an injected fault")
+    }
+}
+
+impl std::error::Error for Dropped {}
+
+/// Largest request body read.
+const MAX_BODY: usize = 64 << 20;
+
+/// Routes and the methods each takes, for 405 `Allow`.
+const ROUTES: [(&str, &str); 11] = [
+    ("/v1/chat/completions", "POST"),
+    ("/v1/completions", "POST"),
+    ("/v1/models", "GET"),
+    ("/health", "GET"),
+    ("/ping", "GET, POST"),
+    ("/version", "GET"),
+    ("/load", "GET"),
+    ("/metrics", "GET"),
+    ("/tokenize", "POST"),
+    ("/reset_prefix_cache", "POST"),
+    ("/_sim/fault", "GET, POST"),
+];
+
+/// Everything a request handler needs.
+pub struct App {
+    /// The engine.
+    pub engine: Engine,
+    /// Injected faults.
+    pub faults: Faults,
+    names: Vec<String>,
+    root: String,
+    max_model_len: usize,
+    details: bool,
+    default_output_tokens: usize,
+    created: u64,
+    perm_id: String,
+    rng: Mutex<StdRng>,
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Settings of the API layer.
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    /// Served names.
+    pub names: Vec<String>,
+    /// Model path.
+    pub root: String,
+    /// Context length.
+    pub max_model_len: usize,
+    /// Report cached tokens.
+    pub details: bool,
+    /// Output length of chat requests without `max_tokens`.
+    pub default_output_tokens: usize,
+    /// Seed for ids.
+    pub seed: u64,
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn full(status: StatusCode, content_type: Option<&'static str>, body: impl Into<Bytes>) -> Response<Body> {
+    let mut r = Response::new(Full::new(body.into()).boxed_unsync());
+    *r.status_mut() = status;
+    if let Some(ct) = content_type {
+        r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static(ct));
+    }
+    r
+}
+
+fn json(body: impl Into<Bytes>) -> Response<Body> {
+    full(StatusCode::OK, Some("application/json"), body)
+}
+
+fn error(e: ApiError) -> Response<Body> {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut r = full(status, Some("application/json"), e.body);
+    if let Some(allow) = e.allow {
+        r.headers_mut().insert(ALLOW, HeaderValue::from_static(allow));
+    }
+    r
+}
+
+fn status_error(status: u16) -> ApiError {
+    let kind = match status {
+        500 => "InternalServerError",
+        503 => "ServiceUnavailableError",
+        429 => "RateLimitError",
+        _ => "Error",
+    };
+    ApiError::openai(status, kind, "Injected fault: the engine is unavailable.", None)
+}
+
+fn sse(data: &str) -> Bytes {
+    Bytes::from(format!("data: {data}\n\n"))
+}
+
+/// Counts a request in flight for `/load` while it lives.
+struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn new(c: &Arc<AtomicUsize>) -> Self {
+        c.fetch_add(1, Ordering::Relaxed);
+        Self(c.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl App {
+    /// An API over a started engine.
+    pub fn new(cfg: ApiConfig, engine: Engine, faults: Faults) -> Self {
+        let mut rng = StdRng::seed_from_u64(cfg.seed);
+        let perm_id = format!("modelperm-{:016x}", rng.random::<u64>());
+        Self {
+            engine,
+            faults,
+            names: cfg.names,
+            root: cfg.root,
+            max_model_len: cfg.max_model_len,
+            details: cfg.details,
+            default_output_tokens: cfg.default_output_tokens,
+            created: unix_now(),
+            perm_id,
+            rng: Mutex::new(rng),
+            in_flight: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    fn served(&self) -> Served<'_> {
+        Served { names: &self.names, max_model_len: self.max_model_len }
+    }
+
+    fn random_id(&self) -> String {
+        let mut rng = self.rng.lock().unwrap_or_else(|p| p.into_inner());
+        format!("{:016x}", rng.random::<u64>())
+    }
+
+    /// Answers one request, honoring the fault in force.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Result<Response<Body>, Dropped> {
+        if req.uri().path() != "/_sim/fault" {
+            match self.faults.action() {
+                Action::Serve => {}
+                Action::Refuse | Action::Close => return Err(Dropped),
+                Action::Hang => self.faults.hang().await,
+                Action::Delay(d) => tokio::time::sleep(d).await,
+                Action::Error(status) => return Ok(error(status_error(status))),
+            }
+        }
+        Ok(self.route(req).await)
+    }
+
+    async fn route(&self, req: Request<Incoming>) -> Response<Body> {
+        let path = req.uri().path().to_string();
+        let route = if path == "/metrics/" { "/metrics" } else { path.as_str() };
+        let Some(&(_, allow)) = ROUTES.iter().find(|(p, _)| *p == route) else {
+            return error(ApiError::no_route());
+        };
+        let method = req.method().clone();
+        if !allow.split(", ").any(|m| m == method.as_str()) {
+            return error(ApiError::wrong_method(allow));
+        }
+        let headers = req.headers().clone();
+        let body = if method == Method::POST {
+            match Limited::new(req.into_body(), MAX_BODY).collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+                    return error(ApiError::openai(413, "BadRequestError", "Request body too large.", None));
+                }
+                Err(_) => return error(ApiError::bad_request("Could not read the request body.", None)),
+            }
+        } else {
+            Bytes::new()
+        };
+        match route {
+            "/v1/chat/completions" => self.generate(Kind::Chat, &headers, &body).await,
+            "/v1/completions" => self.generate(Kind::Completion, &headers, &body).await,
+            "/v1/models" => json(wire::models(&self.names, &self.root, self.max_model_len, self.created, &self.perm_id)),
+            "/health" | "/ping" => full(StatusCode::OK, None, Bytes::new()),
+            "/version" => json(r#"{"version":"0.32.0"}"#),
+            "/load" => json(format!(r#"{{"server_load":{}}}"#, self.in_flight.load(Ordering::Relaxed))),
+            "/metrics" => full(StatusCode::OK, Some("text/plain; version=0.0.4; charset=utf-8"), self.engine.metrics_page()),
+            "/tokenize" => match wire::tokenize(&body, &self.served()) {
+                Ok(b) => json(b),
+                Err(e) => error(e),
+            },
+            "/reset_prefix_cache" => {
+                self.engine.reset_prefix_cache().await;
+                full(StatusCode::OK, None, Bytes::new())
+            }
+            _ => self.control(&method, &body),
+        }
+    }
+
+    fn control(&self, method: &Method, body: &[u8]) -> Response<Body> {
+        if method == Method::POST {
+            match serde_json::from_slice::<FaultRequest>(body) {
+                Ok(req) => self.faults.set(req),
+                Err(e) => return error(ApiError::bad_request(&format!("Invalid fault: {e}"), Some("mode"))),
+            }
+        }
+        json(serde_json::to_string(&self.faults.current()).unwrap_or_default())
+    }
+
+    async fn generate(&self, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Response<Body> {
+        let req = match wire::parse_generation(kind, body, &self.served()) {
+            Ok(r) => r,
+            Err(e) => return error(e),
+        };
+        let request_id = headers
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+            .map_or_else(|| self.random_id(), str::to_string);
+        let prefix = if kind == Kind::Chat { "chatcmpl" } else { "cmpl" };
+        let reply = Reply {
+            kind,
+            id: format!("{prefix}-{request_id}"),
+            created: unix_now(),
+            model: req.model.clone(),
+            details: self.details,
+            return_token_ids: req.return_token_ids,
+            continuous_usage: req.continuous_usage,
+        };
+        let (max_tokens, at_limit) = self.output_budget(&req);
+        let sub = self.engine.submit(engine::Request { prompt: req.prompt.clone(), max_tokens, at_limit, salt: req.salt });
+        let busy = InFlight::new(&self.in_flight);
+        let mut response = if req.stream { self.stream(sub, busy, reply, req) } else { self.whole(sub, reply, req).await };
+        if let Ok(v) = HeaderValue::from_str(&request_id) {
+            response.headers_mut().insert("x-request-id", v);
+        }
+        response
+    }
+
+    /// Tokens to generate and the finish reason at that limit.
+    fn output_budget(&self, req: &GenRequest) -> (usize, FinishReason) {
+        let room = self.max_model_len - req.prompt.len();
+        match req.max_tokens {
+            Some(m) => (m, FinishReason::Length),
+            None if self.default_output_tokens <= room => (self.default_output_tokens, FinishReason::Stop),
+            None => (room, FinishReason::Length),
+        }
+    }
+
+    async fn whole(&self, mut sub: Submitted, reply: Reply, req: GenRequest) -> Response<Body> {
+        let mut usage = Usage { prompt: req.prompt.len(), ..Usage::default() };
+        let mut output = Vec::new();
+        let mut text = String::new();
+        loop {
+            match sub.next().await {
+                Some(Event::Scheduled { cached_tokens }) => usage.cached = cached_tokens,
+                Some(Event::Token { id, finish }) => {
+                    output.push(id);
+                    text.push_str(decode(id).unwrap_or_default());
+                    if let Some(reason) = finish {
+                        usage.completion = output.len();
+                        return json(reply.complete(&text, &req.prompt, &output, reason, usage));
+                    }
+                }
+                None => return error(status_error(500)),
+            }
+        }
+    }
+
+    fn stream(&self, sub: Submitted, busy: InFlight, reply: Reply, req: GenRequest) -> Response<Body> {
+        let usage = Usage { prompt: req.prompt.len(), ..Usage::default() };
+        let state = Some((sub, usage, req, busy));
+        let events = futures_util::stream::unfold(state, move |state| {
+            let reply = reply.clone();
+            async move {
+                let (mut sub, mut usage, req, busy) = state?;
+                loop {
+                    match sub.next().await {
+                        Some(Event::Scheduled { cached_tokens }) => usage.cached = cached_tokens,
+                        Some(Event::Token { id, finish }) => {
+                            let mut out = Vec::with_capacity(256);
+                            if usage.completion == 0 && reply.kind == Kind::Chat {
+                                out.extend_from_slice(&sse(&reply.role_chunk(&req.prompt, usage)));
+                            }
+                            usage.completion += 1;
+                            out.extend_from_slice(&sse(&reply.token_chunk(decode(id).unwrap_or_default(), id, finish, usage)));
+                            if finish.is_none() {
+                                return Some((Bytes::from(out), Some((sub, usage, req, busy))));
+                            }
+                            if req.include_usage {
+                                out.extend_from_slice(&sse(&reply.usage_chunk(usage)));
+                            }
+                            out.extend_from_slice(b"data: [DONE]\n\n");
+                            return Some((Bytes::from(out), None));
+                        }
+                        None => return None,
+                    }
+                }
+            }
+        });
+        let body = StreamBody::new(events.map(|b| Ok::<_, Infallible>(Frame::data(b))));
+        let mut r = Response::new(BodyExt::boxed_unsync(body));
+        r.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+        r
+    }
+}

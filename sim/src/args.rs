@@ -1,0 +1,141 @@
+//! Command-line flags of `inferrail-sim`, named after vLLM's where vLLM has one.
+
+use std::net::IpAddr;
+
+use clap::Parser;
+
+use crate::cost::LatencyModel;
+use crate::fault::Fault;
+
+/// A CPU mock of a vLLM 0.32.0 OpenAI-compatible server.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "inferrail-sim", version)]
+pub struct Args {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port to listen on (0 picks a free one and prints it).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// The model path the engine pretends to serve (`root` in the model card).
+    #[arg(long, default_value = "inferrail/sim-8b")]
+    pub model: String,
+    /// Names clients may request; the first one labels the metrics. Defaults to `--model`.
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV cache capacity in blocks.
+    #[arg(long, default_value_t = 4096)]
+    pub num_gpu_blocks_override: usize,
+    /// Most sequences running at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most prompt tokens prefilled in one engine step (a single longer prompt still runs alone).
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// Context length: prompt plus output tokens.
+    #[arg(long, default_value_t = 32768)]
+    pub max_model_len: usize,
+    /// Report `usage.prompt_tokens_details.cached_tokens`.
+    #[arg(long)]
+    pub enable_prompt_tokens_details: bool,
+    /// Tokens a chat request without `max_tokens` generates before it stops as if at end of sequence.
+    #[arg(long, default_value_t = 256)]
+    pub default_output_tokens: usize,
+    /// Prefill cost per uncached token, microseconds (`a`).
+    #[arg(long, default_value_t = 100.0)]
+    pub prefill_token_us: f64,
+    /// Prefill cost per attended token pair, nanoseconds (`b`).
+    #[arg(long, default_value_t = 3.3)]
+    pub prefill_pair_ns: f64,
+    /// Fixed cost of a prefill, milliseconds (`d`).
+    #[arg(long, default_value_t = 5.0)]
+    pub prefill_fixed_ms: f64,
+    /// Time of one decode step with one running sequence, milliseconds.
+    #[arg(long, default_value_t = 20.0)]
+    pub decode_token_ms: f64,
+    /// Extra decode step time for each further running sequence, microseconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub decode_seq_us: f64,
+    /// Answer as fast as possible: every engine step takes no time.
+    #[arg(long)]
+    pub zero_latency: bool,
+    /// Seed for response ids and generated tokens.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Start with a fault injected: refuse, close, hang, delay, error or flap.
+    #[arg(long, value_enum, default_value = "none")]
+    pub fault: FaultMode,
+    /// Status answered by `--fault error` and by `--fault flap` while down.
+    #[arg(long, default_value_t = 503)]
+    pub fault_status: u16,
+    /// Delay added by `--fault delay`, milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    pub fault_delay_ms: u64,
+    /// Length of each up and each down phase of `--fault flap`, milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    pub fault_period_ms: u64,
+}
+
+/// The fault named on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FaultMode {
+    /// No fault.
+    None,
+    /// Refuse connections.
+    Refuse,
+    /// Accept, then close the connection without answering.
+    Close,
+    /// Never answer.
+    Hang,
+    /// Answer after `--fault-delay-ms`.
+    Delay,
+    /// Answer `--fault-status` in the OpenAI error shape.
+    Error,
+    /// Alternate between healthy and `--fault-status` every `--fault-period-ms`.
+    Flap,
+}
+
+impl Args {
+    /// The names clients may request.
+    pub fn served_names(&self) -> Vec<String> {
+        if self.served_model_name.is_empty() {
+            vec![self.model.clone()]
+        } else {
+            self.served_model_name.clone()
+        }
+    }
+
+    /// The latency model the flags describe.
+    pub fn latency(&self) -> LatencyModel {
+        LatencyModel {
+            prefill_token_us: self.prefill_token_us,
+            prefill_pair_ns: self.prefill_pair_ns,
+            prefill_fixed_ms: self.prefill_fixed_ms,
+            decode_token_ms: self.decode_token_ms,
+            decode_seq_us: self.decode_seq_us,
+            zero: self.zero_latency,
+        }
+    }
+
+    /// The fault the flags inject at start.
+    pub fn fault(&self) -> Fault {
+        match self.fault {
+            FaultMode::None => Fault::None,
+            FaultMode::Refuse => Fault::Refuse,
+            FaultMode::Close => Fault::Close,
+            FaultMode::Hang => Fault::Hang,
+            FaultMode::Delay => Fault::Delay { ms: self.fault_delay_ms },
+            FaultMode::Error => Fault::Error { status: self.fault_status },
+            FaultMode::Flap => Fault::Flap { period_ms: self.fault_period_ms, status: self.fault_status },
+        }
+    }
+
+    /// Flags for an in-process simulator: defaults, a free port, and the given extra flags.
+    pub fn for_test(extra: &[&str]) -> Self {
+        let base = ["inferrail-sim", "--port", "0"];
+        Self::parse_from(base.iter().chain(extra))
+    }
+}

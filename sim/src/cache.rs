@@ -1,0 +1,162 @@
+//! The engine's KV block pool with its prefix cache, as vLLM keeps it.
+//!
+//! Every block is either in use (held by running sequences, counted by
+//! `refs`) or free. Free blocks sit in one LRU queue; a free block may still
+//! hold a cached prefix (its hash) until it is reused. Allocation takes the
+//! least recently freed block and forgets its hash. A finished sequence frees
+//! its blocks last block first, so a long prefix is evicted from its tail.
+//! A cache hit on a free block takes it back out of the queue. Every
+//! operation is O(1) per block.
+
+use std::collections::HashMap;
+
+use inferrail_kv::hash::BlockHash;
+
+/// Index of a block in the pool.
+pub type BlockId = u32;
+
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone)]
+struct Block {
+    refs: u32,
+    hash: Option<BlockHash>,
+    prev: u32,
+    next: u32,
+}
+
+/// The pool; see the module doc.
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    blocks: Vec<Block>,
+    by_hash: HashMap<BlockHash, BlockId>,
+    head: u32,
+    tail: u32,
+    free: usize,
+}
+
+impl BlockPool {
+    /// A pool of `n` free, empty blocks.
+    pub fn new(n: usize) -> Self {
+        let n32 = u32::try_from(n).unwrap_or(NIL - 1);
+        let blocks = (0..n32)
+            .map(|i| Block { refs: 0, hash: None, prev: i.checked_sub(1).unwrap_or(NIL), next: if i + 1 < n32 { i + 1 } else { NIL } })
+            .collect::<Vec<_>>();
+        let head = if n32 > 0 { 0 } else { NIL };
+        let tail = n32.checked_sub(1).unwrap_or(NIL);
+        Self { free: blocks.len(), blocks, by_hash: HashMap::new(), head, tail }
+    }
+
+    /// Blocks in the pool.
+    pub fn capacity(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Blocks not held by any sequence (cached or not).
+    pub fn num_free(&self) -> usize {
+        self.free
+    }
+
+    /// Blocks that hold a cached prefix.
+    pub fn num_cached(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    /// Fraction of blocks held by sequences, as `vllm:kv_cache_usage_perc`.
+    pub fn usage(&self) -> f64 {
+        if self.blocks.is_empty() { 0.0 } else { 1.0 - self.free as f64 / self.blocks.len() as f64 }
+    }
+
+    /// The cached blocks of the longest cached prefix of `hashes`.
+    pub fn lookup(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        hashes.iter().map_while(|h| self.by_hash.get(h).copied()).collect()
+    }
+
+    /// How many of `blocks` are free now (a hit on them uses up free space).
+    pub fn count_free(&self, blocks: &[BlockId]) -> usize {
+        blocks.iter().filter(|&&b| self.blocks[b as usize].refs == 0).count()
+    }
+
+    /// Takes a reference on cached blocks found by [`Self::lookup`].
+    pub fn touch(&mut self, blocks: &[BlockId]) {
+        for &b in blocks {
+            if self.blocks[b as usize].refs == 0 {
+                self.unlink(b);
+            }
+            self.blocks[b as usize].refs += 1;
+        }
+    }
+
+    /// Takes `n` blocks from the front of the free queue, evicting what they
+    /// cached; `None` (and nothing taken) when fewer than `n` are free.
+    pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if n > self.free {
+            return None;
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let b = self.head;
+            self.unlink(b);
+            let block = &mut self.blocks[b as usize];
+            block.refs = 1;
+            if let Some(h) = block.hash.take() {
+                self.by_hash.remove(&h);
+            }
+            out.push(b);
+        }
+        Some(out)
+    }
+
+    /// Records that a full block now holds the prefix named `hash`. A prefix
+    /// already cached elsewhere stays there; this block then caches nothing.
+    pub fn register(&mut self, block: BlockId, hash: BlockHash) {
+        if self.blocks[block as usize].hash.is_none() && !self.by_hash.contains_key(&hash) {
+            self.blocks[block as usize].hash = Some(hash);
+            self.by_hash.insert(hash, block);
+        }
+    }
+
+    /// Drops one reference on each block, in the order given; a block no one
+    /// holds joins the back of the free queue, keeping what it cached.
+    pub fn release(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
+        for b in blocks {
+            let block = &mut self.blocks[b as usize];
+            block.refs = block.refs.saturating_sub(1);
+            if block.refs == 0 {
+                self.push_back(b);
+            }
+        }
+    }
+
+    /// Forgets every cached prefix of free blocks; blocks in use keep theirs
+    /// until they are freed and reused. Returns how many were forgotten.
+    pub fn reset(&mut self) -> usize {
+        let before = self.by_hash.len();
+        let blocks = &mut self.blocks;
+        self.by_hash.retain(|_, b| blocks[*b as usize].refs > 0);
+        for block in blocks.iter_mut().filter(|b| b.refs == 0) {
+            block.hash = None;
+        }
+        before - self.by_hash.len()
+    }
+
+    fn unlink(&mut self, b: u32) {
+        let Block { prev, next, .. } = self.blocks[b as usize];
+        if prev == NIL { self.head = next } else { self.blocks[prev as usize].next = next }
+        if next == NIL { self.tail = prev } else { self.blocks[next as usize].prev = prev }
+        self.blocks[b as usize].prev = NIL;
+        self.blocks[b as usize].next = NIL;
+        self.free -= 1;
+    }
+
+    fn push_back(&mut self, b: u32) {
+        self.blocks[b as usize].prev = self.tail;
+        self.blocks[b as usize].next = NIL;
+        if self.tail == NIL { self.head = b } else { self.blocks[self.tail as usize].next = b }
+        self.tail = b;
+        self.free += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,147 @@
+//! The pool against a naive model: a vector in LRU order and linear scans.
+
+use super::*;
+use proptest::prelude::*;
+
+/// The same rules, written as plainly as possible.
+#[derive(Debug, Default)]
+struct Naive {
+    refs: Vec<u32>,
+    hash: Vec<Option<BlockHash>>,
+    queue: Vec<BlockId>,
+}
+
+impl Naive {
+    fn new(n: usize) -> Self {
+        Self { refs: vec![0; n], hash: vec![None; n], queue: (0..n as u32).collect() }
+    }
+    fn find(&self, h: BlockHash) -> Option<BlockId> {
+        (0..self.hash.len() as u32).find(|&b| self.hash[b as usize] == Some(h))
+    }
+    fn lookup(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        hashes.iter().map_while(|&h| self.find(h)).collect()
+    }
+    fn touch(&mut self, blocks: &[BlockId]) {
+        for &b in blocks {
+            self.queue.retain(|&q| q != b);
+            self.refs[b as usize] += 1;
+        }
+    }
+    fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if n > self.queue.len() {
+            return None;
+        }
+        let taken: Vec<BlockId> = self.queue.drain(..n).collect();
+        for &b in &taken {
+            self.refs[b as usize] = 1;
+            self.hash[b as usize] = None;
+        }
+        Some(taken)
+    }
+    fn register(&mut self, b: BlockId, h: BlockHash) {
+        if self.hash[b as usize].is_none() && self.find(h).is_none() {
+            self.hash[b as usize] = Some(h);
+        }
+    }
+    fn release(&mut self, blocks: &[BlockId]) {
+        for &b in blocks {
+            self.refs[b as usize] = self.refs[b as usize].saturating_sub(1);
+            if self.refs[b as usize] == 0 {
+                self.queue.push(b);
+            }
+        }
+    }
+    fn reset(&mut self) {
+        for &b in &self.queue {
+            self.hash[b as usize] = None;
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A sequence over prompt `prefix` of a shared family, `len` blocks long.
+    Start { family: u8, len: usize },
+    /// Finish the `i`-th live sequence.
+    Finish(usize),
+    Reset,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0u8..4, 1usize..8).prop_map(|(family, len)| Op::Start { family, len }),
+        4 => (0usize..16).prop_map(Op::Finish),
+        1 => Just(Op::Reset),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn pool_behaves_like_the_naive_model(ops in proptest::collection::vec(op(), 1..200), cap in 1usize..24) {
+        let mut pool = BlockPool::new(cap);
+        let mut naive = Naive::new(cap);
+        let mut live: Vec<Vec<BlockId>> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Start { family, len } => {
+                    // Hashes of a chain: family f, block k is named (f, k), so
+                    // sequences of one family share a prefix.
+                    let hashes: Vec<BlockHash> = (0..len).map(|k| (u128::from(family) << 64) | k as u128).collect();
+                    let hit = pool.lookup(&hashes);
+                    prop_assert_eq!(&hit, &naive.lookup(&hashes));
+                    let new = len - hit.len();
+                    if new + pool.count_free(&hit) > pool.num_free() { continue; }
+                    pool.touch(&hit);
+                    naive.touch(&hit);
+                    let fresh = pool.allocate(new);
+                    prop_assert_eq!(&fresh, &naive.allocate(new));
+                    let blocks: Vec<BlockId> = hit.iter().copied().chain(fresh.unwrap_or_default()).collect();
+                    for (k, &b) in blocks.iter().enumerate() {
+                        pool.register(b, hashes[k]);
+                        naive.register(b, hashes[k]);
+                    }
+                    live.push(blocks);
+                }
+                Op::Finish(i) => {
+                    if live.is_empty() { continue; }
+                    let blocks = live.remove(i % live.len());
+                    let rev: Vec<BlockId> = blocks.into_iter().rev().collect();
+                    pool.release(rev.iter().copied());
+                    naive.release(&rev);
+                }
+                Op::Reset => {
+                    pool.reset();
+                    naive.reset();
+                }
+            }
+            prop_assert_eq!(pool.num_free(), naive.queue.len());
+            prop_assert_eq!(pool.num_cached(), naive.hash.iter().filter(|h| h.is_some()).count());
+        }
+    }
+}
+
+#[test]
+fn a_long_prefix_is_evicted_from_its_tail() {
+    let mut pool = BlockPool::new(4);
+    let blocks = pool.allocate(4).unwrap_or_default();
+    for (k, &b) in blocks.iter().enumerate() {
+        pool.register(b, k as u128);
+    }
+    pool.release(blocks.iter().rev().copied());
+    // One new block evicts the last block of the prefix; the first three stay.
+    let _ = pool.allocate(1);
+    assert_eq!(pool.lookup(&[0, 1, 2, 3]).len(), 3);
+}
+
+#[test]
+fn a_hit_on_a_free_block_protects_it_from_eviction() {
+    let mut pool = BlockPool::new(2);
+    let a = pool.allocate(1).unwrap_or_default();
+    pool.register(a[0], 7);
+    pool.release(a.clone());
+    let hit = pool.lookup(&[7]);
+    pool.touch(&hit);
+    assert_eq!(pool.allocate(2), None);
+    assert_eq!(pool.allocate(1).map(|v| v.len()), Some(1));
+    assert_eq!(pool.lookup(&[7]), a);
+}

@@ -1,0 +1,462 @@
+//! The engine: continuous batching over the KV block pool on a virtual timeline.
+//!
+//! One task owns all engine state and runs steps. Each step first gives every
+//! running sequence a block for its next token (preempting the newest running
+//! sequence when none is left, as vLLM recomputes), then admits waiting
+//! sequences in arrival order while there is a sequence slot, prefill budget
+//! and free blocks for their uncached part. The step lasts the latency model's
+//! prefill time of what it admitted plus one decode step for the rest; at its
+//! end every admitted sequence has its first token and every other one its
+//! next. A step's deadline is the previous step's deadline plus its length,
+//! never "now" plus its length, so timer overshoot never accumulates, and
+//! every latency metric is stamped with these planned times.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use inferrail_kv::hash::{BlockHash, extend_block_hashes};
+use inferrail_tokenize::sim::{GENERATION_WORDS, piece_id};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::cache::{BlockId, BlockPool};
+use crate::cost::{LatencyModel, secs};
+use crate::metrics::{EngineInfo, FinishReason, Stats};
+
+/// How the engine is sized and timed.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks.
+    pub num_blocks: usize,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Prompt tokens prefilled per step (one longer prompt may run alone).
+    pub max_num_batched_tokens: usize,
+    /// Step timing.
+    pub latency: LatencyModel,
+    /// Seed for generated tokens.
+    pub seed: u64,
+    /// Labels for the metrics page.
+    pub info: EngineInfo,
+}
+
+/// A request as the engine sees it: tokens in, a token budget out.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub max_tokens: usize,
+    /// Reported when `max_tokens` is reached: `Length` when the client set
+    /// it, `Stop` when it is the simulator's stand-in for an end of sequence.
+    pub at_limit: FinishReason,
+    /// Start of the block hash chain (`cache_salt`).
+    pub salt: BlockHash,
+}
+
+/// What a request hears from the engine, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// First scheduled; this many prompt tokens were found cached.
+    Scheduled {
+        /// Cached prompt tokens.
+        cached_tokens: usize,
+    },
+    /// One generated token; the last one says why generation finished.
+    Token {
+        /// The token id.
+        id: u32,
+        /// Set on the last token.
+        finish: Option<FinishReason>,
+    },
+}
+
+enum Command {
+    Submit { id: u64, request: Request, events: mpsc::UnboundedSender<Event>, arrival: Instant },
+    Abort(u64),
+    Reset(oneshot::Sender<usize>),
+}
+
+/// A handle on the running engine; cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    tx: mpsc::UnboundedSender<Command>,
+    stats: Arc<Mutex<Stats>>,
+    info: Arc<EngineInfo>,
+    next_id: Arc<AtomicU64>,
+}
+
+/// A submitted request. Dropping it before it finished aborts it, which is
+/// how a client that goes away frees its slot and blocks.
+pub struct Submitted {
+    id: u64,
+    events: mpsc::UnboundedReceiver<Event>,
+    tx: mpsc::UnboundedSender<Command>,
+    done: bool,
+}
+
+impl Submitted {
+    /// The next event; `None` only if the engine stopped.
+    pub async fn next(&mut self) -> Option<Event> {
+        let event = self.events.recv().await;
+        if matches!(event, Some(Event::Token { finish: Some(_), .. }) | None) {
+            self.done = true;
+        }
+        event
+    }
+}
+
+impl Drop for Submitted {
+    fn drop(&mut self) {
+        if !self.done {
+            // The engine only stops with the process; nothing to do if it has.
+            let _ = self.tx.send(Command::Abort(self.id));
+        }
+    }
+}
+
+impl Engine {
+    /// Starts the engine task on the current tokio runtime.
+    pub fn start(cfg: EngineConfig) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let stats = Arc::new(Mutex::new(Stats::new(cfg.info.max_model_len)));
+        let info = Arc::new(cfg.info.clone());
+        let core = Core {
+            pool: BlockPool::new(cfg.num_blocks),
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            stats: stats.clone(),
+            cfg,
+        };
+        tokio::spawn(core.run(rx));
+        Self { tx, stats, info, next_id: Arc::new(AtomicU64::new(0)) }
+    }
+
+    /// Queues a request.
+    pub fn submit(&self, request: Request) -> Submitted {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let done = self.tx.send(Command::Submit { id, request, events: events_tx, arrival: Instant::now() }).is_err();
+        Submitted { id, events, tx: self.tx.clone(), done }
+    }
+
+    /// Forgets every cached prefix not in use; returns how many blocks it forgot.
+    pub async fn reset_prefix_cache(&self) -> usize {
+        let (reply, rx) = oneshot::channel();
+        if self.tx.send(Command::Reset(reply)).is_err() {
+            return 0;
+        }
+        rx.await.unwrap_or(0)
+    }
+
+    /// The `/metrics` page.
+    pub fn metrics_page(&self) -> String {
+        lock(&self.stats).render(&self.info)
+    }
+
+    /// Sequences running and waiting.
+    pub fn load(&self) -> (usize, usize) {
+        let s = lock(&self.stats);
+        (s.running, s.waiting)
+    }
+}
+
+fn lock(stats: &Mutex<Stats>) -> MutexGuard<'_, Stats> {
+    stats.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+struct Seq {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    at_limit: FinishReason,
+    salt: BlockHash,
+    hashes: Vec<BlockHash>,
+    blocks: Vec<BlockId>,
+    registered: usize,
+    rng: StdRng,
+    events: mpsc::UnboundedSender<Event>,
+    arrival: Instant,
+    scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    preemptions: u32,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+#[derive(Default)]
+struct Plan {
+    prefill: Vec<u64>,
+    decode: Vec<u64>,
+    secs: f64,
+    tokens: usize,
+}
+
+struct Core {
+    cfg: EngineConfig,
+    pool: BlockPool,
+    seqs: HashMap<u64, Seq>,
+    waiting: VecDeque<u64>,
+    running: Vec<u64>,
+    stats: Arc<Mutex<Stats>>,
+}
+
+impl Core {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+        let mut clock = Instant::now();
+        loop {
+            if self.seqs.is_empty() {
+                let Some(cmd) = rx.recv().await else { return };
+                clock = clock.max(Instant::now());
+                self.apply(cmd);
+                continue;
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.apply(cmd);
+            }
+            let plan = self.schedule(clock);
+            if plan.prefill.is_empty() && plan.decode.is_empty() {
+                // Only possible when every sequence waits for blocks that
+                // nothing will free; wait for an abort or a new request.
+                let Some(cmd) = rx.recv().await else { return };
+                self.apply(cmd);
+                continue;
+            }
+            if self.cfg.latency.zero {
+                tokio::task::yield_now().await;
+                clock = Instant::now();
+            } else {
+                let end = clock + secs(plan.secs);
+                let sleep = tokio::time::sleep_until(end);
+                tokio::pin!(sleep);
+                loop {
+                    tokio::select! {
+                        biased;
+                        () = &mut sleep => break,
+                        cmd = rx.recv() => match cmd {
+                            Some(cmd) => self.apply(cmd),
+                            None => return,
+                        },
+                    }
+                }
+                clock = end;
+            }
+            self.complete(plan, clock);
+        }
+    }
+
+    fn apply(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit { id, request, events, arrival } => {
+                let seed = self.cfg.seed ^ xxhash_rust::xxh3::xxh3_64(&request.prompt.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>());
+                self.seqs.insert(
+                    id,
+                    Seq {
+                        prompt_len: request.prompt.len(),
+                        tokens: request.prompt,
+                        max_tokens: request.max_tokens,
+                        at_limit: request.at_limit,
+                        salt: request.salt,
+                        hashes: Vec::new(),
+                        blocks: Vec::new(),
+                        registered: 0,
+                        rng: StdRng::seed_from_u64(seed),
+                        events,
+                        arrival,
+                        scheduled: None,
+                        first_token: None,
+                        last_token: None,
+                        preemptions: 0,
+                    },
+                );
+                self.waiting.push_back(id);
+            }
+            Command::Abort(id) => {
+                if let Some(seq) = self.seqs.remove(&id) {
+                    self.waiting.retain(|&w| w != id);
+                    self.running.retain(|&r| r != id);
+                    self.pool.release(seq.blocks.iter().rev().copied());
+                    lock(&self.stats).count_finish(FinishReason::Abort);
+                }
+            }
+            Command::Reset(reply) => {
+                // The caller may have gone; the reset happened either way.
+                let _ = reply.send(self.pool.reset());
+            }
+        }
+        self.publish_gauges();
+    }
+
+    fn schedule(&mut self, start: Instant) -> Plan {
+        let bs = self.cfg.block_size;
+        let mut plan = Plan::default();
+        let stats = self.stats.clone();
+        let mut st = lock(&stats);
+
+        // A block for every running sequence's next token, newest preempted first.
+        let mut i = 0;
+        while i < self.running.len() {
+            let id = self.running[i];
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                self.running.remove(i);
+                continue;
+            };
+            let need = seq.tokens.len().div_ceil(bs).saturating_sub(seq.blocks.len());
+            match self.pool.allocate(need) {
+                Some(fresh) => {
+                    seq.blocks.extend(fresh);
+                    plan.decode.push(id);
+                    i += 1;
+                }
+                None => {
+                    let Some(victim) = self.running.pop() else { break };
+                    self.preempt(victim, &mut st);
+                }
+            }
+        }
+
+        // Admit waiting sequences in arrival order.
+        let mut budget = self.cfg.max_num_batched_tokens;
+        while self.running.len() < self.cfg.max_num_seqs {
+            let Some(&id) = self.waiting.front() else { break };
+            let Some(seq) = self.seqs.get_mut(&id) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            let len = seq.tokens.len();
+            extend_block_hashes(&mut seq.hashes, seq.salt, &seq.tokens, bs);
+            // The last token is always computed, so a fully cached prompt
+            // still recomputes its last block.
+            let limit = ((len - 1) / bs).min(seq.hashes.len());
+            let hit = self.pool.lookup(&seq.hashes[..limit]);
+            let cached = hit.len() * bs;
+            let uncached = len - cached;
+            if uncached > budget && !plan.prefill.is_empty() {
+                break;
+            }
+            let need = len.div_ceil(bs) - hit.len();
+            if need + self.pool.count_free(&hit) > self.pool.num_free() {
+                break;
+            }
+            self.pool.touch(&hit);
+            let Some(fresh) = self.pool.allocate(need) else { break };
+            seq.blocks = hit;
+            seq.registered = seq.blocks.len();
+            seq.blocks.extend(fresh);
+            if seq.scheduled.is_none() {
+                seq.scheduled = Some(start);
+                st.prompt_tokens += len as u64;
+                st.prefix_queries += len as u64;
+                st.prefix_hits += cached as u64;
+                st.queue.observe(start.saturating_duration_since(seq.arrival).as_secs_f64());
+                st.prefill_computed_tokens.observe(uncached as f64);
+                // A receiver that went away is aborted by its drop.
+                let _ = seq.events.send(Event::Scheduled { cached_tokens: cached });
+            }
+            plan.secs += self.cfg.latency.prefill_secs(uncached, cached);
+            plan.tokens += uncached;
+            budget = budget.saturating_sub(uncached);
+            self.waiting.pop_front();
+            self.running.push(id);
+            plan.prefill.push(id);
+        }
+        plan.secs += self.cfg.latency.decode_secs(plan.decode.len());
+        plan.tokens += plan.decode.len();
+        drop(st);
+        self.publish_gauges();
+        plan
+    }
+
+    fn preempt(&mut self, id: u64, st: &mut Stats) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            self.pool.release(seq.blocks.drain(..).rev());
+            seq.registered = 0;
+            seq.preemptions += 1;
+            st.preemptions += 1;
+            self.waiting.push_front(id);
+        }
+    }
+
+    fn complete(&mut self, plan: Plan, end: Instant) {
+        let bs = self.cfg.block_size;
+        let stats = self.stats.clone();
+        let mut st = lock(&stats);
+        st.iteration_tokens.observe(plan.tokens as f64);
+        let mut finished = Vec::new();
+        for id in plan.prefill.into_iter().chain(plan.decode) {
+            let Some(seq) = self.seqs.get_mut(&id) else { continue };
+            // Every token so far is now computed; cache its full blocks.
+            extend_block_hashes(&mut seq.hashes, seq.salt, &seq.tokens, bs);
+            let full = seq.tokens.len() / bs;
+            for k in seq.registered..full {
+                self.pool.register(seq.blocks[k], seq.hashes[k]);
+            }
+            seq.registered = full.max(seq.registered);
+            let word = GENERATION_WORDS[seq.rng.random_range(0..GENERATION_WORDS.len())];
+            let token = piece_id(word);
+            seq.tokens.push(token);
+            st.generation_tokens += 1;
+            match seq.last_token {
+                None => st.ttft.observe((end - seq.arrival).as_secs_f64()),
+                Some(last) => st.inter_token.observe((end - last).as_secs_f64()),
+            }
+            seq.first_token.get_or_insert(end);
+            seq.last_token = Some(end);
+            let finish = (seq.generated() >= seq.max_tokens).then_some(seq.at_limit);
+            // A receiver that went away is aborted by its drop.
+            let _ = seq.events.send(Event::Token { id: token, finish });
+            if finish.is_some() {
+                finished.push(id);
+            }
+        }
+        for id in finished {
+            self.finish(id, end, &mut st);
+        }
+        drop(st);
+        self.publish_gauges();
+    }
+
+    fn finish(&mut self, id: u64, end: Instant, st: &mut Stats) {
+        let Some(seq) = self.seqs.remove(&id) else { return };
+        self.running.retain(|&r| r != id);
+        self.pool.release(seq.blocks.iter().rev().copied());
+        let scheduled = seq.scheduled.unwrap_or(seq.arrival);
+        let first = seq.first_token.unwrap_or(end);
+        let generated = seq.generated();
+        st.count_finish(seq.at_limit);
+        st.e2e.observe((end - seq.arrival).as_secs_f64());
+        st.inference.observe((end - scheduled).as_secs_f64());
+        st.prefill.observe((first - scheduled).as_secs_f64());
+        st.decode.observe((end - first).as_secs_f64());
+        if generated > 1 {
+            st.time_per_output_token.observe((end - first).as_secs_f64() / (generated - 1) as f64);
+        }
+        st.request_prompt_tokens.observe(seq.prompt_len as f64);
+        st.request_generation_tokens.observe(generated as f64);
+        st.request_max_generation_tokens.observe(seq.max_tokens as f64);
+        st.params_max_tokens.observe(seq.max_tokens as f64);
+        st.params_n.observe(1.0);
+        st.request_preemptions.observe(f64::from(seq.preemptions));
+    }
+
+    fn publish_gauges(&self) {
+        let mut st = lock(&self.stats);
+        st.running = self.running.len();
+        st.waiting = self.waiting.len();
+        st.kv_usage = self.pool.usage();
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,116 @@
+//! `inferrail-sim`: a CPU mock of a vLLM 0.32.0 OpenAI-compatible server.
+//!
+//! Everything else in the project is developed and tested against it, so it
+//! answers with vLLM's bytes (`wire`, `errors`), keeps a real prefix cache
+//! (`cache`), schedules like a continuously batching engine on a virtual
+//! timeline (`engine`, `cost`), exports vLLM's metrics (`metrics`) and can
+//! misbehave on demand (`fault`). `api` routes HTTP requests; `server` accepts
+//! connections. [`Sim::start`] runs one inside any tokio program or test.
+
+pub mod api;
+pub mod args;
+pub mod cache;
+pub mod cost;
+pub mod engine;
+pub mod errors;
+pub mod fault;
+pub mod metrics;
+pub mod server;
+pub mod wire;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+use crate::api::{ApiConfig, App};
+use crate::args::Args;
+use crate::engine::{Engine, EngineConfig};
+use crate::fault::Faults;
+use crate::metrics::EngineInfo;
+
+/// A running simulator.
+pub struct Sim {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// Its state, for tests that reach in.
+    pub app: Arc<App>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Sim {
+    /// Checks the flags, binds the port and starts serving.
+    pub async fn start(args: Args) -> anyhow::Result<Self> {
+        check(&args)?;
+        let names = args.served_names();
+        let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        let engine = Engine::start(EngineConfig {
+            block_size: args.block_size,
+            num_blocks: args.num_gpu_blocks_override,
+            max_num_seqs: args.max_num_seqs,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            latency: args.latency(),
+            seed: args.seed,
+            info: EngineInfo {
+                model_name: names[0].clone(),
+                block_size: args.block_size,
+                num_gpu_blocks: args.num_gpu_blocks_override,
+                max_model_len: args.max_model_len,
+                created,
+            },
+        });
+        let app = Arc::new(App::new(
+            ApiConfig {
+                names,
+                root: args.model.clone(),
+                max_model_len: args.max_model_len,
+                details: args.enable_prompt_tokens_details,
+                default_output_tokens: args.default_output_tokens,
+                seed: args.seed,
+            },
+            engine,
+            Faults::new(args.fault()),
+        ));
+        let listener = TcpListener::bind((args.host, args.port)).await.with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(server::serve(app.clone(), listener, async {
+            // A dropped sender stops the server as well.
+            let _ = stopped.await;
+        }));
+        Ok(Self { addr, app, stop: Some(stop), task })
+    }
+
+    /// The base URL, `http://ip:port`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Stops accepting connections and waits for the accept loop to end.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        (&mut self.task).await??;
+        Ok(())
+    }
+}
+
+/// Refuses flag combinations a real engine would refuse to start with.
+fn check(args: &Args) -> anyhow::Result<()> {
+    if args.block_size == 0 || args.num_gpu_blocks_override == 0 || args.max_num_seqs == 0 || args.max_model_len < 2 {
+        bail!("--block-size, --num-gpu-blocks-override and --max-num-seqs must be at least 1, --max-model-len at least 2");
+    }
+    let capacity = args.block_size * args.num_gpu_blocks_override;
+    if args.max_model_len > capacity {
+        bail!(
+            "the model's max seq len ({}) is larger than the maximum number of tokens that can be stored in KV cache ({capacity}); raise --num-gpu-blocks-override or lower --max-model-len",
+            args.max_model_len
+        );
+    }
+    Ok(())
+}
