@@ -1,0 +1,174 @@
+//! Engine behaviour on tokio's paused clock: exact virtual times, no sleeps.
+
+use super::*;
+
+fn latency() -> LatencyModel {
+    LatencyModel { prefill_token_us: 100.0, prefill_pair_ns: 3.3, prefill_fixed_ms: 5.0, decode_token_ms: 20.0, decode_seq_us: 60.0, zero: false }
+}
+
+fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
+    Engine::start(EngineConfig {
+        block_size: 4,
+        num_blocks,
+        max_num_seqs,
+        max_num_batched_tokens: 8192,
+        latency: latency(),
+        seed: 1,
+        info: EngineInfo { model_name: "m".into(), block_size: 4, num_gpu_blocks: num_blocks, max_model_len: 1024, created: 0.0 },
+    })
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
+    Request { prompt, max_tokens, at_limit: FinishReason::Length, salt: 0 }
+}
+
+/// Runs a request to the end: (cached tokens, time of first token, time of last, tokens).
+async fn run(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (usize, Duration, Duration, Vec<u32>) {
+    let start = Instant::now();
+    let mut sub = e.submit(request(prompt, max_tokens));
+    let (mut cached, mut first, mut tokens) = (0, None, Vec::new());
+    while let Some(ev) = sub.next().await {
+        match ev {
+            Event::Scheduled { cached_tokens } => cached = cached_tokens,
+            Event::Token { id, finish } => {
+                first.get_or_insert(start.elapsed());
+                tokens.push(id);
+                if finish.is_some() {
+                    break;
+                }
+            }
+        }
+    }
+    (cached, first.unwrap_or_default(), start.elapsed(), tokens)
+}
+
+use std::time::Duration;
+
+#[tokio::test(start_paused = true)]
+async fn ttft_is_the_prefill_cost_and_decode_steps_follow_without_drift() {
+    let e = engine(64, 8);
+    let prompt: Vec<u32> = (0..10).collect();
+    let (cached, ttft, total, tokens) = run(&e, prompt, 50).await;
+    assert_eq!(cached, 0);
+    assert_eq!(tokens.len(), 50);
+    // The metrics carry the planned time exactly; the client sees it late by
+    // at most one timer tick (tokio's timers round up to the millisecond).
+    let planned_ttft = latency().prefill_secs(10, 0);
+    assert!((sample(&e, "vllm:time_to_first_token_seconds_sum") - planned_ttft).abs() < 1e-9);
+    assert!(ttft >= secs(planned_ttft) && ttft < secs(planned_ttft) + Duration::from_millis(1), "{ttft:?}");
+    // 49 more steps planned back to back: the rounding of each timer is not
+    // carried into the next deadline, so the end is late by one tick at most.
+    let planned = secs(planned_ttft) + secs(latency().decode_secs(1)) * 49;
+    assert!(total >= planned && total < planned + Duration::from_millis(1), "{total:?} vs {planned:?}");
+    let e2e = sample(&e, "vllm:e2e_request_latency_seconds_sum");
+    assert!((e2e - planned.as_secs_f64()).abs() < 1e-6, "{e2e}");
+}
+
+/// One unlabelled-but-for-engine sample of the metrics page.
+fn sample(e: &Engine, name: &str) -> f64 {
+    let prefix = format!("{name}{{engine=\"0\",model_name=\"m\"}} ");
+    e.metrics_page()
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_repeated_prompt_hits_whole_blocks_but_never_its_last_token() {
+    let e = engine(64, 8);
+    let prompt: Vec<u32> = (100..112).collect(); // 12 tokens, 3 full blocks of 4
+    let (c1, _, _, _) = run(&e, prompt.clone(), 1).await;
+    let ttft1 = sample(&e, "vllm:time_to_first_token_seconds_sum");
+    let (c2, _, _, _) = run(&e, prompt.clone(), 1).await;
+    assert_eq!(c1, 0);
+    assert_eq!(c2, 8, "the last block is recomputed: (12 - 1) / 4 = 2 blocks");
+    let ttft2 = sample(&e, "vllm:time_to_first_token_seconds_sum") - ttft1;
+    assert!((ttft2 - latency().prefill_secs(4, 8)).abs() < 1e-9, "{ttft2}");
+    let mut longer = prompt;
+    longer.extend([7, 7, 7]);
+    let (c3, _, _, _) = run(&e, longer, 1).await;
+    assert_eq!(c3, 12);
+    let page = e.metrics_page();
+    assert!(page.contains("vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 20.0"), "{page}");
+    assert!(page.contains("vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 39.0"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn generated_blocks_are_cached_for_the_next_turn() {
+    let e = engine(64, 8);
+    let prompt: Vec<u32> = (0..6).collect();
+    let (_, _, _, out) = run(&e, prompt.clone(), 7).await;
+    // The next turn sends the prompt, the reply and more text.
+    let mut turn2 = prompt;
+    turn2.extend(&out);
+    turn2.extend([900, 901, 902]);
+    let (cached, _, _, _) = run(&e, turn2, 1).await;
+    // 6 + 7 = 13 tokens, of which the last generated one was never computed:
+    // 12 computed tokens make 3 full blocks.
+    assert_eq!(cached, 12);
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_num_seqs_bounds_the_running_batch() {
+    let e = engine(256, 2);
+    let subs: Vec<Submitted> = (0..5u32).map(|i| e.submit(request(vec![i; 8], 100))).collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(e.load(), (2, 3));
+    drop(subs);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(e.load(), (0, 0));
+    let page = e.metrics_page();
+    assert!(page.contains("finished_reason=\"abort\",model_name=\"m\"} 5.0"), "{page}");
+    assert!(page.contains("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.0"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_request_frees_its_blocks_at_once() {
+    let e = engine(16, 8);
+    let mut sub = e.submit(request((0..40).collect(), 1000));
+    // Wait for its first token, then go away mid-stream.
+    while !matches!(sub.next().await, Some(Event::Token { .. })) {}
+    assert!(e.metrics_page().contains("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.6875"));
+    drop(sub);
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(e.load(), (0, 0));
+    assert!(e.metrics_page().contains("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.0"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn running_out_of_blocks_preempts_the_newest_and_everyone_still_finishes() {
+    // 8 blocks of 4 tokens = 32 slots; two sequences that each grow to 20 tokens.
+    let e = engine(8, 8);
+    let a = tokio::spawn({
+        let e = e.clone();
+        async move { run(&e, (0..4).collect(), 16).await }
+    });
+    let b = tokio::spawn({
+        let e = e.clone();
+        async move { run(&e, (50..54).collect(), 16).await }
+    });
+    let (ra, rb) = (a.await, b.await);
+    assert_eq!(ra.map(|r| r.3.len()).ok(), Some(16));
+    assert_eq!(rb.map(|r| r.3.len()).ok(), Some(16));
+    let page = e.metrics_page();
+    assert!(!page.contains("vllm:num_preemptions_total{engine=\"0\",model_name=\"m\"} 0.0"), "expected a preemption: {page}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn reset_forgets_free_cached_blocks() {
+    let e = engine(64, 8);
+    let prompt: Vec<u32> = (0..9).collect();
+    run(&e, prompt.clone(), 1).await;
+    assert_eq!(e.reset_prefix_cache().await, 2);
+    let (cached, _, _, _) = run(&e, prompt, 1).await;
+    assert_eq!(cached, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_same_prompt_generates_the_same_tokens() {
+    let e = engine(64, 8);
+    let (_, _, _, a) = run(&e, vec![5, 6, 7], 12).await;
+    let (_, _, _, b) = run(&e, vec![5, 6, 7], 12).await;
+    assert_eq!(a, b);
+}
