@@ -1,1 +1,31 @@
-fn main() {}
+//! `inferrail-bench`: load generators that measure the simulator and, later,
+//! the router end to end. Results are written as JSON, to be committed with
+//! the commit that produced them.
+
+mod report;
+mod sim_load;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "inferrail-bench", version, about = "Benchmarks for inferrail and inferrail-sim")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Open many streams at once against one engine; every one must finish.
+    Streams(sim_load::StreamsArgs),
+    /// Closed-loop requests per second against one engine.
+    Throughput(sim_load::ThroughputArgs),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Streams(args) => sim_load::streams(args).await,
+        Command::Throughput(args) => sim_load::throughput(args).await,
+    }
+}

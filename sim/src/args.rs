@@ -101,11 +101,7 @@ pub enum FaultMode {
 impl Args {
     /// The names clients may request.
     pub fn served_names(&self) -> Vec<String> {
-        if self.served_model_name.is_empty() {
-            vec![self.model.clone()]
-        } else {
-            self.served_model_name.clone()
-        }
+        if self.served_model_name.is_empty() { vec![self.model.clone()] } else { self.served_model_name.clone() }
     }
 
     /// The latency model the flags describe.

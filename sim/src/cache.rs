@@ -142,8 +142,16 @@ impl BlockPool {
 
     fn unlink(&mut self, b: u32) {
         let Block { prev, next, .. } = self.blocks[b as usize];
-        if prev == NIL { self.head = next } else { self.blocks[prev as usize].next = next }
-        if next == NIL { self.tail = prev } else { self.blocks[next as usize].prev = prev }
+        if prev == NIL {
+            self.head = next
+        } else {
+            self.blocks[prev as usize].next = next
+        }
+        if next == NIL {
+            self.tail = prev
+        } else {
+            self.blocks[next as usize].prev = prev
+        }
         self.blocks[b as usize].prev = NIL;
         self.blocks[b as usize].next = NIL;
         self.free -= 1;
@@ -152,7 +160,11 @@ impl BlockPool {
     fn push_back(&mut self, b: u32) {
         self.blocks[b as usize].prev = self.tail;
         self.blocks[b as usize].next = NIL;
-        if self.tail == NIL { self.head = b } else { self.blocks[self.tail as usize].next = b }
+        if self.tail == NIL {
+            self.head = b
+        } else {
+            self.blocks[self.tail as usize].next = b
+        }
         self.tail = b;
         self.free += 1;
     }

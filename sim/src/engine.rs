@@ -259,7 +259,8 @@ impl Core {
     fn apply(&mut self, cmd: Command) {
         match cmd {
             Command::Submit { id, request, events, arrival } => {
-                let seed = self.cfg.seed ^ xxhash_rust::xxh3::xxh3_64(&request.prompt.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>());
+                let seed =
+                    self.cfg.seed ^ xxhash_rust::xxh3::xxh3_64(&request.prompt.iter().flat_map(|t| t.to_le_bytes()).collect::<Vec<u8>>());
                 self.seqs.insert(
                     id,
                     Seq {

@@ -125,9 +125,7 @@ pub fn json_error(body: &[u8], err: &serde_json::Error) -> ApiError {
         "Expecting property name enclosed in double quotes"
     } else if msg.starts_with("expected `:`") {
         "Expecting ':' delimiter"
-    } else if msg.starts_with("expected `,` or `}`") {
-        "Expecting ',' delimiter"
-    } else if msg.starts_with("expected `,` or `]`") {
+    } else if msg.starts_with("expected `,` or `}`") || msg.starts_with("expected `,` or `]`") {
         "Expecting ',' delimiter"
     } else if msg.starts_with("trailing characters") {
         "Extra data"

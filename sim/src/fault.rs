@@ -122,7 +122,7 @@ impl Faults {
             Fault::Error { status } => Action::Error(status),
             Fault::Flap { period_ms, status } => {
                 let phase = (now - s.since).as_millis() / u128::from(period_ms.max(1));
-                if phase % 2 == 0 { Action::Serve } else { Action::Error(status) }
+                if phase.is_multiple_of(2) { Action::Serve } else { Action::Error(status) }
             }
         }
     }
@@ -177,7 +177,8 @@ mod tests {
 
     #[test]
     fn control_bodies_parse() {
-        let r: FaultRequest = serde_json::from_str(r#"{"mode":"delay","ms":20,"for_ms":1000}"#).unwrap_or(FaultRequest { fault: Fault::None, for_ms: None });
+        let r: FaultRequest =
+            serde_json::from_str(r#"{"mode":"delay","ms":20,"for_ms":1000}"#).unwrap_or(FaultRequest { fault: Fault::None, for_ms: None });
         assert_eq!(r, FaultRequest { fault: Fault::Delay { ms: 20 }, for_ms: Some(1000) });
         assert!(serde_json::from_str::<FaultRequest>(r#"{"mode":"explode"}"#).is_err());
     }

@@ -7,7 +7,9 @@ use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"))).init();
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    // Logs go to stderr; stdout carries only the address line scripts read.
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let args = Args::parse();
     let sim = Sim::start(args.clone()).await?;
     tracing::info!(addr = %sim.addr, model = %args.served_names().join(","), "inferrail-sim listening");

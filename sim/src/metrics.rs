@@ -55,14 +55,11 @@ pub fn buckets_1_2_5(max: usize) -> Vec<f64> {
     out
 }
 
-const LATENCY_SECS: [f64; 21] = [
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
-];
-const TTFT_SECS: [f64; 22] = [
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-];
-const TOKEN_SECS: [f64; 19] =
-    [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+const LATENCY_SECS: [f64; 21] =
+    [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0];
+const TTFT_SECS: [f64; 22] =
+    [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0];
+const TOKEN_SECS: [f64; 19] = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
 const ITERATION_TOKENS: [f64; 13] = [1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0];
 const PREEMPTIONS: [f64; 7] = [1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0];
 const PARAMS_N: [f64; 5] = [1.0, 2.0, 5.0, 10.0, 20.0];
@@ -202,9 +199,21 @@ impl Stats {
     pub fn render(&self, info: &EngineInfo) -> String {
         let mut p = Page { out: String::with_capacity(48 * 1024), model: &info.model_name, created: info.created };
         let mfu = "(for Model Flops Utilization calculations).";
-        p.counter("vllm:estimated_flops_per_gpu_total", &format!("Estimated number of floating point operations per GPU {mfu}"), &[(&[], 0.0)]);
-        p.counter("vllm:estimated_read_bytes_per_gpu_total", &format!("Estimated number of bytes read from memory per GPU {mfu}"), &[(&[], 0.0)]);
-        p.counter("vllm:estimated_write_bytes_per_gpu_total", &format!("Estimated number of bytes written to memory per GPU {mfu}"), &[(&[], 0.0)]);
+        p.counter(
+            "vllm:estimated_flops_per_gpu_total",
+            &format!("Estimated number of floating point operations per GPU {mfu}"),
+            &[(&[], 0.0)],
+        );
+        p.counter(
+            "vllm:estimated_read_bytes_per_gpu_total",
+            &format!("Estimated number of bytes read from memory per GPU {mfu}"),
+            &[(&[], 0.0)],
+        );
+        p.counter(
+            "vllm:estimated_write_bytes_per_gpu_total",
+            &format!("Estimated number of bytes written to memory per GPU {mfu}"),
+            &[(&[], 0.0)],
+        );
         p.gauge("vllm:num_requests_running", "Number of requests in model execution batches.", &[(&[], self.running as f64)]);
         p.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", &[(&[], self.waiting as f64)]);
         p.gauge(
@@ -218,8 +227,16 @@ impl Stats {
             &[(&[("sleep_state", "awake")], 1.0), (&[("sleep_state", "weights_offloaded")], 0.0), (&[("sleep_state", "discard_all")], 0.0)],
         );
         p.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", &[(&[], self.kv_usage)]);
-        p.counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.", &[(&[], self.prefix_queries as f64)]);
-        p.counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", &[(&[], self.prefix_hits as f64)]);
+        p.counter(
+            "vllm:prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            &[(&[], self.prefix_queries as f64)],
+        );
+        p.counter(
+            "vllm:prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            &[(&[], self.prefix_hits as f64)],
+        );
         let external = "External prefix cache";
         let sharing = "from KV connector cross-instance cache sharing, in terms of number of";
         p.counter("vllm:external_prefix_cache_queries_total", &format!("{external} queries {sharing} queried tokens."), &[(&[], 0.0)]);
@@ -238,7 +255,11 @@ impl Stats {
                 (&[("source", "external_kv_transfer")], 0.0),
             ],
         );
-        p.counter("vllm:prompt_tokens_cached_total", "Number of cached prompt tokens (local + external).", &[(&[], self.prefix_hits as f64)]);
+        p.counter(
+            "vllm:prompt_tokens_cached_total",
+            "Number of cached prompt tokens (local + external).",
+            &[(&[], self.prefix_hits as f64)],
+        );
         p.counter(
             "vllm:prompt_tokens_cached_by_source_total",
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",

