@@ -4,7 +4,7 @@ use std::net::IpAddr;
 
 use clap::Parser;
 
-use crate::cost::LatencyModel;
+use crate::cost::{self, LatencyModel};
 use crate::fault::Fault;
 
 /// A CPU mock of a vLLM 0.32.0 OpenAI-compatible server.
@@ -45,19 +45,19 @@ pub struct Args {
     #[arg(long, default_value_t = 256)]
     pub default_output_tokens: usize,
     /// Prefill cost per uncached token, microseconds (`a`).
-    #[arg(long, default_value_t = 100.0)]
+    #[arg(long, default_value_t = cost::DEFAULT.prefill_token_us)]
     pub prefill_token_us: f64,
     /// Prefill cost per attended token pair, nanoseconds (`b`).
-    #[arg(long, default_value_t = 3.3)]
+    #[arg(long, default_value_t = cost::DEFAULT.prefill_pair_ns)]
     pub prefill_pair_ns: f64,
     /// Fixed cost of a prefill, milliseconds (`d`).
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = cost::DEFAULT.prefill_fixed_ms)]
     pub prefill_fixed_ms: f64,
     /// Time of one decode step with one running sequence, milliseconds.
-    #[arg(long, default_value_t = 20.0)]
+    #[arg(long, default_value_t = cost::DEFAULT.decode_token_ms)]
     pub decode_token_ms: f64,
     /// Extra decode step time for each further running sequence, microseconds.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, default_value_t = cost::DEFAULT.decode_seq_us)]
     pub decode_seq_us: f64,
     /// Answer as fast as possible: every engine step takes no time.
     #[arg(long)]

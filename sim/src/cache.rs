@@ -47,11 +47,6 @@ impl BlockPool {
         Self { free: blocks.len(), blocks, by_hash: HashMap::new(), head, tail }
     }
 
-    /// Blocks in the pool.
-    pub fn capacity(&self) -> usize {
-        self.blocks.len()
-    }
-
     /// Blocks not held by any sequence (cached or not).
     pub fn num_free(&self) -> usize {
         self.free

@@ -25,6 +25,16 @@ pub struct LatencyModel {
     pub zero: bool,
 }
 
+/// Defaults that approximate an 8B model on one 24 GB GPU.
+pub const DEFAULT: LatencyModel = LatencyModel {
+    prefill_token_us: 100.0,
+    prefill_pair_ns: 3.3,
+    prefill_fixed_ms: 5.0,
+    decode_token_ms: 20.0,
+    decode_seq_us: 60.0,
+    zero: false,
+};
+
 impl LatencyModel {
     /// Prefill time of `uncached` tokens after `cached` ones, in seconds.
     pub fn prefill_secs(&self, uncached: usize, cached: usize) -> f64 {
@@ -55,14 +65,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn model() -> LatencyModel {
-        LatencyModel {
-            prefill_token_us: 100.0,
-            prefill_pair_ns: 3.3,
-            prefill_fixed_ms: 5.0,
-            decode_token_ms: 20.0,
-            decode_seq_us: 60.0,
-            zero: false,
-        }
+        DEFAULT
     }
 
     #[test]

@@ -26,16 +26,6 @@ impl Histogram {
         self.sum += v;
         self.count += 1;
     }
-
-    /// Observations recorded.
-    pub fn count(&self) -> u64 {
-        self.count
-    }
-
-    /// Sum of the observations.
-    pub fn sum(&self) -> f64 {
-        self.sum
-    }
 }
 
 /// vLLM's 1-2-5 buckets up to `max`.

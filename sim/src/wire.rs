@@ -23,8 +23,6 @@ pub enum Kind {
 /// A validated generation request.
 #[derive(Debug, Clone)]
 pub struct GenRequest {
-    /// Which endpoint.
-    pub kind: Kind,
     /// The served name asked for.
     pub model: String,
     /// Prompt token ids.
@@ -169,7 +167,6 @@ pub fn parse_generation(kind: Kind, body: &[u8], served: &Served<'_>) -> Result<
         None => 0,
     };
     Ok(GenRequest {
-        kind,
         model,
         prompt,
         max_tokens,

@@ -3,14 +3,7 @@
 use super::*;
 
 fn latency() -> LatencyModel {
-    LatencyModel {
-        prefill_token_us: 100.0,
-        prefill_pair_ns: 3.3,
-        prefill_fixed_ms: 5.0,
-        decode_token_ms: 20.0,
-        decode_seq_us: 60.0,
-        zero: false,
-    }
+    crate::cost::DEFAULT
 }
 
 fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
