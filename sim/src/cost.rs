@@ -2,9 +2,10 @@
 //!
 //! Prefilling `u` uncached tokens that attend to `c` cached ones costs
 //! `P(u, c) = a*u + b*u*(c + u/2) + d`, the shape of the router's cost model,
-//! so calibration can recover `a`, `b` and `d`. A decode step costs a base
-//! time plus a little for each further running sequence. A step that both
-//! prefills and decodes takes the sum, so prefill slows the decodes beside it.
+//! so calibration can recover `a`, `b` and `d`. Prompts prefilled together in
+//! one step share its fixed cost `d`. A decode step costs a base time plus a
+//! little for each further running sequence. A step that both prefills and
+//! decodes takes the sum, so prefill slows the decodes beside it.
 
 use std::time::Duration;
 
@@ -45,6 +46,18 @@ impl LatencyModel {
         self.prefill_token_us * 1e-6 * u + self.prefill_pair_ns * 1e-9 * u * (c + u / 2.0) + self.prefill_fixed_ms * 1e-3
     }
 
+    /// Length of a step that prefills `prompts` (uncached, cached tokens) and
+    /// decodes `decoding` sequences, in seconds.
+    pub fn step_secs(&self, prompts: &[(usize, usize)], decoding: usize) -> f64 {
+        if self.zero {
+            return 0.0;
+        }
+        let fixed = self.prefill_fixed_ms * 1e-3;
+        let prefill: f64 = prompts.iter().map(|&(u, c)| self.prefill_secs(u, c) - fixed).sum();
+        let shared = if prompts.is_empty() { 0.0 } else { fixed };
+        prefill + shared + self.decode_secs(decoding)
+    }
+
     /// Time of a decode step with `running` sequences decoding, in seconds.
     pub fn decode_secs(&self, running: usize) -> f64 {
         if self.zero || running == 0 {
@@ -73,6 +86,16 @@ mod tests {
         // 1000 tokens cold: 0.1 s + 3.3e-9 * 1000 * 500 + 0.005
         let p = model().prefill_secs(1000, 0);
         assert!((p - (0.1 + 0.00165 + 0.005)).abs() < 1e-12, "{p}");
+    }
+
+    #[test]
+    fn prompts_in_one_step_share_the_fixed_cost() {
+        let m = model();
+        let both = m.step_secs(&[(100, 0), (50, 200)], 3);
+        let apart = m.prefill_secs(100, 0) + m.prefill_secs(50, 200) + m.decode_secs(3);
+        assert!((both - (apart - 0.005)).abs() < 1e-12);
+        assert_eq!(m.step_secs(&[(100, 0)], 0), m.prefill_secs(100, 0));
+        assert_eq!(m.step_secs(&[], 2), m.decode_secs(2));
     }
 
     #[test]

@@ -199,6 +199,8 @@ impl Seq {
 struct Plan {
     prefill: Vec<u64>,
     decode: Vec<u64>,
+    /// (uncached, cached) tokens of each prefill.
+    work: Vec<(usize, usize)>,
     secs: f64,
     tokens: usize,
 }
@@ -365,14 +367,14 @@ impl Core {
                 // A receiver that went away is aborted by its drop.
                 let _ = seq.events.send(Event::Scheduled { cached_tokens: cached });
             }
-            plan.secs += self.cfg.latency.prefill_secs(uncached, cached);
+            plan.work.push((uncached, cached));
             plan.tokens += uncached;
             budget = budget.saturating_sub(uncached);
             self.waiting.pop_front();
             self.running.push(id);
             plan.prefill.push(id);
         }
-        plan.secs += self.cfg.latency.decode_secs(plan.decode.len());
+        plan.secs = self.cfg.latency.step_secs(&plan.work, plan.decode.len());
         plan.tokens += plan.decode.len();
         drop(st);
         self.publish_gauges();
