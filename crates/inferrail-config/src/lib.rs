@@ -1,0 +1,409 @@
+//! The router's configuration: one YAML file of models, replicas, discovery
+//! groups and routing, health, retry and listener settings.
+//!
+//! Every field has a default except what only the operator knows (models and
+//! replicas). [`Config::load`] parses, rejects unknown keys, and runs
+//! [`Config::validate`], which checks ranges and cross references and reports
+//! every problem at once, each with its path. `example.yaml` documents every
+//! option with its default.
+#![forbid(unsafe_code)]
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+
+use inferrail_policy::PolicyKind;
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Config {
+    /// The ext_proc gRPC listener.
+    pub server: Server,
+    /// The admin HTTP listener.
+    pub admin: Admin,
+    /// Decision settings.
+    pub routing: Routing,
+    /// How many fallbacks each decision names.
+    pub retry: Retry,
+    /// Active probes and passive ejection.
+    pub health: Health,
+    /// Models clients may ask for.
+    pub models: Vec<Model>,
+    /// Replicas listed by address.
+    pub replicas: Vec<Replica>,
+    /// Replicas found by DNS.
+    pub discovery: Vec<DnsGroup>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            server: Server::default(),
+            admin: Admin::default(),
+            routing: Routing::default(),
+            retry: Retry::default(),
+            health: Health::default(),
+            models: Vec::new(),
+            replicas: Vec::new(),
+            discovery: Vec::new(),
+        }
+    }
+}
+
+/// The ext_proc gRPC listener.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Server {
+    /// Address Envoy's ext_proc filters connect to.
+    pub listen: String,
+    /// Largest request body the router reads; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// On SIGTERM, how long open streams may finish, milliseconds.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for Server {
+    fn default() -> Self {
+        Self { listen: "127.0.0.1:9002".into(), max_body_bytes: 16 << 20, shutdown_grace_ms: 30_000 }
+    }
+}
+
+/// The admin HTTP listener: `/metrics`, `/healthz`, `/readyz`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Admin {
+    /// Address of the admin listener.
+    pub listen: String,
+}
+
+impl Default for Admin {
+    fn default() -> Self {
+        Self { listen: "127.0.0.1:9090".into() }
+    }
+}
+
+/// Decision settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Routing {
+    /// Seed of the randomized policies; the same seed replays the same choices.
+    pub seed: u64,
+}
+
+impl Default for Routing {
+    fn default() -> Self {
+        Self { seed: 0x1fe4_7a11 }
+    }
+}
+
+/// Fallbacks named after the winner, for Envoy's retries.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Retry {
+    /// Distinct replicas named after the winner (0 to 8).
+    pub fallbacks: usize,
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Self { fallbacks: 2 }
+    }
+}
+
+/// Active probes of each replica's `/health` and passive ejection on failures.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Health {
+    /// Time between probes of one replica, milliseconds.
+    pub probe_interval_ms: u64,
+    /// A probe that takes longer fails, milliseconds.
+    pub probe_timeout_ms: u64,
+    /// Consecutive failures (probes or requests) that eject a replica.
+    pub consecutive_failures: u32,
+    /// First ejection length; each further one doubles it, milliseconds.
+    pub base_ejection_ms: u64,
+    /// Longest ejection, milliseconds.
+    pub max_ejection_ms: u64,
+    /// Most of a model's replicas ejected at once (0.0 to 1.0).
+    pub max_ejected_fraction: f64,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Self {
+            probe_interval_ms: 1_000,
+            probe_timeout_ms: 500,
+            consecutive_failures: 3,
+            base_ejection_ms: 1_000,
+            max_ejection_ms: 30_000,
+            max_ejected_fraction: 0.5,
+        }
+    }
+}
+
+/// A model clients may ask for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Model {
+    /// The name the engines serve.
+    pub name: String,
+    /// Other names clients may use; the body is rewritten to `name`.
+    pub aliases: Vec<String>,
+    /// How its replicas are chosen.
+    pub policy: PolicyKind,
+}
+
+impl Default for Model {
+    fn default() -> Self {
+        Self { name: String::new(), aliases: Vec::new(), policy: PolicyKind::RoundRobin }
+    }
+}
+
+/// A replica's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Most requests in flight.
+    pub max_concurrency: u32,
+    /// Most requests waiting for their first byte.
+    pub max_pending: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self { max_concurrency: 256, max_pending: 256 }
+    }
+}
+
+/// A replica listed by address.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Replica {
+    /// Unique name, used in metrics and response headers.
+    pub id: String,
+    /// `ip:port`, exactly as Envoy's cluster lists it.
+    pub address: String,
+    /// Models it serves.
+    pub models: Vec<String>,
+    /// Most requests in flight.
+    pub max_concurrency: u32,
+    /// Most requests waiting for their first byte.
+    pub max_pending: u32,
+}
+
+impl Default for Replica {
+    fn default() -> Self {
+        let l = Limits::default();
+        Self {
+            id: String::new(),
+            address: String::new(),
+            models: Vec::new(),
+            max_concurrency: l.max_concurrency,
+            max_pending: l.max_pending,
+        }
+    }
+}
+
+impl Replica {
+    /// Its limits.
+    pub fn limits(&self) -> Limits {
+        Limits { max_concurrency: self.max_concurrency, max_pending: self.max_pending }
+    }
+}
+
+/// Replicas found by resolving a DNS name; members are named `<group>-<ip>-<port>`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DnsGroup {
+    /// Group name, the prefix of member ids.
+    pub group: String,
+    /// Name to resolve (A and AAAA).
+    pub host: String,
+    /// Port of every member.
+    pub port: u16,
+    /// Models every member serves.
+    pub models: Vec<String>,
+    /// Time between lookups, milliseconds.
+    pub interval_ms: u64,
+    /// Most requests in flight, per member.
+    pub max_concurrency: u32,
+    /// Most requests waiting for their first byte, per member.
+    pub max_pending: u32,
+}
+
+impl Default for DnsGroup {
+    fn default() -> Self {
+        let l = Limits::default();
+        Self {
+            group: String::new(),
+            host: String::new(),
+            port: 8000,
+            models: Vec::new(),
+            interval_ms: 5_000,
+            max_concurrency: l.max_concurrency,
+            max_pending: l.max_pending,
+        }
+    }
+}
+
+impl DnsGroup {
+    /// Limits of every member.
+    pub fn limits(&self) -> Limits {
+        Limits { max_concurrency: self.max_concurrency, max_pending: self.max_pending }
+    }
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        source: std::io::Error,
+    },
+    /// Not YAML of the right shape.
+    #[error("{0}")]
+    Parse(serde_yaml::Error),
+    /// Parsed, but wrong; every problem with its path.
+    #[error("{} problem(s):\n  {}", .0.len(), .0.join("\n  "))]
+    Invalid(Vec<String>),
+}
+
+impl Config {
+    /// Reads, parses and validates a file.
+    pub fn load(path: &str) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        Self::parse(&text)
+    }
+
+    /// Parses and validates YAML text.
+    pub fn parse(text: &str) -> Result<Self, ConfigError> {
+        let mut unknown = Vec::new();
+        let de = serde_yaml::Deserializer::from_str(text);
+        let config: Config = serde_ignored::deserialize(de, |path| unknown.push(format!("{}: unknown key", path_text(&path))))
+            .map_err(ConfigError::Parse)?;
+        let mut problems = unknown;
+        problems.extend(config.validate());
+        if problems.is_empty() { Ok(config) } else { Err(ConfigError::Invalid(problems)) }
+    }
+
+    /// Every range and cross-reference problem, each with its path.
+    pub fn validate(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        for (path, addr) in [("server.listen", &self.server.listen), ("admin.listen", &self.admin.listen)] {
+            if addr.parse::<SocketAddr>().is_err() {
+                p.push(format!("{path}: {addr:?} is not ip:port"));
+            }
+        }
+        if self.server.max_body_bytes == 0 {
+            p.push("server.max_body_bytes: must be at least 1".into());
+        }
+        if self.retry.fallbacks > 8 {
+            p.push(format!("retry.fallbacks: {} is more than 8", self.retry.fallbacks));
+        }
+        let h = &self.health;
+        if h.probe_interval_ms == 0 || h.probe_timeout_ms == 0 || h.base_ejection_ms == 0 {
+            p.push("health: probe_interval_ms, probe_timeout_ms and base_ejection_ms must be at least 1".into());
+        }
+        if h.max_ejection_ms < h.base_ejection_ms {
+            p.push("health.max_ejection_ms: shorter than base_ejection_ms".into());
+        }
+        if h.consecutive_failures == 0 {
+            p.push("health.consecutive_failures: must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&h.max_ejected_fraction) {
+            p.push(format!("health.max_ejected_fraction: {} is not between 0 and 1", h.max_ejected_fraction));
+        }
+        if self.models.is_empty() {
+            p.push("models: at least one model is needed".into());
+        }
+        let mut names = HashSet::new();
+        for (i, m) in self.models.iter().enumerate() {
+            if m.name.is_empty() {
+                p.push(format!("models[{i}].name: missing"));
+            }
+            for n in std::iter::once(&m.name).chain(&m.aliases) {
+                if !n.is_empty() && !names.insert(n.as_str()) {
+                    p.push(format!("models[{i}]: the name {n:?} is used twice"));
+                }
+            }
+        }
+        let known: HashSet<&str> = self.models.iter().map(|m| m.name.as_str()).collect();
+        let mut ids = HashSet::new();
+        let mut served: HashSet<&str> = HashSet::new();
+        for (i, r) in self.replicas.iter().enumerate() {
+            let at = format!("replicas[{i}]");
+            if r.id.is_empty() {
+                p.push(format!("{at}.id: missing"));
+            } else if !ids.insert(r.id.as_str()) {
+                p.push(format!("{at}.id: {:?} is used twice", r.id));
+            }
+            if r.address.parse::<SocketAddr>().is_err() {
+                p.push(format!("{at}.address: {:?} is not ip:port (Envoy's override_host matches ip:port exactly)", r.address));
+            }
+            check_models(&mut p, &at, &r.models, &known, &mut served);
+            check_limits(&mut p, &at, r.limits());
+        }
+        for (i, g) in self.discovery.iter().enumerate() {
+            let at = format!("discovery[{i}]");
+            if g.group.is_empty() || g.host.is_empty() {
+                p.push(format!("{at}: group and host are required"));
+            }
+            if g.port == 0 || g.interval_ms == 0 {
+                p.push(format!("{at}: port and interval_ms must be at least 1"));
+            }
+            check_models(&mut p, &at, &g.models, &known, &mut served);
+            check_limits(&mut p, &at, g.limits());
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            if !m.name.is_empty() && !served.contains(m.name.as_str()) {
+                p.push(format!("models[{i}]: no replica or discovery group serves {:?}", m.name));
+            }
+        }
+        p
+    }
+
+    /// The model a client's name refers to: its own name or an alias.
+    pub fn model(&self, name: &str) -> Option<&Model> {
+        self.models.iter().find(|m| m.name == name || m.aliases.iter().any(|a| a == name))
+    }
+}
+
+/// A path as validation writes it: `replicas[1].spare`.
+fn path_text(path: &serde_ignored::Path<'_>) -> String {
+    use serde_ignored::Path;
+    match path {
+        Path::Root => String::new(),
+        Path::Seq { parent, index } => format!("{}[{index}]", path_text(parent)),
+        Path::Map { parent, key } => match path_text(parent) {
+            p if p.is_empty() => key.clone(),
+            p => format!("{p}.{key}"),
+        },
+        Path::Some { parent } | Path::NewtypeStruct { parent } | Path::NewtypeVariant { parent } => path_text(parent),
+    }
+}
+
+fn check_models<'a>(p: &mut Vec<String>, at: &str, models: &'a [String], known: &HashSet<&str>, served: &mut HashSet<&'a str>) {
+    if models.is_empty() {
+        p.push(format!("{at}.models: serves no model"));
+    }
+    for (j, m) in models.iter().enumerate() {
+        if known.contains(m.as_str()) {
+            served.insert(m);
+        } else {
+            p.push(format!("{at}.models[{j}]: {m:?} is not a configured model name"));
+        }
+    }
+}
+
+fn check_limits(p: &mut Vec<String>, at: &str, l: Limits) {
+    if l.max_concurrency == 0 || l.max_pending == 0 {
+        p.push(format!("{at}: max_concurrency and max_pending must be at least 1"));
+    }
+}
+
+#[cfg(test)]
+mod tests;
