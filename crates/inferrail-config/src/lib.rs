@@ -15,7 +15,7 @@ use inferrail_policy::PolicyKind;
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Config {
     /// The ext_proc gRPC listener.
@@ -34,21 +34,6 @@ pub struct Config {
     pub replicas: Vec<Replica>,
     /// Replicas found by DNS.
     pub discovery: Vec<DnsGroup>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            server: Server::default(),
-            admin: Admin::default(),
-            routing: Routing::default(),
-            retry: Retry::default(),
-            health: Health::default(),
-            models: Vec::new(),
-            replicas: Vec::new(),
-            discovery: Vec::new(),
-        }
-    }
 }
 
 /// The ext_proc gRPC listener.

@@ -1,0 +1,218 @@
+//! The replicas the router knows, with the router's own live counters:
+//! requests in flight and waiting for a first byte, and health (active
+//! probes plus passive ejection with doubling backoff).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
+
+use inferrail_config::{Health as HealthConfig, Limits};
+use inferrail_policy::ReplicaLoad;
+
+/// One replica and its live state.
+#[derive(Debug)]
+pub struct Replica {
+    /// Unique id, as configured or `<group>-<ip>-<port>`.
+    pub id: String,
+    /// Where Envoy reaches it: `ip:port` as in the cluster.
+    pub addr: SocketAddr,
+    /// Indices of the models it serves.
+    pub models: Vec<usize>,
+    /// Its limits.
+    pub limits: Limits,
+    in_flight: AtomicU32,
+    pending: AtomicU32,
+    probe_ok: AtomicBool,
+    failures: AtomicU32,
+    ejections: AtomicU32,
+    ejected_until_ms: AtomicU64,
+}
+
+impl Replica {
+    /// A replica with nothing in flight, healthy until shown otherwise.
+    pub fn new(id: String, addr: SocketAddr, models: Vec<usize>, limits: Limits) -> Self {
+        Self {
+            id,
+            addr,
+            models,
+            limits,
+            in_flight: AtomicU32::new(0),
+            pending: AtomicU32::new(0),
+            probe_ok: AtomicBool::new(true),
+            failures: AtomicU32::new(0),
+            ejections: AtomicU32::new(0),
+            ejected_until_ms: AtomicU64::new(0),
+        }
+    }
+
+    /// Requests in flight now.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Whether it may be offered at `now_ms` (milliseconds on the fleet clock).
+    pub fn healthy(&self, now_ms: u64) -> bool {
+        self.probe_ok.load(Ordering::Relaxed) && !self.ejected(now_ms)
+    }
+
+    /// Whether passive health has it ejected at `now_ms`.
+    pub fn ejected(&self, now_ms: u64) -> bool {
+        self.ejected_until_ms.load(Ordering::Relaxed) > now_ms
+    }
+
+    /// What a policy sees of it.
+    pub fn load(&self, now_ms: u64) -> ReplicaLoad {
+        ReplicaLoad {
+            in_flight: self.in_flight.load(Ordering::Relaxed),
+            pending: self.pending.load(Ordering::Relaxed),
+            max_concurrency: self.limits.max_concurrency,
+            max_pending: self.limits.max_pending,
+            healthy: self.healthy(now_ms),
+        }
+    }
+
+    /// Records a probe result; returns whether the probe state changed.
+    pub fn set_probe(&self, ok: bool) -> bool {
+        self.probe_ok.swap(ok, Ordering::Relaxed) != ok
+    }
+
+    /// A request or probe succeeded: the failure streak ends, and a replica
+    /// that stays healthy earns its backoff back down.
+    pub fn record_success(&self) {
+        if self.failures.swap(0, Ordering::Relaxed) == 0 {
+            let e = self.ejections.load(Ordering::Relaxed);
+            if e > 0 {
+                let _ = self.ejections.compare_exchange(e, e - 1, Ordering::Relaxed, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A request failed; returns the streak length.
+    pub fn record_failure(&self) -> u32 {
+        self.failures.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Ejects it from `now_ms` for the base time doubled per earlier
+    /// ejection, capped; returns the ejection length in milliseconds.
+    pub fn eject(&self, now_ms: u64, cfg: &HealthConfig) -> u64 {
+        let n = self.ejections.fetch_add(1, Ordering::Relaxed).min(20);
+        let length = cfg.base_ejection_ms.saturating_mul(1 << n).min(cfg.max_ejection_ms);
+        self.ejected_until_ms.store(now_ms + length, Ordering::Relaxed);
+        self.failures.store(0, Ordering::Relaxed);
+        length
+    }
+
+    fn acquire(&self) {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.pending.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A request's hold on a replica: counted in flight (and pending until its
+/// first byte) from the decision until it is released, however the request
+/// ends. Release is explicit and happens once; dropping an unreleased lease
+/// releases it too.
+#[derive(Debug)]
+pub struct Lease {
+    /// The replica it holds.
+    pub replica: Arc<Replica>,
+    /// The model's index.
+    pub model: usize,
+    /// When the decision was made.
+    pub start: Instant,
+    first_byte: AtomicBool,
+    released: AtomicBool,
+}
+
+impl Lease {
+    /// Takes a slot on `replica`.
+    pub fn new(replica: Arc<Replica>, model: usize) -> Self {
+        replica.acquire();
+        Self { replica, model, start: Instant::now(), first_byte: AtomicBool::new(false), released: AtomicBool::new(false) }
+    }
+
+    /// Gives the slot back; only the first call counts.
+    pub fn release(&self) {
+        if self.released.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        if !self.first_byte.load(Ordering::Relaxed) {
+            self.replica.pending.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.replica.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Marks the first byte; true the first time only.
+    pub fn first_byte(&self) -> bool {
+        if self.released.load(Ordering::Relaxed) {
+            return false;
+        }
+        let first = !self.first_byte.swap(true, Ordering::Relaxed);
+        if first {
+            self.replica.pending.fetch_sub(1, Ordering::Relaxed);
+        }
+        first
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Whether `replica` may be ejected without ejecting more than the allowed
+/// share of any model it serves.
+pub fn may_eject(replica: &Replica, all: &[Arc<Replica>], now_ms: u64, cfg: &HealthConfig) -> bool {
+    replica.models.iter().all(|m| {
+        let peers: Vec<&Arc<Replica>> = all.iter().filter(|r| r.models.contains(m)).collect();
+        let ejected = peers.iter().filter(|r| r.ejected(now_ms)).count();
+        (ejected + 1) as f64 <= cfg.max_ejected_fraction * peers.len() as f64
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn replica(models: Vec<usize>) -> Arc<Replica> {
+        Arc::new(Replica::new("r".into(), SocketAddr::from(([127, 0, 0, 1], 1)), models, Limits { max_concurrency: 2, max_pending: 1 }))
+    }
+
+    #[test]
+    fn a_lease_counts_until_dropped_and_pending_until_its_first_byte() {
+        let r = replica(vec![0]);
+        let lease = Lease::new(r.clone(), 0);
+        assert_eq!((r.load(0).in_flight, r.load(0).pending), (1, 1));
+        assert!(!r.load(0).has_room(), "max_pending is 1");
+        assert!(lease.first_byte());
+        assert!(!lease.first_byte());
+        assert_eq!((r.load(0).in_flight, r.load(0).pending), (1, 0));
+        drop(lease);
+        assert_eq!((r.load(0).in_flight, r.load(0).pending), (0, 0));
+        drop(Lease::new(r.clone(), 0));
+        assert_eq!((r.load(0).in_flight, r.load(0).pending), (0, 0));
+    }
+
+    #[test]
+    fn ejections_double_up_to_the_cap() {
+        let cfg = HealthConfig { base_ejection_ms: 100, max_ejection_ms: 350, ..HealthConfig::default() };
+        let r = replica(vec![0]);
+        assert_eq!(r.eject(0, &cfg), 100);
+        assert!(!r.healthy(50) && r.healthy(100));
+        assert_eq!(r.eject(1000, &cfg), 200);
+        assert_eq!(r.eject(2000, &cfg), 350);
+    }
+
+    #[test]
+    fn never_more_than_the_allowed_share_is_ejected() {
+        let cfg = HealthConfig { max_ejected_fraction: 0.5, ..HealthConfig::default() };
+        let all: Vec<Arc<Replica>> = (0..4).map(|_| replica(vec![0])).collect();
+        assert!(may_eject(&all[0], &all, 0, &cfg));
+        all[0].eject(0, &cfg);
+        assert!(may_eject(&all[1], &all, 0, &cfg));
+        all[1].eject(0, &cfg);
+        assert!(!may_eject(&all[2], &all, 0, &cfg));
+    }
+}

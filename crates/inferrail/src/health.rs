@@ -1,0 +1,118 @@
+//! Background work on the fleet: active `/health` probes, passive ejection
+//! when requests fail, per-replica gauges, the engines' model cards for
+//! `/v1/models`, and the sweep of leases whose end was never reported.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use serde_json::{Value, json};
+
+use crate::fleet::{Replica, may_eject};
+use crate::router::Router;
+
+/// A request to `replica` failed upstream: count it, and eject the replica
+/// after enough failures in a row, within the ejection budget.
+pub fn request_failed(router: &Router, replica: &Arc<Replica>) {
+    let cfg = &router.config.health;
+    if replica.record_failure() < cfg.consecutive_failures {
+        return;
+    }
+    let now = router.now_ms();
+    let fleet = router.fleet();
+    if may_eject(replica, &fleet.replicas, now, cfg) {
+        let ms = replica.eject(now, cfg);
+        metrics::counter!("inferrail_ejections_total", "replica" => replica.id.clone()).increment(1);
+        tracing::warn!(replica = %replica.id, ejected_ms = ms, "ejected after consecutive failures");
+    }
+}
+
+/// Probes every replica's `/health` forever, and keeps the per-replica gauges.
+pub async fn probe_loop(router: Arc<Router>) {
+    let cfg = router.config.health.clone();
+    let http = match reqwest::Client::builder().timeout(Duration::from_millis(cfg.probe_timeout_ms)).build() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot build the probe client; active health checks are off");
+            return;
+        }
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(cfg.probe_interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let mut probes = tokio::task::JoinSet::new();
+        for r in router.fleet().replicas.iter().cloned() {
+            let http = http.clone();
+            probes.spawn(async move {
+                let ok = http.get(format!("http://{}/health", r.addr)).send().await.is_ok_and(|resp| resp.status().is_success());
+                (r, ok)
+            });
+        }
+        let now = router.now_ms();
+        while let Some(Ok((r, ok))) = probes.join_next().await {
+            if r.set_probe(ok) {
+                tracing::info!(replica = %r.id, healthy = ok, "probe state changed");
+            }
+            metrics::gauge!("inferrail_replica_healthy", "replica" => r.id.clone()).set(if r.healthy(now) { 1.0 } else { 0.0 });
+            metrics::gauge!("inferrail_replica_in_flight", "replica" => r.id.clone()).set(f64::from(r.in_flight()));
+        }
+        metrics::gauge!("inferrail_leases").set(router.leases_held() as f64);
+    }
+}
+
+/// Drops leases whose request never reported its end, every minute.
+pub async fn sweep_loop(router: Arc<Router>, max_age_ms: u64) {
+    let mut tick = tokio::time::interval(Duration::from_secs(60));
+    loop {
+        tick.tick().await;
+        let n = router.sweep_leases(max_age_ms);
+        if n > 0 {
+            metrics::counter!("inferrail_leases_swept_total").increment(n as u64);
+            tracing::warn!(leases = n, "released leases whose request never reported its end");
+        }
+    }
+}
+
+/// The `/v1/models` answer: configured models in order, then their aliases,
+/// with what the engines' own cards say (`max_model_len`, `root`).
+pub fn models_json(router: &Router, cards: &[Value]) -> String {
+    let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let card = |name: &str| cards.iter().find(|c| c["id"] == name);
+    let mut data = Vec::new();
+    for m in &router.models {
+        let engine = card(&m.name);
+        let entry = |id: &str, parent: Option<&str>| {
+            json!({
+                "id": id, "object": "model", "created": created, "owned_by": "inferrail",
+                "root": engine.map_or(json!(m.name), |c| c["root"].clone()),
+                "parent": parent,
+                "max_model_len": engine.map_or(Value::Null, |c| c["max_model_len"].clone()),
+            })
+        };
+        data.push(entry(&m.name, None));
+        data.extend(m.aliases.iter().map(|a| entry(a, Some(&m.name))));
+    }
+    json!({"object": "list", "data": data}).to_string()
+}
+
+/// Refreshes the `/v1/models` answer from the engines' own cards, in the
+/// background, so that listing models never waits on an engine.
+pub async fn cards_loop(router: Arc<Router>, out: Arc<ArcSwap<String>>) {
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build().unwrap_or_default();
+    let mut tick = tokio::time::interval(Duration::from_secs(30));
+    loop {
+        tick.tick().await;
+        let mut cards = Vec::new();
+        for r in &router.fleet().replicas {
+            let url = format!("http://{}/v1/models", r.addr);
+            if let Ok(resp) = http.get(url).send().await
+                && let Ok(v) = resp.json::<Value>().await
+                && let Some(list) = v["data"].as_array()
+            {
+                cards.extend(list.iter().cloned());
+            }
+        }
+        out.store(Arc::new(models_json(&router, &cards)));
+    }
+}

@@ -1,0 +1,21 @@
+//! `inferrail`: the Envoy ext_proc service that picks a replica for each
+//! OpenAI-compatible request.
+//!
+//! To follow one request: [`extproc`] receives Envoy's messages and asks
+//! [`router`] for a decision once the body is in; the router reads the body
+//! through [`request`], ranks the model's eligible replicas of the [`fleet`]
+//! with the model's policy (crate `inferrail-policy`) and leases the winner;
+//! [`reply`] turns the decision into headers and dynamic metadata for Envoy.
+//! The observe filter's stream, also in [`extproc`], reports the upstream
+//! outcome and ends the lease. [`health`] probes replicas and ejects failing
+//! ones; [`admin`] serves metrics and health; [`service`] wires it together.
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod extproc;
+pub mod fleet;
+pub mod health;
+pub mod reply;
+pub mod request;
+pub mod router;
+pub mod service;

@@ -1,0 +1,176 @@
+//! What the router reads of a request: method, path and request id from the
+//! headers, then the few body fields routing needs. The body is otherwise
+//! left byte for byte as the client sent it; only the model name may be
+//! rewritten, in place, when the client used an alias or none.
+
+use std::ops::Range;
+
+use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+/// The request line and the headers the router cares about.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Head {
+    /// `:method`.
+    pub method: String,
+    /// `:path` without its query.
+    pub path: String,
+    /// `x-request-id`, as Envoy generated or passed it.
+    pub request_id: Option<String>,
+}
+
+/// Reads the head from Envoy's header map (values arrive in `raw_value`).
+pub fn head(headers: Option<&HeaderMap>) -> Head {
+    let mut h = Head::default();
+    for hv in headers.map(|m| m.headers.as_slice()).unwrap_or_default() {
+        let value = if hv.raw_value.is_empty() { hv.value.clone() } else { String::from_utf8_lossy(&hv.raw_value).into_owned() };
+        match hv.key.as_str() {
+            ":method" => h.method = value,
+            ":path" => h.path = value.split('?').next().unwrap_or_default().to_string(),
+            "x-request-id" => h.request_id = Some(value),
+            _ => {}
+        }
+    }
+    h
+}
+
+/// What a request asks of the router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions` or `/v1/completions`: route it.
+    Generate,
+    /// `GET /v1/models`: answered by the router.
+    Models,
+    /// `GET /health`: answered by the router.
+    Health,
+    /// A known path asked with the wrong method; the methods it takes.
+    WrongMethod(&'static str),
+    /// No such path.
+    NotFound,
+}
+
+/// Dispatches on method and path.
+pub fn endpoint(method: &str, path: &str) -> Endpoint {
+    let (allowed, ok) = match path {
+        "/v1/chat/completions" | "/v1/completions" => ("POST", Endpoint::Generate),
+        "/v1/models" => ("GET", Endpoint::Models),
+        "/health" => ("GET", Endpoint::Health),
+        _ => return Endpoint::NotFound,
+    };
+    if method == allowed { ok } else { Endpoint::WrongMethod(allowed) }
+}
+
+/// The body fields routing reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fields {
+    /// The model asked for and where its JSON value sits in the body.
+    pub model: Option<(String, Range<usize>)>,
+    /// Whether the response streams.
+    pub stream: bool,
+}
+
+/// Why a body was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BodyError {
+    /// Not a JSON object.
+    #[error("the request body is not a JSON object: {0}")]
+    NotJson(String),
+    /// `model` is present but not a string.
+    #[error("`model` must be a string")]
+    ModelNotString,
+}
+
+#[derive(Deserialize)]
+struct Borrowed<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(default)]
+    stream: Option<serde_json::Value>,
+}
+
+/// Parses the fields routing needs; the whole body must be valid JSON.
+pub fn fields(body: &[u8]) -> Result<Fields, BodyError> {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(BodyError::NotJson("expected an object".into()));
+    }
+    let parsed: Borrowed<'_> = serde_json::from_slice(body).map_err(|e| BodyError::NotJson(e.to_string()))?;
+    let model = match parsed.model {
+        None => None,
+        Some(raw) if raw.get() == "null" => None,
+        Some(raw) => {
+            let name: String = serde_json::from_str(raw.get()).map_err(|_| BodyError::ModelNotString)?;
+            // The raw value borrows from `body`; its offset is where it sits.
+            let start = raw.get().as_ptr() as usize - body.as_ptr() as usize;
+            Some((name, start..start + raw.get().len()))
+        }
+    };
+    Ok(Fields { model, stream: parsed.stream.is_some_and(|v| v == serde_json::Value::Bool(true)) })
+}
+
+/// The body with the model set to `name`: the old value replaced in place,
+/// or the field inserted first when there was none.
+pub fn with_model(body: &[u8], at: Option<Range<usize>>, name: &str) -> Vec<u8> {
+    let quoted = serde_json::Value::String(name.to_string()).to_string();
+    let mut out = Vec::with_capacity(body.len() + quoted.len() + 10);
+    match at {
+        Some(range) => {
+            out.extend_from_slice(&body[..range.start]);
+            out.extend_from_slice(quoted.as_bytes());
+            out.extend_from_slice(&body[range.end..]);
+        }
+        None => {
+            let open = body.iter().position(|&b| b == b'{').unwrap_or(0);
+            let empty = body[open + 1..].iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+            out.extend_from_slice(&body[..=open]);
+            out.extend_from_slice(b"\"model\":");
+            out.extend_from_slice(quoted.as_bytes());
+            if !empty {
+                out.push(b',');
+            }
+            out.extend_from_slice(&body[open + 1..]);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dispatch_by_method_and_path() {
+        assert_eq!(endpoint("POST", "/v1/chat/completions"), Endpoint::Generate);
+        assert_eq!(endpoint("GET", "/v1/completions"), Endpoint::WrongMethod("POST"));
+        assert_eq!(endpoint("GET", "/v1/models"), Endpoint::Models);
+        assert_eq!(endpoint("POST", "/health"), Endpoint::WrongMethod("GET"));
+        assert_eq!(endpoint("GET", "/tokenize"), Endpoint::NotFound);
+    }
+
+    #[test]
+    fn the_model_is_found_where_it_sits() {
+        let body = br#"{"messages": [], "model" : "sim", "stream": true}"#;
+        let f = fields(body).unwrap();
+        let (name, at) = f.model.clone().unwrap();
+        assert_eq!(name, "sim");
+        assert_eq!(&body[at.clone()], br#""sim""#);
+        assert!(f.stream);
+        let rewritten = with_model(body, Some(at), "inferrail/sim-8b");
+        assert_eq!(rewritten, br#"{"messages": [], "model" : "inferrail/sim-8b", "stream": true}"#);
+    }
+
+    #[test]
+    fn a_missing_model_is_inserted_first() {
+        assert_eq!(with_model(br#" {"prompt": "x"}"#, None, "m"), br#" {"model":"m","prompt": "x"}"#);
+        assert_eq!(with_model(b"{ }", None, "m"), br#"{"model":"m" }"#);
+        assert_eq!(fields(br#"{"model": null}"#).unwrap().model, None);
+    }
+
+    #[test]
+    fn bad_bodies_are_refused() {
+        assert!(matches!(fields(b"{\"model\": "), Err(BodyError::NotJson(_))));
+        assert!(matches!(fields(b"[1]"), Err(BodyError::NotJson(_))));
+        assert_eq!(fields(br#"{"model": 5}"#), Err(BodyError::ModelNotString));
+        assert!(matches!(fields(br#"{"model": "a", "model": "b"}"#), Err(BodyError::NotJson(_))));
+    }
+}

@@ -1,0 +1,106 @@
+//! Starting and stopping the whole service: the ext_proc gRPC server (with
+//! the gRPC health service), the admin listener and the background loops.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use inferrail_config::Config;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::extproc::ExtProc;
+use crate::router::Router;
+use crate::{admin, health};
+
+/// Leases older than this are dropped as never reported (ten minutes).
+const LEASE_MAX_AGE_MS: u64 = 600_000;
+
+/// A started service.
+pub struct Running {
+    /// Where the ext_proc server listens.
+    pub grpc: SocketAddr,
+    /// Where the admin listener listens.
+    pub admin: SocketAddr,
+    /// The router, for tests that look inside.
+    pub router: Arc<Router>,
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    stopping: tokio::sync::oneshot::Receiver<()>,
+    grace: Duration,
+    background: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// Installs the process-wide Prometheus recorder once; later calls reuse it.
+pub fn metrics_handle() -> PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            // Another recorder installed first (a test harness) keeps working; ours then renders nothing.
+            let _ = metrics::set_global_recorder(recorder);
+            handle
+        })
+        .clone()
+}
+
+/// Binds both listeners and starts serving; stops accepting streams when
+/// `shutdown` completes, letting open ones finish for the configured grace.
+pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<Running> {
+    let grpc_listener = TcpListener::bind(&config.server.listen).await.with_context(|| format!("binding {}", config.server.listen))?;
+    let admin_listener = TcpListener::bind(&config.admin.listen).await.with_context(|| format!("binding {}", config.admin.listen))?;
+    let (grpc, admin) = (grpc_listener.local_addr()?, admin_listener.local_addr()?);
+    let grace = Duration::from_millis(config.server.shutdown_grace_ms);
+    let (stop_tx, stopping) = tokio::sync::oneshot::channel();
+    let router = Arc::new(Router::new(config));
+    let models = Arc::new(ArcSwap::from_pointee(health::models_json(&router, &[])));
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter.set_serving::<ExternalProcessorServer<ExtProc>>().await;
+    let ext_proc = ExternalProcessorServer::new(ExtProc::new(router.clone(), models.clone())).max_decoding_message_size(64 << 20);
+    let server = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health_service)
+        .add_service(ext_proc)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), async move {
+            shutdown.await;
+            tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down: no new streams, open ones may finish");
+            // Nobody waiting for the signal is not an error.
+            let _ = stop_tx.send(());
+        });
+    let server = tokio::spawn(server);
+    let background = vec![
+        tokio::spawn(admin::serve(admin_listener, router.clone(), metrics_handle())),
+        tokio::spawn(health::probe_loop(router.clone())),
+        tokio::spawn(health::sweep_loop(router.clone(), LEASE_MAX_AGE_MS)),
+        tokio::spawn(health::cards_loop(router.clone(), models)),
+    ];
+    Ok(Running { grpc, admin, router, server, stopping, grace, background })
+}
+
+impl Running {
+    /// Serves until shutdown, then lets open streams finish for the grace
+    /// period, then ends the background work.
+    pub async fn wait(mut self) -> anyhow::Result<()> {
+        tokio::select! {
+            joined = &mut self.server => return Ok(joined??),
+            _ = &mut self.stopping => {}
+        }
+        let outcome = tokio::time::timeout(self.grace, self.server).await;
+        for task in self.background {
+            task.abort();
+        }
+        match outcome {
+            Ok(joined) => Ok(joined??),
+            Err(_) => {
+                tracing::warn!("grace period over with streams still open");
+                Ok(())
+            }
+        }
+    }
+}
