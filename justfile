@@ -30,11 +30,12 @@ setup:
         tar -xzf "{{cache}}/npm/$tgz" -C "$dir" --strip-components=2 package/models/tokenizer.json package/models/tokenizer_config.json
     done
 
-# Run the whole test suite: lints, Rust tests, and the OpenAI SDK against the simulator.
+# Run the whole test suite: lints, Rust tests, the OpenAI SDK against the simulator, and the fleet through a real Envoy.
 test: setup lint
     cargo nextest run --workspace --no-fail-fast
-    # nextest built the simulator binary for the integration tests.
+    cargo build --quiet -p inferrail -p inferrail-sim
     INFERRAIL_SIM=target/debug/inferrail-sim "{{venv}}/bin/pytest" -q sim/tests/sdk
+    "{{venv}}/bin/pytest" -q crates/inferrail/tests/e2e
 
 # Formatting and clippy, warnings denied.
 lint:
@@ -64,3 +65,43 @@ bench-sim:
     run_sim --zero-latency
     target/release/inferrail-bench throughput --engine "inferrail-sim --zero-latency ($commit)" --out "$out/throughput-zero-latency.json"
     stop_sim
+
+# Bring up the local fleet: three simulators (8001-8003), inferrail (ext_proc 9002, admin 9090) and Envoy (8080, admin 9901).
+up: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --quiet -p inferrail -p inferrail-sim
+    run="{{cache}}/fleet"
+    mkdir -p "$run"
+    just down > /dev/null 2>&1 || true
+    # setsid: the fleet outlives this recipe and its process group.
+    start() { name=$1; shift; setsid "$@" > "$run/$name.log" 2>&1 < /dev/null & echo $! > "$run/$name.pid"; }
+    for i in 1 2 3; do
+        start "sim-$i" target/debug/inferrail-sim --port "800$i" --served-model-name inferrail/sim-8b --enable-prompt-tokens-details --seed "$i"
+    done
+    start inferrail target/debug/inferrail --config envoy/local-inferrail.yaml
+    start envoy "{{venv}}/bin/envoy" -c envoy/local.yaml --log-level warn --disable-hot-restart
+    body='{"model": "sim", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}'
+    for _ in $(seq 200); do
+        if curl -sf -o /dev/null localhost:8080/v1/chat/completions -H 'content-type: application/json' -d "$body"; then
+            echo "The fleet is up: Envoy on :8080, inferrail admin on :9090, logs in $run. Try:"
+            echo "  curl -si localhost:8080/v1/chat/completions -H 'content-type: application/json' -d '$body'"
+            echo "Stop it with: just down"
+            exit 0
+        fi
+        sleep 0.1
+    done
+    echo "the fleet did not serve a request in 20 s; logs are in $run" >&2
+    just down
+    exit 1
+
+# Stop the local fleet.
+down:
+    #!/usr/bin/env bash
+    run="{{cache}}/fleet"
+    for f in "$run"/*.pid; do
+        [ -f "$f" ] || continue
+        kill "$(cat "$f")" 2>/dev/null || true
+        rm -f "$f"
+    done
+    echo "the local fleet is down"

@@ -40,6 +40,10 @@ impl ExtProc {
 
 type Out = Result<ProcessingResponse, Status>;
 
+/// How long after its route stream ends a request may wait to be found by
+/// the observe stream before it counts as abandoned.
+const CLAIM_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 #[tonic::async_trait]
 impl ExternalProcessor for ExtProc {
     type ProcessStream = Pin<Box<dyn Stream<Item = Out> + Send + 'static>>;
@@ -108,16 +112,35 @@ impl ExtProc {
                     }
                 }
                 match self.router.decide(&body, &request_id) {
-                    Ok(d) => reply::decision(&d, &request_id),
+                    Ok(d) => {
+                        let answer = reply::decision(&d, &request_id);
+                        // If Envoy is gone it no longer needs the answer.
+                        let _ = tx.send(Ok(answer)).await;
+                        while let Ok(Some(_)) = inbound.message().await {}
+                        self.release_unclaimed(&request_id).await;
+                        return;
+                    }
                     Err(e) => reply::route_error(&e),
                 }
             }
         };
-        // If Envoy is gone it no longer needs the answer; a lease taken is
-        // released when the sweep finds it unclaimed.
+        // If Envoy is gone it no longer needs the answer.
         let _ = tx.send(Ok(answer)).await;
-        // Keep the stream open until Envoy closes it.
         while let Ok(Some(_)) = inbound.message().await {}
+    }
+
+    /// After the route stream ends, a request the observe stream never
+    /// found (the client left before it reached the upstream) is over.
+    async fn release_unclaimed(&self, request_id: &str) {
+        tokio::time::sleep(CLAIM_GRACE).await;
+        if let Some(lease) = self.router.lease(request_id)
+            && !lease.claimed()
+            && let Some(held) = self.router.finish(request_id)
+        {
+            let model = self.router.models[held.model].name.clone();
+            metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => "abandoned")
+                .increment(1);
+        }
     }
 }
 
@@ -141,12 +164,16 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
     let mut request_id: Option<String> = None;
     let mut lease: Option<Arc<Lease>> = None;
     let mut upstream_status: Option<u16> = None;
+    let mut complete = false;
     let mut message = Some(first);
     while let Some(m) = message {
         match m.request {
             Some(Request::RequestHeaders(h)) => {
                 request_id = request::head(h.headers.as_ref()).request_id;
                 lease = request_id.as_deref().and_then(|id| router.lease(id));
+                if let Some(l) = &lease {
+                    l.claim();
+                }
             }
             Some(Request::ResponseHeaders(h)) => {
                 upstream_status = status(&h);
@@ -160,24 +187,32 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
                         lease = router.move_lease(id, actual);
                     }
                 }
-                if h.end_of_stream
-                    && let Some(l) = &lease
+                if let Some(l) = &lease
+                    && h.end_of_stream
                 {
                     first_byte(l);
                 }
+                complete = h.end_of_stream;
             }
-            Some(Request::ResponseBody(_)) => {
+            Some(Request::ResponseBody(b)) => {
                 if let Some(l) = &lease {
                     first_byte(l);
                 }
+                complete = b.end_of_stream;
             }
             _ => {}
+        }
+        if complete {
+            // The whole response is through: the request is over now, not
+            // when Envoy gets round to closing this stream.
+            break;
         }
         message = inbound.message().await.ok().flatten();
     }
     let Some(id) = request_id else { return };
     let Some(held) = router.finish(&id) else { return };
     let outcome = match upstream_status {
+        _ if !complete => "disconnected",
         None => "disconnected",
         Some(s) if s >= 500 => "5xx",
         Some(s) if s >= 400 => "4xx",
@@ -192,6 +227,8 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
     metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => outcome)
         .increment(1);
     metrics::histogram!("inferrail_request_duration_seconds").record(held.start.elapsed().as_secs_f64());
+    // Envoy closes the stream in its own time; read it to the end.
+    while let Ok(Some(_)) = inbound.message().await {}
 }
 
 fn first_byte(lease: &Lease) {

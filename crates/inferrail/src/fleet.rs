@@ -123,13 +123,31 @@ pub struct Lease {
     pub start: Instant,
     first_byte: AtomicBool,
     released: AtomicBool,
+    claimed: AtomicBool,
 }
 
 impl Lease {
     /// Takes a slot on `replica`.
     pub fn new(replica: Arc<Replica>, model: usize) -> Self {
         replica.acquire();
-        Self { replica, model, start: Instant::now(), first_byte: AtomicBool::new(false), released: AtomicBool::new(false) }
+        Self {
+            replica,
+            model,
+            start: Instant::now(),
+            first_byte: AtomicBool::new(false),
+            released: AtomicBool::new(false),
+            claimed: AtomicBool::new(false),
+        }
+    }
+
+    /// The observe stream found this request: it will report the end.
+    pub fn claim(&self) {
+        self.claimed.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the observe stream found this request.
+    pub fn claimed(&self) -> bool {
+        self.claimed.load(Ordering::Relaxed)
     }
 
     /// Gives the slot back; only the first call counts.

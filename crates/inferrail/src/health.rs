@@ -49,16 +49,23 @@ pub async fn probe_loop(router: Arc<Router>) {
                 (r, ok)
             });
         }
-        let now = router.now_ms();
         while let Some(Ok((r, ok))) = probes.join_next().await {
             if r.set_probe(ok) {
                 tracing::info!(replica = %r.id, healthy = ok, "probe state changed");
             }
-            metrics::gauge!("inferrail_replica_healthy", "replica" => r.id.clone()).set(if r.healthy(now) { 1.0 } else { 0.0 });
-            metrics::gauge!("inferrail_replica_in_flight", "replica" => r.id.clone()).set(f64::from(r.in_flight()));
         }
-        metrics::gauge!("inferrail_leases").set(router.leases_held() as f64);
     }
+}
+
+/// Sets the per-replica gauges from the live state; called on each scrape.
+pub fn publish_gauges(router: &Router) {
+    let now = router.now_ms();
+    for r in &router.fleet().replicas {
+        metrics::gauge!("inferrail_replica_healthy", "replica" => r.id.clone()).set(if r.healthy(now) { 1.0 } else { 0.0 });
+        metrics::gauge!("inferrail_replica_ejected", "replica" => r.id.clone()).set(if r.ejected(now) { 1.0 } else { 0.0 });
+        metrics::gauge!("inferrail_replica_in_flight", "replica" => r.id.clone()).set(f64::from(r.in_flight()));
+    }
+    metrics::gauge!("inferrail_leases").set(router.leases_held() as f64);
 }
 
 /// Drops leases whose request never reported its end, every minute.

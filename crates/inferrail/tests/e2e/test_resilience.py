@@ -1,0 +1,104 @@
+"""Failures: the router down, replicas killed, hanging and flapping, and
+clients that leave; requests keep succeeding and the books balance."""
+
+import concurrent.futures
+import http.client as httpc
+import json
+import random
+import signal
+import threading
+import time
+
+from conftest import MODEL, http, wait_until
+
+
+def test_router_down_means_round_robin_not_errors(fleet_factory):
+    fleet = fleet_factory()
+    fleet.kill("inferrail")
+    upstreams = set()
+    for _ in range(12):
+        # Without the router nothing rewrites aliases: clients must name the engine's model.
+        r = http("POST", f"{fleet.url}/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status == 200, r.body
+        assert "x-inferrail-replica" not in r.headers
+        upstreams.add(r.headers["x-inferrail-upstream"])
+    assert len(upstreams) == 3
+
+
+def load(fleet, stop, results):
+    while not stop.is_set():
+        t = time.monotonic()
+        try:
+            results.append((t, fleet.chat(max_tokens=3, timeout=20).status))
+        except OSError as e:
+            results.append((t, repr(e)))
+
+
+def test_a_killed_replica_costs_no_request_sent_after_the_kill(fleet_factory):
+    fleet = fleet_factory(policy="round_robin")
+    stop, results = threading.Event(), []
+    workers = [threading.Thread(target=load, args=(fleet, stop, results)) for _ in range(6)]
+    for w in workers:
+        w.start()
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    fleet.kill("sim-2")
+    time.sleep(1.5)
+    fleet.start_sim(1)
+    wait_until(lambda: fleet.metric("inferrail_replica_healthy", 'replica="sim-2"') == 1.0, "sim-2 readmitted")
+    time.sleep(0.5)
+    stop.set()
+    for w in workers:
+        w.join()
+    after = [s for t, s in results if t > killed_at]
+    assert after and all(s == 200 for s in after), [s for s in after if s != 200][:5]
+    # It is back in rotation.
+    assert any(fleet.chat().headers["x-inferrail-replica"] == "sim-2" for _ in range(6))
+
+
+def test_a_hanging_replica_is_routed_around(fleet_factory):
+    fleet = fleet_factory(policy="round_robin")
+    http("POST", fleet.sim_url(1) + "/_sim/fault", {"mode": "hang"})
+    wait_until(lambda: fleet.metric("inferrail_replica_healthy", 'replica="sim-2"') == 0.0, "the probe to notice")
+    for _ in range(12):
+        r = fleet.chat(timeout=5)
+        assert r.status == 200 and r.headers["x-inferrail-replica"] != "sim-2"
+    http("POST", fleet.sim_url(1) + "/_sim/fault", {"mode": "none"})
+    wait_until(lambda: fleet.metric("inferrail_replica_healthy", 'replica="sim-2"') == 1.0, "readmission")
+
+
+def test_a_flapping_replica_is_tolerated(fleet_factory):
+    fleet = fleet_factory(policy="round_robin")
+    http("POST", fleet.sim_url(1) + "/_sim/fault", {"mode": "flap", "period_ms": 50, "status": 503})
+    statuses = [fleet.chat().status for _ in range(60)]
+    assert statuses == [200] * 60
+
+
+def disconnecting_client(fleet, rng):
+    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=20)
+    stream = rng.random() < 0.5
+    body = {"model": "sim", "prompt": "tell me", "max_tokens": rng.choice([1, 5, 50]), "stream": stream}
+    c.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+    if rng.random() < 0.4:
+        c.close()  # gone before, during or after the answer
+        return
+    r = c.getresponse()
+    if stream and rng.random() < 0.5:
+        r.read(10)
+    else:
+        r.read()
+    c.close()
+
+
+def test_books_balance_after_a_thousand_requests_with_disconnects(fleet_factory):
+    fleet = fleet_factory(policy="least_request", sim_flags=["--decode-token-ms", "2", "--prefill-fixed-ms", "1"])
+    rng = random.Random(11)
+    seeds = [rng.random() for _ in range(1000)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda s: disconnecting_client(fleet, random.Random(s)), seeds))
+    def settled():
+        m = fleet.metrics()
+        return "inferrail_leases 0\n" in m and all(
+            f'inferrail_replica_in_flight{{replica="sim-{i}"}} 0\n' in m for i in (1, 2, 3))
+    wait_until(settled, "every lease to be released", timeout=30)
+    assert fleet.chat().status == 200

@@ -1,0 +1,140 @@
+"""Routing through a real Envoy: every policy's choices, the decision Envoy
+enforces, errors the router answers, and the OpenAI SDK end to end."""
+
+import asyncio
+import collections
+import threading
+
+import openai
+import pytest
+
+from conftest import MODEL, http
+
+
+def served(fleet, n, **kw):
+    """(chosen replica, replica Envoy really used) for n sequential requests."""
+    out = []
+    for _ in range(n):
+        r = fleet.chat(**kw)
+        assert r.status == 200, r.body
+        out.append((r.headers["x-inferrail-replica"], r.headers["x-inferrail-upstream"]))
+    return out
+
+
+def assert_enforced(fleet, picks):
+    """Envoy sent every request to the replica inferrail chose."""
+    addr = {f"sim-{i + 1}": f"127.0.0.1:{p}" for i, p in enumerate(fleet.sim_ports)}
+    for chosen, upstream in picks:
+        assert addr[chosen] == upstream, (chosen, upstream)
+
+
+def test_round_robin_takes_turns_and_envoy_follows(fleet_factory):
+    fleet = fleet_factory(policy="round_robin")
+    picks = served(fleet, 9)
+    assert_enforced(fleet, picks)
+    chosen = [c for c, _ in picks]
+    assert chosen[:3] == chosen[3:6] == chosen[6:9]
+    assert sorted(chosen[:3]) == ["sim-1", "sim-2", "sim-3"]
+
+
+def test_random_and_p2c_spread_over_every_replica(fleet_factory):
+    for policy in ("random", "p2c"):
+        fleet = fleet_factory(policy=policy)
+        picks = served(fleet, 45)
+        assert_enforced(fleet, picks)
+        counts = collections.Counter(c for c, _ in picks)
+        assert set(counts) == {"sim-1", "sim-2", "sim-3"}, (policy, counts)
+
+
+def test_least_request_avoids_a_busy_replica(fleet_factory):
+    fleet = fleet_factory(policy="least_request", sim_flags=["--decode-token-ms", "20"])
+    # Hold two long streams open; least_request puts them on two replicas and
+    # every short request that follows on the third.
+    import http.client
+    held = []
+    for _ in range(2):
+        c = http.client.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+        c.request("POST", "/v1/completions", body=b'{"model":"sim","prompt":"long","max_tokens":2000,"stream":true}',
+                  headers={"content-type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200
+        r.read(1)
+        held.append((c, r.getheader("x-inferrail-replica")))
+    busy = {name for _, name in held}
+    assert len(busy) == 2
+    picks = served(fleet, 10)
+    assert_enforced(fleet, picks)
+    assert {c for c, _ in picks}.isdisjoint(busy), (picks, busy)
+    for c, _ in held:
+        c.close()
+
+
+def test_a_client_header_never_picks_the_replica(fleet_factory):
+    fleet = fleet_factory(policy="round_robin")
+    sim1 = f"127.0.0.1:{fleet.sim_ports[0]}"
+    picks = served(fleet, 6, headers={"x-gateway-destination-endpoint": sim1})
+    assert_enforced(fleet, picks)
+    assert {c for c, _ in picks} == {"sim-1", "sim-2", "sim-3"}
+
+
+def test_aliases_are_rewritten_for_the_engine(fleet_factory):
+    fleet = fleet_factory()
+    r = fleet.chat()
+    assert r.json()["model"] == MODEL
+    r = http("POST", f"{fleet.url}/v1/completions", {"prompt": "no model named", "max_tokens": 1})
+    assert r.status == 200 and r.json()["model"] == MODEL
+    listed = http("GET", f"{fleet.url}/v1/models").json()
+    assert [m["id"] for m in listed["data"]] == [MODEL, "sim"]
+
+
+@pytest.mark.parametrize("method,path,body,status", [
+    ("POST", "/v1/chat/completions", b'{"model": "sim", "messages": [', 400),
+    ("POST", "/v1/chat/completions", b'[1, 2]', 400),
+    ("POST", "/v1/chat/completions", b'{"model": 42}', 400),
+    ("POST", "/v1/chat/completions", b'{"model": "nope", "messages": []}', 404),
+    ("POST", "/v1/completions", b'', 400),
+    ("GET", "/v1/chat/completions", None, 405),
+    ("DELETE", "/v1/models", None, 405),
+    ("GET", "/v1/unknown", None, 404),
+    ("POST", "/v1/completions", b'{"model": "sim", "prompt": "' + b"x" * (2 << 20) + b'"}', 413),
+])
+def test_bad_requests_get_openai_errors_from_the_router(fleet_factory, method, path, body, status):
+    fleet = fleet_factory()
+    r = http(method, fleet.url + path, body)
+    assert r.status == status, r.body[:300]
+    err = r.json()["error"]
+    assert err["code"] == status and err["message"] and err["type"]
+    if status == 405:
+        assert r.headers["allow"] in ("GET", "POST")
+    # Still serving.
+    assert fleet.chat().status == 200
+
+
+def test_openai_sdk_sync_and_async_through_envoy(fleet_factory):
+    fleet = fleet_factory()
+    c = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0)
+    whole = c.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert whole.model == MODEL and whole.usage.completion_tokens == 4
+    chunks = list(c.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 3
+    comp = c.completions.create(model="sim", prompt="Once", max_tokens=2)
+    assert comp.usage.completion_tokens == 2
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+    async def run():
+        a = openai.AsyncOpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0)
+
+        async def one(i):
+            s = await a.chat.completions.create(model="sim", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=3, stream=True)
+            return [x async for x in s]
+
+        out = await asyncio.gather(*(one(i) for i in range(12)))
+        whole = await a.completions.create(model="sim", prompt="x", max_tokens=2)
+        await a.close()
+        return out, whole
+
+    streams, whole = asyncio.run(run())
+    assert all(s[-1].choices[0].finish_reason == "length" for s in streams)
+    assert whole.usage.completion_tokens == 2
