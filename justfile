@@ -105,3 +105,25 @@ down:
         rm -f "$f"
     done
     echo "the local fleet is down"
+
+# Benchmark the latency inferrail adds: open loop at 1,000 and 2,000 req/s through Envoy with and without it; writes bench/results/overhead/.
+bench-overhead: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
+    run="{{cache}}/bench-overhead"
+    mkdir -p "$run" bench/results/overhead
+    pids=()
+    trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
+    start() { name=$1; shift; "$@" > "$run/$name.log" 2>&1 < /dev/null & pids+=($!); }
+    for i in 1 2 3; do start "sim-$i" target/release/inferrail-sim --port "800$i" --served-model-name inferrail/sim-8b --zero-latency; done
+    start inferrail target/release/inferrail --config envoy/local-inferrail.yaml
+    start envoy "{{venv}}/bin/envoy" -c envoy/local.yaml --log-level error --disable-hot-restart --concurrency 1
+    start envoy-plain "{{venv}}/bin/envoy" -c bench/envoy/plain.yaml --log-level error --disable-hot-restart --concurrency 1 --base-id 1
+    body='{"model": "inferrail/sim-8b", "prompt": "warm", "max_tokens": 1}'
+    for port in 8080 8081; do
+        for _ in $(seq 200); do curl -sf -o /dev/null "localhost:$port/v1/completions" -d "$body" && break; sleep 0.1; done
+    done
+    commit=$(git rev-parse --short HEAD)
+    target/release/inferrail-bench overhead --setup "2-core machine shared by client, Envoy 1.40 (1 worker each), inferrail (release) and 3 zero-latency simulators; least_request; commit $commit" \
+        --out bench/results/overhead/added-latency.json

@@ -2,6 +2,7 @@
 //! the router end to end. Results are written as JSON, to be committed with
 //! the commit that produced them.
 
+mod open_loop;
 mod report;
 mod sim_load;
 
@@ -20,6 +21,8 @@ enum Command {
     Streams(sim_load::StreamsArgs),
     /// Closed-loop requests per second against one engine.
     Throughput(sim_load::ThroughputArgs),
+    /// Latency inferrail adds: open loop through Envoy with and without it.
+    Overhead(open_loop::OverheadArgs),
 }
 
 #[tokio::main]
@@ -27,5 +30,6 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Streams(args) => sim_load::streams(args).await,
         Command::Throughput(args) => sim_load::throughput(args).await,
+        Command::Overhead(args) => open_loop::overhead(args).await,
     }
 }

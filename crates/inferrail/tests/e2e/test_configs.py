@@ -8,7 +8,7 @@ from conftest import ENVOY, ROOT, TARGET
 
 
 def test_envoy_configs_validate():
-    configs = sorted((ROOT / "envoy").glob("*.yaml"))
+    configs = sorted((ROOT / "envoy").glob("**/*.yaml")) + sorted((ROOT / "bench" / "envoy").glob("*.yaml"))
     bootstraps = [c for c in configs if "static_resources" in c.read_text()]
     assert bootstraps
     for c in bootstraps:
