@@ -73,7 +73,7 @@ up: setup
     cargo build --quiet -p inferrail -p inferrail-sim
     run="{{cache}}/fleet"
     mkdir -p "$run"
-    just down > /dev/null 2>&1 || true
+    "{{just_executable()}}" --justfile "{{justfile()}}" down > /dev/null
     # setsid: the fleet outlives this recipe and its process group.
     start() { name=$1; shift; setsid "$@" > "$run/$name.log" 2>&1 < /dev/null & echo $! > "$run/$name.pid"; }
     for i in 1 2 3; do
@@ -92,7 +92,7 @@ up: setup
         sleep 0.1
     done
     echo "the fleet did not serve a request in 20 s; logs are in $run" >&2
-    just down
+    "{{just_executable()}}" --justfile "{{justfile()}}" down
     exit 1
 
 # Stop the local fleet.
@@ -113,6 +113,9 @@ bench-overhead: setup
     cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
     run="{{cache}}/bench-overhead"
     mkdir -p "$run" bench/results/overhead
+    for port in 8001 8002 8003 8080 8081 9002 9090; do
+        if (echo > "/dev/tcp/127.0.0.1/$port") 2> /dev/null; then echo "port $port is in use (just down?)" >&2; exit 1; fi
+    done
     pids=()
     trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
     start() { name=$1; shift; "$@" > "$run/$name.log" 2>&1 < /dev/null & pids+=($!); }

@@ -1,10 +1,11 @@
 //! The ext_proc gRPC service: one stream per HTTP request and filter.
 //!
-//! Envoy's route filter (headers then buffered body) gets a decision; the
-//! observe filter (observability mode: request headers, response headers
-//! and body, asynchronously) tells the router what happened upstream, and
-//! its stream ending is the signal that the request is over. A stream's
-//! first message says which filter it comes from.
+//! Envoy's route filter sends headers, then the buffered body, and gets the
+//! decision; Envoy keeps that stream open until the HTTP request ends, however
+//! it ends, so its closing releases the request's lease. The observe filter
+//! (observability mode, asynchronous, no added latency) reports the upstream
+//! response: status, the replica that really served after retries, and the
+//! first body byte. A stream's first message says which filter it comes from.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -40,9 +41,8 @@ impl ExtProc {
 
 type Out = Result<ProcessingResponse, Status>;
 
-/// How long after its route stream ends a request may wait to be found by
-/// the observe stream before it counts as abandoned.
-const CLAIM_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long a finished request's record waits for late observe messages.
+const OBSERVE_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
 
 #[tonic::async_trait]
 impl ExternalProcessor for ExtProc {
@@ -72,8 +72,9 @@ fn new_request_id() -> String {
 
 impl ExtProc {
     async fn route(&self, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>, tx: mpsc::Sender<Out>) {
-        let Some(Request::RequestHeaders(HttpHeaders { headers, end_of_stream, .. })) = first.request else { return };
+        let Some(Request::RequestHeaders(HttpHeaders { headers, end_of_stream: mut body_done, .. })) = first.request else { return };
         let head = request::head(headers.as_ref());
+        let mut body = Vec::new();
         let answer = match request::endpoint(&head.method, &head.path) {
             Endpoint::Models => reply::immediate(200, self.models_json.load().as_ref().clone(), &[], "inferrail_models"),
             Endpoint::Health => reply::immediate(200, String::new(), &[], "inferrail_health"),
@@ -91,24 +92,21 @@ impl ExtProc {
                     Some(id) => (id, false),
                     None => (new_request_id(), true),
                 };
-                let mut body = Vec::new();
-                if !end_of_stream {
+                if !body_done {
                     let set: Vec<(&str, &str)> = if generated { vec![("x-request-id", request_id.as_str())] } else { Vec::new() };
                     if tx.send(Ok(reply::continue_headers(&set))).await.is_err() {
                         return;
                     }
-                    loop {
-                        match inbound.message().await {
-                            Ok(Some(ProcessingRequest { request: Some(Request::RequestBody(b)), .. })) => {
-                                body.extend_from_slice(&b.body);
-                                if b.end_of_stream {
-                                    break;
-                                }
-                            }
-                            Ok(Some(_)) => {}
-                            // Envoy gave up on the request (client gone, timeout).
-                            Ok(None) | Err(_) => return,
+                }
+                while !body_done {
+                    match inbound.message().await {
+                        Ok(Some(ProcessingRequest { request: Some(Request::RequestBody(b)), .. })) => {
+                            body.extend_from_slice(&b.body);
+                            body_done = b.end_of_stream;
                         }
+                        Ok(Some(_)) => {}
+                        // Envoy gave up on the request (client gone, timeout).
+                        Ok(None) | Err(_) => return,
                     }
                 }
                 match self.router.decide(&body, &request_id) {
@@ -117,7 +115,7 @@ impl ExtProc {
                         // If Envoy is gone it no longer needs the answer.
                         let _ = tx.send(Ok(answer)).await;
                         while let Ok(Some(_)) = inbound.message().await {}
-                        self.release_unclaimed(&request_id).await;
+                        self.request_over(&request_id).await;
                         return;
                     }
                     Err(e) => reply::route_error(&e),
@@ -129,25 +127,34 @@ impl ExtProc {
         while let Ok(Some(_)) = inbound.message().await {}
     }
 
-    /// After the route stream ends, a request the observe stream never
-    /// found (the client left before it reached the upstream) is over.
-    async fn release_unclaimed(&self, request_id: &str) {
-        tokio::time::sleep(CLAIM_GRACE).await;
-        if let Some(lease) = self.router.lease(request_id)
-            && !lease.claimed()
-            && let Some(held) = self.router.finish(request_id)
-        {
-            let model = self.router.models[held.model].name.clone();
-            metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => "abandoned")
-                .increment(1);
-        }
+    /// The route stream closed: the request is over. Its slot is given back
+    /// at once; the record stays a moment for observe messages still in
+    /// flight, then its outcome is counted.
+    async fn request_over(&self, request_id: &str) {
+        let Some(lease) = self.router.lease(request_id) else { return };
+        lease.release();
+        tokio::time::sleep(OBSERVE_GRACE).await;
+        let Some(held) = self.router.forget(request_id) else { return };
+        let outcome = match held.status() {
+            None => "no_response",
+            Some(s) if s >= 500 => "5xx",
+            Some(s) if s >= 400 => "4xx",
+            Some(_) => "ok",
+        };
+        let model = self.router.models[held.model].name.clone();
+        metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => outcome)
+            .increment(1);
+        metrics::histogram!("inferrail_request_duration_seconds").record(held.start.elapsed().as_secs_f64() - OBSERVE_GRACE.as_secs_f64());
     }
 }
 
-/// The upstream address Envoy reports in a message's attributes, if asked to.
-fn upstream_address(h: &HttpHeaders) -> Option<String> {
-    h.attributes.values().flat_map(|s| s.fields.iter()).find_map(|(k, v)| match (&**k, &v.kind) {
-        ("upstream.address", Some(Kind::StringValue(a))) => Some(a.clone()),
+type Attributes = std::collections::HashMap<String, envoy_types::pb::google::protobuf::Struct>;
+
+/// A string attribute Envoy sent (`request.id`, `upstream.address`, ...),
+/// keyed by the filter's name; the value is looked up under any key.
+fn attribute(attributes: &Attributes, name: &str) -> Option<String> {
+    attributes.values().flat_map(|s| s.fields.iter()).find_map(|(k, v)| match (k == name, &v.kind) {
+        (true, Some(Kind::StringValue(a))) => Some(a.clone()),
         _ => None,
     })
 }
@@ -159,76 +166,55 @@ fn status(h: &HttpHeaders) -> Option<u16> {
     text.parse().ok()
 }
 
-/// Follows one request's upstream side to its end.
+/// Follows one request's upstream response: status, who served, first byte.
 async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>) {
-    let mut request_id: Option<String> = None;
     let mut lease: Option<Arc<Lease>> = None;
-    let mut upstream_status: Option<u16> = None;
-    let mut complete = false;
     let mut message = Some(first);
     while let Some(m) = message {
+        let attributes = m.attributes;
         match m.request {
-            Some(Request::RequestHeaders(h)) => {
-                request_id = request::head(h.headers.as_ref()).request_id;
-                lease = request_id.as_deref().and_then(|id| router.lease(id));
-                if let Some(l) = &lease {
-                    l.claim();
-                }
-            }
             Some(Request::ResponseHeaders(h)) => {
-                upstream_status = status(&h);
-                if let (Some(id), Some(held), Some(addr)) = (&request_id, &lease, upstream_address(&h))
+                let found = |name| attribute(&attributes, name).or_else(|| attribute(&h.attributes, name));
+                let id = found("request.id");
+                lease = id.as_deref().and_then(|id| router.lease(id));
+                let (Some(id), Some(held)) = (id, &lease) else { return };
+                let code = status(&h).unwrap_or(0);
+                held.set_status(code);
+                if let Some(addr) = found("upstream.address")
                     && addr != held.replica.addr.to_string()
                 {
                     // Envoy retried elsewhere: the winner failed this request.
                     crate::health::request_failed(router, &held.replica);
                     let fleet = router.fleet();
-                    if let Some(actual) = fleet.replicas.iter().find(|r| r.addr.to_string() == addr) {
-                        lease = router.move_lease(id, actual);
+                    if let Some(actual) = fleet.replicas.iter().find(|r| r.addr.to_string() == addr)
+                        && let Some(moved) = router.move_lease(&id, actual)
+                    {
+                        moved.set_status(code);
+                        lease = Some(moved);
                     }
                 }
-                if let Some(l) = &lease
-                    && h.end_of_stream
-                {
-                    first_byte(l);
+                if let Some(held) = &lease {
+                    if code >= 500 {
+                        crate::health::request_failed(router, &held.replica);
+                    } else {
+                        held.replica.record_success();
+                    }
+                    if h.end_of_stream {
+                        first_byte(held);
+                    }
                 }
-                complete = h.end_of_stream;
             }
-            Some(Request::ResponseBody(b)) => {
+            Some(Request::ResponseBody(_)) => {
                 if let Some(l) = &lease {
                     first_byte(l);
                 }
-                complete = b.end_of_stream;
+                // The first byte is all this stream is for.
+                return;
             }
             _ => {}
         }
-        if complete {
-            // The whole response is through: the request is over now, not
-            // when Envoy gets round to closing this stream.
-            break;
-        }
         message = inbound.message().await.ok().flatten();
     }
-    let Some(id) = request_id else { return };
-    let Some(held) = router.finish(&id) else { return };
-    let outcome = match upstream_status {
-        _ if !complete => "disconnected",
-        None => "disconnected",
-        Some(s) if s >= 500 => "5xx",
-        Some(s) if s >= 400 => "4xx",
-        Some(_) => "ok",
-    };
-    match upstream_status {
-        Some(s) if s >= 500 => crate::health::request_failed(router, &held.replica),
-        Some(_) => held.replica.record_success(),
-        None => {}
-    }
-    let model = router.models[held.model].name.clone();
-    metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => outcome)
-        .increment(1);
-    metrics::histogram!("inferrail_request_duration_seconds").record(held.start.elapsed().as_secs_f64());
-    // Envoy closes the stream in its own time; read it to the end.
-    while let Ok(Some(_)) = inbound.message().await {}
 }
 
 fn first_byte(lease: &Lease) {

@@ -123,7 +123,7 @@ pub struct Lease {
     pub start: Instant,
     first_byte: AtomicBool,
     released: AtomicBool,
-    claimed: AtomicBool,
+    status: AtomicU32,
 }
 
 impl Lease {
@@ -136,18 +136,23 @@ impl Lease {
             start: Instant::now(),
             first_byte: AtomicBool::new(false),
             released: AtomicBool::new(false),
-            claimed: AtomicBool::new(false),
+            status: AtomicU32::new(0),
         }
     }
 
-    /// The observe stream found this request: it will report the end.
-    pub fn claim(&self) {
-        self.claimed.store(true, Ordering::Relaxed);
+    /// Records the upstream's response status.
+    pub fn set_status(&self, status: u16) {
+        self.status.store(u32::from(status), Ordering::Relaxed);
     }
 
-    /// Whether the observe stream found this request.
-    pub fn claimed(&self) -> bool {
-        self.claimed.load(Ordering::Relaxed)
+    /// The upstream's response status, if one was seen.
+    pub fn status(&self) -> Option<u16> {
+        u16::try_from(self.status.load(Ordering::Relaxed)).ok().filter(|&s| s != 0)
+    }
+
+    /// Whether the slot was given back.
+    pub fn released(&self) -> bool {
+        self.released.load(Ordering::Relaxed)
     }
 
     /// Gives the slot back; only the first call counts.

@@ -1,6 +1,6 @@
 //! Background work on the fleet: active `/health` probes, passive ejection
-//! when requests fail, per-replica gauges, the engines' model cards for
-//! `/v1/models`, and the sweep of leases whose end was never reported.
+//! when requests fail, per-replica gauges, and the engines' model cards for
+//! `/v1/models`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,19 +66,6 @@ pub fn publish_gauges(router: &Router) {
         metrics::gauge!("inferrail_replica_in_flight", "replica" => r.id.clone()).set(f64::from(r.in_flight()));
     }
     metrics::gauge!("inferrail_leases").set(router.leases_held() as f64);
-}
-
-/// Drops leases whose request never reported its end, every minute.
-pub async fn sweep_loop(router: Arc<Router>, max_age_ms: u64) {
-    let mut tick = tokio::time::interval(Duration::from_secs(60));
-    loop {
-        tick.tick().await;
-        let n = router.sweep_leases(max_age_ms);
-        if n > 0 {
-            metrics::counter!("inferrail_leases_swept_total").increment(n as u64);
-            tracing::warn!(leases = n, "released leases whose request never reported its end");
-        }
-    }
 }
 
 /// The `/v1/models` answer: configured models in order, then their aliases,

@@ -17,7 +17,7 @@ struct Args {
     check: bool,
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let config = match Config::load(&args.config) {

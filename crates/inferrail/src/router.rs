@@ -219,8 +219,8 @@ impl Router {
         self.leases.pin().get(request_id).cloned()
     }
 
-    /// Ends a request: releases and returns its lease.
-    pub fn finish(&self, request_id: &str) -> Option<Arc<Lease>> {
+    /// Forgets a request's lease (releasing it if still held) and returns it.
+    pub fn forget(&self, request_id: &str) -> Option<Arc<Lease>> {
         let lease = self.leases.pin().remove(request_id).cloned()?;
         lease.release();
         Some(lease)
@@ -230,7 +230,7 @@ impl Router {
     /// retried on a fallback). Returns the new lease.
     pub fn move_lease(&self, request_id: &str, to: &Arc<Replica>) -> Option<Arc<Lease>> {
         let leases = self.leases.pin();
-        let old = leases.get(request_id)?;
+        let old = leases.get(request_id).filter(|l| !l.released())?;
         let moved = Arc::new(Lease::new(to.clone(), old.model));
         old.release();
         leases.insert(request_id.to_string(), moved.clone());
@@ -240,19 +240,6 @@ impl Router {
     /// Leases held now.
     pub fn leases_held(&self) -> usize {
         self.leases.len()
-    }
-
-    /// Drops leases older than `max_age_ms` whose end was never reported.
-    pub fn sweep_leases(&self, max_age_ms: u64) -> usize {
-        let leases = self.leases.pin();
-        let stale: Vec<String> =
-            leases.iter().filter(|(_, l)| l.start.elapsed().as_millis() as u64 > max_age_ms).map(|(k, _)| k.clone()).collect();
-        for k in &stale {
-            if let Some(l) = leases.remove(k) {
-                l.release();
-            }
-        }
-        stale.len()
     }
 }
 

@@ -18,9 +18,6 @@ use crate::extproc::ExtProc;
 use crate::router::Router;
 use crate::{admin, health};
 
-/// Leases older than this are dropped as never reported (ten minutes).
-const LEASE_MAX_AGE_MS: u64 = 600_000;
-
 /// A started service.
 pub struct Running {
     /// Where the ext_proc server listens.
@@ -33,6 +30,17 @@ pub struct Running {
     stopping: tokio::sync::oneshot::Receiver<()>,
     grace: Duration,
     background: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// Accepted connections with Nagle's algorithm off: every ext_proc message
+/// is latency, and Nagle with delayed ACKs would hold some for 40 ms.
+fn nodelay(listener: TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    TcpListenerStream::new(listener).map(|accepted| {
+        let stream = accepted?;
+        stream.set_nodelay(true)?;
+        Ok(stream)
+    })
 }
 
 /// Installs the process-wide Prometheus recorder once; later calls reuse it.
@@ -63,21 +71,19 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<ExternalProcessorServer<ExtProc>>().await;
     let ext_proc = ExternalProcessorServer::new(ExtProc::new(router.clone(), models.clone())).max_decoding_message_size(64 << 20);
-    let server = tonic::transport::Server::builder()
-        .tcp_nodelay(true)
-        .add_service(health_service)
-        .add_service(ext_proc)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), async move {
+    let server = tonic::transport::Server::builder().add_service(health_service).add_service(ext_proc).serve_with_incoming_shutdown(
+        nodelay(grpc_listener),
+        async move {
             shutdown.await;
             tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down: no new streams, open ones may finish");
             // Nobody waiting for the signal is not an error.
             let _ = stop_tx.send(());
-        });
+        },
+    );
     let server = tokio::spawn(server);
     let background = vec![
         tokio::spawn(admin::serve(admin_listener, router.clone(), metrics_handle())),
         tokio::spawn(health::probe_loop(router.clone())),
-        tokio::spawn(health::sweep_loop(router.clone(), LEASE_MAX_AGE_MS)),
         tokio::spawn(health::cards_loop(router.clone(), models)),
     ];
     Ok(Running { grpc, admin, router, server, stopping, grace, background })

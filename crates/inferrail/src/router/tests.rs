@@ -57,7 +57,7 @@ fn only_replicas_with_room_that_serve_the_model_are_offered() {
     for i in 0..20 {
         let d = r.decide(br#"{"model":"big"}"#, &format!("b{i}")).unwrap();
         assert!(!ids(&d).contains(&"r1"), "{:?}", ids(&d));
-        r.finish(&format!("b{i}"));
+        r.forget(&format!("b{i}"));
     }
 }
 
@@ -67,7 +67,7 @@ fn leases_follow_the_request_and_are_released_at_its_end() {
     let d = r.decide(br#"{"model":"small"}"#, "x").unwrap();
     assert_eq!(d.targets[0].in_flight(), 1);
     assert_eq!(r.leases_held(), 1);
-    drop(r.finish("x"));
+    drop(r.forget("x"));
     assert_eq!(d.targets[0].in_flight(), 0);
     assert_eq!(r.leases_held(), 0);
 }
