@@ -8,10 +8,12 @@
 //! [`reply`] turns the decision into headers and dynamic metadata for Envoy.
 //! The observe filter's stream, also in [`extproc`], reports the upstream
 //! outcome and ends the lease. [`health`] probes replicas and ejects failing
-//! ones; [`admin`] serves metrics and health; [`service`] wires it together.
+//! ones; [`discovery`] keeps DNS groups' members current; [`admin`] serves
+//! metrics and health; [`service`] wires it together.
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod discovery;
 pub mod extproc;
 pub mod fleet;
 pub mod health;

@@ -16,7 +16,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::extproc::ExtProc;
 use crate::router::Router;
-use crate::{admin, health};
+use crate::{admin, discovery, health};
 
 /// A started service.
 pub struct Running {
@@ -85,6 +85,7 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         tokio::spawn(admin::serve(admin_listener, router.clone(), metrics_handle())),
         tokio::spawn(health::probe_loop(router.clone())),
         tokio::spawn(health::cards_loop(router.clone(), models)),
+        tokio::spawn(discovery::run(router.clone())),
     ];
     Ok(Running { grpc, admin, router, server, stopping, grace, background })
 }

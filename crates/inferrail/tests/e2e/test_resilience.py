@@ -102,3 +102,21 @@ def test_books_balance_after_a_thousand_requests_with_disconnects(fleet_factory)
             f'inferrail_replica_in_flight{{replica="sim-{i}"}} 0\n' in m for i in (1, 2, 3))
     wait_until(settled, "every lease to be released", timeout=30)
     assert fleet.chat().status == 200
+
+
+def test_sigterm_lets_open_requests_finish_then_envoy_falls_back(fleet_factory):
+    fleet = fleet_factory(sim_flags=["--decode-token-ms", "10"])
+    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+    c.request("POST", "/v1/completions", body=json.dumps({"model": "sim", "prompt": "x", "max_tokens": 100, "stream": True}),
+              headers={"content-type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200 and r.getheader("x-inferrail-replica")
+    router = fleet.procs.pop("inferrail")
+    router.send_signal(signal.SIGTERM)
+    body = r.read().decode()
+    assert body.endswith("data: [DONE]\n\n"), body[-200:]
+    # It exits once its open streams are done, well within the grace period.
+    assert router.wait(timeout=10) == 0
+    # New requests are served without it, by Envoy's round robin.
+    resp = http("POST", f"{fleet.url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert resp.status == 200 and "x-inferrail-replica" not in resp.headers

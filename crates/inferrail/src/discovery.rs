@@ -1,0 +1,146 @@
+//! DNS discovery: each group's name is resolved on its interval and its
+//! members become replicas named `<group>-<ip>-<port>`. A member that
+//! survives a lookup keeps its state (in-flight counts, health, backoff);
+//! a failed lookup keeps the last set rather than emptying the group.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use inferrail_config::DnsGroup;
+
+use crate::fleet::Replica;
+use crate::router::{Fleet, Router};
+
+/// The id of a discovered member.
+pub fn member_id(group: &str, addr: SocketAddr) -> String {
+    format!("{group}-{}-{}", addr.ip(), addr.port())
+}
+
+/// Current members of every group, on top of the listed replicas.
+pub struct Discovery {
+    groups: Vec<DnsGroup>,
+    listed: Vec<Arc<Replica>>,
+    members: Vec<Vec<Arc<Replica>>>,
+}
+
+impl Discovery {
+    /// Starts from the router's listed replicas, with every group empty.
+    pub fn new(router: &Router) -> Self {
+        let groups = router.config.discovery.clone();
+        let members = vec![Vec::new(); groups.len()];
+        Self { groups, listed: router.fleet().replicas.clone(), members }
+    }
+
+    /// Applies one lookup of group `g`; returns whether its membership changed.
+    pub fn apply(&mut self, router: &Router, g: usize, lookup: Result<Vec<IpAddr>, String>) -> bool {
+        let group = &self.groups[g];
+        let ips = match lookup {
+            Ok(ips) => ips,
+            Err(e) => {
+                metrics::counter!("inferrail_dns_failures_total", "group" => group.group.clone()).increment(1);
+                tracing::warn!(group = %group.group, host = %group.host, error = %e, "lookup failed; keeping the last members");
+                return false;
+            }
+        };
+        let mut addrs: Vec<SocketAddr> = ips.into_iter().map(|ip| SocketAddr::new(ip, group.port)).collect();
+        addrs.sort();
+        addrs.dedup();
+        let old = &self.members[g];
+        let models: Vec<usize> = group.models.iter().filter_map(|m| router.model_index(m)).collect();
+        let new: Vec<Arc<Replica>> = addrs
+            .iter()
+            .map(|&a| {
+                old.iter()
+                    .find(|r| r.addr == a)
+                    .cloned()
+                    .unwrap_or_else(|| Arc::new(Replica::new(member_id(&group.group, a), a, models.clone(), group.limits())))
+            })
+            .collect();
+        let changed = new.len() != old.len() || new.iter().zip(old).any(|(a, b)| !Arc::ptr_eq(a, b));
+        if changed {
+            tracing::info!(group = %group.group, members = ?addrs, "membership changed");
+            self.members[g] = new;
+            let all = self.listed.iter().chain(self.members.iter().flatten()).cloned().collect();
+            router.set_fleet(Fleet::new(all, router.models.len()));
+        }
+        changed
+    }
+}
+
+/// Resolves every group on its interval, forever.
+pub async fn run(router: Arc<Router>) {
+    if router.config.discovery.is_empty() {
+        return;
+    }
+    let resolver = match hickory_resolver::TokioResolver::builder_tokio().and_then(|b| b.build()) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "no DNS resolver; discovery groups stay empty");
+            return;
+        }
+    };
+    let mut discovery = Discovery::new(&router);
+    let mut next = vec![tokio::time::Instant::now(); router.config.discovery.len()];
+    loop {
+        let (g, at) = next.iter().enumerate().min_by_key(|(_, t)| **t).map(|(g, t)| (g, *t)).unwrap_or((0, tokio::time::Instant::now()));
+        tokio::time::sleep_until(at).await;
+        let group = &router.config.discovery[g];
+        let lookup = resolver.lookup_ip(group.host.as_str()).await.map(|ips| ips.iter().collect()).map_err(|e| e.to_string());
+        discovery.apply(&router, g, lookup);
+        next[g] = tokio::time::Instant::now() + Duration::from_millis(group.interval_ms);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inferrail_config::Config;
+
+    fn router() -> Router {
+        let yaml = "
+models: [{name: m}]
+replicas: [{id: listed, address: 127.0.0.1:7000, models: [m]}]
+discovery: [{group: pool, host: pool.internal, port: 8000, models: [m]}]
+";
+        Router::new(Config::parse(yaml).unwrap())
+    }
+
+    fn ids(r: &Router) -> Vec<String> {
+        r.fleet().replicas.iter().map(|x| x.id.clone()).collect()
+    }
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, last])
+    }
+
+    #[test]
+    fn members_join_and_leave_and_survivors_keep_their_state() {
+        let r = router();
+        let mut d = Discovery::new(&r);
+        assert!(d.apply(&r, 0, Ok(vec![ip(2), ip(1), ip(1)])));
+        assert_eq!(ids(&r), ["listed", "pool-10.0.0.1-8000", "pool-10.0.0.2-8000"]);
+        let survivor = r.fleet().replicas[2].clone();
+        let lease = r.decide(br#"{"model": "m"}"#, "req");
+        assert!(lease.is_ok());
+        survivor.set_probe(false);
+
+        assert!(!d.apply(&r, 0, Ok(vec![ip(1), ip(2)])), "same members, no change");
+        assert!(d.apply(&r, 0, Ok(vec![ip(2), ip(3)])));
+        assert_eq!(ids(&r), ["listed", "pool-10.0.0.2-8000", "pool-10.0.0.3-8000"]);
+        let kept = r.fleet().replicas[1].clone();
+        assert!(Arc::ptr_eq(&kept, &survivor), "the survivor is the same replica");
+        assert!(!kept.healthy(r.now_ms()), "and keeps its health state");
+    }
+
+    #[test]
+    fn a_failed_lookup_keeps_the_last_members() {
+        let r = router();
+        let mut d = Discovery::new(&r);
+        d.apply(&r, 0, Ok(vec![ip(1)]));
+        assert!(!d.apply(&r, 0, Err("SERVFAIL".into())));
+        assert_eq!(ids(&r), ["listed", "pool-10.0.0.1-8000"]);
+        assert!(d.apply(&r, 0, Ok(vec![])), "an empty answer is an answer");
+        assert_eq!(ids(&r), ["listed"]);
+    }
+}
