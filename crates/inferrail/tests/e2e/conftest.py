@@ -21,10 +21,19 @@ ENVOY = ROOT / ".venv" / "bin" / "envoy"
 MODEL = "inferrail/sim-8b"
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n):
+    """n distinct free ports: all sockets stay bound until every port is picked,
+    so the kernel cannot hand out the same one twice."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def wait_until(check, what, timeout=20.0):
@@ -62,9 +71,10 @@ class Fleet:
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
-        self.sim_ports = [free_port() for _ in range(3)]
+        ports = free_ports(7)
+        self.sim_ports = ports[:3]
         self.sim_flags = list(sim_flags)
-        self.grpc, self.admin, self.listen, self.envoy_admin = (free_port() for _ in range(4))
+        self.grpc, self.admin, self.listen, self.envoy_admin = ports[3:]
         self.url = f"http://127.0.0.1:{self.listen}"
         replicas = "\n".join(
             f"  - {{id: sim-{i + 1}, address: 127.0.0.1:{p}, models: [{MODEL}]}}" for i, p in enumerate(self.sim_ports))
@@ -101,7 +111,11 @@ class Fleet:
         self.start_router()
         self.procs["envoy"] = self._spawn(
             "envoy", [ENVOY, "-c", self.envoy_config, "--disable-hot-restart", "--log-level", "warn", "--concurrency", "2"])
-        wait_until(lambda: self.chat().status == 200, "a request through Envoy")
+        try:
+            wait_until(lambda: self.chat().status == 200, "a request through Envoy")
+        except AssertionError:
+            logs = {p.name: p.read_text(errors="replace")[-1500:] for p in self.tmp.glob("*.log")}
+            raise AssertionError(f"the fleet never served a request; logs: {logs}")
         return self
 
     def _spawn(self, name, cmd):
