@@ -16,6 +16,45 @@ def test_envoy_configs_validate():
         assert r.returncode == 0, (c, r.stdout[-2000:], r.stderr[-2000:])
 
 
+SKELETON = """static_resources:
+  listeners:
+  - name: clients
+    address: {{socket_address: {{address: 127.0.0.1, port_value: 10000}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: clients
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+{route}
+          http_filters:
+{filters}
+          - name: envoy.filters.http.router
+            typed_config: {{"@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router}}
+  clusters:
+{clusters}
+"""
+
+
+def indent(path, n):
+    return "\n".join(" " * n + line for line in path.read_text().splitlines())
+
+
+def test_filter_snippets_validate_inside_a_minimal_bootstrap(tmp_path):
+    snippets = ROOT / "envoy" / "filters"
+    bootstrap = SKELETON.format(route=indent(snippets / "route.yaml", 14), filters=indent(snippets / "http-filters.yaml", 10),
+                                clusters=indent(snippets / "clusters.yaml", 2))
+    path = tmp_path / "assembled.yaml"
+    path.write_text(bootstrap)
+    r = subprocess.run([ENVOY, "--mode", "validate", "-c", path, "--disable-hot-restart"], capture_output=True, text=True)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+
+
 def test_inferrail_check_accepts_the_shipped_files_and_lists_every_problem(tmp_path):
     for c in [ROOT / "envoy" / "local-inferrail.yaml", ROOT / "crates" / "inferrail-config" / "example.yaml"]:
         r = subprocess.run([TARGET / "inferrail", "--check", "--config", c], capture_output=True, text=True)
