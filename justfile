@@ -130,3 +130,7 @@ bench-overhead: setup
     commit=$(git rev-parse --short HEAD)
     target/release/inferrail-bench overhead --setup "2-core machine shared by client, Envoy 1.40 (1 worker each), inferrail (release) and 3 zero-latency simulators; least_request; commit $commit" \
         --out bench/results/overhead/added-latency.json
+
+# Benchmark decision time per policy (criterion); the medians are recorded in bench/results/decision/.
+bench-decision:
+    cargo bench -p inferrail-policy --bench rank -- --warm-up-time 1 --measurement-time 2
