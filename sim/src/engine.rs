@@ -337,7 +337,7 @@ impl Core {
                 self.waiting.pop_front();
                 continue;
             };
-            let len = seq.tokens.len();
+            let len = seq.tokens.len().max(1);
             extend_block_hashes(&mut seq.hashes, seq.salt, &seq.tokens, bs);
             // The last token is always computed, so a fully cached prompt
             // still recomputes its last block.

@@ -3,7 +3,8 @@
 //! A fault is set by flag at start or at any time with `POST /_sim/fault`
 //! (`{"mode": "hang"}`, `{"mode": "delay", "ms": 200, "for_ms": 5000}`, ...;
 //! `for_ms` makes it clear itself). The control path itself is never faulted,
-//! except by `refuse`, which closes the listening socket: give it a `for_ms`.
+//! except by `refuse`, which closes the listening socket and drops each open
+//! connection at its next request: give it a `for_ms`.
 
 use std::time::Duration;
 
@@ -17,7 +18,7 @@ use tokio::time::Instant;
 pub enum Fault {
     /// Behave.
     None,
-    /// Refuse new connections and drop open ones.
+    /// Refuse new connections; drop open ones at their next request.
     Refuse,
     /// Close each connection when a request arrives, without answering.
     Close,
@@ -130,7 +131,8 @@ impl Faults {
     /// Waits until the fault is set anew or clears itself.
     pub async fn changed(&self) {
         let mut rx = self.tx.subscribe();
-        let until = rx.borrow_and_update().until;
+        // A deadline already passed is no deadline: the fault has cleared.
+        let until = rx.borrow_and_update().until.filter(|&u| u > Instant::now());
         tokio::select! {
             _ = rx.changed() => {}
             () = sleep_until_opt(until) => {}

@@ -257,7 +257,11 @@ pub fn chat_prompt(m: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
     if continue_final && text.ends_with("<|im_end|>\n") {
         text.truncate(text.len() - "<|im_end|>\n".len());
     }
-    Ok(encode(&text))
+    let tokens = encode(&text);
+    if tokens.is_empty() {
+        return Err(ApiError::bad_request("The rendered prompt is empty.", Some("messages")));
+    }
+    Ok(tokens)
 }
 
 /// The completion prompt: a string, token ids, or a batch of one of either.

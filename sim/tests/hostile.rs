@@ -152,3 +152,18 @@ async fn unknown_paths_and_methods_answer_as_fastapi_does() {
         assert_vllm_error(status, &body, b"");
     }
 }
+
+#[tokio::test]
+async fn an_empty_rendered_prompt_is_refused_and_the_engine_lives_on() {
+    let sim = start(&LIKE_RECORDING).await;
+    for body in [
+        json!({"model": "tiny-qwen3", "messages": [], "add_generation_prompt": false}),
+        json!({"model": "tiny-qwen3", "messages": [], "continue_final_message": true}),
+    ] {
+        let (status, text) = post(&sim, "/v1/chat/completions", &body).await;
+        assert_eq!(status, 400, "{text}");
+        assert_vllm_error(status, &text, body.to_string().as_bytes());
+    }
+    let (status, _) = post(&sim, "/v1/completions", &json!({"model": "tiny-qwen3", "prompt": "still alive", "max_tokens": 1})).await;
+    assert_eq!(status, 200);
+}

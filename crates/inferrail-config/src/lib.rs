@@ -104,7 +104,8 @@ pub struct Health {
     pub probe_interval_ms: u64,
     /// A probe that takes longer fails, milliseconds.
     pub probe_timeout_ms: u64,
-    /// Consecutive failures (probes or requests) that eject a replica.
+    /// Consecutive failed requests that eject a replica (a failed probe
+    /// marks it unhealthy at once, until a probe succeeds).
     pub consecutive_failures: u32,
     /// First ejection length; each further one doubles it, milliseconds.
     pub base_ejection_ms: u64,
@@ -349,11 +350,6 @@ impl Config {
             }
         }
         p
-    }
-
-    /// The model a client's name refers to: its own name or an alias.
-    pub fn model(&self, name: &str) -> Option<&Model> {
-        self.models.iter().find(|m| m.name == name || m.aliases.iter().any(|a| a == name))
     }
 }
 

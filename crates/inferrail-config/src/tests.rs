@@ -18,8 +18,7 @@ fn the_minimal_config_takes_defaults() {
     assert_eq!(c.retry.fallbacks, 2);
     assert_eq!(c.replicas[0].limits(), Limits::default());
     assert_eq!(c.models[0].policy, PolicyKind::P2c);
-    assert_eq!(c.model("sim").map(|m| m.name.as_str()), Some("m"));
-    assert!(c.model("other").is_none());
+    assert_eq!(c.models[0].aliases, ["sim"]);
 }
 
 #[test]

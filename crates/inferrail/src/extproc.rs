@@ -111,11 +111,11 @@ impl ExtProc {
                 }
                 match self.router.decide(&body, &request_id) {
                     Ok(d) => {
-                        let answer = reply::decision(&d, &request_id);
+                        let answer = reply::decision(&d, d.request_id != request_id);
                         // If Envoy is gone it no longer needs the answer.
                         let _ = tx.send(Ok(answer)).await;
                         while let Ok(Some(_)) = inbound.message().await {}
-                        self.request_over(&request_id).await;
+                        self.request_over(&d.request_id).await;
                         return;
                     }
                     Err(e) => reply::route_error(&e),
@@ -159,13 +159,6 @@ fn attribute(attributes: &Attributes, name: &str) -> Option<String> {
     })
 }
 
-fn status(h: &HttpHeaders) -> Option<u16> {
-    let headers = h.headers.as_ref()?;
-    let v = headers.headers.iter().find(|v| v.key == ":status")?;
-    let text = if v.raw_value.is_empty() { v.value.clone() } else { String::from_utf8_lossy(&v.raw_value).into_owned() };
-    text.parse().ok()
-}
-
 /// Follows one request's upstream response: status, who served, first byte.
 async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>) {
     let mut lease: Option<Arc<Lease>> = None;
@@ -178,19 +171,21 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
                 let id = found("request.id");
                 lease = id.as_deref().and_then(|id| router.lease(id));
                 let (Some(id), Some(held)) = (id, &lease) else { return };
-                let code = status(&h).unwrap_or(0);
+                let code = request::header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
                 held.set_status(code);
                 if let Some(addr) = found("upstream.address")
                     && addr != held.replica.addr.to_string()
                 {
-                    // Envoy retried elsewhere: the winner failed this request.
+                    // Envoy retried elsewhere: the winner failed this request,
+                    // and the replica that served holds it from here on.
                     crate::health::request_failed(router, &held.replica);
                     let fleet = router.fleet();
-                    if let Some(actual) = fleet.replicas.iter().find(|r| r.addr.to_string() == addr)
-                        && let Some(moved) = router.move_lease(&id, actual)
-                    {
-                        moved.set_status(code);
-                        lease = Some(moved);
+                    let actual = fleet.replicas.iter().find(|r| r.addr.to_string() == addr);
+                    lease = actual.and_then(|a| router.move_lease(&id, a));
+                    match &lease {
+                        Some(moved) => moved.set_status(code),
+                        // Not a replica we know, or already over: nothing more to credit.
+                        None => return,
                     }
                 }
                 if let Some(held) = &lease {

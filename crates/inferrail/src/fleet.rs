@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
 use inferrail_config::{Health as HealthConfig, Limits};
@@ -28,6 +28,11 @@ pub struct Replica {
     ejections: AtomicU32,
     ejected_until_ms: AtomicU64,
 }
+
+/// Lease states: waiting for the first byte, streaming, released.
+const PENDING: u8 = 0;
+const STREAMING: u8 = 1;
+const RELEASED: u8 = 2;
 
 impl Replica {
     /// A replica with nothing in flight, healthy until shown otherwise.
@@ -77,15 +82,9 @@ impl Replica {
         self.probe_ok.swap(ok, Ordering::Relaxed) != ok
     }
 
-    /// A request or probe succeeded: the failure streak ends, and a replica
-    /// that stays healthy earns its backoff back down.
+    /// A request succeeded: the failure streak ends.
     pub fn record_success(&self) {
-        if self.failures.swap(0, Ordering::Relaxed) == 0 {
-            let e = self.ejections.load(Ordering::Relaxed);
-            if e > 0 {
-                let _ = self.ejections.compare_exchange(e, e - 1, Ordering::Relaxed, Ordering::Relaxed);
-            }
-        }
+        self.failures.store(0, Ordering::Relaxed);
     }
 
     /// A request failed; returns the streak length.
@@ -94,8 +93,13 @@ impl Replica {
     }
 
     /// Ejects it from `now_ms` for the base time doubled per earlier
-    /// ejection, capped; returns the ejection length in milliseconds.
+    /// ejection, capped; returns the ejection length in milliseconds. A
+    /// replica that stayed in for `max_ejection_ms` since its last ejection
+    /// ended starts again from the base time.
     pub fn eject(&self, now_ms: u64, cfg: &HealthConfig) -> u64 {
+        if now_ms > self.ejected_until_ms.load(Ordering::Relaxed).saturating_add(cfg.max_ejection_ms) {
+            self.ejections.store(0, Ordering::Relaxed);
+        }
         let n = self.ejections.fetch_add(1, Ordering::Relaxed).min(20);
         let length = cfg.base_ejection_ms.saturating_mul(1 << n).min(cfg.max_ejection_ms);
         self.ejected_until_ms.store(now_ms + length, Ordering::Relaxed);
@@ -121,23 +125,20 @@ pub struct Lease {
     pub model: usize,
     /// When the decision was made.
     pub start: Instant,
-    first_byte: AtomicBool,
-    released: AtomicBool,
+    state: AtomicU8,
     status: AtomicU32,
 }
 
 impl Lease {
     /// Takes a slot on `replica`.
     pub fn new(replica: Arc<Replica>, model: usize) -> Self {
+        Self::since(replica, model, Instant::now())
+    }
+
+    /// Takes a slot on `replica` for a request decided at `start`.
+    pub fn since(replica: Arc<Replica>, model: usize, start: Instant) -> Self {
         replica.acquire();
-        Self {
-            replica,
-            model,
-            start: Instant::now(),
-            first_byte: AtomicBool::new(false),
-            released: AtomicBool::new(false),
-            status: AtomicU32::new(0),
-        }
+        Self { replica, model, start, state: AtomicU8::new(PENDING), status: AtomicU32::new(0) }
     }
 
     /// Records the upstream's response status.
@@ -152,26 +153,23 @@ impl Lease {
 
     /// Whether the slot was given back.
     pub fn released(&self) -> bool {
-        self.released.load(Ordering::Relaxed)
+        self.state.load(Ordering::Relaxed) == RELEASED
     }
 
     /// Gives the slot back; only the first call counts.
     pub fn release(&self) {
-        if self.released.swap(true, Ordering::Relaxed) {
-            return;
-        }
-        if !self.first_byte.load(Ordering::Relaxed) {
+        let before = self.state.swap(RELEASED, Ordering::AcqRel);
+        if before == PENDING {
             self.replica.pending.fetch_sub(1, Ordering::Relaxed);
         }
-        self.replica.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if before != RELEASED {
+            self.replica.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
-    /// Marks the first byte; true the first time only.
+    /// Marks the first byte; true the first time only, and never after release.
     pub fn first_byte(&self) -> bool {
-        if self.released.load(Ordering::Relaxed) {
-            return false;
-        }
-        let first = !self.first_byte.swap(true, Ordering::Relaxed);
+        let first = self.state.compare_exchange(PENDING, STREAMING, Ordering::AcqRel, Ordering::Relaxed).is_ok();
         if first {
             self.replica.pending.fetch_sub(1, Ordering::Relaxed);
         }
@@ -224,8 +222,11 @@ mod tests {
         let r = replica(vec![0]);
         assert_eq!(r.eject(0, &cfg), 100);
         assert!(!r.healthy(50) && r.healthy(100));
-        assert_eq!(r.eject(1000, &cfg), 200);
-        assert_eq!(r.eject(2000, &cfg), 350);
+        r.record_success();
+        assert_eq!(r.eject(200, &cfg), 200, "successes between ejections do not undo the backoff");
+        assert_eq!(r.eject(500, &cfg), 350);
+        // In service for max_ejection_ms since the last ejection ended: back to the base.
+        assert_eq!(r.eject(5_000, &cfg), 100);
     }
 
     #[test]

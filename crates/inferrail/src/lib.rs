@@ -6,8 +6,8 @@
 //! through [`request`], ranks the model's eligible replicas of the [`fleet`]
 //! with the model's policy (crate `inferrail-policy`) and leases the winner;
 //! [`reply`] turns the decision into headers and dynamic metadata for Envoy.
-//! The observe filter's stream, also in [`extproc`], reports the upstream
-//! outcome and ends the lease. [`health`] probes replicas and ejects failing
+//! The route stream's closing, in [`extproc`], ends the lease; the observe
+//! filter's stream reports the upstream status, retries and first byte. [`health`] probes replicas and ejects failing
 //! ones; [`discovery`] keeps DNS groups' members current; [`admin`] serves
 //! metrics and health; [`service`] wires it together.
 #![forbid(unsafe_code)]

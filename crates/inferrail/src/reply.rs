@@ -78,11 +78,15 @@ pub fn continue_headers(set: &[(&str, &str)]) -> ProcessingResponse {
     }
 }
 
-/// The decision, as the body-phase answer.
-pub fn decision(d: &Decision, request_id: &str) -> ProcessingResponse {
+/// The decision, as the body-phase answer; `renamed` when the request's id
+/// was already in flight and the request now goes by `d.request_id`.
+pub fn decision(d: &Decision, renamed: bool) -> ProcessingResponse {
     let targets: Vec<String> = d.targets.iter().map(|r| r.addr.to_string()).collect();
     let targets = targets.join(",");
     let mut set = vec![header(DESTINATION, &targets)];
+    if renamed {
+        set.push(header("x-request-id", &d.request_id));
+    }
     let body_mutation = d.body.as_ref().map(|b| {
         set.push(header("content-length", &b.len().to_string()));
         BodyMutation { mutation: Some(Mutation::Body(b.clone())) }
@@ -96,7 +100,7 @@ pub fn decision(d: &Decision, request_id: &str) -> ProcessingResponse {
                     ("replica", string(&d.targets[0].id)),
                     ("policy", string(d.policy)),
                     ("model", string(&d.model)),
-                    ("request_id", string(request_id)),
+                    ("request_id", string(&d.request_id)),
                 ]),
             ),
         ]

@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -20,11 +20,21 @@ pub struct Head {
     pub request_id: Option<String>,
 }
 
-/// Reads the head from Envoy's header map (values arrive in `raw_value`).
+/// A header's value: Envoy sends it in `raw_value`, older versions in `value`.
+pub fn header_value(hv: &HeaderValue) -> String {
+    if hv.raw_value.is_empty() { hv.value.clone() } else { String::from_utf8_lossy(&hv.raw_value).into_owned() }
+}
+
+/// The value of header `key` (pseudo-headers included), if present.
+pub fn header(headers: Option<&HeaderMap>, key: &str) -> Option<String> {
+    headers?.headers.iter().find(|hv| hv.key == key).map(header_value)
+}
+
+/// Reads the head from Envoy's header map.
 pub fn head(headers: Option<&HeaderMap>) -> Head {
     let mut h = Head::default();
     for hv in headers.map(|m| m.headers.as_slice()).unwrap_or_default() {
-        let value = if hv.raw_value.is_empty() { hv.value.clone() } else { String::from_utf8_lossy(&hv.raw_value).into_owned() };
+        let value = header_value(hv);
         match hv.key.as_str() {
             ":method" => h.method = value,
             ":path" => h.path = value.split('?').next().unwrap_or_default().to_string(),
@@ -64,10 +74,10 @@ pub fn endpoint(method: &str, path: &str) -> Endpoint {
 /// The body fields routing reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fields {
-    /// The model asked for and where its JSON value sits in the body.
-    pub model: Option<(String, Range<usize>)>,
-    /// Whether the response streams.
-    pub stream: bool,
+    /// The model asked for (`null` counts as none).
+    pub model: Option<String>,
+    /// Where the `model` value sits in the body, `null` included.
+    pub model_at: Option<Range<usize>>,
 }
 
 /// Why a body was refused.
@@ -81,12 +91,21 @@ pub enum BodyError {
     ModelNotString,
 }
 
+/// A field's raw JSON when present, `null` included (an `Option` would
+/// turn `null` into absent).
+#[derive(Default)]
+struct Present<'a>(Option<&'a RawValue>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for Present<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <&'a RawValue>::deserialize(d).map(|raw| Present(Some(raw)))
+    }
+}
+
 #[derive(Deserialize)]
 struct Borrowed<'a> {
     #[serde(borrow, default)]
-    model: Option<&'a RawValue>,
-    #[serde(default)]
-    stream: Option<serde_json::Value>,
+    model: Present<'a>,
 }
 
 /// Parses the fields routing needs; the whole body must be valid JSON.
@@ -95,17 +114,15 @@ pub fn fields(body: &[u8]) -> Result<Fields, BodyError> {
         return Err(BodyError::NotJson("expected an object".into()));
     }
     let parsed: Borrowed<'_> = serde_json::from_slice(body).map_err(|e| BodyError::NotJson(e.to_string()))?;
-    let model = match parsed.model {
-        None => None,
-        Some(raw) if raw.get() == "null" => None,
-        Some(raw) => {
-            let name: String = serde_json::from_str(raw.get()).map_err(|_| BodyError::ModelNotString)?;
-            // The raw value borrows from `body`; its offset is where it sits.
-            let start = raw.get().as_ptr() as usize - body.as_ptr() as usize;
-            Some((name, start..start + raw.get().len()))
-        }
+    let Present(Some(raw)) = parsed.model else { return Ok(Fields { model: None, model_at: None }) };
+    // The raw value borrows from `body`; its offset is where it sits.
+    let start = raw.get().as_ptr() as usize - body.as_ptr() as usize;
+    let model_at = Some(start..start + raw.get().len());
+    let model = match raw.get() {
+        "null" => None,
+        text => Some(serde_json::from_str::<String>(text).map_err(|_| BodyError::ModelNotString)?),
     };
-    Ok(Fields { model, stream: parsed.stream.is_some_and(|v| v == serde_json::Value::Bool(true)) })
+    Ok(Fields { model, model_at })
 }
 
 /// The body with the model set to `name`: the old value replaced in place,
@@ -151,10 +168,9 @@ mod tests {
     fn the_model_is_found_where_it_sits() {
         let body = br#"{"messages": [], "model" : "sim", "stream": true}"#;
         let f = fields(body).unwrap();
-        let (name, at) = f.model.clone().unwrap();
-        assert_eq!(name, "sim");
+        assert_eq!(f.model.as_deref(), Some("sim"));
+        let at = f.model_at.unwrap();
         assert_eq!(&body[at.clone()], br#""sim""#);
-        assert!(f.stream);
         let rewritten = with_model(body, Some(at), "inferrail/sim-8b");
         assert_eq!(rewritten, br#"{"messages": [], "model" : "inferrail/sim-8b", "stream": true}"#);
     }
@@ -163,7 +179,8 @@ mod tests {
     fn a_missing_model_is_inserted_first() {
         assert_eq!(with_model(br#" {"prompt": "x"}"#, None, "m"), br#" {"model":"m","prompt": "x"}"#);
         assert_eq!(with_model(b"{ }", None, "m"), br#"{"model":"m" }"#);
-        assert_eq!(fields(br#"{"model": null}"#).unwrap().model, None);
+        let null = fields(br#"{"model": null}"#).unwrap();
+        assert_eq!((null.model, null.model_at), (None, Some(10..14)));
     }
 
     #[test]

@@ -50,6 +50,9 @@ impl Fleet {
 /// A routing decision.
 #[derive(Debug)]
 pub struct Decision {
+    /// The id the request is known by from here on: the client's
+    /// `x-request-id`, unless another request in flight already uses it.
+    pub request_id: String,
     /// The model's engine-side name.
     pub model: String,
     /// Winner first, then the fallbacks.
@@ -191,15 +194,15 @@ impl Router {
             return Err(RouteError::TooLarge(max));
         }
         let fields = request::fields(body)?;
-        let (index, at) = match fields.model {
-            Some((name, at)) => (self.names.get(&name).copied().ok_or(RouteError::UnknownModel(name.clone()))?, Some((name, at))),
-            None if self.models.len() == 1 => (0, None),
+        let index = match &fields.model {
+            Some(name) => self.names.get(name).copied().ok_or_else(|| RouteError::UnknownModel(name.clone()))?,
+            None if self.models.len() == 1 => 0,
             None => return Err(RouteError::MissingModel),
         };
         let model = &self.models[index];
-        let body = match at {
-            Some((name, _)) if name == model.name => None,
-            other => Some(request::with_model(body, other.map(|(_, at)| at), &model.name)),
+        let body = match fields.model {
+            Some(name) if name == model.name => None,
+            _ => Some(request::with_model(body, fields.model_at, &model.name)),
         };
         let fleet = self.fleet.load();
         let replicas = &fleet.per_model[index];
@@ -208,10 +211,15 @@ impl Router {
         let ranked = model.policy.rank(&loads, eligible(&loads)?);
         let targets: Vec<Arc<Replica>> = ranked.iter().take(1 + self.config.retry.fallbacks).map(|&i| replicas[i].clone()).collect();
         let lease = Arc::new(Lease::new(targets[0].clone(), index));
-        if let Some(old) = self.leases.pin().insert(request_id.to_string(), lease) {
-            old.release();
+        let leases = self.leases.pin();
+        let mut key = request_id.to_string();
+        let mut n = 0u32;
+        // Ids come from clients: a second request in flight with the same one gets its own.
+        while leases.try_insert(key.clone(), lease.clone()).is_err() {
+            n += 1;
+            key = format!("{request_id}.{n}");
         }
-        Ok(Decision { model: model.name.clone(), targets, policy: model.policy.name(), body })
+        Ok(Decision { request_id: key, model: model.name.clone(), targets, policy: model.policy.name(), body })
     }
 
     /// The lease a request holds.
@@ -231,7 +239,7 @@ impl Router {
     pub fn move_lease(&self, request_id: &str, to: &Arc<Replica>) -> Option<Arc<Lease>> {
         let leases = self.leases.pin();
         let old = leases.get(request_id).filter(|l| !l.released())?;
-        let moved = Arc::new(Lease::new(to.clone(), old.model));
+        let moved = Arc::new(Lease::since(to.clone(), old.model, old.start));
         old.release();
         leases.insert(request_id.to_string(), moved.clone());
         Some(moved)

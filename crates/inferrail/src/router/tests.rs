@@ -81,3 +81,24 @@ fn an_unhealthy_fleet_is_reported_as_such() {
     assert_eq!(r.decide(br#"{"model":"big"}"#, "x").unwrap_err(), RouteError::NoReplica(NoReplica::AllUnhealthy));
     assert_eq!(r.decide(br#"{"model":"big"}"#, "x").unwrap_err().http().0, 503);
 }
+
+#[test]
+fn a_request_id_already_in_flight_gets_a_fresh_one() {
+    let r = router("round_robin", 0);
+    let a = r.decide(br#"{"model":"big"}"#, "dup").unwrap();
+    let b = r.decide(br#"{"model":"big"}"#, "dup").unwrap();
+    assert_eq!(a.request_id, "dup");
+    assert_eq!(b.request_id, "dup.1");
+    assert_eq!(r.leases_held(), 2);
+    r.forget("dup");
+    assert_eq!(b.targets[0].in_flight(), 1, "the second request's slot is untouched");
+}
+
+#[test]
+fn a_null_model_is_replaced_where_it_sits() {
+    let r = router("round_robin", 0);
+    assert_eq!(r.decide(br#"{"model": null}"#, "x").unwrap_err(), RouteError::MissingModel);
+    let single = Router::new(Config::parse("models: [{name: only}]\nreplicas: [{id: a, address: 127.0.0.1:1, models: [only]}]\n").unwrap());
+    let d = single.decide(br#"{"model": null, "prompt": "p"}"#, "y").unwrap();
+    assert_eq!(d.body.as_deref(), Some(&br#"{"model": "only", "prompt": "p"}"#[..]));
+}
