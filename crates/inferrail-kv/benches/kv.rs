@@ -1,0 +1,37 @@
+//! Block hashing and index lookups at the sizes the router meets.
+#![allow(missing_docs)]
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use inferrail_kv::hash::block_hashes;
+use inferrail_kv::index::KvIndex;
+
+fn hashing(c: &mut Criterion) {
+    let tokens: Vec<u32> = (0..8192u32).map(|t| t.wrapping_mul(2_654_435_761) % 151_936).collect();
+    let mut g = c.benchmark_group("hash");
+    g.throughput(Throughput::Elements((tokens.len() / 16) as u64));
+    g.bench_function("8192 tokens, 16-token blocks", |b| b.iter(|| block_hashes(7, std::hint::black_box(&tokens), 16)));
+    g.finish();
+}
+
+fn lookup(c: &mut Criterion) {
+    let index = KvIndex::new();
+    let slots: Vec<u32> = (0..64).collect();
+    let prompt: Vec<u128> = (0..512u128).collect();
+    for &s in &slots {
+        index.add_replica(s, 4096);
+        // Every replica holds a different share of the prompt's prefix.
+        index.record(s, &prompt[..(s as usize * 8).min(512)]);
+    }
+    c.bench_function("lookup 512 blocks over 64 replicas", |b| b.iter(|| index.matched(std::hint::black_box(&prompt), &slots)));
+    c.bench_function("record 512 blocks", |b| {
+        let mut n = 0u128;
+        b.iter(|| {
+            n += 1;
+            let fresh: Vec<u128> = (0..512u128).map(|k| (n << 64) | k).collect();
+            index.record(3, &fresh)
+        })
+    });
+}
+
+criterion_group!(benches, hashing, lookup);
+criterion_main!(benches);

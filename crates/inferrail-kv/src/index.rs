@@ -1,0 +1,196 @@
+//! The approximate KV index: which leading blocks of a prompt each replica
+//! already holds, learned from the router's own decisions.
+//!
+//! Every prompt routed to a replica is recorded in that replica's shadow LRU,
+//! as large as its KV cache, in the order an engine frees blocks: a prompt's
+//! last block is the least recent of its blocks, so a long prefix is evicted
+//! from its tail. A concurrent map from block hash to the replicas holding it
+//! answers, for every candidate at once, how many leading blocks it holds.
+//! What an attempt recorded can be taken back (the engine refused it), a
+//! replica can be cleared (its engine restarted) or forgotten (it left).
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::sync::Mutex;
+
+use lru::LruCache;
+
+use crate::hash::BlockHash;
+
+/// A replica's slot in the index.
+pub type Slot = u32;
+
+/// What one `record` added, for a take-back.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Recorded {
+    /// The replica.
+    pub slot: Slot,
+    /// Blocks it did not hold before.
+    pub added: Vec<BlockHash>,
+}
+
+/// The index; see the module doc.
+#[derive(Debug, Default)]
+pub struct KvIndex {
+    /// Block -> bitmap of the slots holding it (bit `s` of word `s / 64`).
+    holders: papaya::HashMap<BlockHash, Box<[u64]>>,
+    shadows: Mutex<HashMap<Slot, LruCache<BlockHash, ()>>>,
+}
+
+impl KvIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a replica that holds nothing and can hold `capacity` blocks (at least one).
+    pub fn add_replica(&self, slot: Slot, capacity: usize) {
+        let cap = NonZeroUsize::new(capacity.max(1)).unwrap_or(NonZeroUsize::MIN);
+        let mut shadows = self.lock();
+        if let Some(old) = shadows.insert(slot, LruCache::new(cap)) {
+            self.drop_all(slot, old);
+        }
+    }
+
+    /// Forgets a replica that left.
+    pub fn remove_replica(&self, slot: Slot) {
+        let mut shadows = self.lock();
+        if let Some(old) = shadows.remove(&slot) {
+            self.drop_all(slot, old);
+        }
+    }
+
+    /// Empties a replica whose engine restarted, keeping its capacity.
+    pub fn clear_replica(&self, slot: Slot) {
+        let mut shadows = self.lock();
+        let Some(shadow) = shadows.get_mut(&slot) else { return };
+        let cap = shadow.cap();
+        let old = std::mem::replace(shadow, LruCache::new(cap));
+        self.drop_all(slot, old);
+    }
+
+    /// Records that `slot` now holds the blocks of a prompt (hashes in prompt order).
+    pub fn record(&self, slot: Slot, hashes: &[BlockHash]) -> Recorded {
+        let mut added = Vec::new();
+        let mut evicted = Vec::new();
+        // The holders map changes under the same lock as the shadows, so the
+        // two never disagree; lookups read the map without it.
+        let mut shadows = self.lock();
+        let Some(shadow) = shadows.get_mut(&slot) else { return Recorded { slot, added } };
+        // Last block first, so the first block ends most recent.
+        for &h in hashes.iter().rev() {
+            if shadow.promote(&h) {
+                continue;
+            }
+            if let Some((out, ())) = shadow.push(h, ()) {
+                evicted.push(out);
+            }
+            added.push(h);
+        }
+        // A block can be evicted and then added again by the same prompt.
+        evicted.retain(|h| !shadow.contains(h));
+        added.retain(|h| shadow.contains(h));
+        let holders = self.holders.pin();
+        for h in &added {
+            holders.update_or_insert_with(*h, |bits| with(bits, slot), || with(&[], slot));
+        }
+        for h in evicted {
+            release(&holders, h, slot);
+        }
+        Recorded { slot, added }
+    }
+
+    /// Takes back what an attempt added (the engine refused or failed it).
+    pub fn take_back(&self, recorded: &Recorded) {
+        let mut shadows = self.lock();
+        let Some(shadow) = shadows.get_mut(&recorded.slot) else { return };
+        let holders = self.holders.pin();
+        for h in &recorded.added {
+            if shadow.pop(h).is_some() {
+                release(&holders, *h, recorded.slot);
+            }
+        }
+    }
+
+    /// How many leading blocks of `hashes` each of `slots` holds.
+    pub fn matched(&self, hashes: &[BlockHash], slots: &[Slot]) -> Vec<usize> {
+        let holders = self.holders.pin();
+        // Candidates still matching, as a bitmap; a slot's depth is fixed when it drops out.
+        let mut open: Vec<u64> = Vec::new();
+        for &s in slots {
+            set_bit(&mut open, s);
+        }
+        let mut depth_of = vec![hashes.len(); open.len() * 64];
+        let mut depth = 0;
+        while depth < hashes.len() && open.iter().any(|&w| w != 0) {
+            let bits = holders.get(&hashes[depth]).map_or(&[][..], |b| &b[..]);
+            for (w, word) in open.iter_mut().enumerate() {
+                let kept = *word & bits.get(w).copied().unwrap_or(0);
+                let mut dropped = *word & !kept;
+                while dropped != 0 {
+                    depth_of[w * 64 + dropped.trailing_zeros() as usize] = depth;
+                    dropped &= dropped - 1;
+                }
+                *word = kept;
+            }
+            depth += 1;
+        }
+        slots.iter().map(|&s| depth_of[s as usize]).collect()
+    }
+
+    /// Blocks the index holds, over every replica.
+    pub fn entries(&self) -> usize {
+        self.lock().values().map(LruCache::len).sum()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, LruCache<BlockHash, ()>>> {
+        self.shadows.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Releases every block of a replica's old shadow; called under the lock.
+    fn drop_all(&self, slot: Slot, shadow: LruCache<BlockHash, ()>) {
+        let holders = self.holders.pin();
+        for (h, ()) in shadow {
+            release(&holders, h, slot);
+        }
+    }
+}
+
+type Holders<'a, G> = papaya::HashMapRef<'a, BlockHash, Box<[u64]>, std::hash::RandomState, G>;
+
+/// `slot` no longer holds `h`.
+fn release<G: papaya::Guard>(holders: &Holders<'_, G>, h: BlockHash, slot: Slot) {
+    let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
+    // Abort means there was nothing to release.
+    let _ = holders.compute(h, |entry| match entry {
+        Some((_, bits)) if bits.get(w).is_some_and(|x| x & bit != 0) => {
+            let mut rest = bits.to_vec();
+            rest[w] &= !bit;
+            if rest.iter().all(|&x| x == 0) { papaya::Operation::Remove } else { papaya::Operation::Insert(rest.into_boxed_slice()) }
+        }
+        _ => papaya::Operation::Abort(()),
+    });
+}
+
+fn set_bit(bits: &mut Vec<u64>, slot: Slot) {
+    let w = slot as usize / 64;
+    if bits.len() <= w {
+        bits.resize(w + 1, 0);
+    }
+    bits[w] |= 1 << (slot % 64);
+}
+
+fn with(bits: &[u64], slot: Slot) -> Box<[u64]> {
+    let mut out = bits.to_vec();
+    set_bit(&mut out, slot);
+    out.into_boxed_slice()
+}
+
+/// Cached tokens to predict from matched blocks: whole blocks, never the
+/// last token of the prompt (an engine always computes it).
+pub fn predicted_cached_tokens(matched_blocks: usize, prompt_tokens: usize, block_size: usize) -> usize {
+    (matched_blocks * block_size).min(prompt_tokens.saturating_sub(1) / block_size.max(1) * block_size)
+}
+
+#[cfg(test)]
+mod tests;
