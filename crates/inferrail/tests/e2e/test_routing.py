@@ -2,6 +2,7 @@
 enforces, errors the router answers, and the OpenAI SDK end to end."""
 
 import asyncio
+import json
 import collections
 import threading
 
@@ -138,3 +139,40 @@ def test_openai_sdk_sync_and_async_through_envoy(fleet_factory):
     streams, whole = asyncio.run(run())
     assert all(s[-1].choices[0].finish_reason == "length" for s in streams)
     assert whole.usage.completion_tokens == 2
+
+
+def hostile_bodies(rng, n):
+    valid = b'{"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+    for i in range(n):
+        kind = i % 8
+        if kind == 0:
+            yield bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
+        elif kind == 1:
+            yield valid[: rng.randrange(1, len(valid))]
+        elif kind == 2:
+            yield b"[" * rng.randrange(100, 20000)
+        elif kind == 3:
+            yield b'{"model": ' + rng.choice([b"1", b"[]", b"{}", b"true", b'"\\ud800"', b'"' + b"a" * 5000 + b'"']) + b"}"
+        elif kind == 4:
+            yield b'{"model": "sim", "model": "sim"}'
+        elif kind == 5:
+            yield valid.replace(b"sim", rng.choice([b"", b"../../etc/passwd", b"sim\\u0000", b"SIM"]))
+        elif kind == 6:
+            yield b'\xef\xbb\xbf' + valid
+        else:
+            yield b'{"model": "sim", "prompt": "' + b"\\" * rng.randrange(1, 4) + b'"}'
+
+
+def test_hostile_bodies_never_take_the_router_down(fleet_factory):
+    import random
+    fleet = fleet_factory()
+    rng = random.Random(5)
+    for body in hostile_bodies(rng, 240):
+        path = rng.choice(["/v1/chat/completions", "/v1/completions"])
+        r = http("POST", fleet.url + path, body)
+        assert r.status in (200, 400, 404, 413), (r.status, body[:80], r.body[:200])
+        if r.status != 200:
+            err = json.loads(r.body)
+            assert "error" in err or "detail" in err, r.body[:200]
+    assert fleet.procs["inferrail"].poll() is None, "inferrail is still running"
+    assert fleet.chat().headers.get("x-inferrail-replica"), "and still routing"
