@@ -29,12 +29,37 @@ pub struct Recorded {
     pub added: Vec<BlockHash>,
 }
 
+/// Hashes a block hash by folding it: it is uniformly distributed already,
+/// and a general-purpose hasher would spend longer than the lookup.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Fold(u64);
+
+impl std::hash::Hasher for Fold {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.0 ^= u64::from_le_bytes(word);
+        }
+    }
+
+    fn write_u128(&mut self, v: u128) {
+        self.0 ^= (v as u64) ^ ((v >> 64) as u64);
+    }
+}
+
+type FoldState = std::hash::BuildHasherDefault<Fold>;
+
 /// The index; see the module doc.
 #[derive(Debug, Default)]
 pub struct KvIndex {
     /// Block -> bitmap of the slots holding it (bit `s` of word `s / 64`).
-    holders: papaya::HashMap<BlockHash, Box<[u64]>>,
-    shadows: Mutex<HashMap<Slot, LruCache<BlockHash, ()>>>,
+    holders: papaya::HashMap<BlockHash, Box<[u64]>, FoldState>,
+    shadows: Mutex<HashMap<Slot, LruCache<BlockHash, (), FoldState>>>,
 }
 
 impl KvIndex {
@@ -47,7 +72,7 @@ impl KvIndex {
     pub fn add_replica(&self, slot: Slot, capacity: usize) {
         let cap = NonZeroUsize::new(capacity.max(1)).unwrap_or(NonZeroUsize::MIN);
         let mut shadows = self.lock();
-        if let Some(old) = shadows.insert(slot, LruCache::new(cap)) {
+        if let Some(old) = shadows.insert(slot, LruCache::with_hasher(cap, FoldState::default())) {
             self.drop_all(slot, old);
         }
     }
@@ -65,7 +90,7 @@ impl KvIndex {
         let mut shadows = self.lock();
         let Some(shadow) = shadows.get_mut(&slot) else { return };
         let cap = shadow.cap();
-        let old = std::mem::replace(shadow, LruCache::new(cap));
+        let old = std::mem::replace(shadow, LruCache::with_hasher(cap, FoldState::default()));
         self.drop_all(slot, old);
     }
 
@@ -143,20 +168,20 @@ impl KvIndex {
         self.lock().values().map(LruCache::len).sum()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, LruCache<BlockHash, ()>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, LruCache<BlockHash, (), FoldState>>> {
         self.shadows.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Releases every block of a replica's old shadow; called under the lock.
-    fn drop_all(&self, slot: Slot, shadow: LruCache<BlockHash, ()>) {
+    fn drop_all(&self, slot: Slot, shadow: LruCache<BlockHash, (), FoldState>) {
         let holders = self.holders.pin();
-        for (h, ()) in shadow {
+        for (&h, ()) in shadow.iter() {
             release(&holders, h, slot);
         }
     }
 }
 
-type Holders<'a, G> = papaya::HashMapRef<'a, BlockHash, Box<[u64]>, std::hash::RandomState, G>;
+type Holders<'a, G> = papaya::HashMapRef<'a, BlockHash, Box<[u64]>, FoldState, G>;
 
 /// `slot` no longer holds `h`.
 fn release<G: papaya::Guard>(holders: &Holders<'_, G>, h: BlockHash, slot: Slot) {
