@@ -1,12 +1,13 @@
 //! Chained XXH3-128 block hashes.
 //!
-//! Block `i`'s hash covers its parent's hash and its own token ids, so one
-//! hash names the whole prefix up to the end of its block. The chain starts
+//! Block `i`'s hash is XXH3-128 of its token ids (their bytes in place, in
+//! the machine's byte order) seeded with its parent's hash folded to 64 bits,
+//! so one hash names the whole prefix up to the end of its block. The chain starts
 //! from a salt (model, adapter, `cache_salt`), so equal tokens under a
 //! different salt never share blocks. A trailing partial block is not hashed:
 //! engines only cache full blocks.
 
-use xxhash_rust::xxh3::xxh3_128;
+use xxhash_rust::xxh3::{xxh3_128, xxh3_128_with_seed};
 
 /// The name of a block together with its whole prefix.
 pub type BlockHash = u128;
@@ -35,15 +36,10 @@ pub fn extend_block_hashes(hashes: &mut Vec<BlockHash>, seed: BlockHash, tokens:
     if block_size == 0 {
         return;
     }
-    let mut buf = Vec::with_capacity(16 + 4 * block_size);
     let mut parent = hashes.last().copied().unwrap_or(seed);
     for block in tokens.chunks_exact(block_size).skip(hashes.len()) {
-        buf.clear();
-        buf.extend_from_slice(&parent.to_le_bytes());
-        for t in block {
-            buf.extend_from_slice(&t.to_le_bytes());
-        }
-        parent = xxh3_128(&buf);
+        let fold = (parent as u64) ^ ((parent >> 64) as u64);
+        parent = xxh3_128_with_seed(bytemuck::cast_slice(block), fold);
         hashes.push(parent);
     }
 }
