@@ -116,14 +116,14 @@ fn error(e: ApiError) -> Response<Body> {
     r
 }
 
-fn status_error(status: u16) -> ApiError {
+fn status_error(status: u16, message: &str) -> ApiError {
     let kind = match status {
         500 => "InternalServerError",
         503 => "ServiceUnavailableError",
         429 => "RateLimitError",
         _ => "Error",
     };
-    ApiError::openai(status, kind, "Injected fault: the engine is unavailable.", None)
+    ApiError::openai(status, kind, message, None)
 }
 
 fn sse(data: &str) -> Bytes {
@@ -183,7 +183,7 @@ impl App {
                 Action::Refuse | Action::Close => return Err(Dropped),
                 Action::Hang => self.faults.hang().await,
                 Action::Delay(d) => tokio::time::sleep(d).await,
-                Action::Error(status) => return Ok(error(status_error(status))),
+                Action::Error(status) => return Ok(error(status_error(status, "Injected fault: the engine is unavailable."))),
             }
         }
         Ok(self.route(req).await)
@@ -296,7 +296,7 @@ impl App {
                         return json(reply.complete(&text, &req.prompt, &output, reason, usage));
                     }
                 }
-                None => return error(status_error(500)),
+                None => return error(status_error(500, "The engine stopped.")),
             }
         }
     }

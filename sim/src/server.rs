@@ -33,7 +33,11 @@ pub async fn serve(app: Arc<App>, listener: TcpListener, shutdown: impl Future<O
                 Ok((stream, _)) => {
                     tokio::spawn(connection(app.clone(), stream));
                 }
-                Err(e) => tracing::warn!(error = %e, "accept failed"),
+                Err(e) => {
+                    // Out of descriptors, say: back off rather than spin.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
             },
         }
     }

@@ -115,7 +115,9 @@ async fn set_fault(sim: &inferrail_sim::Sim, fault: serde_json::Value) {
 #[tokio::test]
 async fn faults_make_the_engine_misbehave_on_demand() {
     let sim = start(&LIKE_RECORDING).await;
-    let http = reqwest::Client::builder().timeout(Duration::from_millis(300)).pool_max_idle_per_host(0).build().unwrap_or_default();
+    // A hung request is seen as a client timeout; it is generous so that a
+    // slow machine never mistakes a healthy answer for a hang.
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).pool_max_idle_per_host(0).build().unwrap_or_default();
     let url = format!("{}/v1/completions", sim.url());
     let req = json!({"model": "tiny-qwen3", "prompt": "x", "max_tokens": 1});
     let send = || http.post(&url).json(&req).send();

@@ -18,7 +18,15 @@ use crate::router::Router;
 /// Serves the admin endpoints on `listener` forever.
 pub async fn serve(listener: TcpListener, router: Arc<Router>, metrics: PrometheusHandle) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of descriptors, say: back off rather than spin.
+                tracing::warn!(error = %e, "admin accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
         let (router, metrics) = (router.clone(), metrics.clone());
         tokio::spawn(async move {
             let service = service_fn(move |req: Request<hyper::body::Incoming>| {

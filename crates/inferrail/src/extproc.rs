@@ -133,6 +133,7 @@ impl ExtProc {
     async fn request_over(&self, request_id: &str) {
         let Some(lease) = self.router.lease(request_id) else { return };
         lease.release();
+        let duration = lease.start.elapsed();
         tokio::time::sleep(OBSERVE_GRACE).await;
         let Some(held) = self.router.forget(request_id) else { return };
         let outcome = match held.status() {
@@ -144,7 +145,7 @@ impl ExtProc {
         let model = self.router.models[held.model].name.clone();
         metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => outcome)
             .increment(1);
-        metrics::histogram!("inferrail_request_duration_seconds").record(held.start.elapsed().as_secs_f64() - OBSERVE_GRACE.as_secs_f64());
+        metrics::histogram!("inferrail_request_duration_seconds").record(duration.as_secs_f64());
     }
 }
 
