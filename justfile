@@ -37,6 +37,11 @@ test: setup lint
     INFERRAIL_SIM=target/debug/inferrail-sim "{{venv}}/bin/pytest" -q sim/tests/sdk
     "{{venv}}/bin/pytest" -q crates/inferrail/tests/e2e
 
+# Optional, not part of `test`: a real vLLM 0.32.0 on the CPU (.venv-vllm, 6 GB; minutes) checks the Qwen3 goldens' token counts and cached tokens.
+test-vllm: setup
+    crates/inferrail/tests/vllm/setup.sh
+    "{{venv}}/bin/pytest" -q crates/inferrail/tests/vllm
+
 # Formatting and clippy, warnings denied.
 lint:
     cargo fmt --all --check

@@ -13,7 +13,7 @@ use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::header::{ALLOW, CONTENT_TYPE, HeaderValue};
 use hyper::{HeaderMap, Method, Request, Response, StatusCode};
-use inferrail_tokenize::sim::decode;
+use inferrail_tokenize::Tokenizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -63,6 +63,7 @@ pub struct App {
     /// Injected faults.
     pub faults: Faults,
     names: Vec<String>,
+    tokenizer: Arc<Tokenizer>,
     root: String,
     max_model_len: usize,
     details: bool,
@@ -78,6 +79,8 @@ pub struct App {
 pub struct ApiConfig {
     /// Served names.
     pub names: Vec<String>,
+    /// The model's tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
     /// Model path.
     pub root: String,
     /// Context length.
@@ -155,6 +158,7 @@ impl App {
             engine,
             faults,
             names: cfg.names,
+            tokenizer: cfg.tokenizer,
             root: cfg.root,
             max_model_len: cfg.max_model_len,
             details: cfg.details,
@@ -167,7 +171,7 @@ impl App {
     }
 
     fn served(&self) -> Served<'_> {
-        Served { names: &self.names, max_model_len: self.max_model_len }
+        Served { names: &self.names, max_model_len: self.max_model_len, tokenizer: &self.tokenizer }
     }
 
     fn random_id(&self) -> String {
@@ -290,7 +294,7 @@ impl App {
                 Some(Event::Scheduled { cached_tokens }) => usage.cached = cached_tokens,
                 Some(Event::Token { id, finish }) => {
                     output.push(id);
-                    text.push_str(decode(id).unwrap_or_default());
+                    text.push_str(&self.tokenizer.decode(id).unwrap_or_default());
                     if let Some(reason) = finish {
                         usage.completion = output.len();
                         return json(reply.complete(&text, &req.prompt, &output, reason, usage));
@@ -304,8 +308,10 @@ impl App {
     fn stream(&self, sub: Submitted, busy: InFlight, reply: Reply, req: GenRequest) -> Response<Body> {
         let usage = Usage { prompt: req.prompt.len(), ..Usage::default() };
         let state = Some((sub, usage, req, busy));
+        let tokenizer = self.tokenizer.clone();
         let events = futures_util::stream::unfold(state, move |state| {
             let reply = reply.clone();
+            let tokenizer = tokenizer.clone();
             async move {
                 let (mut sub, mut usage, req, busy) = state?;
                 loop {
@@ -317,7 +323,7 @@ impl App {
                                 out.extend_from_slice(&sse(&reply.role_chunk(&req.prompt, usage)));
                             }
                             usage.completion += 1;
-                            out.extend_from_slice(&sse(&reply.token_chunk(decode(id).unwrap_or_default(), id, finish, usage)));
+                            out.extend_from_slice(&sse(&reply.token_chunk(&tokenizer.decode(id).unwrap_or_default(), id, finish, usage)));
                             if finish.is_none() {
                                 return Some((Bytes::from(out), Some((sub, usage, req, busy))));
                             }

@@ -23,6 +23,10 @@ pub struct Args {
     /// Names clients may request; the first one labels the metrics. Defaults to `--model`.
     #[arg(long, num_args = 1..)]
     pub served_model_name: Vec<String>,
+    /// The tokenizer: `builtin:sim`, a directory with `tokenizer.json` and
+    /// `tokenizer_config.json`, or `hf:<org>/<name>` from the local Hugging Face cache.
+    #[arg(long, default_value = "builtin:sim")]
+    pub tokenizer: String,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,

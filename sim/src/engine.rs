@@ -16,7 +16,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use inferrail_kv::hash::{BlockHash, extend_block_hashes};
-use inferrail_tokenize::sim::{GENERATION_WORDS, piece_id};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::{mpsc, oneshot};
@@ -41,6 +40,8 @@ pub struct EngineConfig {
     pub latency: LatencyModel,
     /// Seed for generated tokens.
     pub seed: u64,
+    /// Ids generated tokens are drawn from (never empty).
+    pub generation_ids: Vec<u32>,
     /// Labels for the metrics page.
     pub info: EngineInfo,
 }
@@ -406,8 +407,8 @@ impl Core {
                 self.pool.register(seq.blocks[k], seq.hashes[k]);
             }
             seq.registered = full.max(seq.registered);
-            let word = GENERATION_WORDS[seq.rng.random_range(0..GENERATION_WORDS.len())];
-            let token = piece_id(word);
+            let ids = &self.cfg.generation_ids;
+            let token = ids[seq.rng.random_range(0..ids.len())];
             seq.tokens.push(token);
             st.generation_tokens += 1;
             match seq.last_token {

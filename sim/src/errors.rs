@@ -78,36 +78,14 @@ fn summary(v: &Value) -> String {
 
 /// Python's `repr` of a JSON scalar.
 fn py_value(v: &Value) -> String {
-    match v {
-        Value::Null => "None".into(),
-        Value::Bool(true) => "True".into(),
-        Value::Bool(false) => "False".into(),
-        Value::String(s) => py_str(s),
-        other => other.to_string(),
-    }
+    let mut out = String::new();
+    inferrail_tokenize::python::py_repr(&mut out, &inferrail_tokenize::template::value(v));
+    out
 }
 
-/// Python's `repr` of a string (single quotes unless the text holds one).
+/// Python's `repr` of a string.
 fn py_str(s: &str) -> String {
-    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push(quote);
-    for c in s.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c == quote => {
-                out.push('\\');
-                out.push(c);
-            }
-            c if (c as u32) < 0x20 || c as u32 == 0x7f => out.push_str(&format!("\\x{:02x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push(quote);
-    out
+    py_value(&Value::String(s.to_owned()))
 }
 
 /// The message Python's `json` module gives for what `serde_json` rejected,

@@ -32,6 +32,9 @@ use crate::engine::{Engine, EngineConfig};
 use crate::fault::Faults;
 use crate::metrics::EngineInfo;
 
+/// Tokens of repeated prompt pieces the tokenizer keeps encoded.
+const TOKENIZER_CACHE_TOKENS: usize = 1 << 20;
+
 /// A running simulator.
 pub struct Sim {
     /// Where it listens.
@@ -47,6 +50,10 @@ impl Sim {
     pub async fn start(args: Args) -> anyhow::Result<Self> {
         check(&args)?;
         let names = args.served_names();
+        let tokenizer = Arc::new(
+            inferrail_tokenize::Tokenizer::load(&args.tokenizer, TOKENIZER_CACHE_TOKENS)
+                .with_context(|| format!("loading tokenizer {}", args.tokenizer))?,
+        );
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
         let engine = Engine::start(EngineConfig {
             block_size: args.block_size,
@@ -55,6 +62,7 @@ impl Sim {
             max_num_batched_tokens: args.max_num_batched_tokens,
             latency: args.latency(),
             seed: args.seed,
+            generation_ids: tokenizer.generation_ids(),
             info: EngineInfo {
                 model_name: names[0].clone(),
                 block_size: args.block_size,
@@ -66,6 +74,7 @@ impl Sim {
         let app = Arc::new(App::new(
             ApiConfig {
                 names,
+                tokenizer,
                 root: args.model.clone(),
                 max_model_len: args.max_model_len,
                 details: args.enable_prompt_tokens_details,

@@ -5,7 +5,8 @@
 //! omissions (`serde_json` keeps insertion order here).
 
 use inferrail_kv::hash::{BlockHash, salt};
-use inferrail_tokenize::sim::{Message, VOCAB_SIZE, encode, render_chat};
+use inferrail_tokenize::Tokenizer;
+use inferrail_tokenize::chat::{self, Endpoint, RequestTemplates};
 use serde_json::{Map, Value, json};
 
 use crate::errors::{ApiError, json_error};
@@ -48,6 +49,8 @@ pub struct Served<'a> {
     pub names: &'a [String],
     /// Context length.
     pub max_model_len: usize,
+    /// The model's tokenizer.
+    pub tokenizer: &'a Tokenizer,
 }
 
 /// Parses a JSON body into an object, with vLLM's errors.
@@ -104,11 +107,11 @@ pub fn resolve_model(m: &Map<String, Value>, served: &Served<'_>) -> Result<Stri
 /// Validates a chat or completion body and tokenizes its prompt.
 pub fn parse_generation(kind: Kind, body: &[u8], served: &Served<'_>) -> Result<GenRequest, ApiError> {
     let m = parse_object(body)?;
-    let prompt = match kind {
-        Kind::Chat => chat_prompt(&m)?,
-        Kind::Completion => completion_prompt(&m)?,
-    };
     let model = resolve_model(&m, served)?;
+    let prompt = match kind {
+        Kind::Chat => chat_prompt(&m, served.tokenizer)?,
+        Kind::Completion => completion_prompt(&m, served.tokenizer)?,
+    };
 
     let stream = opt_bool(&m, "stream")?.unwrap_or(false);
     let (mut include_usage, mut continuous_usage) = (false, false);
@@ -205,34 +208,31 @@ fn check_length(prompt: usize, max_tokens: Option<usize>, max_len: usize) -> Res
     Ok(())
 }
 
-/// The chat prompt rendered and tokenized.
-pub fn chat_prompt(m: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
+/// The chat prompt rendered and tokenized, after the checks vLLM's request model makes.
+pub fn chat_prompt(m: &Map<String, Value>, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
     let messages = match m.get("messages") {
         None => return Err(ApiError::validation("missing", "body.messages", "Field required", &Value::Object(m.clone()), None)),
         Some(Value::Array(a)) => a,
         Some(v) => return Err(type_error("messages", "list_type", "Input should be a valid list", v)),
     };
-    let mut texts: Vec<(String, String)> = Vec::with_capacity(messages.len());
     for (i, msg) in messages.iter().enumerate() {
         let loc = format!("body.messages.{i}");
         let Value::Object(msg) = msg else {
             return Err(ApiError::validation("model_type", &loc, "Input should be a valid dictionary", msg, None));
         };
-        let role = match msg.get("role") {
-            Some(Value::String(r)) => r.clone(),
+        match msg.get("role") {
+            Some(Value::String(_)) => {}
             Some(v) => return Err(ApiError::validation("string_type", &format!("{loc}.role"), "Input should be a valid string", v, None)),
             None => {
                 return Err(ApiError::validation("missing", &format!("{loc}.role"), "Field required", &Value::Object(msg.clone()), None));
             }
-        };
-        let content = match msg.get("content") {
-            None | Some(Value::Null) => String::new(),
-            Some(Value::String(s)) => s.clone(),
+        }
+        match msg.get("content") {
+            None | Some(Value::Null | Value::String(_)) => {}
             Some(Value::Array(parts)) => {
-                let mut texts = Vec::with_capacity(parts.len());
                 for (j, part) in parts.iter().enumerate() {
                     match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
-                        (Some("text"), Some(t)) => texts.push(t),
+                        (Some("text"), Some(_)) => {}
                         (Some(other), _) if other != "text" => {
                             return Err(ApiError::unsupported(&format!("messages[{i}].content[{j}].type"), &json!(other)));
                         }
@@ -242,22 +242,14 @@ pub fn chat_prompt(m: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
                         }
                     }
                 }
-                texts.join("\n")
             }
             Some(v) => {
                 return Err(ApiError::validation("string_type", &format!("{loc}.content"), "Input should be a valid string", v, None));
             }
-        };
-        texts.push((role, content));
+        }
     }
-    let add_generation_prompt = opt_bool(m, "add_generation_prompt")?.unwrap_or(true);
-    let continue_final = opt_bool(m, "continue_final_message")?.unwrap_or(false);
-    let msgs: Vec<Message<'_>> = texts.iter().map(|(role, content)| Message { role, content }).collect();
-    let mut text = render_chat(&msgs, add_generation_prompt && !continue_final);
-    if continue_final && text.ends_with("<|im_end|>\n") {
-        text.truncate(text.len() - "<|im_end|>\n".len());
-    }
-    let tokens = encode(&text);
+    let tokens =
+        chat::prompt_ids(tok, Endpoint::Chat, m, RequestTemplates::Render).map_err(|e| ApiError::bad_request(&e.to_string(), None))?;
     if tokens.is_empty() {
         return Err(ApiError::bad_request("The rendered prompt is empty.", Some("messages")));
     }
@@ -265,7 +257,7 @@ pub fn chat_prompt(m: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
 }
 
 /// The completion prompt: a string, token ids, or a batch of one of either.
-pub fn completion_prompt(m: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
+pub fn completion_prompt(m: &Map<String, Value>, tok: &Tokenizer) -> Result<Vec<u32>, ApiError> {
     let prompt = match m.get("prompt") {
         None => return Err(ApiError::validation("missing", "body.prompt", "Field required", &Value::Object(m.clone()), None)),
         Some(Value::Array(batch)) if batch.len() == 1 && (batch[0].is_string() || batch[0].is_array()) => &batch[0],
@@ -274,21 +266,20 @@ pub fn completion_prompt(m: &Map<String, Value>) -> Result<Vec<u32>, ApiError> {
         }
         Some(p) => p,
     };
-    let tokens = match prompt {
-        Value::String(s) => encode(s),
+    match prompt {
+        Value::String(_) => {}
         Value::Array(ids) => {
-            let mut out = Vec::with_capacity(ids.len());
             for id in ids {
                 match id.as_u64() {
-                    Some(t) if t < u64::from(VOCAB_SIZE) => out.push(t as u32),
+                    Some(t) if t < tok.vocab_size() as u64 => {}
                     Some(t) => return Err(ApiError::bad_request(&format!("Token id {t} is out of vocabulary"), Some("prompt"))),
                     None => return Err(type_error("prompt", "int_type", "Input should be a valid integer", id)),
                 }
             }
-            out
         }
         v => return Err(type_error("prompt", "string_type", "Input should be a valid string", v)),
-    };
+    }
+    let tokens = chat::completion_ids(tok, m).map_err(|e| ApiError::bad_request(&e.to_string(), Some("prompt")))?;
     if tokens.is_empty() {
         return Err(ApiError::bad_request("Prompt cannot be empty", Some("prompt")));
     }
@@ -499,6 +490,6 @@ pub fn models(names: &[String], root: &str, max_model_len: usize, created: u64, 
 pub fn tokenize(body: &[u8], served: &Served<'_>) -> Result<String, ApiError> {
     let m = parse_object(body)?;
     resolve_model(&m, served)?;
-    let tokens = if m.contains_key("messages") { chat_prompt(&m)? } else { completion_prompt(&m)? };
+    let tokens = if m.contains_key("messages") { chat_prompt(&m, served.tokenizer)? } else { completion_prompt(&m, served.tokenizer)? };
     Ok(json!({"count": tokens.len(), "max_model_len": served.max_model_len, "tokens": tokens, "token_strs": null}).to_string())
 }

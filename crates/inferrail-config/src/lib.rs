@@ -28,6 +28,10 @@ pub struct Config {
     pub retry: Retry,
     /// Active probes and passive ejection.
     pub health: Health,
+    /// How prompts are tokenized on the routing path.
+    pub tokenizer: Tokenization,
+    /// The KV index: what each replica's cache is predicted to hold.
+    pub kv: Kv,
     /// Models clients may ask for.
     pub models: Vec<Model>,
     /// Replicas listed by address.
@@ -128,6 +132,46 @@ impl Default for Health {
     }
 }
 
+/// How prompts are tokenized on the routing path.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Tokenization {
+    /// Tokens of repeated prompt pieces (system prompts, earlier turns) kept encoded, per model.
+    pub cache_tokens: usize,
+    /// Threads that tokenize large bodies.
+    pub workers: usize,
+    /// Large bodies waiting for a worker; a body that finds the queue full is routed without a prediction.
+    pub queue: usize,
+    /// Longest a body waits for its tokens before it is routed without a prediction, milliseconds.
+    pub max_wait_ms: u64,
+    /// Bodies smaller than this are tokenized inline, without a worker, bytes.
+    pub inline_below_bytes: usize,
+}
+
+impl Default for Tokenization {
+    fn default() -> Self {
+        Self { cache_tokens: 1 << 20, workers: 2, queue: 256, max_wait_ms: 50, inline_below_bytes: 8 << 10 }
+    }
+}
+
+/// The KV index's defaults, used where neither the replica's config nor its engine says.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Kv {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks one replica holds.
+    pub blocks: usize,
+    /// Output tokens expected of a chat request without `max_tokens` (they take cache room).
+    pub expected_output_tokens: usize,
+}
+
+impl Default for Kv {
+    fn default() -> Self {
+        Self { block_size: 16, blocks: 8192, expected_output_tokens: 256 }
+    }
+}
+
 /// A model clients may ask for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -138,11 +182,15 @@ pub struct Model {
     pub aliases: Vec<String>,
     /// How its replicas are chosen.
     pub policy: PolicyKind,
+    /// Its tokenizer: `builtin:sim`, a directory with `tokenizer.json` and
+    /// `tokenizer_config.json`, or `hf:<org>/<name>` from the local Hugging
+    /// Face cache. Without one, its requests are routed without predictions.
+    pub tokenizer: Option<String>,
 }
 
 impl Default for Model {
     fn default() -> Self {
-        Self { name: String::new(), aliases: Vec::new(), policy: PolicyKind::RoundRobin }
+        Self { name: String::new(), aliases: Vec::new(), policy: PolicyKind::RoundRobin, tokenizer: None }
     }
 }
 
@@ -175,6 +223,10 @@ pub struct Replica {
     pub max_concurrency: u32,
     /// Most requests waiting for their first byte.
     pub max_pending: u32,
+    /// Tokens per KV block; learned from the engine's metrics when unset.
+    pub block_size: Option<usize>,
+    /// KV blocks it holds; learned from the engine's metrics when unset.
+    pub kv_blocks: Option<usize>,
 }
 
 impl Default for Replica {
@@ -186,6 +238,8 @@ impl Default for Replica {
             models: Vec::new(),
             max_concurrency: l.max_concurrency,
             max_pending: l.max_pending,
+            block_size: None,
+            kv_blocks: None,
         }
     }
 }
@@ -195,6 +249,20 @@ impl Replica {
     pub fn limits(&self) -> Limits {
         Limits { max_concurrency: self.max_concurrency, max_pending: self.max_pending }
     }
+
+    /// Its cache shape as configured.
+    pub fn cache(&self) -> CacheShape {
+        CacheShape { block_size: self.block_size, blocks: self.kv_blocks }
+    }
+}
+
+/// A replica's KV cache shape as configured; what is unset is learned from its engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CacheShape {
+    /// Tokens per block.
+    pub block_size: Option<usize>,
+    /// Blocks.
+    pub blocks: Option<usize>,
 }
 
 /// Replicas found by resolving a DNS name; members are named `<group>-<ip>-<port>`.
@@ -215,6 +283,10 @@ pub struct DnsGroup {
     pub max_concurrency: u32,
     /// Most requests waiting for their first byte, per member.
     pub max_pending: u32,
+    /// Tokens per KV block of every member; learned from the engines when unset.
+    pub block_size: Option<usize>,
+    /// KV blocks of every member; learned from the engines when unset.
+    pub kv_blocks: Option<usize>,
 }
 
 impl Default for DnsGroup {
@@ -228,6 +300,8 @@ impl Default for DnsGroup {
             interval_ms: 5_000,
             max_concurrency: l.max_concurrency,
             max_pending: l.max_pending,
+            block_size: None,
+            kv_blocks: None,
         }
     }
 }
@@ -236,6 +310,11 @@ impl DnsGroup {
     /// Limits of every member.
     pub fn limits(&self) -> Limits {
         Limits { max_concurrency: self.max_concurrency, max_pending: self.max_pending }
+    }
+
+    /// Cache shape of every member as configured.
+    pub fn cache(&self) -> CacheShape {
+        CacheShape { block_size: self.block_size, blocks: self.kv_blocks }
     }
 }
 
@@ -306,6 +385,13 @@ impl Config {
         if self.models.is_empty() {
             p.push("models: at least one model is needed".into());
         }
+        let t = &self.tokenizer;
+        if t.workers == 0 || t.queue == 0 || t.max_wait_ms == 0 {
+            p.push("tokenizer: workers, queue and max_wait_ms must be at least 1".into());
+        }
+        if self.kv.block_size == 0 || self.kv.blocks == 0 {
+            p.push("kv: block_size and blocks must be at least 1".into());
+        }
         let mut names = HashSet::new();
         for (i, m) in self.models.iter().enumerate() {
             if m.name.is_empty() {
@@ -332,6 +418,7 @@ impl Config {
             }
             check_models(&mut p, &at, &r.models, &known, &mut served);
             check_limits(&mut p, &at, r.limits());
+            check_cache(&mut p, &at, r.cache());
         }
         for (i, g) in self.discovery.iter().enumerate() {
             let at = format!("discovery[{i}]");
@@ -343,6 +430,7 @@ impl Config {
             }
             check_models(&mut p, &at, &g.models, &known, &mut served);
             check_limits(&mut p, &at, g.limits());
+            check_cache(&mut p, &at, g.cache());
         }
         for (i, m) in self.models.iter().enumerate() {
             if !m.name.is_empty() && !served.contains(m.name.as_str()) {
@@ -383,6 +471,12 @@ fn check_models<'a>(p: &mut Vec<String>, at: &str, models: &'a [String], known: 
 fn check_limits(p: &mut Vec<String>, at: &str, l: Limits) {
     if l.max_concurrency == 0 || l.max_pending == 0 {
         p.push(format!("{at}: max_concurrency and max_pending must be at least 1"));
+    }
+}
+
+fn check_cache(p: &mut Vec<String>, at: &str, c: CacheShape) {
+    if c.block_size == Some(0) || c.blocks == Some(0) {
+        p.push(format!("{at}: block_size and kv_blocks must be at least 1 when set"));
     }
 }
 

@@ -20,7 +20,8 @@ fn lookup(c: &mut Criterion) {
     for &s in &slots {
         index.add_replica(s, 4096);
         // Every replica holds a different share of the prompt's prefix.
-        index.record(s, &prompt[..(s as usize * 8).min(512)]);
+        let held = &prompt[..(s as usize * 8).min(512)];
+        index.record(s, held, held.len(), 0);
     }
     c.bench_function("lookup 512 blocks over 64 replicas", |b| b.iter(|| index.matched(std::hint::black_box(&prompt), &slots)));
     c.bench_function("record 512 blocks", |b| {
@@ -28,7 +29,7 @@ fn lookup(c: &mut Criterion) {
         b.iter(|| {
             n += 1;
             let fresh: Vec<u128> = (0..512u128).map(|k| (n << 64) | k).collect();
-            index.record(3, &fresh)
+            index.record(3, &fresh, fresh.len(), 0)
         })
     });
 }

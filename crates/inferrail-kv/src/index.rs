@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use lru::LruCache;
 
@@ -60,6 +61,15 @@ pub struct KvIndex {
     /// Block -> bitmap of the slots holding it (bit `s` of word `s / 64`).
     holders: papaya::HashMap<BlockHash, Box<[u64]>, FoldState>,
     shadows: Mutex<HashMap<Slot, LruCache<BlockHash, (), FoldState>>>,
+    placeholders: AtomicU64,
+}
+
+/// Placeholder keys carry this tag in their high half; a real block hash does
+/// with probability 2^-64.
+const PLACEHOLDER: BlockHash = (u64::MAX as BlockHash) << 64;
+
+fn is_placeholder(h: BlockHash) -> bool {
+    h >> 64 == u64::MAX as BlockHash
 }
 
 impl KvIndex {
@@ -94,35 +104,58 @@ impl KvIndex {
         self.drop_all(slot, old);
     }
 
-    /// Records that `slot` now holds the blocks of a prompt (hashes in prompt order).
-    pub fn record(&self, slot: Slot, hashes: &[BlockHash]) -> Recorded {
-        let mut added = Vec::new();
+    /// Records a request sent to `slot` as the engine will lay it out in its
+    /// KV cache: `prompt` holds the hashes of the prompt's full blocks, of
+    /// which the engine may reuse at most `reusable` leading ones (it always
+    /// computes the last prompt token); `extra` more blocks (the prompt's
+    /// partial last block, generated tokens) take room but can never be
+    /// matched. As in the engine, reused blocks are protected first, fresh
+    /// blocks then evict the least recent, a fresh block whose prefix is
+    /// still cached caches nothing, and the request's blocks end in the order
+    /// the engine frees them: last block least recent.
+    pub fn record(&self, slot: Slot, prompt: &[BlockHash], reusable: usize, extra: usize) -> Recorded {
         let mut evicted = Vec::new();
-        // The holders map changes under the same lock as the shadows, so the
-        // two never disagree; lookups read the map without it.
         let mut shadows = self.lock();
-        let Some(shadow) = shadows.get_mut(&slot) else { return Recorded { slot, added } };
-        // Last block first, so the first block ends most recent.
-        for &h in hashes.iter().rev() {
-            if shadow.promote(&h) {
-                continue;
-            }
-            if let Some((out, ())) = shadow.push(h, ()) {
+        let Some(shadow) = shadows.get_mut(&slot) else { return Recorded { slot, added: Vec::new() } };
+        let reusable = reusable.min(prompt.len());
+        let hits = prompt[..reusable].iter().take_while(|h| shadow.contains(h)).count();
+        for h in &prompt[..hits] {
+            shadow.promote(h);
+        }
+        // Room for every fresh block first: what they evict is chosen before any of them is named.
+        let fresh = prompt.len() - hits + extra;
+        let mut keys: Vec<BlockHash> = prompt[..hits].to_vec();
+        for _ in 0..fresh {
+            let p = self.placeholder();
+            if let Some((out, ())) = shadow.push(p, ()) {
                 evicted.push(out);
             }
-            added.push(h);
+            keys.push(p);
         }
-        // A block can be evicted and then added again by the same prompt.
-        evicted.retain(|h| !shadow.contains(h));
-        added.retain(|h| shadow.contains(h));
+        for i in hits..prompt.len() {
+            if !shadow.contains(&prompt[i]) && shadow.pop(&keys[i]).is_some() {
+                shadow.push(prompt[i], ());
+                keys[i] = prompt[i];
+            }
+        }
+        for k in keys.iter().rev() {
+            shadow.promote(k);
+        }
+        let added: Vec<BlockHash> = keys[hits..].iter().copied().filter(|k| shadow.contains(k)).collect();
         let holders = self.holders.pin();
-        for h in &added {
+        for h in added.iter().filter(|h| !is_placeholder(**h)) {
             holders.update_or_insert_with(*h, |bits| with(bits, slot), || with(&[], slot));
         }
-        for h in evicted {
+        // A block evicted and then named again by the same request stays held.
+        for h in evicted.into_iter().filter(|h| !is_placeholder(*h) && !shadow.contains(h)) {
             release(&holders, h, slot);
         }
         Recorded { slot, added }
+    }
+
+    /// A key for a block no prompt can match.
+    fn placeholder(&self) -> BlockHash {
+        PLACEHOLDER | BlockHash::from(self.placeholders.fetch_add(1, Ordering::Relaxed))
     }
 
     /// Takes back what an attempt added (the engine refused or failed it).
@@ -131,7 +164,7 @@ impl KvIndex {
         let Some(shadow) = shadows.get_mut(&recorded.slot) else { return };
         let holders = self.holders.pin();
         for h in &recorded.added {
-            if shadow.pop(h).is_some() {
+            if shadow.pop(h).is_some() && !is_placeholder(*h) {
                 release(&holders, *h, recorded.slot);
             }
         }
@@ -175,7 +208,7 @@ impl KvIndex {
     /// Releases every block of a replica's old shadow; called under the lock.
     fn drop_all(&self, slot: Slot, shadow: LruCache<BlockHash, (), FoldState>) {
         let holders = self.holders.pin();
-        for (&h, ()) in shadow.iter() {
+        for (&h, ()) in shadow.iter().filter(|(h, ())| !is_placeholder(**h)) {
             release(&holders, h, slot);
         }
     }

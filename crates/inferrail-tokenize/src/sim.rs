@@ -71,33 +71,6 @@ pub fn decode(id: u32) -> Option<&'static str> {
     GENERATION_WORDS.iter().copied().find(|w| piece_id(w) == id)
 }
 
-/// One chat message as the chat format sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Message<'a> {
-    /// `system`, `user`, `assistant`, `tool`, ...
-    pub role: &'a str,
-    /// The message's text, content parts already joined.
-    pub content: &'a str,
-}
-
-/// Renders chat messages in the simulator's ChatML-style format:
-/// `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then
-/// `<|im_start|>assistant\n` when a reply is to be generated.
-pub fn render_chat(messages: &[Message<'_>], add_generation_prompt: bool) -> String {
-    let mut out = String::with_capacity(messages.iter().map(|m| m.content.len() + 32).sum());
-    for m in messages {
-        out.push_str("<|im_start|>");
-        out.push_str(m.role);
-        out.push('\n');
-        out.push_str(m.content);
-        out.push_str("<|im_end|>\n");
-    }
-    if add_generation_prompt {
-        out.push_str("<|im_start|>assistant\n");
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,15 +101,6 @@ mod tests {
             let id = piece_id(p);
             assert!((FIRST_PIECE_ID..VOCAB_SIZE).contains(&id));
         }
-    }
-
-    #[test]
-    fn chat_renders_chatml() {
-        let m = [Message { role: "system", content: "Be brief." }, Message { role: "user", content: "Hi" }];
-        assert_eq!(
-            render_chat(&m, true),
-            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-        );
     }
 
     proptest! {

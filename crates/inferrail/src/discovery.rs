@@ -51,13 +51,19 @@ impl Discovery {
         let new: Vec<Arc<Replica>> = addrs
             .iter()
             .map(|&a| {
-                old.iter()
-                    .find(|r| r.addr == a)
-                    .cloned()
-                    .unwrap_or_else(|| Arc::new(Replica::new(member_id(&group.group, a), a, models.clone(), group.limits())))
+                old.iter().find(|r| r.addr == a).cloned().unwrap_or_else(|| {
+                    let id = member_id(&group.group, a);
+                    let slot = router.kv.slot(&id);
+                    let r = Arc::new(Replica::new(id, a, models.clone(), group.limits(), group.cache(), slot));
+                    router.kv.join(&r);
+                    r
+                })
             })
             .collect();
         let changed = new.len() != old.len() || new.iter().zip(old).any(|(a, b)| !Arc::ptr_eq(a, b));
+        for gone in old.iter().filter(|r| !new.iter().any(|n| Arc::ptr_eq(n, r))) {
+            router.kv.leave(gone);
+        }
         if changed {
             tracing::info!(group = %group.group, members = ?addrs, "membership changed");
             self.members[g] = new;
@@ -103,7 +109,7 @@ models: [{name: m}]
 replicas: [{id: listed, address: 127.0.0.1:7000, models: [m]}]
 discovery: [{group: pool, host: pool.internal, port: 8000, models: [m]}]
 ";
-        Router::new(Config::parse(yaml).unwrap())
+        Router::new(Config::parse(yaml).unwrap()).unwrap()
     }
 
     fn ids(r: &Router) -> Vec<String> {
@@ -114,14 +120,14 @@ discovery: [{group: pool, host: pool.internal, port: 8000, models: [m]}]
         IpAddr::from([10, 0, 0, last])
     }
 
-    #[test]
-    fn members_join_and_leave_and_survivors_keep_their_state() {
+    #[tokio::test]
+    async fn members_join_and_leave_and_survivors_keep_their_state() {
         let r = router();
         let mut d = Discovery::new(&r);
         assert!(d.apply(&r, 0, Ok(vec![ip(2), ip(1), ip(1)])));
         assert_eq!(ids(&r), ["listed", "pool-10.0.0.1-8000", "pool-10.0.0.2-8000"]);
         let survivor = r.fleet().replicas[2].clone();
-        let lease = r.decide(br#"{"model": "m"}"#, "req");
+        let lease = r.decide(br#"{"model": "m"}"#, inferrail_tokenize::chat::Endpoint::Chat, "req").await;
         assert!(lease.is_ok());
         survivor.set_probe(false);
 

@@ -87,7 +87,7 @@ impl ExtProc {
                 let body = reply::error_body(404, "NotFoundError", &format!("No route for {} {}.", head.method, head.path), None);
                 reply::immediate(404, body, &[], "inferrail_not_found")
             }
-            Endpoint::Generate => {
+            Endpoint::Generate(generation) => {
                 let (request_id, generated) = match head.request_id {
                     Some(id) => (id, false),
                     None => (new_request_id(), true),
@@ -109,7 +109,7 @@ impl ExtProc {
                         Ok(None) | Err(_) => return,
                     }
                 }
-                match self.router.decide(&body, &request_id) {
+                match self.router.decide(&body, generation, &request_id).await {
                     Ok(d) => {
                         let answer = reply::decision(&d, d.request_id != request_id);
                         // If Envoy is gone it no longer needs the answer.
@@ -142,6 +142,10 @@ impl ExtProc {
             Some(s) if s >= 400 => "4xx",
             Some(_) => "ok",
         };
+        if outcome != "ok" {
+            // The engine refused or failed it, or never answered: it caches nothing of it.
+            self.router.take_back(&held);
+        }
         let model = self.router.models[held.model].name.clone();
         metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => outcome)
             .increment(1);

@@ -3,11 +3,12 @@
 //! probes plus passive ejection with doubling backoff).
 
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use inferrail_config::{Health as HealthConfig, Limits};
+use inferrail_config::{CacheShape, Health as HealthConfig, Limits};
+use inferrail_kv::index::Slot;
 use inferrail_policy::ReplicaLoad;
 
 /// One replica and its live state.
@@ -21,6 +22,14 @@ pub struct Replica {
     pub models: Vec<usize>,
     /// Its limits.
     pub limits: Limits,
+    /// Its slot in the KV index.
+    pub slot: Slot,
+    /// Its KV cache shape as configured.
+    pub cache: CacheShape,
+    learned_block_size: AtomicUsize,
+    learned_blocks: AtomicUsize,
+    /// The engine's prefix-cache query counter when last read.
+    pub prefix_queries: AtomicU64,
     in_flight: AtomicU32,
     pending: AtomicU32,
     probe_ok: AtomicBool,
@@ -36,12 +45,17 @@ const RELEASED: u8 = 2;
 
 impl Replica {
     /// A replica with nothing in flight, healthy until shown otherwise.
-    pub fn new(id: String, addr: SocketAddr, models: Vec<usize>, limits: Limits) -> Self {
+    pub fn new(id: String, addr: SocketAddr, models: Vec<usize>, limits: Limits, cache: CacheShape, slot: Slot) -> Self {
         Self {
             id,
             addr,
             models,
             limits,
+            slot,
+            cache,
+            learned_block_size: AtomicUsize::new(0),
+            learned_blocks: AtomicUsize::new(0),
+            prefix_queries: AtomicU64::new(0),
             in_flight: AtomicU32::new(0),
             pending: AtomicU32::new(0),
             probe_ok: AtomicBool::new(true),
@@ -49,6 +63,23 @@ impl Replica {
             ejections: AtomicU32::new(0),
             ejected_until_ms: AtomicU64::new(0),
         }
+    }
+
+    /// Tokens per KV block: configured, else learned from the engine, else `default`.
+    pub fn block_size(&self, default: usize) -> usize {
+        self.cache.block_size.unwrap_or_else(|| Some(self.learned_block_size.load(Ordering::Relaxed)).filter(|&b| b > 0).unwrap_or(default))
+    }
+
+    /// KV blocks: configured, else learned from the engine, else `default`.
+    pub fn blocks(&self, default: usize) -> usize {
+        self.cache.blocks.unwrap_or_else(|| Some(self.learned_blocks.load(Ordering::Relaxed)).filter(|&b| b > 0).unwrap_or(default))
+    }
+
+    /// Keeps what the engine reports of its cache; true when that changes what is used.
+    pub fn learn_cache(&self, block_size: usize, blocks: usize) -> bool {
+        let bs_changed = self.cache.block_size.is_none() && self.learned_block_size.swap(block_size, Ordering::Relaxed) != block_size;
+        let blocks_changed = self.cache.blocks.is_none() && self.learned_blocks.swap(blocks, Ordering::Relaxed) != blocks;
+        bs_changed || blocks_changed
     }
 
     /// Requests in flight now.
@@ -127,6 +158,8 @@ pub struct Lease {
     pub start: Instant,
     state: AtomicU8,
     status: AtomicU32,
+    /// What the decision recorded in the KV index, to take back if the engine refuses the request.
+    pub kv: Mutex<Option<(Arc<crate::kv::Prediction>, crate::kv::Record)>>,
 }
 
 impl Lease {
@@ -138,7 +171,7 @@ impl Lease {
     /// Takes a slot on `replica` for a request decided at `start`.
     pub fn since(replica: Arc<Replica>, model: usize, start: Instant) -> Self {
         replica.acquire();
-        Self { replica, model, start, state: AtomicU8::new(PENDING), status: AtomicU32::new(0) }
+        Self { replica, model, start, state: AtomicU8::new(PENDING), status: AtomicU32::new(0), kv: Mutex::new(None) }
     }
 
     /// Records the upstream's response status.
@@ -198,7 +231,8 @@ mod tests {
     use super::*;
 
     fn replica(models: Vec<usize>) -> Arc<Replica> {
-        Arc::new(Replica::new("r".into(), SocketAddr::from(([127, 0, 0, 1], 1)), models, Limits { max_concurrency: 2, max_pending: 1 }))
+        let limits = Limits { max_concurrency: 2, max_pending: 1 };
+        Arc::new(Replica::new("r".into(), SocketAddr::from(([127, 0, 0, 1], 1)), models, limits, CacheShape::default(), 0))
     }
 
     #[test]

@@ -46,12 +46,29 @@ pub async fn probe_loop(router: Arc<Router>) {
             let http = http.clone();
             probes.spawn(async move {
                 let ok = http.get(format!("http://{}/health", r.addr)).send().await.is_ok_and(|resp| resp.status().is_success());
-                (r, ok)
+                // The engine's cache shape and prefix-cache counters ride along with the probe.
+                let page = match ok {
+                    true => match http.get(format!("http://{}/metrics", r.addr)).send().await {
+                        Ok(resp) if resp.status().is_success() => resp.text().await.ok(),
+                        _ => None,
+                    },
+                    false => None,
+                };
+                (r, ok, page)
             });
         }
-        while let Some(Ok((r, ok))) = probes.join_next().await {
+        while let Some(Ok((r, ok, page))) = probes.join_next().await {
             if r.set_probe(ok) {
                 tracing::info!(replica = %r.id, healthy = ok, "probe state changed");
+            }
+            if let Some(page) = page {
+                let (shape, queries) = crate::kv::parse_metrics(&page);
+                if let Some((block_size, blocks)) = shape {
+                    router.kv.learned(&r, block_size, blocks);
+                }
+                if let Some(q) = queries {
+                    router.kv.counter(&r, q);
+                }
             }
         }
     }
@@ -66,6 +83,7 @@ pub fn publish_gauges(router: &Router) {
         metrics::gauge!("inferrail_replica_in_flight", "replica" => r.id.clone()).set(f64::from(r.in_flight()));
     }
     metrics::gauge!("inferrail_leases").set(router.leases_held() as f64);
+    metrics::gauge!("inferrail_kv_index_entries").set(router.kv.entries() as f64);
 }
 
 /// The `/v1/models` answer: configured models in order, then their aliases,

@@ -91,21 +91,20 @@ pub fn decision(d: &Decision, renamed: bool) -> ProcessingResponse {
         set.push(header("content-length", &b.len().to_string()));
         BodyMutation { mutation: Some(Mutation::Body(b.clone())) }
     });
+    let mut ours = vec![
+        ("replica", string(&d.targets[0].id)),
+        ("policy", string(d.policy)),
+        ("model", string(&d.model)),
+        ("request_id", string(&d.request_id)),
+    ];
+    if let (Some(n), Some(cached)) = (d.prompt_tokens, d.cached_tokens.first()) {
+        ours.push(("prompt_tokens", string(&n.to_string())));
+        ours.push(("cached_tokens", string(&cached.to_string())));
+    }
     let metadata = Struct {
-        fields: [
-            ("envoy.lb".to_string(), object([(DESTINATION, string(&targets))])),
-            (
-                "inferrail".to_string(),
-                object([
-                    ("replica", string(&d.targets[0].id)),
-                    ("policy", string(d.policy)),
-                    ("model", string(&d.model)),
-                    ("request_id", string(&d.request_id)),
-                ]),
-            ),
-        ]
-        .into_iter()
-        .collect(),
+        fields: [("envoy.lb".to_string(), object([(DESTINATION, string(&targets))])), ("inferrail".to_string(), object(ours))]
+            .into_iter()
+            .collect(),
     };
     ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse {

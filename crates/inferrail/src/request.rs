@@ -49,7 +49,7 @@ pub fn head(headers: Option<&HeaderMap>) -> Head {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     /// `POST /v1/chat/completions` or `/v1/completions`: route it.
-    Generate,
+    Generate(inferrail_tokenize::chat::Endpoint),
     /// `GET /v1/models`: answered by the router.
     Models,
     /// `GET /health`: answered by the router.
@@ -63,7 +63,8 @@ pub enum Endpoint {
 /// Dispatches on method and path.
 pub fn endpoint(method: &str, path: &str) -> Endpoint {
     let (allowed, ok) = match path {
-        "/v1/chat/completions" | "/v1/completions" => ("POST", Endpoint::Generate),
+        "/v1/chat/completions" => ("POST", Endpoint::Generate(inferrail_tokenize::chat::Endpoint::Chat)),
+        "/v1/completions" => ("POST", Endpoint::Generate(inferrail_tokenize::chat::Endpoint::Completions)),
         "/v1/models" => ("GET", Endpoint::Models),
         "/health" => ("GET", Endpoint::Health),
         _ => return Endpoint::NotFound,
@@ -157,7 +158,7 @@ mod tests {
 
     #[test]
     fn dispatch_by_method_and_path() {
-        assert_eq!(endpoint("POST", "/v1/chat/completions"), Endpoint::Generate);
+        assert_eq!(endpoint("POST", "/v1/chat/completions"), Endpoint::Generate(inferrail_tokenize::chat::Endpoint::Chat));
         assert_eq!(endpoint("GET", "/v1/completions"), Endpoint::WrongMethod("POST"));
         assert_eq!(endpoint("GET", "/v1/models"), Endpoint::Models);
         assert_eq!(endpoint("POST", "/health"), Endpoint::WrongMethod("GET"));

@@ -1,10 +1,12 @@
 //! The decision: from a request body to an ordered list of replicas.
 //!
 //! The model named in the body (or its alias, or the only model when none is
-//! named) selects a policy and the replicas serving it; eligibility keeps
-//! the healthy ones with room; the policy ranks them; the winner and up to
-//! `retry.fallbacks` more are returned, and a lease on the winner counts the
-//! request in flight until the request ends.
+//! named) selects a policy and the replicas serving it; the prompt is
+//! tokenized (`prompt`) and each candidate's cached prefix predicted (`kv`);
+//! eligibility keeps the healthy replicas with room; the policy ranks them;
+//! the winner and up to `retry.fallbacks` more are returned, the prompt is
+//! recorded on the winner, and a lease on it counts the request in flight
+//! until the request ends.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -14,7 +16,11 @@ use arc_swap::ArcSwap;
 use inferrail_config::Config;
 use inferrail_policy::{NoReplica, RoutingPolicy, eligible};
 
+use inferrail_tokenize::chat::Endpoint;
+
 use crate::fleet::{Lease, Replica};
+use crate::kv::Kv;
+use crate::prompt::Prompts;
 use crate::request::{self, BodyError};
 
 /// A model and how its replicas are chosen.
@@ -61,6 +67,10 @@ pub struct Decision {
     pub policy: &'static str,
     /// The body with the model rewritten, when it had to be.
     pub body: Option<Vec<u8>>,
+    /// Prompt tokens, when the prompt was tokenized.
+    pub prompt_tokens: Option<usize>,
+    /// Predicted cached prompt tokens on each target, when the prompt was tokenized.
+    pub cached_tokens: Vec<usize>,
 }
 
 /// Why the router answered a request itself.
@@ -117,11 +127,15 @@ pub struct Router {
     fleet: ArcSwap<Fleet>,
     leases: papaya::HashMap<String, Arc<Lease>>,
     clock: Instant,
+    /// Tokenizers and their workers.
+    pub prompts: Prompts,
+    /// The KV index.
+    pub kv: Kv,
 }
 
 impl Router {
-    /// Builds the router with the configuration's listed replicas.
-    pub fn new(config: Config) -> Self {
+    /// Builds the router with the configuration's listed replicas, loading every model's tokenizer.
+    pub fn new(config: Config) -> anyhow::Result<Self> {
         let seed = config.routing.seed;
         let models: Vec<ModelRoute> = config
             .models
@@ -139,17 +153,22 @@ impl Router {
                 names.insert(n.clone(), i);
             }
         }
-        let replicas = config
+        let kv = Kv::new(config.kv.clone());
+        let replicas: Vec<Arc<Replica>> = config
             .replicas
             .iter()
             .filter_map(|r| {
                 let addr = r.address.parse().ok()?;
                 let served = r.models.iter().filter_map(|m| names.get(m).copied()).collect();
-                Some(Arc::new(Replica::new(r.id.clone(), addr, served, r.limits())))
+                Some(Arc::new(Replica::new(r.id.clone(), addr, served, r.limits(), r.cache(), kv.slot(&r.id))))
             })
             .collect();
+        for r in &replicas {
+            kv.join(r);
+        }
         let fleet = ArcSwap::from_pointee(Fleet::new(replicas, models.len()));
-        Self { config, models, names, fleet, leases: papaya::HashMap::new(), clock: Instant::now() }
+        let prompts = Prompts::new(&config)?;
+        Ok(Self { config, models, names, fleet, leases: papaya::HashMap::new(), clock: Instant::now(), prompts, kv })
     }
 
     /// Milliseconds since the router started: the clock health state uses.
@@ -173,9 +192,9 @@ impl Router {
     }
 
     /// Decides where a generation request goes, and leases the winner under `request_id`.
-    pub fn decide(&self, body: &[u8], request_id: &str) -> Result<Decision, RouteError> {
+    pub async fn decide(&self, body: &[u8], endpoint: Endpoint, request_id: &str) -> Result<Decision, RouteError> {
         let started = Instant::now();
-        let result = self.decide_inner(body, request_id);
+        let result = self.decide_inner(body, endpoint, request_id).await;
         let policy = match &result {
             Ok(d) => d.policy,
             Err(_) => "none",
@@ -188,7 +207,7 @@ impl Router {
         result
     }
 
-    fn decide_inner(&self, body: &[u8], request_id: &str) -> Result<Decision, RouteError> {
+    async fn decide_inner(&self, body: &[u8], endpoint: Endpoint, request_id: &str) -> Result<Decision, RouteError> {
         let max = self.config.server.max_body_bytes;
         if body.len() > max {
             return Err(RouteError::TooLarge(max));
@@ -200,6 +219,8 @@ impl Router {
             None => return Err(RouteError::MissingModel),
         };
         let model = &self.models[index];
+        // The model's name does not change the prompt: tokenize the body as sent.
+        let prompt = self.prompts.prompt(index, endpoint, body).await;
         let body = match fields.model {
             Some(name) if name == model.name => None,
             _ => Some(request::with_model(body, fields.model_at, &model.name)),
@@ -211,6 +232,17 @@ impl Router {
         let ranked = model.policy.rank(&loads, eligible(&loads)?);
         let targets: Vec<Arc<Replica>> = ranked.iter().take(1 + self.config.retry.fallbacks).map(|&i| replicas[i].clone()).collect();
         let lease = Arc::new(Lease::new(targets[0].clone(), index));
+        let (prompt_tokens, cached_tokens) = match prompt {
+            Some(p) => {
+                let prediction = Arc::new(self.kv.prepare(&model.name, &p, &targets));
+                let cached = self.kv.cached(&prediction, &targets);
+                metrics::histogram!("inferrail_predicted_cached_tokens").record(cached[0] as f64);
+                let record = self.kv.record(&prediction, &targets[0]);
+                *lease.kv.lock().unwrap_or_else(|p| p.into_inner()) = Some((prediction, record));
+                (Some(p.ids.len()), cached)
+            }
+            None => (None, Vec::new()),
+        };
         let leases = self.leases.pin();
         let mut key = request_id.to_string();
         let mut n = 0u32;
@@ -219,7 +251,15 @@ impl Router {
             n += 1;
             key = format!("{request_id}.{n}");
         }
-        Ok(Decision { request_id: key, model: model.name.clone(), targets, policy: model.policy.name(), body })
+        Ok(Decision {
+            request_id: key,
+            model: model.name.clone(),
+            targets,
+            policy: model.policy.name(),
+            body,
+            prompt_tokens,
+            cached_tokens,
+        })
     }
 
     /// The lease a request holds.
@@ -235,14 +275,26 @@ impl Router {
     }
 
     /// Moves a request's lease to the replica that really served it (Envoy
-    /// retried on a fallback). Returns the new lease.
+    /// retried on a fallback), and its prompt's record with it. Returns the new lease.
     pub fn move_lease(&self, request_id: &str, to: &Arc<Replica>) -> Option<Arc<Lease>> {
         let leases = self.leases.pin();
         let old = leases.get(request_id).filter(|l| !l.released())?;
         let moved = Arc::new(Lease::since(to.clone(), old.model, old.start));
+        if let Some((prediction, record)) = old.kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            self.kv.take_back(&record);
+            let again = self.kv.record(&prediction, to);
+            *moved.kv.lock().unwrap_or_else(|p| p.into_inner()) = Some((prediction, again));
+        }
         old.release();
         leases.insert(request_id.to_string(), moved.clone());
         Some(moved)
+    }
+
+    /// The engine refused or failed a request: its prompt is not in that cache.
+    pub fn take_back(&self, lease: &Lease) {
+        if let Some((_, record)) = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            self.kv.take_back(&record);
+        }
     }
 
     /// Leases held now.

@@ -65,7 +65,7 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
     let (grpc, admin) = (grpc_listener.local_addr()?, admin_listener.local_addr()?);
     let grace = Duration::from_millis(config.server.shutdown_grace_ms);
     let (stop_tx, stopping) = tokio::sync::oneshot::channel();
-    let router = Arc::new(Router::new(config));
+    let router = Arc::new(Router::new(config)?);
     let models = Arc::new(ArcSwap::from_pointee(health::models_json(&router, &[])));
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();

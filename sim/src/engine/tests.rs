@@ -14,6 +14,7 @@ fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
         max_num_batched_tokens: 8192,
         latency: latency(),
         seed: 1,
+        generation_ids: inferrail_tokenize::Tokenizer::load("builtin:sim", 0).unwrap().generation_ids(),
         info: EngineInfo { model_name: "m".into(), block_size: 4, num_gpu_blocks: num_blocks, max_model_len: 1024, created: 0.0 },
     })
 }

@@ -10,23 +10,43 @@ struct Naive {
 }
 
 impl Naive {
-    fn record(&mut self, slot: Slot, hashes: &[BlockHash]) -> Vec<BlockHash> {
+    /// The engine's layout, spelled out on a vector: placeholders are `None`-like keys from a counter.
+    fn record(&mut self, slot: Slot, prompt: &[BlockHash], reusable: usize, extra: usize, next: &mut u128) -> Vec<BlockHash> {
         let Some((cap, blocks)) = self.replicas.get_mut(&slot) else { return Vec::new() };
-        let mut added = Vec::new();
-        for &h in hashes.iter().rev() {
+        let to_back = |blocks: &mut Vec<BlockHash>, h: BlockHash| {
             if let Some(i) = blocks.iter().position(|&b| b == h) {
                 blocks.remove(i);
-            } else {
-                added.push(h);
+                blocks.push(h);
             }
-            blocks.push(h);
+        };
+        let hits = prompt[..reusable.min(prompt.len())].iter().take_while(|h| blocks.contains(h)).count();
+        for &h in &prompt[..hits] {
+            to_back(blocks, h);
+        }
+        let mut keys: Vec<BlockHash> = prompt[..hits].to_vec();
+        for _ in 0..prompt.len() - hits + extra {
+            *next += 1;
+            let p = (7u128 << 100) | *next;
+            blocks.push(p);
             if blocks.len() > *cap {
-                let out = blocks.remove(0);
-                added.retain(|&a| a != out);
+                blocks.remove(0);
+            }
+            keys.push(p);
+        }
+        for i in hits..prompt.len() {
+            if !blocks.contains(&prompt[i])
+                && let Some(at) = blocks.iter().position(|&b| b == keys[i])
+            {
+                blocks[at] = prompt[i];
+                keys[i] = prompt[i];
             }
         }
-        added
+        for &k in keys.iter().rev() {
+            to_back(blocks, k);
+        }
+        keys[hits..].iter().copied().filter(|k| blocks.contains(k)).collect()
     }
+
     fn matched(&self, hashes: &[BlockHash], slot: Slot) -> usize {
         let Some((_, blocks)) = self.replicas.get(&slot) else { return 0 };
         hashes.iter().take_while(|h| blocks.contains(h)).count()
@@ -35,7 +55,7 @@ impl Naive {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Record { slot: Slot, family: u8, len: usize, take_back: bool },
+    Record { slot: Slot, family: u8, len: usize, reusable: usize, extra: usize, take_back: bool },
     Clear(Slot),
     Remove(Slot),
     Add(Slot),
@@ -43,7 +63,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        8 => (0u32..4, 0u8..3, 1usize..8, any::<bool>()).prop_map(|(slot, family, len, take_back)| Op::Record { slot, family, len, take_back }),
+        8 => (0u32..4, 0u8..3, 1usize..8, 0usize..9, 0usize..3, any::<bool>())
+            .prop_map(|(slot, family, len, reusable, extra, take_back)| Op::Record { slot, family, len, reusable, extra, take_back }),
         1 => (0u32..4).prop_map(Op::Clear),
         1 => (0u32..4).prop_map(Op::Remove),
         1 => (0u32..4).prop_map(Op::Add),
@@ -59,20 +80,23 @@ proptest! {
     fn the_index_behaves_like_the_naive_model(ops in proptest::collection::vec(op(), 1..120), cap in 1usize..12) {
         let index = KvIndex::new();
         let mut naive = Naive::default();
+        let mut next = 0u128;
         for s in 0..4 {
             index.add_replica(s, cap);
             naive.replicas.insert(s, (cap, Vec::new()));
         }
         for op in ops {
             match op {
-                Op::Record { slot, family, len, take_back } => {
+                Op::Record { slot, family, len, reusable, extra, take_back } => {
                     let hashes = chain(family, len);
-                    let recorded = index.record(slot, &hashes);
-                    let mut added = naive.record(slot, &hashes);
-                    let mut got = recorded.added.clone();
-                    got.sort_unstable();
-                    added.sort_unstable();
-                    prop_assert_eq!(&got, &added);
+                    let recorded = index.record(slot, &hashes, reusable, extra);
+                    let added = naive.record(slot, &hashes, reusable, extra, &mut next);
+                    let real = |v: &[BlockHash]| -> (Vec<BlockHash>, usize) {
+                        let mut r: Vec<BlockHash> = v.iter().copied().filter(|h| hashes.contains(h)).collect();
+                        r.sort_unstable();
+                        (r, v.len())
+                    };
+                    prop_assert_eq!(real(&recorded.added), real(&added));
                     if take_back {
                         index.take_back(&recorded);
                         if let Some((_, blocks)) = naive.replicas.get_mut(&slot) {
@@ -108,9 +132,36 @@ proptest! {
 fn a_long_prefix_is_evicted_from_its_tail() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
-    index.record(0, &chain(0, 4));
-    index.record(0, &chain(1, 1));
+    index.record(0, &chain(0, 4), 4, 0);
+    index.record(0, &chain(1, 1), 1, 0);
     assert_eq!(index.matched(&chain(0, 4), &[0]), [3]);
+}
+
+#[test]
+fn partial_and_generated_blocks_take_room() {
+    let index = KvIndex::new();
+    index.add_replica(0, 4);
+    // Two full blocks and two more the index cannot name: the shadow is full.
+    index.record(0, &chain(0, 2), 2, 2);
+    assert_eq!(index.entries(), 4);
+    // One fresh block evicts the least recent: the first request's last (unnamed) block.
+    index.record(0, &chain(1, 1), 1, 0);
+    assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
+    index.record(0, &chain(2, 2), 2, 0);
+    assert_eq!(index.matched(&chain(0, 2), &[0]), [1], "then its tail");
+}
+
+#[test]
+fn a_fully_cached_prompt_recomputes_its_last_block_without_moving_it() {
+    let index = KvIndex::new();
+    index.add_replica(0, 8);
+    index.record(0, &chain(0, 2), 1, 0);
+    // The same prompt again, its last block not reusable: the engine fills a
+    // fresh block that caches nothing, and the old one keeps its place.
+    let r = index.record(0, &chain(0, 2), 1, 0);
+    assert_eq!(r.added.len(), 1);
+    assert!(!chain(0, 2).contains(&r.added[0]));
+    assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
 }
 
 #[test]

@@ -2,6 +2,7 @@
 
 use super::*;
 use inferrail_config::Config;
+use inferrail_tokenize::chat::Endpoint;
 
 fn router(policy: &str, fallbacks: usize) -> Router {
     let yaml = format!(
@@ -16,55 +17,55 @@ replicas:
   - {{id: r3, address: 127.0.0.1:8003, models: [big]}}
 "
     );
-    Router::new(Config::parse(&yaml).unwrap())
+    Router::new(Config::parse(&yaml).unwrap()).unwrap()
 }
 
 fn ids(d: &Decision) -> Vec<&str> {
     d.targets.iter().map(|r| r.id.as_str()).collect()
 }
 
-#[test]
-fn round_robin_names_the_winner_and_distinct_fallbacks() {
+#[tokio::test]
+async fn round_robin_names_the_winner_and_distinct_fallbacks() {
     let r = router("round_robin", 2);
-    let a = r.decide(br#"{"model":"big"}"#, "1").unwrap();
-    let b = r.decide(br#"{"model":"big"}"#, "2").unwrap();
+    let a = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "1").await.unwrap();
+    let b = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "2").await.unwrap();
     assert_eq!(ids(&a), ["r1", "r2", "r3"]);
     assert_eq!(ids(&b), ["r2", "r3", "r1"]);
     assert_eq!(a.policy, "round_robin");
     assert!(a.body.is_none(), "the engine's own name needs no rewrite");
 }
 
-#[test]
-fn aliases_and_a_missing_model_are_rewritten_in_the_body() {
+#[tokio::test]
+async fn aliases_and_a_missing_model_are_rewritten_in_the_body() {
     let r = router("round_robin", 0);
-    let d = r.decide(br#"{"model": "b", "prompt": "x"}"#, "1").unwrap();
+    let d = r.decide(br#"{"model": "b", "prompt": "x"}"#, Endpoint::Completions, "1").await.unwrap();
     assert_eq!(d.body.as_deref(), Some(&br#"{"model": "big", "prompt": "x"}"#[..]));
     assert_eq!(d.targets.len(), 1);
-    assert_eq!(r.decide(br#"{"prompt": "x"}"#, "2").unwrap_err(), RouteError::MissingModel);
-    assert_eq!(r.decide(br#"{"model": "huge"}"#, "3").unwrap_err(), RouteError::UnknownModel("huge".into()));
-    assert!(matches!(r.decide(b"not json", "4").unwrap_err(), RouteError::Body(_)));
+    assert_eq!(r.decide(br#"{"prompt": "x"}"#, Endpoint::Completions, "2").await.unwrap_err(), RouteError::MissingModel);
+    assert_eq!(r.decide(br#"{"model": "huge"}"#, Endpoint::Completions, "3").await.unwrap_err(), RouteError::UnknownModel("huge".into()));
+    assert!(matches!(r.decide(b"not json", Endpoint::Completions, "4").await.unwrap_err(), RouteError::Body(_)));
 }
 
-#[test]
-fn only_replicas_with_room_that_serve_the_model_are_offered() {
+#[tokio::test]
+async fn only_replicas_with_room_that_serve_the_model_are_offered() {
     let r = router("least_request", 2);
-    let small = r.decide(br#"{"model":"small"}"#, "s").unwrap();
+    let small = r.decide(br#"{"model":"small"}"#, Endpoint::Completions, "s").await.unwrap();
     assert_eq!(ids(&small), ["r2"]);
     // r1 takes at most 2; fill it and it is never offered again.
     let fleet = r.fleet();
     let r1 = fleet.replicas.iter().find(|x| x.id == "r1").unwrap().clone();
     let _held: Vec<Lease> = (0..2).map(|_| Lease::new(r1.clone(), 0)).collect();
     for i in 0..20 {
-        let d = r.decide(br#"{"model":"big"}"#, &format!("b{i}")).unwrap();
+        let d = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, &format!("b{i}")).await.unwrap();
         assert!(!ids(&d).contains(&"r1"), "{:?}", ids(&d));
         r.forget(&format!("b{i}"));
     }
 }
 
-#[test]
-fn leases_follow_the_request_and_are_released_at_its_end() {
+#[tokio::test]
+async fn leases_follow_the_request_and_are_released_at_its_end() {
     let r = router("least_request", 1);
-    let d = r.decide(br#"{"model":"small"}"#, "x").unwrap();
+    let d = r.decide(br#"{"model":"small"}"#, Endpoint::Completions, "x").await.unwrap();
     assert_eq!(d.targets[0].in_flight(), 1);
     assert_eq!(r.leases_held(), 1);
     drop(r.forget("x"));
@@ -72,21 +73,24 @@ fn leases_follow_the_request_and_are_released_at_its_end() {
     assert_eq!(r.leases_held(), 0);
 }
 
-#[test]
-fn an_unhealthy_fleet_is_reported_as_such() {
+#[tokio::test]
+async fn an_unhealthy_fleet_is_reported_as_such() {
     let r = router("p2c", 1);
     for rep in &r.fleet().replicas {
         rep.set_probe(false);
     }
-    assert_eq!(r.decide(br#"{"model":"big"}"#, "x").unwrap_err(), RouteError::NoReplica(NoReplica::AllUnhealthy));
-    assert_eq!(r.decide(br#"{"model":"big"}"#, "x").unwrap_err().http().0, 503);
+    assert_eq!(
+        r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "x").await.unwrap_err(),
+        RouteError::NoReplica(NoReplica::AllUnhealthy)
+    );
+    assert_eq!(r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "x").await.unwrap_err().http().0, 503);
 }
 
-#[test]
-fn a_request_id_already_in_flight_gets_a_fresh_one() {
+#[tokio::test]
+async fn a_request_id_already_in_flight_gets_a_fresh_one() {
     let r = router("round_robin", 0);
-    let a = r.decide(br#"{"model":"big"}"#, "dup").unwrap();
-    let b = r.decide(br#"{"model":"big"}"#, "dup").unwrap();
+    let a = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "dup").await.unwrap();
+    let b = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "dup").await.unwrap();
     assert_eq!(a.request_id, "dup");
     assert_eq!(b.request_id, "dup.1");
     assert_eq!(r.leases_held(), 2);
@@ -94,11 +98,39 @@ fn a_request_id_already_in_flight_gets_a_fresh_one() {
     assert_eq!(b.targets[0].in_flight(), 1, "the second request's slot is untouched");
 }
 
-#[test]
-fn a_null_model_is_replaced_where_it_sits() {
+#[tokio::test]
+async fn a_null_model_is_replaced_where_it_sits() {
     let r = router("round_robin", 0);
-    assert_eq!(r.decide(br#"{"model": null}"#, "x").unwrap_err(), RouteError::MissingModel);
-    let single = Router::new(Config::parse("models: [{name: only}]\nreplicas: [{id: a, address: 127.0.0.1:1, models: [only]}]\n").unwrap());
-    let d = single.decide(br#"{"model": null, "prompt": "p"}"#, "y").unwrap();
+    assert_eq!(r.decide(br#"{"model": null}"#, Endpoint::Completions, "x").await.unwrap_err(), RouteError::MissingModel);
+    let single =
+        Router::new(Config::parse("models: [{name: only}]\nreplicas: [{id: a, address: 127.0.0.1:1, models: [only]}]\n").unwrap()).unwrap();
+    let d = single.decide(br#"{"model": null, "prompt": "p"}"#, Endpoint::Completions, "y").await.unwrap();
     assert_eq!(d.body.as_deref(), Some(&br#"{"model": "only", "prompt": "p"}"#[..]));
+}
+
+#[tokio::test]
+async fn a_repeated_prompt_is_predicted_cached_on_the_replica_that_took_it() {
+    let yaml = "
+retry: {fallbacks: 1}
+models: [{name: m, tokenizer: builtin:sim}]
+replicas:
+  - {id: a, address: 127.0.0.1:1, models: [m], block_size: 4, kv_blocks: 64}
+  - {id: b, address: 127.0.0.1:2, models: [m], block_size: 8, kv_blocks: 64}
+";
+    let r = Router::new(Config::parse(yaml).unwrap()).unwrap();
+    let body = br#"{"model": "m", "prompt": "The quick brown fox jumps over the lazy dog, again and again.", "max_tokens": 1}"#;
+    let first = r.decide(body, Endpoint::Completions, "1").await.unwrap();
+    let n = first.prompt_tokens.unwrap();
+    assert_eq!(n, inferrail_tokenize::sim::encode("The quick brown fox jumps over the lazy dog, again and again.").len());
+    assert_eq!(first.cached_tokens, [0, 0]);
+    assert_eq!(ids(&first), ["a", "b"]);
+    // Round robin: b takes the second, and a holds the prompt in 4-token blocks, never its last token.
+    let second = r.decide(body, Endpoint::Completions, "2").await.unwrap();
+    assert_eq!(ids(&second), ["b", "a"]);
+    assert_eq!(second.cached_tokens, [0, (n - 1) / 4 * 4]);
+    let third = r.decide(body, Endpoint::Completions, "3").await.unwrap();
+    assert_eq!(third.cached_tokens, [(n - 1) / 4 * 4, (n - 1) / 8 * 8]);
+    // A model without a tokenizer, or a body the tokenizer cannot follow, is routed without a prediction.
+    let batch = r.decide(br#"{"model": "m", "prompt": ["a", "b"]}"#, Endpoint::Completions, "4").await.unwrap();
+    assert_eq!((batch.prompt_tokens, batch.cached_tokens.len()), (None, 0));
 }

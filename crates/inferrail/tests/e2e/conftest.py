@@ -67,17 +67,17 @@ def http(method, url, body=None, headers=None, timeout=30):
 
 
 class Fleet:
-    def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra=""):
+    def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra=""):
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
         ports = free_ports(7)
         self.sim_ports = ports[:3]
-        self.sim_flags = list(sim_flags)
+        self.sim_flags = ["--tokenizer", tokenizer, *sim_flags]
         self.grpc, self.admin, self.listen, self.envoy_admin = ports[3:]
         self.url = f"http://127.0.0.1:{self.listen}"
         replicas = "\n".join(
-            f"  - {{id: sim-{i + 1}, address: 127.0.0.1:{p}, models: [{MODEL}]}}" for i, p in enumerate(self.sim_ports))
+            f"  - {{id: sim-{i + 1}, address: 127.0.0.1:{p}, models: [{MODEL}]{replica_extra}}}" for i, p in enumerate(self.sim_ports))
         self.config = tmp / "inferrail.yaml"
         self.config.write_text(
             f"server: {{listen: 127.0.0.1:{self.grpc}, max_body_bytes: 1048576, shutdown_grace_ms: 2000}}\n"
@@ -85,7 +85,7 @@ class Fleet:
             f"routing: {{seed: 7}}\n"
             f"health: {{probe_interval_ms: 100, probe_timeout_ms: 300}}\n"
             f"{config_extra}"
-            f"models:\n  - {{name: {MODEL}, aliases: [sim], policy: {policy}}}\n"
+            f"models:\n  - {{name: {MODEL}, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}}}\n"
             f"replicas:\n{replicas}\n")
         envoy = (ROOT / "envoy" / "local.yaml").read_text()
         for old, new in [(8080, self.listen), (9901, self.envoy_admin), (9002, self.grpc)] + list(zip((8001, 8002, 8003), self.sim_ports)):

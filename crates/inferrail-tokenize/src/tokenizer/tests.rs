@@ -1,0 +1,97 @@
+use std::path::PathBuf;
+use std::sync::LazyLock;
+
+use proptest::prelude::*;
+
+use super::*;
+
+/// The tokenizer files `just setup` unpacks for the tests.
+pub(crate) fn family_dir(family: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.cache/tokenizers").join(family);
+    assert!(dir.join("tokenizer.json").is_file(), "{} is missing: run `just setup`", dir.display());
+    dir
+}
+
+const FAMILIES: [&str; 4] = ["qwen3", "llama3_1", "gemma3", "deepseek_v3"];
+
+fn whole(tok: &Tokenizer, text: &str) -> Vec<u32> {
+    match &tok.encoder {
+        Encoder::Hf { tok, .. } => tok.encode_fast(text, false).unwrap().get_ids().to_vec(),
+        Encoder::Sim => unreachable!(),
+    }
+}
+
+#[test]
+fn special_tokens_and_bos_come_from_the_config() {
+    let llama = Tokenizer::load(family_dir("llama3_1").to_str().unwrap(), 0).unwrap();
+    assert!(llama.special.named.iter().any(|(n, t)| *n == "bos_token" && t == "<|begin_of_text|>"));
+    assert_eq!(llama.added.0, vec![128_000]);
+    let qwen = Tokenizer::load(family_dir("qwen3").to_str().unwrap(), 0).unwrap();
+    assert!(qwen.added.0.is_empty(), "Qwen adds no BOS");
+    let deepseek = Tokenizer::load(family_dir("deepseek_v3").to_str().unwrap(), 0).unwrap();
+    assert!(deepseek.special.named.iter().any(|(n, t)| *n == "bos_token" && t == "<｜begin▁of▁sentence｜>"), "AddedToken objects read");
+    assert!(deepseek.added.0.is_empty(), "transformers 5 ignores add_bos_token when tokenizer.json exists");
+}
+
+#[test]
+fn a_cached_chunk_gives_the_same_ids() {
+    let tok = Tokenizer::load(family_dir("qwen3").to_str().unwrap(), 10_000).unwrap();
+    let system = format!("<|im_start|>system\n{}<|im_end|>\n", "You are a careful assistant. ".repeat(40));
+    let a = format!("{system}<|im_start|>user\nfirst<|im_end|>\n");
+    let b = format!("{system}<|im_start|>user\nsecond<|im_end|>\n");
+    let cold = tok.encode(&a, false);
+    assert!(tok.cached_tokens() > 200, "the long system chunk is kept");
+    assert_eq!(cold, whole(&tok, &a));
+    assert_eq!(tok.encode(&b, false), whole(&tok, &b));
+    assert_eq!(tok.encode(&a, false), cold);
+}
+
+#[test]
+fn the_cache_keeps_to_its_budget() {
+    let tok = Tokenizer::load(family_dir("qwen3").to_str().unwrap(), 300).unwrap();
+    for i in 0..20 {
+        tok.encode(&format!("<|im_start|>{}", format!("chunk {i} ").repeat(60)), false);
+        assert!(tok.cached_tokens() <= 300);
+    }
+    assert!(tok.cached_tokens() > 0);
+}
+
+#[test]
+fn a_missing_cache_entry_is_an_error_not_a_download() {
+    let err = Tokenizer::load("hf:nobody/not-a-model", 0).unwrap_err();
+    assert!(matches!(err, LoadError::NotCached(..)), "{err}");
+}
+
+/// Text pieces that stress the chunking: special tokens of every family, whitespace around them, unicode.
+fn piece() -> impl Strategy<Value = String> {
+    prop_oneof![
+        "[ a-zA-Z\n\t]{0,12}",
+        "\\PC{0,6}",
+        Just("<|im_start|>".to_owned()),
+        Just("<|im_end|>".to_owned()),
+        Just("<|begin_of_text|>".to_owned()),
+        Just("<|eot_id|>".to_owned()),
+        Just("<start_of_turn>".to_owned()),
+        Just("<end_of_turn>".to_owned()),
+        Just("<bos>".to_owned()),
+        Just("<｜User｜>".to_owned()),
+        Just("<｜begin▁of▁sentence｜>".to_owned()),
+        Just("<think>".to_owned()),
+        Just("  \n".to_owned()),
+    ]
+}
+
+static ALL: LazyLock<Vec<Tokenizer>> =
+    LazyLock::new(|| FAMILIES.iter().map(|f| Tokenizer::load(family_dir(f).to_str().unwrap(), 1_000_000).unwrap()).collect());
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn chunked_encoding_equals_whole_encoding(pieces in proptest::collection::vec(piece(), 0..24)) {
+        let text: String = pieces.concat();
+        for (family, tok) in FAMILIES.iter().zip(ALL.iter()) {
+            prop_assert_eq!(tok.encode(&text, false), whole(tok, &text), "{}", family);
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! What each replica's KV cache is predicted to hold, and the prompt's cached
+//! tokens on every candidate.
+//!
+//! Each replica has a slot in the approximate index (`inferrail_kv`), a block
+//! size and a capacity: configured, else learned from its engine's
+//! `vllm:cache_config_info`, else the `kv` defaults. A prompt is cut into the
+//! candidates' blocks and hashed once per block size; the index says how many
+//! leading blocks each holds. The winner records the prompt (taken back if the
+//! engine refuses it); a replica whose engine's prefix-cache counters go
+//! backwards restarted, so its shadow is emptied.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::Ordering;
+
+use inferrail_config::Kv as KvConfig;
+use inferrail_kv::hash::{BlockHash, block_hashes, salt};
+use inferrail_kv::index::{KvIndex, Recorded, Slot, predicted_cached_tokens};
+
+use crate::fleet::Replica;
+use crate::prompt::Prompt;
+
+/// The index and the slots replicas hold in it.
+pub struct Kv {
+    index: KvIndex,
+    slots: Mutex<Slots>,
+    defaults: KvConfig,
+}
+
+#[derive(Default)]
+struct Slots {
+    by_id: HashMap<String, Slot>,
+    free: Vec<Slot>,
+}
+
+/// A prompt's blocks on each block size the candidates use.
+#[derive(Debug, Default)]
+pub struct Prediction {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Output tokens expected (they take cache room).
+    output_tokens: usize,
+    /// Block hashes by block size.
+    hashes: Vec<(usize, Vec<BlockHash>)>,
+}
+
+/// What a decision recorded on a replica, to take back if the engine refuses it.
+#[derive(Debug)]
+pub struct Record(Recorded);
+
+impl Kv {
+    /// An empty index with the configured defaults.
+    pub fn new(defaults: KvConfig) -> Self {
+        Self { index: KvIndex::new(), slots: Mutex::new(Slots::default()), defaults }
+    }
+
+    /// The slot of replica `id`: its old one if it had one, else a fresh one.
+    pub fn slot(&self, id: &str) -> Slot {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&s) = slots.by_id.get(id) {
+            return s;
+        }
+        let s = slots.free.pop().unwrap_or(slots.by_id.len() as Slot);
+        slots.by_id.insert(id.to_owned(), s);
+        s
+    }
+
+    /// Starts tracking a replica that just joined, empty.
+    pub fn join(&self, r: &Replica) {
+        self.index.add_replica(r.slot, self.blocks(r));
+    }
+
+    /// Forgets a replica that left, freeing its slot.
+    pub fn leave(&self, r: &Replica) {
+        self.index.remove_replica(r.slot);
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if slots.by_id.remove(&r.id).is_some() {
+            slots.free.push(r.slot);
+        }
+    }
+
+    /// The engine reported its cache shape; a new capacity restarts the shadow.
+    pub fn learned(&self, r: &Replica, block_size: usize, blocks: usize) {
+        let shape_changed = r.learn_cache(block_size, blocks);
+        if shape_changed {
+            tracing::info!(replica = %r.id, block_size = r.block_size(self.defaults.block_size), blocks = self.blocks(r), "KV cache shape learned");
+            self.index.add_replica(r.slot, self.blocks(r));
+        }
+    }
+
+    /// The engine's prefix-cache query counter; one that went backwards means
+    /// the engine restarted with an empty cache.
+    pub fn counter(&self, r: &Replica, queries: u64) {
+        let before = r.prefix_queries.swap(queries, Ordering::Relaxed);
+        if queries < before {
+            tracing::info!(replica = %r.id, "engine counters went backwards: restarted, cache empty");
+            metrics::counter!("inferrail_kv_resets_total", "replica" => r.id.clone()).increment(1);
+            self.index.clear_replica(r.slot);
+        }
+    }
+
+    fn blocks(&self, r: &Replica) -> usize {
+        r.blocks(self.defaults.blocks)
+    }
+
+    /// Cuts a prompt into the blocks of every candidate's block size.
+    pub fn prepare(&self, model: &str, prompt: &Prompt, candidates: &[std::sync::Arc<Replica>]) -> Prediction {
+        let chain = salt(&[model, prompt.cache_salt.as_deref().unwrap_or_default()]);
+        let mut hashes: Vec<(usize, Vec<BlockHash>)> = Vec::new();
+        for r in candidates {
+            let bs = r.block_size(self.defaults.block_size);
+            if !hashes.iter().any(|(b, _)| *b == bs) {
+                hashes.push((bs, block_hashes(chain, &prompt.ids, bs)));
+            }
+        }
+        let output_tokens = prompt.max_tokens.unwrap_or(self.defaults.expected_output_tokens).max(1);
+        Prediction { prompt_tokens: prompt.ids.len(), output_tokens, hashes }
+    }
+
+    /// Predicted cached tokens of the prompt on each replica.
+    pub fn cached(&self, p: &Prediction, replicas: &[std::sync::Arc<Replica>]) -> Vec<usize> {
+        replicas
+            .iter()
+            .map(|r| {
+                let bs = r.block_size(self.defaults.block_size);
+                let hashes = p.hashes.iter().find(|(b, _)| *b == bs).map_or(&[][..], |(_, h)| &h[..]);
+                let matched = self.index.matched(hashes, &[r.slot])[0];
+                predicted_cached_tokens(matched, p.prompt_tokens, bs)
+            })
+            .collect()
+    }
+
+    /// Records the prompt on the replica it goes to.
+    pub fn record(&self, p: &Prediction, r: &Replica) -> Record {
+        let bs = r.block_size(self.defaults.block_size);
+        let hashes = p.hashes.iter().find(|(b, _)| *b == bs).map_or(&[][..], |(_, h)| &h[..]);
+        let n = p.prompt_tokens;
+        // The engine holds every token it computed: the prompt, then all but the last generated one.
+        let total_blocks = (n + p.output_tokens - 1).div_ceil(bs);
+        let extra = total_blocks.saturating_sub(hashes.len());
+        Record(self.index.record(r.slot, hashes, n.saturating_sub(1) / bs, extra))
+    }
+
+    /// The engine refused or failed the request: forget what it recorded.
+    pub fn take_back(&self, rec: &Record) {
+        self.index.take_back(&rec.0);
+    }
+
+    /// Entries in the index (blocks held, over all replicas).
+    pub fn entries(&self) -> usize {
+        self.index.entries()
+    }
+}
+
+/// The values of `vllm:cache_config_info`'s `block_size` and `num_gpu_blocks`
+/// labels and the sum of `vllm:prefix_cache_queries_total`, from a metrics page.
+pub fn parse_metrics(page: &str) -> (Option<(usize, usize)>, Option<u64>) {
+    let label = |line: &str, name: &str| -> Option<usize> {
+        let at = [format!("{{{name}=\""), format!(",{name}=\"")].iter().find_map(|p| line.find(p.as_str()).map(|i| i + p.len()))?;
+        line[at..].split('"').next()?.parse().ok()
+    };
+    let mut shape = None;
+    let mut queries: Option<f64> = None;
+    for line in page.lines() {
+        if line.starts_with("vllm:cache_config_info{") {
+            if let (Some(bs), Some(n)) = (label(line, "block_size"), label(line, "num_gpu_blocks")) {
+                shape = Some((bs, n));
+            }
+        } else if line.starts_with("vllm:prefix_cache_queries_total")
+            && let Some(v) = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok())
+        {
+            *queries.get_or_insert(0.0) += v;
+        }
+    }
+    (shape, queries.map(|q| q as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_pages_give_the_cache_shape_and_the_query_counter() {
+        let page =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../sim/tests/fixtures/vllm-0.32.0/metrics-under-load.txt"))
+                .unwrap();
+        assert_eq!(parse_metrics(&page), (Some((32, 32768)), Some(9249)));
+        assert_eq!(parse_metrics("# nothing\n"), (None, None));
+    }
+}

@@ -1,0 +1,135 @@
+//! The routing path's tokenizer stage: a request body in, its prompt tokens out.
+//!
+//! Each model's tokenizer is loaded once. Small bodies are tokenized inline;
+//! larger ones go to a bounded pool of worker threads so a long prompt never
+//! stalls the event loop. A body that finds the queue full, or whose tokens
+//! take longer than `tokenizer.max_wait_ms`, is routed without a prediction
+//! rather than delayed; so is one the tokenizer cannot follow (images, a
+//! template of its own, a batch). Every outcome is counted by reason.
+
+use std::sync::Arc;
+use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
+use std::time::{Duration, Instant};
+
+use inferrail_config::Config;
+use inferrail_tokenize::Tokenizer;
+use inferrail_tokenize::chat::{self, Endpoint, RequestTemplates};
+use serde_json::{Map, Value};
+use tokio::sync::oneshot;
+
+/// A prompt as the engine will see it, and what the KV index needs besides.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Prompt {
+    /// Token ids.
+    pub ids: Vec<u32>,
+    /// Output tokens asked for, when the request says.
+    pub max_tokens: Option<usize>,
+    /// The request's `cache_salt`, which keeps its blocks apart.
+    pub cache_salt: Option<String>,
+}
+
+struct Job {
+    model: usize,
+    endpoint: Endpoint,
+    body: Vec<u8>,
+    reply: oneshot::Sender<Result<Prompt, &'static str>>,
+}
+
+/// Tokenizers by model, and the worker pool.
+pub struct Prompts {
+    tokenizers: Arc<Vec<Option<Tokenizer>>>,
+    jobs: SyncSender<Job>,
+    inline_below: usize,
+    max_wait: Duration,
+}
+
+impl Prompts {
+    /// Loads every model's tokenizer and starts the workers.
+    pub fn new(config: &Config) -> anyhow::Result<Self> {
+        let t = &config.tokenizer;
+        let mut tokenizers = Vec::with_capacity(config.models.len());
+        for m in &config.models {
+            tokenizers.push(match &m.tokenizer {
+                Some(spec) => {
+                    Some(Tokenizer::load(spec, t.cache_tokens).map_err(|e| anyhow::anyhow!("model {}: tokenizer {spec}: {e}", m.name))?)
+                }
+                None => None,
+            });
+        }
+        let tokenizers = Arc::new(tokenizers);
+        let (jobs, queue) = sync_channel::<Job>(t.queue);
+        let queue = Arc::new(std::sync::Mutex::new(queue));
+        for i in 0..t.workers {
+            let (queue, tokenizers) = (queue.clone(), tokenizers.clone());
+            std::thread::Builder::new().name(format!("tokenize-{i}")).spawn(move || {
+                loop {
+                    // The lock is held only while waiting for the next job.
+                    let job = match queue.lock().unwrap_or_else(|p| p.into_inner()).recv() {
+                        Ok(job) => job,
+                        Err(_) => return,
+                    };
+                    if job.reply.is_closed() {
+                        continue;
+                    }
+                    let result = prompt(tokenizers[job.model].as_ref(), job.endpoint, &job.body);
+                    let _ = job.reply.send(result);
+                }
+            })?;
+        }
+        Ok(Self { tokenizers, jobs, inline_below: t.inline_below_bytes, max_wait: Duration::from_millis(t.max_wait_ms) })
+    }
+
+    /// The prompt of a body sent to `model`, or why there is none.
+    pub async fn prompt(&self, model: usize, endpoint: Endpoint, body: &[u8]) -> Option<Prompt> {
+        let started = Instant::now();
+        let result = if self.tokenizers[model].is_none() {
+            Err("no_tokenizer")
+        } else if body.len() < self.inline_below {
+            prompt(self.tokenizers[model].as_ref(), endpoint, body)
+        } else {
+            let (reply, answer) = oneshot::channel();
+            match self.jobs.try_send(Job { model, endpoint, body: body.to_vec(), reply }) {
+                Err(TrySendError::Full(_)) => Err("queue_full"),
+                Err(TrySendError::Disconnected(_)) => Err("no_workers"),
+                Ok(()) => match tokio::time::timeout(self.max_wait, answer).await {
+                    Ok(Ok(result)) => result,
+                    Ok(Err(_)) => Err("no_workers"),
+                    Err(_) => Err("timeout"),
+                },
+            }
+        };
+        let outcome = match &result {
+            Ok(_) => "ok",
+            Err(reason) => reason,
+        };
+        metrics::counter!("inferrail_tokenize_total", "outcome" => outcome).increment(1);
+        metrics::histogram!("inferrail_tokenize_seconds").record(started.elapsed().as_secs_f64());
+        result.ok()
+    }
+}
+
+/// Tokenizes one body; the error is a reason label.
+fn prompt(tokenizer: Option<&Tokenizer>, endpoint: Endpoint, body: &[u8]) -> Result<Prompt, &'static str> {
+    let tokenizer = tokenizer.ok_or("no_tokenizer")?;
+    let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(body) else { return Err("invalid") };
+    // The router never compiles a client's template on the routing path.
+    let ids = chat::prompt_ids(tokenizer, endpoint, &body, RequestTemplates::Decline).map_err(|e| e.reason())?;
+    if ids.is_empty() {
+        return Err("empty");
+    }
+    Ok(Prompt {
+        ids,
+        max_tokens: max_tokens(&body, endpoint),
+        cache_salt: body.get("cache_salt").and_then(Value::as_str).map(str::to_owned),
+    })
+}
+
+/// `max_completion_tokens`, else `max_tokens`; completions default to 16 as in vLLM.
+fn max_tokens(body: &Map<String, Value>, endpoint: Endpoint) -> Option<usize> {
+    let asked = ["max_completion_tokens", "max_tokens"].iter().find_map(|k| body.get(*k).and_then(Value::as_u64));
+    match (asked, endpoint) {
+        (Some(n), _) => usize::try_from(n).ok(),
+        (None, Endpoint::Completions) => Some(16),
+        (None, Endpoint::Chat) => None,
+    }
+}

@@ -1,0 +1,86 @@
+"""Predicted cached tokens against what the engines report, request by request.
+
+Three simulators with a real Qwen3 tokenizer and small caches (64 blocks of
+16 tokens, so prompts evict each other), Envoy and inferrail in front, round
+robin. Conversations share system prompts and grow turn by turn; completions
+share prefixes. Every response's x-inferrail-prompt-tokens and
+x-inferrail-cached-tokens must equal the engine's usage.prompt_tokens and
+cached_tokens, streaming and not, chat and completions.
+"""
+import json
+import random
+
+import pytest
+
+from conftest import ROOT, Fleet, http
+
+QWEN3 = ROOT / ".cache" / "tokenizers" / "qwen3"
+WORDS = ("river stone cloud lantern garden silver copper window mountain ocean forest delta "
+         "的 数据 模型 😀 naïve café — «quotes» <think> tabs\tand\nnewlines").split(" ")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    assert (QWEN3 / "tokenizer.json").is_file(), "run `just setup` for the tokenizer files"
+    f = Fleet(tmp_path_factory.mktemp("prediction"), tokenizer=QWEN3,
+              sim_flags=["--block-size", "16", "--num-gpu-blocks-override", "64", "--max-model-len", "1024"],
+              replica_extra=", block_size: 16, kv_blocks: 64")
+    yield f.start()
+    f.stop()
+
+
+def text(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def send(fleet, path, body):
+    """Sends one request; returns (engine prompt tokens, engine cached tokens, response headers)."""
+    r = http("POST", f"{fleet.url}{path}", body)
+    assert r.status == 200, r.body[:300]
+    if body.get("stream"):
+        events = [json.loads(line[6:]) for line in r.body.decode().splitlines() if line.startswith("data: {")]
+        usage = events[-1]["usage"]
+    else:
+        usage = json.loads(r.body)["usage"]
+    return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], r.headers
+
+
+def test_predicted_cached_tokens_equal_the_engines_on_every_request(fleet):
+    rng = random.Random(11)
+    systems = [text(rng, n) for n in (60, 150, 240)]
+    conversations = [[{"role": "system", "content": rng.choice(systems)}] for _ in range(12)]
+    prefixes = [text(rng, n) for n in (40, 120)]
+    seen, hits, replicas = 0, 0, set()
+    for i in range(300):
+        stream = rng.random() < 0.5
+        extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
+        max_tokens = rng.randint(1, 12)
+        if rng.random() < 0.7:
+            conv = rng.choice(conversations)
+            conv.append({"role": "user", "content": text(rng, rng.randint(3, 40))})
+            body = {"model": "sim", "messages": conv, "max_tokens": max_tokens, **extra}
+            path = "/v1/chat/completions"
+            # The client keeps its own reply in the history, as a replayed conversation does.
+            conv.append({"role": "assistant", "content": text(rng, rng.randint(3, 20))})
+            if len(conv) > 9:
+                del conv[1:3]
+        else:
+            body = {"model": "sim", "prompt": rng.choice(prefixes) + " " + text(rng, rng.randint(1, 60)),
+                    "max_tokens": max_tokens, **extra}
+            path = "/v1/completions"
+        prompt, cached, headers = send(fleet, path, body)
+        assert headers.get("x-inferrail-prompt-tokens") == str(prompt), (i, path, stream, headers)
+        assert headers.get("x-inferrail-cached-tokens") == str(cached), (i, path, stream, prompt, headers)
+        seen += 1
+        hits += cached > 0
+        replicas.add(headers["x-inferrail-replica"])
+    assert seen == 300 and replicas == {"sim-1", "sim-2", "sim-3"}
+    assert hits > 50, f"the workload should hit the cache often, got {hits}"
+
+
+def test_a_request_the_tokenizer_cannot_follow_is_still_served(fleet):
+    body = {"model": "sim", "prompt": ["one prompt", "another"], "max_tokens": 1}
+    r = http("POST", f"{fleet.url}/v1/completions", body)
+    # The simulator refuses batches as it refuses every unsupported parameter; routing did not stop it.
+    assert r.headers.get("x-inferrail-replica") and "x-inferrail-prompt-tokens" not in r.headers
+    assert 'outcome="batch"' in fleet.metrics()
