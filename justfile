@@ -37,7 +37,7 @@ test: setup lint
     INFERRAIL_SIM=target/debug/inferrail-sim "{{venv}}/bin/pytest" -q sim/tests/sdk
     "{{venv}}/bin/pytest" -q crates/inferrail/tests/e2e
 
-# Optional, not part of `test`: a real vLLM 0.32.0 on the CPU (.venv-vllm, 6 GB; minutes) checks the Qwen3 goldens' token counts and cached tokens.
+# Optional, not part of `test`: a real vLLM 0.32.0 on the CPU (.venv-vllm, 6 GB; minutes) checks the Qwen3 goldens' token counts and cached tokens, Inferrail's prediction headers through Envoy in front of it, and the simulator on the same goldens (target/debug binaries as built).
 test-vllm: setup
     crates/inferrail/tests/vllm/setup.sh
     "{{venv}}/bin/pytest" -q crates/inferrail/tests/vllm
@@ -112,7 +112,7 @@ down:
     echo "the local fleet is down"
 
 # Benchmark the latency inferrail adds: open loop at 1,000 and 2,000 req/s through Envoy with and without it; writes bench/results/overhead/.
-bench-overhead: setup
+bench-overhead out="bench/results/overhead/added-latency.json" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
@@ -134,7 +134,7 @@ bench-overhead: setup
     done
     commit=$(git rev-parse --short HEAD)
     target/release/inferrail-bench overhead --setup "2-core machine shared by client, Envoy 1.40 (1 worker each), inferrail (release) and 3 zero-latency simulators; least_request; commit $commit" \
-        --out bench/results/overhead/added-latency.json
+        --out {{out}} {{args}}
 
 # Benchmark decision time per policy (criterion); the medians are recorded in bench/results/decision/.
 bench-decision:

@@ -38,6 +38,10 @@ pub struct OverheadArgs {
     /// Seed of the arrival schedule.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// When above 0, send chats that share a system prompt of about this many
+    /// tokens (`builtin:sim`: one per word) instead of short completions.
+    #[arg(long, default_value_t = 0)]
+    pub system_prompt_tokens: usize,
     /// What is being measured, recorded in the result.
     #[arg(long, default_value = "")]
     pub setup: String,
@@ -124,7 +128,9 @@ pub fn schedule(rate: f64, secs: f64, seed: u64) -> Vec<Duration> {
 }
 
 async fn run(http: &reqwest::Client, base: &str, model: &str, rate: f64, args: &OverheadArgs) -> Run {
-    let url = format!("{base}/v1/completions");
+    let chat = args.system_prompt_tokens > 0;
+    let url = format!("{base}/v1/{}", if chat { "chat/completions" } else { "completions" });
+    let system = "lantern ".repeat(args.system_prompt_tokens);
     let offsets = schedule(rate, args.warmup_s + args.duration_s, args.seed);
     let start = Instant::now() + Duration::from_millis(50);
     let warmup = Duration::from_secs_f64(args.warmup_s);
@@ -133,7 +139,11 @@ async fn run(http: &reqwest::Client, base: &str, model: &str, rate: f64, args: &
         .enumerate()
         .map(|(i, offset)| {
             let (http, url) = (http.clone(), url.clone());
-            let body = json!({"model": model, "prompt": format!("request {i}"), "max_tokens": 1});
+            let body = if chat {
+                json!({"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("request {i}")}], "max_tokens": 1})
+            } else {
+                json!({"model": model, "prompt": format!("request {i}"), "max_tokens": 1})
+            };
             let at = start + offset;
             tokio::spawn(async move {
                 tokio::time::sleep_until(at).await;

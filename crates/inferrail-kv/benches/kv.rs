@@ -1,7 +1,7 @@
 //! Block hashing and index lookups at the sizes the router meets.
 #![allow(missing_docs)]
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{Criterion, Throughput, criterion_group};
 use inferrail_kv::hash::block_hashes;
 use inferrail_kv::index::KvIndex;
 
@@ -34,5 +34,34 @@ fn lookup(c: &mut Criterion) {
     });
 }
 
+/// Resident memory of this process, bytes (Linux).
+fn rss() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    statm.split_whitespace().nth(1).and_then(|p| p.parse::<usize>().ok()).unwrap_or(0) * 4096
+}
+
+/// Index memory per block held: 64 replicas with 16,384-block caches, filled
+/// with 1,024-block prompts that share their first 256 blocks.
+fn memory() {
+    let before = rss();
+    let index = KvIndex::new();
+    let (replicas, capacity) = (64u32, 16_384usize);
+    for s in 0..replicas {
+        index.add_replica(s, capacity);
+        for p in 0..16u128 {
+            let prompt: Vec<u128> = (0..1024u128).map(|k| if k < 256 { k } else { ((u128::from(s) * 16 + p + 1) << 64) | k }).collect();
+            index.record(s, &prompt, prompt.len(), 0);
+        }
+    }
+    let held = index.entries();
+    let per_block = (rss() - before) as f64 / held as f64;
+    println!("index memory: {held} blocks held over {replicas} replicas, {per_block:.0} bytes per block");
+}
+
 criterion_group!(benches, hashing, lookup);
-criterion_main!(benches);
+
+fn main() {
+    memory();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

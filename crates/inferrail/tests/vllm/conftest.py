@@ -8,6 +8,7 @@ start; VLLM_STARTUP_TIMEOUT (seconds, default 900) bounds the wait."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,11 +38,23 @@ def free_port():
 
 
 class Reply:
-    def __init__(self, status, body):
+    def __init__(self, status, body, headers=None):
         self.status, self.body = status, body
+        self.headers = headers or {}
 
     def json(self):
         return json.loads(self.body)
+
+
+def http(method, url, body=None, timeout=120):
+    """One request; the reply carries the status, the body and the headers (names in lower case)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return Reply(r.status, r.read(), {k.lower(): v for k, v in r.headers.items()})
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, e.read(), {k.lower(): v for k, v in e.headers.items()})
 
 
 def group_members(pgid):
@@ -141,13 +154,7 @@ class Server:
             return f"(no log: {e})"
 
     def request(self, method, path, body=None, timeout=120):
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers={"content-type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return Reply(r.status, r.read())
-        except urllib.error.HTTPError as e:
-            return Reply(e.code, e.read())
+        return http(method, self.url + path, body, timeout)
 
     def get(self, path, timeout=120):
         return self.request("GET", path, timeout=timeout)
@@ -167,13 +174,193 @@ def vllm(tmp_path_factory):
         server.stop()
 
 
+# The processes some tests start besides vLLM: Inferrail's router and Envoy in
+# front of it (test_router_vllm.py), and the simulator with the real Qwen3
+# tokenizer (test_sim_goldens.py). Each is stopped when its module ends.
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug"
+ENVOY = ROOT / ".venv" / "bin" / "envoy"
+QWEN3 = ROOT / ".cache" / "tokenizers" / "qwen3"
+_helpers = []
+
+
+def free_ports(n):
+    """n distinct free ports: every socket stays bound until all are picked."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class Helper:
+    """A process started for some tests, with its output in a log file."""
+
+    def __init__(self, name, cmd, log_path, env=None):
+        if not Path(cmd[0]).exists():
+            pytest.fail(f"{cmd[0]} is missing: build it (cargo build) or run `just setup`")
+        self.name, self.log_path = name, log_path
+        with open(log_path, "wb") as log:
+            self.proc = subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, env=env)
+        _helpers.append(self)
+
+    def wait_until(self, check, what, timeout=60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode} before {what}:\n{self.log_tail()}")
+            try:
+                if check():
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{self.name}: no {what} within {timeout} s:\n{self.log_tail()}")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self in _helpers:
+            _helpers.remove(self)
+
+    def log(self):
+        try:
+            # Without colours: tracing writes ANSI escapes even to a file.
+            return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
+        except OSError as e:
+            return f"(no log: {e})"
+
+    def log_tail(self, lines=60):
+        return "\n".join(self.log().splitlines()[-lines:])
+
+
+def vllm_cache_config(vllm):
+    """The labels of vLLM's vllm:cache_config_info, as a dict."""
+    metrics = vllm.get("/metrics").body.decode()
+    info = re.search(r"^vllm:cache_config_info\{(.*)\} ", metrics, re.M)
+    assert info, "vLLM's /metrics has no vllm:cache_config_info"
+    return dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
+
+
+def envoy_config_for(port, listen, envoy_admin, grpc):
+    """envoy/local.yaml for one upstream: its replica cluster trimmed to the
+    endpoint on :8001, then every port rewritten in one pass."""
+    text = (ROOT / "envoy" / "local.yaml").read_text()
+    text, n = re.subn(r"\n[ \t]*- endpoint: \{address: \{socket_address: \{address: 127\.0\.0\.1, port_value: 800[23]\}\}\}", "", text)
+    assert n == 2, f"envoy/local.yaml should list the replicas on :8002 and :8003 once each (removed {n})"
+    ports = {8080: listen, 9901: envoy_admin, 9002: grpc, 8001: port}
+    seen = []
+
+    def swap(m):
+        seen.append(int(m.group(1)))
+        return f"port_value: {ports.get(int(m.group(1)), m.group(1))}"
+
+    text = re.sub(r"port_value: (\d+)\b", swap, text)
+    assert sorted(seen) == sorted(ports), f"envoy/local.yaml should name ports {sorted(ports)} once each after the trim, names {sorted(seen)}"
+    cluster = text[text.index("- name: replicas"):]
+    assert cluster.count("- endpoint:") == 1 and f"port_value: {port}}}" in cluster, f"the replica cluster should hold only :{port}:\n{cluster}"
+    return text
+
+
+class Front:
+    """Envoy (envoy/local.yaml, trimmed to one replica) and Inferrail's router in
+    front of one OpenAI server; the router tokenizes with the Qwen3 tokenizer
+    and learns the replica's block size and capacity from its /metrics."""
+
+    def __init__(self, tmp, upstream_port, served, tokenizer=QWEN3):
+        if not (Path(tokenizer) / "tokenizer.json").is_file():
+            pytest.fail(f"no tokenizer in {tokenizer}: run `just setup`")
+        self.tmp = tmp
+        self.listen, self.envoy_admin, self.grpc, self.admin = free_ports(4)
+        self.url = f"http://127.0.0.1:{self.listen}"
+        self.upstream = f"127.0.0.1:{upstream_port}"
+        self.config = tmp / "inferrail.yaml"
+        self.config.write_text(
+            f"server: {{listen: 127.0.0.1:{self.grpc}}}\n"
+            f"admin: {{listen: 127.0.0.1:{self.admin}}}\n"
+            f"models:\n  - {{name: {served}, tokenizer: {Path(tokenizer).resolve()}}}\n"
+            f"replicas:\n  - {{id: vllm, address: {self.upstream}, models: [{served}]}}\n")
+        self.envoy_config = tmp / "envoy.yaml"
+        self.envoy_config.write_text(envoy_config_for(upstream_port, self.listen, self.envoy_admin, self.grpc))
+        self.router = self.envoy = None
+        self.shape = None
+
+    def start(self):
+        env = dict(os.environ, RUST_LOG="info")
+        self.router = Helper("inferrail", [TARGET / "inferrail", "--config", self.config], self.tmp / "inferrail.log", env)
+        self.router.wait_until(lambda: http("GET", f"http://127.0.0.1:{self.admin}/readyz", timeout=5).status == 200, "/readyz")
+        # The probe that found the replica healthy read its /metrics too.
+        self.router.wait_until(lambda: "KV cache shape learned" in self.router.log(), "KV cache shape learned (log)", timeout=30)
+        m = re.search(r"KV cache shape learned.*?block_size=(\d+) blocks=(\d+)", self.router.log())
+        self.shape = (int(m.group(1)), int(m.group(2))) if m else None
+        self.envoy = Helper("envoy", [ENVOY, "-c", self.envoy_config, "--disable-hot-restart", "--log-level", "warn",
+                                      "--concurrency", "1"], self.tmp / "envoy.log")
+        self.envoy.wait_until(lambda: http("GET", f"http://127.0.0.1:{self.envoy_admin}/ready", timeout=5).status == 200, "Envoy /ready")
+        return self
+
+    def stop(self):
+        for h in (self.envoy, self.router):
+            if h is not None:
+                h.stop()
+
+    def post(self, path, body, timeout=120):
+        return http("POST", self.url + path, body, timeout)
+
+    def metrics(self):
+        return http("GET", f"http://127.0.0.1:{self.admin}/metrics", timeout=10).body.decode()
+
+
+@pytest.fixture(scope="module")
+def front(vllm, tmp_path_factory):
+    """Envoy and the router in front of the session's vLLM."""
+    f = Front(tmp_path_factory.mktemp("front"), vllm.port, SERVED)
+    try:
+        yield f.start()
+    finally:
+        f.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen3_sim(tmp_path_factory):
+    """inferrail-sim with the real Qwen3 tokenizer, vLLM's block size, context
+    length and served name, at zero latency."""
+    if not (QWEN3 / "tokenizer.json").is_file():
+        pytest.fail(f"no tokenizer in {QWEN3}: run `just setup`")
+    port = free_port()
+    sim = Helper("inferrail-sim", [TARGET / "inferrail-sim", "--tokenizer", QWEN3, "--served-model-name", SERVED,
+                                   "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
+                                   "--enable-prompt-tokens-details", "--zero-latency", "--port", str(port)],
+                 tmp_path_factory.mktemp("sim") / "sim.log")
+    sim.url = f"http://127.0.0.1:{port}"
+    try:
+        sim.wait_until(lambda: http("GET", sim.url + "/health", timeout=5).status == 200, "/health")
+        yield sim
+    finally:
+        sim.stop()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A failing test carries the end of vLLM's log."""
+    """A failing test carries the end of vLLM's log, and of the router's, Envoy's
+    and the simulator's where they run."""
     outcome = yield
     rep = outcome.get_result()
-    if rep.failed and _server is not None and _server.proc is not None:
+    if not rep.failed:
+        return
+    if _server is not None and _server.proc is not None and "vllm" in item.fixturenames:
         rep.sections.append(("vLLM log (last 60 lines)", _server.log_tail(60)))
+    for h in _helpers:
+        rep.sections.append((f"{h.name} log (last 40 lines)", h.log_tail(40)))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -184,4 +371,8 @@ def pytest_terminal_summary(terminalreporter):
         parts.append(f"ready in {STATS['startup_s']:.0f} s")
     if "rss_kib" in STATS:
         parts.append(f"RSS at the end {STATS['rss_kib'] / 1024:.0f} MiB (peak {STATS['peak_rss_kib'] / 1024:.0f} MiB, summed over its processes)")
+    if "num_gpu_blocks" in STATS:
+        parts.append(f"{STATS['num_gpu_blocks']} KV blocks of {BLOCK_SIZE} tokens")
     terminalreporter.write_line("vLLM 0.32.0 (CPU): " + ", ".join(parts))
+    if "router_tokenize" in STATS:
+        terminalreporter.write_line(f"Inferrail in front of vLLM: tokenizer outcomes {STATS['router_tokenize']}")

@@ -1,0 +1,59 @@
+//! Preparing and tokenizing a long chat with a real tokenizer (Qwen3), cold
+//! and with its earlier pieces seen before.
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use inferrail_tokenize::Tokenizer;
+use inferrail_tokenize::chat::{Endpoint, RequestTemplates, prompt_ids};
+use serde_json::{Map, Value, json};
+
+const WORDS: [&str; 16] = [
+    "river", "stone", "cloud", "lantern", "garden", "silver", "copper", "window", "mountain", "ocean", "the", "of", "and", "数据", "naïve",
+    "42",
+];
+
+fn text(seed: usize, words: usize) -> String {
+    (0..words).map(|i| WORDS[(i * 7 + seed * 13 + i / 3) % WORDS.len()]).collect::<Vec<_>>().join(" ")
+}
+
+/// A chat of about 8,000 tokens: a 2,000-token system prompt and 24 turns.
+fn chat(tok: &Tokenizer, last_turn: &str) -> Map<String, Value> {
+    let mut messages = vec![json!({"role": "system", "content": text(0, 1_700)})];
+    for t in 0..24 {
+        let role = if t % 2 == 0 { "user" } else { "assistant" };
+        messages.push(json!({"role": role, "content": text(t + 1, 200)}));
+    }
+    messages.push(json!({"role": "user", "content": last_turn}));
+    let Value::Object(body) = json!({"model": "m", "messages": messages}) else { unreachable!() };
+    let n = prompt_ids(tok, Endpoint::Chat, &body, RequestTemplates::Decline).unwrap().len();
+    assert!((7_500..8_500).contains(&n), "the chat should be about 8,000 tokens, is {n}");
+    body
+}
+
+fn tokenize(c: &mut Criterion) {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../.cache/tokenizers/qwen3");
+    let cold = Tokenizer::load(dir, 0).unwrap();
+    let warm = Tokenizer::load(dir, 1 << 20).unwrap();
+    let body = chat(&cold, "What changed since yesterday?");
+    c.bench_function("8k-token chat, cold", |b| b.iter(|| prompt_ids(&cold, Endpoint::Chat, &body, RequestTemplates::Decline).unwrap()));
+    // The same conversation was seen before: only the new last turn is new.
+    chat(&warm, "What changed since yesterday?");
+    let mut turn = 0u64;
+    c.bench_function("8k-token chat, earlier turns seen", |b| {
+        b.iter_batched(
+            || {
+                turn += 1;
+                let mut next = body.clone();
+                next["messages"].as_array_mut().unwrap().last_mut().unwrap()["content"] = json!(format!("And what about item {turn}?"));
+                next
+            },
+            |next| prompt_ids(&warm, Endpoint::Chat, &next, RequestTemplates::Decline).unwrap(),
+            criterion::BatchSize::SmallInput,
+        )
+    });
+    let system = text(0, 1_700);
+    c.bench_function("2k-token system prompt, encode only, cold", |b| b.iter(|| cold.encode(&system, false)));
+}
+
+criterion_group!(benches, tokenize);
+criterion_main!(benches);
