@@ -40,6 +40,7 @@ test: setup lint
 # Optional, not part of `test`: a real vLLM 0.32.0 on the CPU (.venv-vllm, 6 GB; minutes) checks the Qwen3 goldens' token counts and cached tokens, Inferrail's prediction headers through Envoy in front of it, and the simulator on the same goldens (target/debug binaries as built).
 test-vllm: setup
     crates/inferrail/tests/vllm/setup.sh
+    cargo build --quiet -p inferrail -p inferrail-sim
     "{{venv}}/bin/pytest" -q crates/inferrail/tests/vllm
 
 # Formatting and clippy, warnings denied.

@@ -231,14 +231,20 @@ pub fn chat_prompt(m: &Map<String, Value>, tok: &Tokenizer) -> Result<Vec<u32>, 
             None | Some(Value::Null | Value::String(_)) => {}
             Some(Value::Array(parts)) => {
                 for (j, part) in parts.iter().enumerate() {
-                    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
-                        (Some("text"), Some(_)) => {}
-                        (Some(other), _) if other != "text" => {
+                    let kind = part.get("type").and_then(Value::as_str);
+                    let field = match kind {
+                        Some("refusal") => "refusal",
+                        Some("thinking") => "thinking",
+                        _ => "text",
+                    };
+                    match (kind, part.get(field).and_then(Value::as_str)) {
+                        (Some("text" | "input_text" | "output_text" | "refusal" | "thinking"), Some(_)) => {}
+                        (Some(other), _) if !matches!(other, "text" | "input_text" | "output_text" | "refusal" | "thinking") => {
                             return Err(ApiError::unsupported(&format!("messages[{i}].content[{j}].type"), &json!(other)));
                         }
                         _ => {
                             let loc = format!("{loc}.content.{j}");
-                            return Err(ApiError::validation("missing", &format!("{loc}.text"), "Field required", part, None));
+                            return Err(ApiError::validation("missing", &format!("{loc}.{field}"), "Field required", part, None));
                         }
                     }
                 }

@@ -194,6 +194,10 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
                     }
                 }
                 if let Some(held) = &lease {
+                    if code >= 400 {
+                        // The engine refused or failed it: what the decision recorded is not in its cache.
+                        router.take_back(held);
+                    }
                     if code >= 500 {
                         crate::health::request_failed(router, &held.replica);
                     } else {
