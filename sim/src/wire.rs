@@ -232,17 +232,13 @@ pub fn chat_prompt(m: &Map<String, Value>, tok: &Tokenizer) -> Result<Vec<u32>, 
             Some(Value::Array(parts)) => {
                 for (j, part) in parts.iter().enumerate() {
                     let kind = part.get("type").and_then(Value::as_str);
-                    let field = match kind {
-                        Some("refusal") => "refusal",
-                        Some("thinking") => "thinking",
-                        _ => "text",
-                    };
-                    match (kind, part.get(field).and_then(Value::as_str)) {
-                        (Some("text" | "input_text" | "output_text" | "refusal" | "thinking"), Some(_)) => {}
-                        (Some(other), _) if !matches!(other, "text" | "input_text" | "output_text" | "refusal" | "thinking") => {
+                    match (kind, chat::text_field(kind)) {
+                        (Some(other), None) => {
                             return Err(ApiError::unsupported(&format!("messages[{i}].content[{j}].type"), &json!(other)));
                         }
-                        _ => {
+                        (Some(_), Some(field)) if part.get(field).is_some_and(Value::is_string) => {}
+                        (_, field) => {
+                            let field = field.unwrap_or("text");
                             let loc = format!("{loc}.content.{j}");
                             return Err(ApiError::validation("missing", &format!("{loc}.{field}"), "Field required", part, None));
                         }

@@ -139,11 +139,11 @@ pub fn render(tok: &Tokenizer, body: &Map<String, Value>, templates: RequestTemp
         return Err(Declined::Template("Cannot apply chat template to an empty conversation. Provide at least one message.".into()));
     }
     let mut conversation = messages.iter().map(|m| conversation_message(m, template.openai_content)).collect::<Result<Vec<_>, _>>()?;
-    if !template.source.contains("\"developer\"") && !template.source.contains("'developer'") {
+    if !template.names_developer {
         developers_to_system(&mut conversation);
     }
     if continue_final {
-        if !template.source.contains("content") {
+        if !template.mentions_content {
             return Err(Declined::Template("continue_final_message is set but the chat template does not use message content".into()));
         }
         mark_final_message(&mut conversation)?;
@@ -257,11 +257,8 @@ fn conversation_message(m: &Value, openai_content: bool) -> Result<Value, Declin
                     Value::String(s) => texts.push((s.clone(), Map::new())),
                     Value::Object(p) => {
                         let kind = p.get("type").and_then(Value::as_str);
-                        let key = match kind {
-                            Some("text" | "input_text" | "output_text") | None => "text",
-                            Some("refusal") => "refusal",
-                            Some("thinking") => "thinking",
-                            Some(other) => return Err(Declined::NotText(format!("content part of type {other}"))),
+                        let Some(key) = text_field(kind) else {
+                            return Err(Declined::NotText(format!("content part of type {}", kind.unwrap_or_default())));
                         };
                         match p.get(key) {
                             Some(Value::String(t)) => {
@@ -331,6 +328,17 @@ fn conversation_message(m: &Value, openai_content: bool) -> Result<Value, Declin
         out.insert("tools".into(), Value::Null);
     }
     Ok(Value::Object(out))
+}
+
+/// The field holding a content part's text, by the part's `type`; `None` for
+/// parts that are not text (images, audio, files).
+pub fn text_field(kind: Option<&str>) -> Option<&'static str> {
+    match kind {
+        Some("text" | "input_text" | "output_text") | None => Some("text"),
+        Some("refusal") => Some("refusal"),
+        Some("thinking") => Some("thinking"),
+        Some(_) => None,
+    }
 }
 
 /// A system text starting with `x-anthropic-billing-header` loses its first

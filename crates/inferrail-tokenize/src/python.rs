@@ -44,7 +44,7 @@ fn write_json(out: &mut String, value: &Value, style: &JsonStyle, depth: usize) 
     match value.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
-        ValueKind::Number => write_number(out, value),
+        ValueKind::Number => write_number(out, value, ["NaN", "Infinity", "-Infinity"]),
         ValueKind::String | ValueKind::Plain => write_json_str(out, &value.to_string(), style.ensure_ascii),
         ValueKind::Map => {
             let mut keys: Vec<Value> = value.try_iter()?.collect();
@@ -127,24 +127,22 @@ fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
     out.push('"');
 }
 
-/// An integer as digits, a float as Python's `repr(float)`.
-fn write_number(out: &mut String, value: &Value) {
+/// An integer as digits, a float as Python's `repr(float)`; `special` names
+/// NaN and the infinities (`json.dumps` and `repr` spell them differently).
+fn write_number(out: &mut String, value: &Value, [nan, inf, neg_inf]: [&str; 3]) {
     if value.is_integer() {
         let _ = write!(out, "{value}");
         return;
     }
-    let f = f64::try_from(value.clone()).unwrap_or(f64::NAN);
-    out.push_str(&float_repr(f));
+    match f64::try_from(value.clone()).unwrap_or(f64::NAN) {
+        f if f.is_nan() => out.push_str(nan),
+        f if f.is_infinite() => out.push_str(if f > 0.0 { inf } else { neg_inf }),
+        f => out.push_str(&float_repr(f)),
+    }
 }
 
-/// Python's `repr(float)`: shortest round-trip digits, exponent form below 1e-4 and from 1e16.
-pub fn float_repr(f: f64) -> String {
-    if f.is_nan() {
-        return "NaN".into();
-    }
-    if f.is_infinite() {
-        return if f > 0.0 { "Infinity".into() } else { "-Infinity".into() };
-    }
+/// Python's `repr(float)` of a finite float: shortest round-trip digits, exponent form below 1e-4 and from 1e16.
+fn float_repr(f: f64) -> String {
     let abs = f.abs();
     if abs != 0.0 && !(1e-4..1e16).contains(&abs) {
         // Rust's `{:e}` gives the shortest digits: `1e-5`, `1.5e16`; Python pads the exponent to two digits and signs it.
@@ -170,7 +168,7 @@ pub fn py_repr(out: &mut String, value: &Value) {
     match value.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("None"),
         ValueKind::Bool => out.push_str(if value.is_true() { "True" } else { "False" }),
-        ValueKind::Number => write_number_py(out, value),
+        ValueKind::Number => write_number(out, value, ["nan", "inf", "-inf"]),
         ValueKind::String => repr_str(out, &value.to_string()),
         ValueKind::Map => {
             out.push('{');
@@ -202,19 +200,6 @@ pub fn py_repr(out: &mut String, value: &Value) {
         _ => {
             let _ = write!(out, "{value}");
         }
-    }
-}
-
-fn write_number_py(out: &mut String, value: &Value) {
-    if value.is_integer() {
-        let _ = write!(out, "{value}");
-        return;
-    }
-    let f = f64::try_from(value.clone()).unwrap_or(f64::NAN);
-    match f {
-        f if f.is_nan() => out.push_str("nan"),
-        f if f.is_infinite() => out.push_str(if f > 0.0 { "inf" } else { "-inf" }),
-        f => out.push_str(&float_repr(f)),
     }
 }
 

@@ -26,6 +26,11 @@ pub const GENERATION_WORDS: [&str; 24] = [
     "window ", "mountain", "the ", "a ", "of ", "and ", "to ", "is ", "in ", "that ", "\n",
 ];
 
+/// The chat format: ChatML, `<|im_start|>{role}\n{content}<|im_end|>\n` per
+/// message, then `<|im_start|>assistant\n` when a reply is to be generated.
+pub const CHAT_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
 /// The id of one piece of text.
 pub fn piece_id(piece: &str) -> u32 {
     FIRST_PIECE_ID + (xxh3_64(piece.as_bytes()) % u64::from(VOCAB_SIZE - FIRST_PIECE_ID)) as u32

@@ -19,8 +19,10 @@ pub struct Template {
     /// Whether the template loops over a message's content, so vLLM hands it
     /// content as a list of `{type, text}` parts rather than one string.
     pub openai_content: bool,
-    /// The template's text (vLLM looks for words in it).
-    pub source: String,
+    /// Whether the text names the `developer` role (else vLLM turns developer messages into system ones).
+    pub names_developer: bool,
+    /// Whether the text mentions `content` (`continue_final_message` needs it).
+    pub mentions_content: bool,
 }
 
 /// Work one rendering may do before it is stopped (minijinja fuel units), so a
@@ -43,7 +45,12 @@ impl Template {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned("chat", source.to_owned())?;
-        Ok(Template { env, openai_content: loops_over_content(source), source: source.to_owned() })
+        Ok(Template {
+            env,
+            openai_content: loops_over_content(source),
+            names_developer: source.contains("\"developer\"") || source.contains("'developer'"),
+            mentions_content: source.contains("content"),
+        })
     }
 
     /// Renders the template with `ctx` as its variables.
@@ -55,7 +62,11 @@ impl Template {
 /// vLLM's content-format detection: does some `{% for %}` iterate over a
 /// message's `content` (directly, through filters or slices, or through a
 /// variable set from it), where a message is a loop variable over `messages`
-/// (or over a variable set from it)?
+/// (or over a variable set from it)? A loop outside macros over a plain
+/// `content`, or a macro looping over a parameter it is called with a
+/// message's content for, counts too. vLLM walks Jinja2's syntax tree; this
+/// reads the statements' text, which is enough for the templates models ship
+/// (the golden corpus checks four families and per-request templates).
 fn loops_over_content(source: &str) -> bool {
     let statements: Vec<&str> = source
         .split("{%")
@@ -80,6 +91,7 @@ fn loops_over_content(source: &str) -> bool {
     };
     // Macros with a loop over one of their parameters: (name, parameter position, parameter name).
     let mut looping_macros: Vec<(String, usize, String)> = Vec::new();
+    // Twice: a statement can name a variable that a later one (in the text) defines.
     for _ in 0..2 {
         let mut current_macro: Option<(String, Vec<String>)> = None;
         for st in &statements {

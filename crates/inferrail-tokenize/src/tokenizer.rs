@@ -80,17 +80,13 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
-/// The chat format of `builtin:sim`: ChatML, as the simulator renders it.
-pub const SIM_TEMPLATE: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
-{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-
 impl Tokenizer {
     /// Loads the tokenizer a spec names; `cache_tokens` bounds the chunk cache (0 turns it off).
     pub fn load(spec: &str, cache_tokens: usize) -> Result<Self, LoadError> {
         let mut tok = if spec == "builtin:sim" {
             Tokenizer {
                 encoder: Encoder::Sim,
-                template: Template::new(SIM_TEMPLATE).ok(),
+                template: Template::new(sim::CHAT_TEMPLATE).ok(),
                 special: SpecialTokens::default(),
                 added: (Vec::new(), Vec::new()),
                 cache: None,
@@ -211,7 +207,12 @@ impl Tokenizer {
                         _ => None,
                     })
                     .collect();
+                ids.sort_unstable();
                 ids.dedup();
+                if ids.is_empty() {
+                    // A vocabulary without whole-word tokens: any ids will do.
+                    ids = tok.encode_fast("the river", false).map(|e| e.get_ids().to_vec()).unwrap_or_default();
+                }
                 ids
             }
         }

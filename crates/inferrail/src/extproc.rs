@@ -142,8 +142,8 @@ impl ExtProc {
             Some(s) if s >= 400 => "4xx",
             Some(_) => "ok",
         };
-        if outcome != "ok" {
-            // The engine refused or failed it, or never answered: it caches nothing of it.
+        if held.status().is_none() {
+            // The engine never answered (a refusal or failure was taken back when its status came).
             self.router.take_back(&held);
         }
         let model = self.router.models[held.model].name.clone();

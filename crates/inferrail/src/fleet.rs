@@ -75,11 +75,10 @@ impl Replica {
         self.cache.blocks.unwrap_or_else(|| Some(self.learned_blocks.load(Ordering::Relaxed)).filter(|&b| b > 0).unwrap_or(default))
     }
 
-    /// Keeps what the engine reports of its cache; true when that changes what is used.
+    /// Keeps what the engine reports of its cache (configured values still win); true when the report is new.
     pub fn learn_cache(&self, block_size: usize, blocks: usize) -> bool {
-        let bs_changed = self.cache.block_size.is_none() && self.learned_block_size.swap(block_size, Ordering::Relaxed) != block_size;
-        let blocks_changed = self.cache.blocks.is_none() && self.learned_blocks.swap(blocks, Ordering::Relaxed) != blocks;
-        bs_changed || blocks_changed
+        let before = (self.learned_block_size.swap(block_size, Ordering::Relaxed), self.learned_blocks.swap(blocks, Ordering::Relaxed));
+        before != (block_size, blocks)
     }
 
     /// Requests in flight now.

@@ -67,7 +67,7 @@ pub async fn probe_loop(router: Arc<Router>) {
                     router.kv.learned(&r, block_size, blocks);
                 }
                 if let Some(q) = queries {
-                    router.kv.counter(&r, q);
+                    router.kv.prefix_cache_queries(&r, q);
                 }
             }
         }

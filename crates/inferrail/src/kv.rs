@@ -10,8 +10,8 @@
 //! backwards restarted, so its shadow is emptied.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 use inferrail_config::Kv as KvConfig;
 use inferrail_kv::hash::{BlockHash, block_hashes, salt};
@@ -79,18 +79,23 @@ impl Kv {
         }
     }
 
-    /// The engine reported its cache shape; a new capacity restarts the shadow.
+    /// The engine reported its cache shape; a shape that changes what is
+    /// used (a new block size or capacity) restarts the shadow.
     pub fn learned(&self, r: &Replica, block_size: usize, blocks: usize) {
-        let shape_changed = r.learn_cache(block_size, blocks);
-        if shape_changed {
-            tracing::info!(replica = %r.id, block_size = r.block_size(self.defaults.block_size), blocks = self.blocks(r), "KV cache shape learned");
+        let shape = |r: &Replica| (r.block_size(self.defaults.block_size), self.blocks(r));
+        let before = shape(r);
+        if r.learn_cache(block_size, blocks) {
+            let (block_size, blocks) = shape(r);
+            tracing::info!(replica = %r.id, block_size, blocks, "KV cache shape learned");
+        }
+        if shape(r) != before {
             self.index.add_replica(r.slot, self.blocks(r));
         }
     }
 
     /// The engine's prefix-cache query counter; one that went backwards means
     /// the engine restarted with an empty cache.
-    pub fn counter(&self, r: &Replica, queries: u64) {
+    pub fn prefix_cache_queries(&self, r: &Replica, queries: u64) {
         let before = r.prefix_queries.swap(queries, Ordering::Relaxed);
         if queries < before {
             tracing::info!(replica = %r.id, "engine counters went backwards: restarted, cache empty");
@@ -104,7 +109,7 @@ impl Kv {
     }
 
     /// Cuts a prompt into the blocks of every candidate's block size.
-    pub fn prepare(&self, model: &str, prompt: &Prompt, candidates: &[std::sync::Arc<Replica>]) -> Prediction {
+    pub fn prepare(&self, model: &str, prompt: &Prompt, candidates: &[Arc<Replica>]) -> Prediction {
         let chain = salt(&[model, prompt.cache_salt.as_deref().unwrap_or_default()]);
         let mut hashes: Vec<(usize, Vec<BlockHash>)> = Vec::new();
         for r in candidates {
@@ -117,17 +122,21 @@ impl Kv {
         Prediction { prompt_tokens: prompt.ids.len(), output_tokens, hashes }
     }
 
-    /// Predicted cached tokens of the prompt on each replica.
-    pub fn cached(&self, p: &Prediction, replicas: &[std::sync::Arc<Replica>]) -> Vec<usize> {
-        replicas
-            .iter()
-            .map(|r| {
-                let bs = r.block_size(self.defaults.block_size);
-                let hashes = p.hashes.iter().find(|(b, _)| *b == bs).map_or(&[][..], |(_, h)| &h[..]);
-                let matched = self.index.matched(hashes, &[r.slot])[0];
-                predicted_cached_tokens(matched, p.prompt_tokens, bs)
-            })
-            .collect()
+    /// Predicted cached tokens of the prompt on each replica, one index pass per block size.
+    pub fn cached(&self, p: &Prediction, replicas: &[Arc<Replica>]) -> Vec<usize> {
+        let mut cached = vec![0; replicas.len()];
+        for (bs, hashes) in &p.hashes {
+            let (at, slots): (Vec<usize>, Vec<Slot>) = replicas
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.block_size(self.defaults.block_size) == *bs)
+                .map(|(i, r)| (i, r.slot))
+                .unzip();
+            for (i, matched) in at.into_iter().zip(self.index.matched(hashes, &slots)) {
+                cached[i] = predicted_cached_tokens(matched, p.prompt_tokens, *bs);
+            }
+        }
+        cached
     }
 
     /// Records the prompt on the replica it goes to.
@@ -178,6 +187,55 @@ pub fn parse_metrics(page: &str) -> (Option<(usize, usize)>, Option<u64>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use inferrail_config::{CacheShape, Limits};
+
+    fn replica(kv: &Kv, id: &str, cache: CacheShape) -> Arc<Replica> {
+        let r = Arc::new(Replica::new(id.into(), "127.0.0.1:1".parse().unwrap(), vec![0], Limits::default(), cache, kv.slot(id)));
+        kv.join(&r);
+        r
+    }
+
+    fn prompt(n: u32) -> Prompt {
+        Prompt { ids: (0..n).collect(), max_tokens: Some(1), cache_salt: None }
+    }
+
+    #[test]
+    fn a_restarted_engine_and_a_learned_shape_empty_the_shadow() {
+        let kv = Kv::new(KvConfig::default());
+        let r = replica(&kv, "a", CacheShape::default());
+        let recorded = |kv: &Kv| {
+            let p = kv.prepare("m", &prompt(100), std::slice::from_ref(&r));
+            kv.cached(&p, std::slice::from_ref(&r))[0]
+        };
+        let p = kv.prepare("m", &prompt(100), std::slice::from_ref(&r));
+        kv.record(&p, &r);
+        assert_eq!(recorded(&kv), 96);
+        kv.prefix_cache_queries(&r, 1_000);
+        kv.prefix_cache_queries(&r, 1_200);
+        assert_eq!(recorded(&kv), 96, "counters going up change nothing");
+        kv.prefix_cache_queries(&r, 10);
+        assert_eq!(recorded(&kv), 0, "counters going back: the engine restarted");
+
+        kv.record(&p, &r);
+        kv.learned(&r, 16, 8192);
+        assert_eq!(recorded(&kv), 96, "the shape it already used");
+        kv.learned(&r, 32, 100);
+        assert_eq!(r.block_size(16), 32);
+        assert_eq!(recorded(&kv), 0, "a new shape starts a new shadow");
+    }
+
+    #[test]
+    fn configured_shapes_win_over_learned_ones_and_slots_are_reused() {
+        let kv = Kv::new(KvConfig::default());
+        let r = replica(&kv, "a", CacheShape { block_size: Some(64), blocks: Some(10) });
+        kv.learned(&r, 32, 100);
+        assert_eq!((r.block_size(16), r.blocks(8192)), (64, 10));
+        let b = replica(&kv, "b", CacheShape::default());
+        assert_ne!(r.slot, b.slot);
+        kv.leave(&r);
+        assert_eq!(kv.slot("c"), r.slot, "a departed replica's slot is reused");
+        assert_eq!(kv.slot("b"), b.slot);
+    }
 
     #[test]
     fn metrics_pages_give_the_cache_shape_and_the_query_counter() {

@@ -71,7 +71,7 @@ impl Prompts {
                     if job.reply.is_closed() {
                         continue;
                     }
-                    let result = prompt(tokenizers[job.model].as_ref(), job.endpoint, &job.body);
+                    let result = tokenizers[job.model].as_ref().map_or(Err("no_tokenizer"), |t| prompt(t, job.endpoint, &job.body));
                     let _ = job.reply.send(result);
                 }
             })?;
@@ -82,20 +82,20 @@ impl Prompts {
     /// The prompt of a body sent to `model`, or why there is none.
     pub async fn prompt(&self, model: usize, endpoint: Endpoint, body: &[u8]) -> Option<Prompt> {
         let started = Instant::now();
-        let result = if self.tokenizers[model].is_none() {
-            Err("no_tokenizer")
-        } else if body.len() < self.inline_below {
-            prompt(self.tokenizers[model].as_ref(), endpoint, body)
-        } else {
-            let (reply, answer) = oneshot::channel();
-            match self.jobs.try_send(Job { model, endpoint, body: body.to_vec(), reply }) {
-                Err(TrySendError::Full(_)) => Err("queue_full"),
-                Err(TrySendError::Disconnected(_)) => Err("no_workers"),
-                Ok(()) => match tokio::time::timeout(self.max_wait, answer).await {
-                    Ok(Ok(result)) => result,
-                    Ok(Err(_)) => Err("no_workers"),
-                    Err(_) => Err("timeout"),
-                },
+        let result = match &self.tokenizers[model] {
+            None => Err("no_tokenizer"),
+            Some(tokenizer) if body.len() < self.inline_below => prompt(tokenizer, endpoint, body),
+            Some(_) => {
+                let (reply, answer) = oneshot::channel();
+                match self.jobs.try_send(Job { model, endpoint, body: body.to_vec(), reply }) {
+                    Err(TrySendError::Full(_)) => Err("queue_full"),
+                    Err(TrySendError::Disconnected(_)) => Err("no_workers"),
+                    Ok(()) => match tokio::time::timeout(self.max_wait, answer).await {
+                        Ok(Ok(result)) => result,
+                        Ok(Err(_)) => Err("no_workers"),
+                        Err(_) => Err("timeout"),
+                    },
+                }
             }
         };
         let outcome = match &result {
@@ -109,8 +109,7 @@ impl Prompts {
 }
 
 /// Tokenizes one body; the error is a reason label.
-fn prompt(tokenizer: Option<&Tokenizer>, endpoint: Endpoint, body: &[u8]) -> Result<Prompt, &'static str> {
-    let tokenizer = tokenizer.ok_or("no_tokenizer")?;
+fn prompt(tokenizer: &Tokenizer, endpoint: Endpoint, body: &[u8]) -> Result<Prompt, &'static str> {
     let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(body) else { return Err("invalid") };
     // The router never compiles a client's template on the routing path.
     let ids = chat::prompt_ids(tokenizer, endpoint, &body, RequestTemplates::Decline).map_err(|e| e.reason())?;
@@ -131,5 +130,38 @@ fn max_tokens(body: &Map<String, Value>, endpoint: Endpoint) -> Option<usize> {
         (Some(n), _) => usize::try_from(n).ok(),
         (None, Endpoint::Completions) => Some(16),
         (None, Endpoint::Chat) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prompts(inline_below_bytes: usize) -> Prompts {
+        let yaml = format!(
+            "tokenizer: {{inline_below_bytes: {inline_below_bytes}, workers: 1}}\n\
+             models: [{{name: m, tokenizer: builtin:sim}}, {{name: bare}}]\n\
+             replicas: [{{id: a, address: 127.0.0.1:1, models: [m, bare]}}]\n"
+        );
+        Prompts::new(&Config::parse(&yaml).unwrap()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn large_bodies_go_to_the_workers_and_come_back_the_same() {
+        let body = br#"{"model": "m", "messages": [{"role": "user", "content": "Hello there, how are you?"}], "max_tokens": 3, "cache_salt": "s"}"#;
+        let inline = prompts(1 << 20).prompt(0, Endpoint::Chat, body).await.unwrap();
+        let pooled = prompts(1).prompt(0, Endpoint::Chat, body).await.unwrap();
+        assert_eq!(inline, pooled);
+        assert_eq!((inline.max_tokens, inline.cache_salt.as_deref()), (Some(3), Some("s")));
+        assert!(!inline.ids.is_empty());
+    }
+
+    #[tokio::test]
+    async fn no_tokenizer_or_a_body_it_cannot_follow_gives_no_prompt() {
+        let p = prompts(1 << 20);
+        assert_eq!(p.prompt(1, Endpoint::Chat, br#"{"messages": [{"role": "user", "content": "x"}]}"#).await, None);
+        assert_eq!(p.prompt(0, Endpoint::Completions, br#"{"prompt": ["a", "b"]}"#).await, None);
+        assert_eq!(p.prompt(0, Endpoint::Completions, b"not json").await, None);
+        assert_eq!(p.prompt(0, Endpoint::Completions, br#"{"prompt": "a"}"#).await.unwrap().max_tokens, Some(16), "vLLM's default");
     }
 }

@@ -294,6 +294,7 @@ impl Router {
     pub fn take_back(&self, lease: &Lease) {
         if let Some((_, record)) = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
             self.kv.take_back(&record);
+            metrics::counter!("inferrail_kv_take_backs_total").increment(1);
         }
     }
 

@@ -2,68 +2,18 @@
 inferrail binary and Envoy (from the project's .venv) running the shipped
 envoy/local.yaml, all on free ports so tests never collide with `just up`."""
 
-import json
-import os
 import re
 import signal
-import socket
 import subprocess
-import time
-import urllib.error
-import urllib.request
+import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[4]
-TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug"
-ENVOY = ROOT / ".venv" / "bin" / "envoy"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import ENVOY, ROOT, TARGET, free_ports, http, wait_until  # noqa: E402
+
 MODEL = "inferrail/sim-8b"
-
-
-def free_ports(n):
-    """n distinct free ports: all sockets stay bound until every port is picked,
-    so the kernel cannot hand out the same one twice."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def wait_until(check, what, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Response:
-    def __init__(self, status, headers, body):
-        self.status, self.headers, self.body = status, headers, body
-
-    def json(self):
-        return json.loads(self.body)
-
-
-def http(method, url, body=None, headers=None, timeout=30):
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return Response(r.status, {k.lower(): v for k, v in r.headers.items()}, r.read())
-    except urllib.error.HTTPError as e:
-        return Response(e.code, {k.lower(): v for k, v in e.headers.items()}, e.read())
 
 
 class Fleet:

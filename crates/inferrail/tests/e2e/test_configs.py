@@ -2,7 +2,6 @@
 bootstraps, and `inferrail --check` of the routing files."""
 
 import subprocess
-from pathlib import Path
 
 from conftest import ENVOY, ROOT, TARGET
 

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from conftest import ROOT, Fleet, http
+from conftest import ROOT, Fleet, http, wait_until
 
 QWEN3 = ROOT / ".cache" / "tokenizers" / "qwen3"
 WORDS = ("river stone cloud lantern garden silver copper window mountain ocean forest delta "
@@ -45,12 +45,24 @@ def send(fleet, path, body):
     return usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], r.headers
 
 
+def test_what_an_engine_refused_is_taken_back(fleet):
+    prompt = "A prompt the first engine refuses, long enough to fill a few blocks of sixteen tokens each. " * 3
+    refused = http("POST", f"{fleet.url}/v1/completions", {"model": "sim", "prompt": prompt, "max_tokens": 2, "n": 2, "cache_salt": "refused"})
+    assert refused.status == 400 and refused.headers["x-inferrail-cached-tokens"] == "0"
+    # The observe filter reports the 400 asynchronously; the router then takes the record back.
+    wait_until(lambda: fleet.metric("inferrail_kv_take_backs_total") == 1, "the take-back")
+    # Round robin: these reach the two other engines, then the one that refused.
+    for _ in range(3):
+        prompt_tokens, cached, headers = send(fleet, "/v1/completions", {"model": "sim", "prompt": prompt, "max_tokens": 2, "cache_salt": "refused"})
+        assert headers["x-inferrail-cached-tokens"] == str(cached) == "0", headers
+
+
 def test_predicted_cached_tokens_equal_the_engines_on_every_request(fleet):
     rng = random.Random(11)
     systems = [text(rng, n) for n in (60, 150, 240)]
     conversations = [[{"role": "system", "content": rng.choice(systems)}] for _ in range(12)]
     prefixes = [text(rng, n) for n in (40, 120)]
-    seen, hits, replicas = 0, 0, set()
+    hits, replicas = 0, set()
     for i in range(300):
         stream = rng.random() < 0.5
         extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
@@ -71,10 +83,9 @@ def test_predicted_cached_tokens_equal_the_engines_on_every_request(fleet):
         prompt, cached, headers = send(fleet, path, body)
         assert headers.get("x-inferrail-prompt-tokens") == str(prompt), (i, path, stream, headers)
         assert headers.get("x-inferrail-cached-tokens") == str(cached), (i, path, stream, prompt, headers)
-        seen += 1
         hits += cached > 0
         replicas.add(headers["x-inferrail-replica"])
-    assert seen == 300 and replicas == {"sim-1", "sim-2", "sim-3"}
+    assert replicas == {"sim-1", "sim-2", "sim-3"}
     assert hits > 50, f"the workload should hit the cache often, got {hits}"
 
 

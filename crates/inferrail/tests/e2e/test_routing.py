@@ -4,7 +4,6 @@ enforces, errors the router answers, and the OpenAI SDK end to end."""
 import asyncio
 import json
 import collections
-import threading
 
 import openai
 import pytest

@@ -6,20 +6,19 @@ prefix cache; the text it generates is nonsense. Optional: `just test-vllm`.
 The server holds about 5 GB of RAM and a core, and takes a minute or more to
 start; VLLM_STARTUP_TIMEOUT (seconds, default 900) bounds the wait."""
 
-import json
 import os
 import re
 import signal
-import socket
 import subprocess
+import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[4]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from harness import ENVOY, ROOT, TARGET, Process, free_ports, http  # noqa: E402
+
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
 MODEL_DIR = ROOT / ".cache" / "tiny-qwen3"
 SERVED = "tiny-qwen3"
@@ -29,32 +28,6 @@ MAX_MODEL_LEN = 2048
 # What the session measured, for the summary at the end.
 STATS = {}
 _server = None
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Reply:
-    def __init__(self, status, body, headers=None):
-        self.status, self.body = status, body
-        self.headers = headers or {}
-
-    def json(self):
-        return json.loads(self.body)
-
-
-def http(method, url, body=None, timeout=120):
-    """One request; the reply carries the status, the body and the headers (names in lower case)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return Reply(r.status, r.read(), {k.lower(): v for k, v in r.headers.items()})
-    except urllib.error.HTTPError as e:
-        return Reply(e.code, e.read(), {k.lower(): v for k, v in e.headers.items()})
 
 
 def group_members(pgid):
@@ -90,7 +63,7 @@ def group_rss_kib(pgid):
 
 class Server:
     def __init__(self, log_path):
-        self.port = free_port()
+        [self.port] = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.proc = None
@@ -154,7 +127,7 @@ class Server:
             return f"(no log: {e})"
 
     def request(self, method, path, body=None, timeout=120):
-        return http(method, self.url + path, body, timeout)
+        return http(method, self.url + path, body, timeout=timeout)
 
     def get(self, path, timeout=120):
         return self.request("GET", path, timeout=timeout)
@@ -177,71 +150,21 @@ def vllm(tmp_path_factory):
 # The processes some tests start besides vLLM: Inferrail's router and Envoy in
 # front of it (test_router_vllm.py), and the simulator with the real Qwen3
 # tokenizer (test_sim_goldens.py). Each is stopped when its module ends.
-TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug"
-ENVOY = ROOT / ".venv" / "bin" / "envoy"
 QWEN3 = ROOT / ".cache" / "tokenizers" / "qwen3"
 _helpers = []
 
 
-def free_ports(n):
-    """n distinct free ports: every socket stays bound until all are picked."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-class Helper:
-    """A process started for some tests, with its output in a log file."""
+class Helper(Process):
+    """A process started for some tests; a failing test shows its log."""
 
     def __init__(self, name, cmd, log_path, env=None):
-        if not Path(cmd[0]).exists():
-            pytest.fail(f"{cmd[0]} is missing: build it (cargo build) or run `just setup`")
-        self.name, self.log_path = name, log_path
-        with open(log_path, "wb") as log:
-            self.proc = subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env)
+        super().__init__(name, cmd, log_path, env)
         _helpers.append(self)
 
-    def wait_until(self, check, what, timeout=60):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"{self.name} exited with {self.proc.returncode} before {what}:\n{self.log_tail()}")
-            try:
-                if check():
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"{self.name}: no {what} within {timeout} s:\n{self.log_tail()}")
-
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        super().stop()
         if self in _helpers:
             _helpers.remove(self)
-
-    def log(self):
-        try:
-            # Without colours: tracing writes ANSI escapes even to a file.
-            return re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
-        except OSError as e:
-            return f"(no log: {e})"
-
-    def log_tail(self, lines=60):
-        return "\n".join(self.log().splitlines()[-lines:])
 
 
 def vllm_cache_config(vllm):
@@ -314,7 +237,7 @@ class Front:
                 h.stop()
 
     def post(self, path, body, timeout=120):
-        return http("POST", self.url + path, body, timeout)
+        return http("POST", self.url + path, body, timeout=timeout)
 
     def metrics(self):
         return http("GET", f"http://127.0.0.1:{self.admin}/metrics", timeout=10).body.decode()
@@ -336,7 +259,7 @@ def qwen3_sim(tmp_path_factory):
     length and served name, at zero latency."""
     if not (QWEN3 / "tokenizer.json").is_file():
         pytest.fail(f"no tokenizer in {QWEN3}: run `just setup`")
-    port = free_port()
+    [port] = free_ports(1)
     sim = Helper("inferrail-sim", [TARGET / "inferrail-sim", "--tokenizer", QWEN3, "--served-model-name", SERVED,
                                    "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
                                    "--enable-prompt-tokens-details", "--zero-latency", "--port", str(port)],
