@@ -24,6 +24,16 @@ fn lookup(c: &mut Criterion) {
         index.record(s, held, held.len(), 0);
     }
     c.bench_function("lookup 512 blocks over 64 replicas", |b| b.iter(|| index.matched(std::hint::black_box(&prompt), &slots)));
+    // The common shape: most replicas hold a shared system prompt, a few a conversation, some nothing.
+    let shared = KvIndex::new();
+    for &s in &slots {
+        shared.add_replica(s, 4096);
+        let held = &prompt[..[0, 128, 128, 128, 128, 128, 300, 512][s as usize % 8]];
+        shared.record(s, held, held.len(), 0);
+    }
+    c.bench_function("lookup 512 blocks over 64 replicas at 4 depths", |b| {
+        b.iter(|| shared.matched(std::hint::black_box(&prompt), &slots))
+    });
     c.bench_function("record 512 blocks", |b| {
         let mut n = 0u128;
         b.iter(|| {

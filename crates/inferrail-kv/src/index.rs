@@ -30,14 +30,16 @@ pub struct Recorded {
     pub added: Vec<BlockHash>,
 }
 
-/// Hashes a block hash by folding it: it is uniformly distributed already,
-/// and a general-purpose hasher would spend longer than the lookup.
+/// Hashes a block hash with two multiplies: a block hash is uniform already
+/// and a general-purpose hasher would spend longer than the lookup, but keys
+/// with structure (placeholders count up) must not collide or gather in a few
+/// buckets, and the concurrent map places entries by the hash's high bits.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Fold(u64);
 
 impl std::hash::Hasher for Fold {
     fn finish(&self) -> u64 {
-        self.0
+        self.0.wrapping_mul(0x9e37_79b9_7f4a_7c15)
     }
 
     fn write(&mut self, bytes: &[u8]) {
@@ -49,14 +51,14 @@ impl std::hash::Hasher for Fold {
     }
 
     fn write_u128(&mut self, v: u128) {
-        self.0 ^= (v as u64) ^ ((v >> 64) as u64);
+        self.0 ^= (v as u64).wrapping_mul(0xd6e8_feb8_6659_fd93) ^ ((v >> 64) as u64).wrapping_mul(0xa076_1d64_78bd_642f).rotate_left(32);
     }
 }
 
 type FoldState = std::hash::BuildHasherDefault<Fold>;
 
 /// The index; see the module doc.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct KvIndex {
     /// Block -> bitmap of the slots holding it (bit `s` of word `s / 64`).
     holders: papaya::HashMap<BlockHash, Box<[u64]>, FoldState>,
@@ -72,10 +74,22 @@ fn is_placeholder(h: BlockHash) -> bool {
     h >> 64 == u64::MAX as BlockHash
 }
 
+impl Default for KvIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl KvIndex {
     /// An empty index.
     pub fn new() -> Self {
-        Self::default()
+        Self {
+            // Growing copies the whole table at once: lookups, the hot path,
+            // never search an old table and a new one while a copy is under way.
+            holders: papaya::HashMap::builder().hasher(FoldState::default()).resize_mode(papaya::ResizeMode::Blocking).build(),
+            shadows: Mutex::default(),
+            placeholders: AtomicU64::new(0),
+        }
     }
 
     /// Adds a replica that holds nothing and can hold `capacity` blocks (at least one).
@@ -106,7 +120,8 @@ impl KvIndex {
 
     /// Records a request sent to `slot` as the engine will lay it out in its
     /// KV cache: `prompt` holds the hashes of the prompt's full blocks, of
-    /// which the engine may reuse at most `reusable` leading ones (it always
+    /// which the engine may reuse at most `reusable` leading ones (all, or all
+    /// but the last when the prompt ends on a block boundary: it always
     /// computes the last prompt token); `extra` more blocks (the prompt's
     /// partial last block, generated tokens) take room but can never be
     /// matched. As in the engine, reused blocks are protected first, fresh
@@ -122,17 +137,18 @@ impl KvIndex {
         for h in &prompt[..hits] {
             shadow.promote(h);
         }
-        // Room for every fresh block first: what they evict is chosen before any of them is named.
-        let fresh = prompt.len() - hits + extra;
+        // Room for every fresh block first: what they evict is chosen before
+        // any of them is named. A request larger than the whole cache (the
+        // engine could not run it) keeps its leading blocks.
+        let fresh = (prompt.len() - hits + extra).min(shadow.cap().get() - hits);
         let mut keys: Vec<BlockHash> = prompt[..hits].to_vec();
-        for _ in 0..fresh {
-            let p = self.placeholder();
+        keys.extend((0..fresh).map(|_| self.placeholder()));
+        for &p in keys[hits..].iter().rev() {
             if let Some((out, ())) = shadow.push(p, ()) {
                 evicted.push(out);
             }
-            keys.push(p);
         }
-        for i in hits..prompt.len() {
+        for i in hits..prompt.len().min(keys.len()) {
             if !shadow.contains(&prompt[i]) && shadow.pop(&keys[i]).is_some() {
                 shadow.push(prompt[i], ());
                 keys[i] = prompt[i];
@@ -171,27 +187,52 @@ impl KvIndex {
     }
 
     /// How many leading blocks of `hashes` each of `slots` holds.
+    ///
+    /// A shadow holds whole prefixes (`record` frees a prompt's last block
+    /// first, and takes back only what follows the blocks it reused), so the
+    /// replicas holding block `d` hold every block before it too. The search
+    /// bisects the prompt: the replicas holding the same blocks at both ends
+    /// of a stretch all stop outside it, and only stretches where some
+    /// replica stops are probed further, about log2(blocks) probes per
+    /// distinct depth rather than one per block.
     pub fn matched(&self, hashes: &[BlockHash], slots: &[Slot]) -> Vec<usize> {
         let holders = self.holders.pin();
-        // Candidates still matching, as a bitmap; a slot's depth is fixed when it drops out.
-        let mut open: Vec<u64> = Vec::new();
+        let mut wanted: Vec<u64> = Vec::new();
         for &s in slots {
-            set_bit(&mut open, s);
+            set_bit(&mut wanted, s);
         }
-        let mut depth_of = vec![hashes.len(); open.len() * 64];
-        let mut depth = 0;
-        while depth < hashes.len() && open.iter().any(|&w| w != 0) {
-            let bits = holders.get(&hashes[depth]).map_or(&[][..], |b| &b[..]);
-            for (w, word) in open.iter_mut().enumerate() {
-                let kept = *word & bits.get(w).copied().unwrap_or(0);
-                let mut dropped = *word & !kept;
-                while dropped != 0 {
-                    depth_of[w * 64 + dropped.trailing_zeros() as usize] = depth;
-                    dropped &= dropped - 1;
-                }
-                *word = kept;
+        let w = wanted.len();
+        // Slot sets, `w` words each, one after another: set 0 is every slot
+        // asked about, set 1 none; each probe adds one.
+        let mut sets: Vec<u64> = Vec::with_capacity(w * 64);
+        sets.extend_from_slice(&wanted);
+        sets.resize(2 * w, 0);
+        let mut depth_of = vec![0; w * 64];
+        // Stretches [lo, hi) with the sets holding the first lo and the first hi
+        // blocks; the slots in the first and not the second stop inside it.
+        let mut stretches = vec![(0, hashes.len() + 1, 0, w)];
+        while let Some((lo, hi, at_lo, at_hi)) = stretches.pop() {
+            if sets[at_lo..at_lo + w] == sets[at_hi..at_hi + w] {
+                continue;
             }
-            depth += 1;
+            if hi == lo + 1 {
+                for i in 0..w {
+                    let mut stop = sets[at_lo + i] & !sets[at_hi + i];
+                    while stop != 0 {
+                        depth_of[i * 64 + stop.trailing_zeros() as usize] = lo;
+                        stop &= stop - 1;
+                    }
+                }
+                continue;
+            }
+            let mid = (lo + hi) / 2;
+            let bits = holders.get(&hashes[mid - 1]).map_or(&[][..], |b| &b[..]);
+            let at_mid = sets.len();
+            for i in 0..w {
+                sets.push(sets[at_lo + i] & bits.get(i).copied().unwrap_or(0));
+            }
+            stretches.push((mid, hi, at_mid, at_hi));
+            stretches.push((lo, mid, at_lo, at_mid));
         }
         slots.iter().map(|&s| depth_of[s as usize]).collect()
     }

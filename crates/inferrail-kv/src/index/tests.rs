@@ -24,16 +24,17 @@ impl Naive {
             to_back(blocks, h);
         }
         let mut keys: Vec<BlockHash> = prompt[..hits].to_vec();
-        for _ in 0..prompt.len() - hits + extra {
+        for _ in 0..(prompt.len() - hits + extra).min(*cap - hits) {
             *next += 1;
-            let p = (7u128 << 100) | *next;
+            keys.push((7u128 << 100) | *next);
+        }
+        for &p in keys[hits..].iter().rev() {
             blocks.push(p);
             if blocks.len() > *cap {
                 blocks.remove(0);
             }
-            keys.push(p);
         }
-        for i in hits..prompt.len() {
+        for i in hits..prompt.len().min(keys.len()) {
             if !blocks.contains(&prompt[i])
                 && let Some(at) = blocks.iter().position(|&b| b == keys[i])
             {
@@ -63,8 +64,10 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        8 => (0u32..4, 0u8..3, 1usize..8, 0usize..9, 0usize..3, any::<bool>())
-            .prop_map(|(slot, family, len, reusable, extra, take_back)| Op::Record { slot, family, len, reusable, extra, take_back }),
+        // An engine reuses every full block of a prompt, or all but the last when the prompt ends on a block boundary.
+        8 => (0u32..4, 0u8..3, 1usize..8, any::<bool>(), 0usize..3, any::<bool>()).prop_map(|(slot, family, len, all, extra, take_back)| {
+            Op::Record { slot, family, len, reusable: if all { len } else { len - 1 }, extra, take_back }
+        }),
         1 => (0u32..4).prop_map(Op::Clear),
         1 => (0u32..4).prop_map(Op::Remove),
         1 => (0u32..4).prop_map(Op::Add),
