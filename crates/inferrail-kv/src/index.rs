@@ -10,13 +10,13 @@
 //! replica can be cleared (its engine restarted) or forgotten (it left).
 
 use std::collections::HashMap;
-use std::num::NonZeroUsize;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use lru::LruCache;
-
 use crate::hash::BlockHash;
+use shadow::Shadow;
+
+mod shadow;
 
 /// A replica's slot in the index.
 pub type Slot = u32;
@@ -60,9 +60,9 @@ type FoldState = std::hash::BuildHasherDefault<Fold>;
 /// The index; see the module doc.
 #[derive(Debug)]
 pub struct KvIndex {
-    /// Block -> bitmap of the slots holding it (bit `s` of word `s / 64`).
-    holders: papaya::HashMap<BlockHash, Box<[u64]>, FoldState>,
-    shadows: Mutex<HashMap<Slot, LruCache<BlockHash, (), FoldState>>>,
+    /// Block -> the slots holding it.
+    holders: papaya::HashMap<BlockHash, Bits, FoldState>,
+    shadows: Mutex<HashMap<Slot, Shadow>>,
     placeholders: AtomicU64,
 }
 
@@ -94,9 +94,8 @@ impl KvIndex {
 
     /// Adds a replica that holds nothing and can hold `capacity` blocks (at least one).
     pub fn add_replica(&self, slot: Slot, capacity: usize) {
-        let cap = NonZeroUsize::new(capacity.max(1)).unwrap_or(NonZeroUsize::MIN);
         let mut shadows = self.lock();
-        if let Some(old) = shadows.insert(slot, LruCache::with_hasher(cap, FoldState::default())) {
+        if let Some(old) = shadows.insert(slot, Shadow::new(capacity)) {
             self.drop_all(slot, old);
         }
     }
@@ -114,7 +113,7 @@ impl KvIndex {
         let mut shadows = self.lock();
         let Some(shadow) = shadows.get_mut(&slot) else { return };
         let cap = shadow.cap();
-        let old = std::mem::replace(shadow, LruCache::with_hasher(cap, FoldState::default()));
+        let old = std::mem::replace(shadow, Shadow::new(cap));
         self.drop_all(slot, old);
     }
 
@@ -133,37 +132,37 @@ impl KvIndex {
         let mut shadows = self.lock();
         let Some(shadow) = shadows.get_mut(&slot) else { return Recorded { slot, added: Vec::new() } };
         let reusable = reusable.min(prompt.len());
-        let hits = prompt[..reusable].iter().take_while(|h| shadow.contains(h)).count();
-        for h in &prompt[..hits] {
+        let hits = prompt[..reusable].iter().take_while(|&&h| shadow.contains(h)).count();
+        for &h in &prompt[..hits] {
             shadow.promote(h);
         }
         // Room for every fresh block first: what they evict is chosen before
         // any of them is named. A request larger than the whole cache (the
         // engine could not run it) keeps its leading blocks.
-        let fresh = (prompt.len() - hits + extra).min(shadow.cap().get() - hits);
+        let fresh = (prompt.len() - hits + extra).min(shadow.cap() - hits);
         let mut keys: Vec<BlockHash> = prompt[..hits].to_vec();
         keys.extend((0..fresh).map(|_| self.placeholder()));
         for &p in keys[hits..].iter().rev() {
-            if let Some((out, ())) = shadow.push(p, ()) {
+            if let Some(out) = shadow.push(p) {
                 evicted.push(out);
             }
         }
         for i in hits..prompt.len().min(keys.len()) {
-            if !shadow.contains(&prompt[i]) && shadow.pop(&keys[i]).is_some() {
-                shadow.push(prompt[i], ());
+            if !shadow.contains(prompt[i]) && shadow.remove(keys[i]) {
+                shadow.push(prompt[i]);
                 keys[i] = prompt[i];
             }
         }
-        for k in keys.iter().rev() {
+        for &k in keys.iter().rev() {
             shadow.promote(k);
         }
-        let added: Vec<BlockHash> = keys[hits..].iter().copied().filter(|k| shadow.contains(k)).collect();
+        let added: Vec<BlockHash> = keys[hits..].iter().copied().filter(|&k| shadow.contains(k)).collect();
         let holders = self.holders.pin();
         for h in added.iter().filter(|h| !is_placeholder(**h)) {
-            holders.update_or_insert_with(*h, |bits| with(bits, slot), || with(&[], slot));
+            holders.update_or_insert_with(*h, |bits| bits.with(slot), || Bits::default().with(slot));
         }
         // A block evicted and then named again by the same request stays held.
-        for h in evicted.into_iter().filter(|h| !is_placeholder(*h) && !shadow.contains(h)) {
+        for h in evicted.into_iter().filter(|&h| !is_placeholder(h) && !shadow.contains(h)) {
             release(&holders, h, slot);
         }
         Recorded { slot, added }
@@ -180,7 +179,7 @@ impl KvIndex {
         let Some(shadow) = shadows.get_mut(&recorded.slot) else { return };
         let holders = self.holders.pin();
         for h in &recorded.added {
-            if shadow.pop(h).is_some() && !is_placeholder(*h) {
+            if shadow.remove(*h) && !is_placeholder(*h) {
                 release(&holders, *h, recorded.slot);
             }
         }
@@ -212,7 +211,8 @@ impl KvIndex {
         // blocks; the slots in the first and not the second stop inside it.
         let mut stretches = vec![(0, hashes.len() + 1, 0, w)];
         while let Some((lo, hi, at_lo, at_hi)) = stretches.pop() {
-            if sets[at_lo..at_lo + w] == sets[at_hi..at_hi + w] {
+            // (A loop, not a slice comparison: that calls memcmp, which costs more than the probe.)
+            if (0..w).all(|i| sets[at_lo + i] == sets[at_hi + i]) {
                 continue;
             }
             if hi == lo + 1 {
@@ -226,10 +226,10 @@ impl KvIndex {
                 continue;
             }
             let mid = (lo + hi) / 2;
-            let bits = holders.get(&hashes[mid - 1]).map_or(&[][..], |b| &b[..]);
+            let bits = holders.get(&hashes[mid - 1]);
             let at_mid = sets.len();
             for i in 0..w {
-                sets.push(sets[at_lo + i] & bits.get(i).copied().unwrap_or(0));
+                sets.push(sets[at_lo + i] & bits.map_or(0, |b| b.word(i)));
             }
             stretches.push((mid, hi, at_mid, at_hi));
             stretches.push((lo, mid, at_lo, at_mid));
@@ -239,36 +239,95 @@ impl KvIndex {
 
     /// Blocks the index holds, over every replica.
     pub fn entries(&self) -> usize {
-        self.lock().values().map(LruCache::len).sum()
+        self.lock().values().map(Shadow::len).sum()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, LruCache<BlockHash, (), FoldState>>> {
+    /// Bytes the index has allocated: the shadows' exactly, the holder map's
+    /// by its entries (papaya does not say its table's size; its tables run
+    /// 40-85% full, so 16 bytes of table a block is allowed).
+    pub fn bytes(&self) -> usize {
+        let shadows: usize = self.lock().values().map(Shadow::bytes).sum();
+        let entry = size_of::<(BlockHash, Bits)>().next_multiple_of(16) + 16;
+        shadows + self.holders.len() * entry
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, Shadow>> {
         self.shadows.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Releases every block of a replica's old shadow; called under the lock.
-    fn drop_all(&self, slot: Slot, shadow: LruCache<BlockHash, (), FoldState>) {
+    fn drop_all(&self, slot: Slot, shadow: Shadow) {
         let holders = self.holders.pin();
-        for (&h, ()) in shadow.iter().filter(|(h, ())| !is_placeholder(**h)) {
+        for h in shadow.iter().filter(|&h| !is_placeholder(h)) {
             release(&holders, h, slot);
         }
     }
 }
 
-type Holders<'a, G> = papaya::HashMapRef<'a, BlockHash, Box<[u64]>, FoldState, G>;
+type Holders<'a, G> = papaya::HashMapRef<'a, BlockHash, Bits, FoldState, G>;
 
 /// `slot` no longer holds `h`.
 fn release<G: papaya::Guard>(holders: &Holders<'_, G>, h: BlockHash, slot: Slot) {
-    let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
     // Abort means there was nothing to release.
     let _ = holders.compute(h, |entry| match entry {
-        Some((_, bits)) if bits.get(w).is_some_and(|x| x & bit != 0) => {
-            let mut rest = bits.to_vec();
-            rest[w] &= !bit;
-            if rest.iter().all(|&x| x == 0) { papaya::Operation::Remove } else { papaya::Operation::Insert(rest.into_boxed_slice()) }
+        Some((_, bits)) if bits.has(slot) => {
+            let rest = bits.without(slot);
+            if rest == Bits::default() { papaya::Operation::Remove } else { papaya::Operation::Insert(rest) }
         }
         _ => papaya::Operation::Abort(()),
     });
+}
+
+/// The slots holding a block: the first 64 inline, so the common fleet costs
+/// no allocation beyond the map's entry; more in a boxed tail.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Bits {
+    low: u64,
+    /// Words 1.. of the bitmap (slot `s` is bit `s % 64` of word `s / 64`).
+    high: Option<Box<[u64]>>,
+}
+
+impl Bits {
+    fn word(&self, i: usize) -> u64 {
+        match i {
+            0 => self.low,
+            _ => self.high.as_ref().and_then(|h| h.get(i - 1)).copied().unwrap_or(0),
+        }
+    }
+
+    fn has(&self, slot: Slot) -> bool {
+        self.word(slot as usize / 64) & (1 << (slot % 64)) != 0
+    }
+
+    fn with(&self, slot: Slot) -> Bits {
+        let mut out = self.clone();
+        let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
+        if w == 0 {
+            out.low |= bit;
+        } else {
+            let mut high = out.high.map(Vec::from).unwrap_or_default();
+            if high.len() < w {
+                high.resize(w, 0);
+            }
+            high[w - 1] |= bit;
+            out.high = Some(high.into());
+        }
+        out
+    }
+
+    fn without(&self, slot: Slot) -> Bits {
+        let mut out = self.clone();
+        let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
+        match (w, out.high.as_mut()) {
+            (0, _) => out.low &= !bit,
+            (w, Some(high)) if w <= high.len() => high[w - 1] &= !bit,
+            _ => {}
+        }
+        if out.high.as_ref().is_some_and(|h| h.iter().all(|&x| x == 0)) {
+            out.high = None;
+        }
+        out
+    }
 }
 
 fn set_bit(bits: &mut Vec<u64>, slot: Slot) {
@@ -277,12 +336,6 @@ fn set_bit(bits: &mut Vec<u64>, slot: Slot) {
         bits.resize(w + 1, 0);
     }
     bits[w] |= 1 << (slot % 64);
-}
-
-fn with(bits: &[u64], slot: Slot) -> Box<[u64]> {
-    let mut out = bits.to_vec();
-    set_bit(&mut out, slot);
-    out.into_boxed_slice()
 }
 
 /// Cached tokens to predict from matched blocks: whole blocks, never the

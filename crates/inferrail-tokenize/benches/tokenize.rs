@@ -4,7 +4,7 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use inferrail_tokenize::Tokenizer;
-use inferrail_tokenize::chat::{Endpoint, RequestTemplates, prompt_ids};
+use inferrail_tokenize::chat::{Endpoint, RequestTemplates, prompt_ids, render};
 use serde_json::{Map, Value, json};
 
 const WORDS: [&str; 16] = [
@@ -35,24 +35,49 @@ fn tokenize(c: &mut Criterion) {
     let cold = Tokenizer::load(dir, 0).unwrap();
     let warm = Tokenizer::load(dir, 1 << 20).unwrap();
     let body = chat(&cold, "What changed since yesterday?");
-    c.bench_function("8k-token chat, cold", |b| b.iter(|| prompt_ids(&cold, Endpoint::Chat, &body, RequestTemplates::Decline).unwrap()));
+    c.bench_function("8k-token chat, no chunk cache", |b| {
+        b.iter(|| prompt_ids(&cold, Endpoint::Chat, &body, RequestTemplates::Decline).unwrap())
+    });
     // The same conversation was seen before: only the new last turn is new.
     chat(&warm, "What changed since yesterday?");
     let mut turn = 0u64;
     c.bench_function("8k-token chat, earlier turns seen", |b| {
-        b.iter_batched(
+        b.iter_batched_ref(
             || {
                 turn += 1;
                 let mut next = body.clone();
                 next["messages"].as_array_mut().unwrap().last_mut().unwrap()["content"] = json!(format!("And what about item {turn}?"));
                 next
             },
-            |next| prompt_ids(&warm, Endpoint::Chat, &next, RequestTemplates::Decline).unwrap(),
+            |next| prompt_ids(&warm, Endpoint::Chat, next, RequestTemplates::Decline).unwrap(),
             criterion::BatchSize::SmallInput,
         )
     });
+    c.bench_function("8k-token chat, rendered only", |b| b.iter(|| render(&cold, &body, RequestTemplates::Decline).unwrap()));
     let system = text(0, 1_700);
     c.bench_function("2k-token system prompt, encode only, cold", |b| b.iter(|| cold.encode(&system, false)));
+    // Words never seen before, so every one is merged by the BPE model.
+    let mut next_word = 0u64;
+    c.bench_function("500 unseen words, encode only", |b| {
+        b.iter_batched_ref(
+            || {
+                (0..500)
+                    .map(|_| {
+                        next_word += 1;
+                        let mut n = next_word * 7_919;
+                        let mut word = String::from(" ");
+                        while n > 0 {
+                            word.push(char::from(b'a' + (n % 26) as u8));
+                            n /= 26;
+                        }
+                        word
+                    })
+                    .collect::<String>()
+            },
+            |text| cold.encode(text, false),
+            criterion::BatchSize::SmallInput,
+        )
+    });
 }
 
 criterion_group!(benches, tokenize);

@@ -18,6 +18,7 @@ use xxhash_rust::xxh3::xxh3_128;
 
 use crate::sim;
 use crate::template::Template;
+use bytelevel::ByteLevel;
 
 /// A chunk shorter than this is encoded every time rather than cached.
 const MIN_CACHED_BYTES: usize = 256;
@@ -67,7 +68,7 @@ pub struct Tokenizer {
 
 enum Encoder {
     Sim,
-    Hf { tok: Box<tokenizers::Tokenizer>, cuts: Option<AhoCorasick> },
+    Hf { tok: Box<tokenizers::Tokenizer>, cuts: Option<AhoCorasick>, fast: Option<Box<ByteLevel>> },
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -103,8 +104,11 @@ impl Tokenizer {
     /// Loads `tokenizer.json`, `tokenizer_config.json` and, when present, `chat_template.jinja` from `dir`.
     fn from_dir(dir: &Path) -> Result<Self, LoadError> {
         let json_path = dir.join("tokenizer.json");
-        let hf = tokenizers::Tokenizer::from_file(&json_path)
-            .map_err(|e| LoadError::Invalid { path: json_path.clone(), message: e.to_string() })?;
+        let invalid = |message: String| LoadError::Invalid { path: json_path.clone(), message };
+        let json_text = std::fs::read_to_string(&json_path).map_err(|source| LoadError::Read { path: json_path.clone(), source })?;
+        let hf: tokenizers::Tokenizer = json_text.parse().map_err(|e: tokenizers::Error| invalid(e.to_string()))?;
+        let json: Value = serde_json::from_str(&json_text).map_err(|e| invalid(e.to_string()))?;
+        let fast = ByteLevel::new(&json, &hf).map(Box::new);
         let config_path = dir.join("tokenizer_config.json");
         let config: Value = match std::fs::read(&config_path) {
             Ok(bytes) => {
@@ -136,7 +140,13 @@ impl Tokenizer {
         }
         let added = added_around(&hf);
         let cuts = cut_tokens(&hf);
-        Ok(Tokenizer { encoder: Encoder::Hf { tok: Box::new(hf), cuts }, template, special: SpecialTokens { named }, added, cache: None })
+        Ok(Tokenizer {
+            encoder: Encoder::Hf { tok: Box::new(hf), cuts, fast },
+            template,
+            special: SpecialTokens { named },
+            added,
+            cache: None,
+        })
     }
 
     /// The ids of `text`; with `add_special_tokens`, the ones the engine adds
@@ -148,18 +158,18 @@ impl Tokenizer {
         }
         match &self.encoder {
             Encoder::Sim => ids.extend(sim::encode(text)),
-            Encoder::Hf { tok, cuts } => {
+            Encoder::Hf { tok, cuts, fast } => {
                 let mut start = 0;
                 if let Some(cuts) = cuts {
                     for m in cuts.find_iter(text) {
                         if m.start() > start {
-                            self.encode_chunk(tok, &text[start..m.start()], &mut ids);
+                            self.encode_chunk(tok, fast.as_deref(), &text[start..m.start()], &mut ids);
                         }
                         start = m.start();
                     }
                 }
                 if start < text.len() {
-                    self.encode_chunk(tok, &text[start..], &mut ids);
+                    self.encode_chunk(tok, fast.as_deref(), &text[start..], &mut ids);
                 }
             }
         }
@@ -169,7 +179,7 @@ impl Tokenizer {
         ids
     }
 
-    fn encode_chunk(&self, tok: &tokenizers::Tokenizer, chunk: &str, out: &mut Vec<u32>) {
+    fn encode_chunk(&self, tok: &tokenizers::Tokenizer, fast: Option<&ByteLevel>, chunk: &str, out: &mut Vec<u32>) {
         let cache = self.cache.as_ref().filter(|_| chunk.len() >= MIN_CACHED_BYTES);
         let key = cache.map(|_| xxh3_128(chunk.as_bytes()));
         if let (Some(cache), Some(key)) = (cache, key)
@@ -178,8 +188,15 @@ impl Tokenizer {
             out.extend_from_slice(&ids);
             return;
         }
-        // Encoding without added special tokens cannot fail for a valid tokenizer; an error yields no ids.
-        let ids: Arc<[u32]> = tok.encode_fast(chunk, false).map(|e| e.get_ids().into()).unwrap_or_else(|_| Arc::from([]));
+        let ids: Arc<[u32]> = match fast {
+            Some(fast) => {
+                let mut ids = Vec::with_capacity(chunk.len() / 3);
+                fast.encode(chunk, &mut ids);
+                ids.into()
+            }
+            // Encoding without added special tokens cannot fail for a valid tokenizer; an error yields no ids.
+            None => tok.encode_fast(chunk, false).map(|e| e.get_ids().into()).unwrap_or_else(|_| Arc::from([])),
+        };
         out.extend_from_slice(&ids);
         if let (Some(cache), Some(key)) = (cache, key) {
             cache.lock().unwrap_or_else(|p| p.into_inner()).put(key, ids);
@@ -327,5 +344,6 @@ impl ChunkCache {
     }
 }
 
+mod bytelevel;
 #[cfg(test)]
 mod tests;

@@ -84,6 +84,7 @@ pub fn publish_gauges(router: &Router) {
     }
     metrics::gauge!("inferrail_leases").set(router.leases_held() as f64);
     metrics::gauge!("inferrail_kv_index_entries").set(router.kv.entries() as f64);
+    metrics::gauge!("inferrail_kv_index_bytes").set(router.kv.bytes() as f64);
 }
 
 /// The `/v1/models` answer: configured models in order, then their aliases,

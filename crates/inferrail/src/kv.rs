@@ -159,6 +159,11 @@ impl Kv {
     pub fn entries(&self) -> usize {
         self.index.entries()
     }
+
+    /// Bytes the index has allocated.
+    pub fn bytes(&self) -> usize {
+        self.index.bytes()
+    }
 }
 
 /// The values of `vllm:cache_config_info`'s `block_size` and `num_gpu_blocks`

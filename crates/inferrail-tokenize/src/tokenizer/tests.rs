@@ -67,6 +67,7 @@ fn piece() -> impl Strategy<Value = String> {
     prop_oneof![
         "[ a-zA-Z\n\t]{0,12}",
         "\\PC{0,6}",
+        "[ \t\r\n\u{a0}\u{3000}'sStTrReEvVlLdDſ a-c0-9٣²Ⅻ.,!\u{301}e\u{308}é数据😀-]{0,16}",
         Just("<|im_start|>".to_owned()),
         Just("<|im_end|>".to_owned()),
         Just("<|begin_of_text|>".to_owned()),

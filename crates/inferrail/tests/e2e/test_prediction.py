@@ -87,6 +87,9 @@ def test_predicted_cached_tokens_equal_the_engines_on_every_request(fleet):
         replicas.add(headers["x-inferrail-replica"])
     assert replicas == {"sim-1", "sim-2", "sim-3"}
     assert hits > 50, f"the workload should hit the cache often, got {hits}"
+    # The index's gauges: blocks held, and at least a node's 24 bytes for each.
+    wait_until(lambda: (fleet.metric("inferrail_kv_index_entries") or 0) > 0, "the index entries gauge")
+    assert fleet.metric("inferrail_kv_index_bytes") >= 24 * fleet.metric("inferrail_kv_index_entries")
 
 
 def test_a_request_the_tokenizer_cannot_follow_is_still_served(fleet):
