@@ -9,6 +9,8 @@
 //! tokens), then encodes the text without adding special tokens again.
 //! Completions: a string or token ids, special tokens added by default.
 
+use std::borrow::Cow;
+
 use serde_json::{Map, Value};
 
 use crate::template::{self, Template};
@@ -138,7 +140,7 @@ pub fn render(tok: &Tokenizer, body: &Map<String, Value>, templates: RequestTemp
     if messages.is_empty() {
         return Err(Declined::Template("Cannot apply chat template to an empty conversation. Provide at least one message.".into()));
     }
-    let mut conversation = messages.iter().map(|m| conversation_message(m, template.openai_content)).collect::<Result<Vec<_>, _>>()?;
+    let mut conversation = messages.iter().map(|m| Message::new(m, template.openai_content)).collect::<Result<Vec<_>, _>>()?;
     if !template.names_developer {
         developers_to_system(&mut conversation);
     }
@@ -174,7 +176,7 @@ pub fn render(tok: &Tokenizer, body: &Map<String, Value>, templates: RequestTemp
     let mut ctx: Vec<(String, minijinja::Value)> =
         tok.special.named.iter().map(|(k, v)| (k.clone(), minijinja::Value::from(v.as_str()))).collect();
     ctx.extend(kwargs.iter().map(|(k, v)| (k.clone(), template::value(v))));
-    ctx.push(("messages".into(), template::value(&Value::Array(conversation))));
+    ctx.push(("messages".into(), conversation.into_iter().map(Message::into_value).collect()));
     ctx.push(("tools".into(), tools(body.get("tools"))?));
     ctx.push(("documents".into(), template::value(&documents)));
     ctx.push(("add_generation_prompt".into(), minijinja::Value::from(add_generation_prompt)));
@@ -195,139 +197,148 @@ pub fn render(tok: &Tokenizer, body: &Map<String, Value>, templates: RequestTemp
 /// transformers marks the final message's end with this (and a space), renders, and cuts there.
 const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG";
 
-fn mark_final_message(conversation: &mut [Value]) -> Result<(), Declined> {
+fn mark_final_message(conversation: &mut [Message<'_>]) -> Result<(), Declined> {
     let none =
         || Declined::Template("continue_final_message is set but we could not find any text to continue in the final message!".into());
     let last = conversation.last_mut().ok_or_else(none)?;
-    match last.get_mut("content") {
-        Some(Value::String(s)) => s.push_str(&format!("{CONTINUE_TAG} ")),
-        Some(Value::Array(parts)) => {
-            let part = parts
-                .iter_mut()
-                .rev()
-                .find_map(|p| p.get_mut("text").and_then(|t| if let Value::String(s) = t { Some(s) } else { None }))
-                .ok_or_else(none)?;
-            part.push_str(&format!("{CONTINUE_TAG} "));
-        }
-        _ => return Err(none()),
+    if !last.parts && last.texts.is_empty() {
+        // An absent content is an empty string to the template.
+        last.texts.push((Cow::Borrowed(""), Vec::new()));
     }
+    let (text, _) = last.texts.last_mut().ok_or_else(none)?;
+    text.to_mut().push_str(&format!("{CONTINUE_TAG} "));
     Ok(())
 }
 
 /// vLLM's handling of `developer` messages for templates that do not know the
 /// role: they become `system` messages, and when a system message is not
 /// first or there are several, all of them merge into one first message.
-fn developers_to_system(conversation: &mut Vec<Value>) {
-    if !conversation.iter().any(|m| m["role"] == "developer") {
+fn developers_to_system(conversation: &mut Vec<Message<'_>>) {
+    if !conversation.iter().any(|m| m.role == "developer") {
         return;
     }
-    for m in conversation.iter_mut().filter(|m| m["role"] == "developer") {
-        if let Value::Object(o) = m {
-            o.insert("role".into(), Value::String("system".into()));
-            o.shift_remove("tools");
-        }
+    for m in conversation.iter_mut().filter(|m| m.role == "developer") {
+        m.role = "system";
+        m.fields.retain(|(k, _)| *k != "tools");
     }
-    let systems: Vec<usize> = conversation.iter().enumerate().filter(|(_, m)| m["role"] == "system").map(|(i, _)| i).collect();
+    let systems: Vec<usize> = conversation.iter().enumerate().filter(|(_, m)| m.role == "system").map(|(i, _)| i).collect();
     if systems.len() > 1 || systems.first().is_some_and(|&i| i != 0) {
-        let text = |m: &Value| match &m["content"] {
-            Value::String(s) => s.clone(),
-            Value::Array(parts) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("\n"),
-            _ => String::new(),
-        };
-        let merged: Vec<String> = systems.iter().map(|&i| text(&conversation[i])).filter(|t| !t.is_empty()).collect();
-        conversation.retain(|m| m["role"] != "system");
-        conversation.insert(0, serde_json::json!({"role": "system", "content": merged.join("\n\n")}));
+        let merged: Vec<String> = systems.iter().map(|&i| conversation[i].joined()).filter(|t| !t.is_empty()).collect();
+        conversation.retain(|m| m.role != "system");
+        let text = (Cow::Owned(merged.join("\n\n")), Vec::new());
+        conversation.insert(0, Message { role: "system", texts: vec![text], parts: false, fields: Vec::new() });
     }
 }
 
-/// One OpenAI message as vLLM hands it to the template.
-fn conversation_message(m: &Value, openai_content: bool) -> Result<Value, Declined> {
-    let Value::Object(m) = m else { return Err(Declined::Invalid("a message must be an object".into())) };
-    let role = m.get("role").and_then(Value::as_str).ok_or_else(|| Declined::Invalid("a message needs a role".into()))?;
-    // (text, extra keys of its part)
-    let mut texts: Vec<(String, Map<String, Value>)> = Vec::new();
-    match m.get("content") {
-        None => {}
-        Some(Value::Null) if role == "assistant" => {}
-        Some(Value::Null) => return Err(Declined::Invalid(format!("content of a {role} message cannot be null"))),
-        Some(Value::String(s)) => texts.push((s.clone(), Map::new())),
-        Some(Value::Array(parts)) => {
-            for part in parts {
-                match part {
-                    Value::String(s) => texts.push((s.clone(), Map::new())),
-                    Value::Object(p) => {
-                        let kind = p.get("type").and_then(Value::as_str);
-                        let Some(key) = text_field(kind) else {
-                            return Err(Declined::NotText(format!("content part of type {}", kind.unwrap_or_default())));
-                        };
-                        match p.get(key) {
-                            Some(Value::String(t)) => {
-                                let extra =
-                                    p.iter().filter(|(k, _)| *k != "type" && *k != key).map(|(k, v)| (k.clone(), v.clone())).collect();
-                                texts.push((t.clone(), extra));
+/// Keys of a content part besides its type and text.
+type PartKeys<'a> = Vec<(&'a String, &'a Value)>;
+
+/// One OpenAI message as vLLM hands it to the template, its text borrowed
+/// from the request until it becomes a template value.
+struct Message<'a> {
+    role: &'a str,
+    /// The texts of its content and the other keys of each one's part.
+    texts: Vec<(Cow<'a, str>, PartKeys<'a>)>,
+    /// Whether the template sees content as `{type, text}` parts or as one string.
+    parts: bool,
+    /// Keys after `content`, in order.
+    fields: Vec<(&'static str, minijinja::Value)>,
+}
+
+impl<'a> Message<'a> {
+    fn new(m: &'a Value, openai_content: bool) -> Result<Self, Declined> {
+        let Value::Object(m) = m else { return Err(Declined::Invalid("a message must be an object".into())) };
+        let role = m.get("role").and_then(Value::as_str).ok_or_else(|| Declined::Invalid("a message needs a role".into()))?;
+        let mut texts = Vec::new();
+        match m.get("content") {
+            None => {}
+            Some(Value::Null) if role == "assistant" => {}
+            Some(Value::Null) => return Err(Declined::Invalid(format!("content of a {role} message cannot be null"))),
+            Some(Value::String(s)) => texts.push((Cow::Borrowed(s.as_str()), Vec::new())),
+            Some(Value::Array(parts)) => {
+                for part in parts {
+                    match part {
+                        Value::String(s) => texts.push((Cow::Borrowed(s.as_str()), Vec::new())),
+                        Value::Object(p) => {
+                            let kind = p.get("type").and_then(Value::as_str);
+                            let Some(key) = text_field(kind) else {
+                                return Err(Declined::NotText(format!("content part of type {}", kind.unwrap_or_default())));
+                            };
+                            match p.get(key) {
+                                Some(Value::String(t)) => {
+                                    let extra = p.iter().filter(|(k, _)| *k != "type" && *k != key).collect();
+                                    texts.push((Cow::Borrowed(t.as_str()), extra));
+                                }
+                                None | Some(Value::Null) => {}
+                                Some(_) => return Err(Declined::Invalid("a text part's text must be a string".into())),
                             }
-                            None | Some(Value::Null) => {}
-                            Some(_) => return Err(Declined::Invalid("a text part's text must be a string".into())),
                         }
+                        _ => return Err(Declined::Invalid("a content part must be an object".into())),
                     }
-                    _ => return Err(Declined::Invalid("a content part must be an object".into())),
                 }
             }
+            Some(_) => return Err(Declined::Invalid("content must be a string or a list of parts".into())),
         }
-        Some(_) => return Err(Declined::Invalid("content must be a string or a list of parts".into())),
+        if role == "system" {
+            strip_billing_header(&mut texts);
+        }
+        if !openai_content {
+            // An empty part is falsy to vLLM and dropped before the join; as a `{type, text}` dict it is kept.
+            texts.retain(|(t, _)| !t.is_empty());
+        }
+        let parts = openai_content && !(role == "tool" && matches!(m.get("content"), Some(Value::Array(_))));
+        let mut fields = Vec::new();
+        if role == "assistant" {
+            if let Some(Value::Array(calls)) = m.get("tool_calls")
+                && !calls.is_empty()
+            {
+                let calls = calls.iter().map(parse_arguments).collect::<Result<Vec<_>, _>>()?;
+                fields.push(("tool_calls", template::value(&Value::Array(calls))));
+            }
+            if let Some(r) = m.get("reasoning").or_else(|| m.get("reasoning_content")).filter(|v| !v.is_null()) {
+                fields.push(("reasoning", template::value(r)));
+                fields.push(("reasoning_content", template::value(r)));
+            }
+        }
+        if role == "tool"
+            && let Some(id) = m.get("tool_call_id")
+        {
+            fields.push(("tool_call_id", template::value(id)));
+        }
+        for key in ["name", "task"] {
+            if let Some(v @ Value::String(_)) = m.get(key) {
+                fields.push((key, template::value(v)));
+            }
+        }
+        if role == "developer" {
+            fields.push(("tools", minijinja::Value::from(())));
+        }
+        Ok(Message { role, texts, parts, fields })
     }
-    if role == "system" {
-        strip_billing_header(&mut texts);
+
+    /// The content as one string: its texts joined by newlines.
+    fn joined(&self) -> String {
+        self.texts.iter().map(|(t, _)| t.as_ref()).collect::<Vec<_>>().join("\n")
     }
-    if !openai_content {
-        // An empty part is falsy to vLLM and dropped before the join; as a `{type, text}` dict it is kept.
-        texts.retain(|(t, _)| !t.is_empty());
-    }
-    let joined = || Value::String(texts.iter().map(|(t, _)| t.as_str()).collect::<Vec<_>>().join("\n"));
-    let content = if openai_content && !(role == "tool" && matches!(m.get("content"), Some(Value::Array(_)))) {
-        Value::Array(
-            texts
+
+    fn into_value(self) -> minijinja::Value {
+        use minijinja::Value as V;
+        let content = if self.parts {
+            self.texts
                 .iter()
                 .map(|(t, extra)| {
-                    let mut part = Map::new();
-                    part.insert("type".into(), Value::String("text".into()));
-                    part.insert("text".into(), Value::String(t.clone()));
-                    part.extend(extra.clone());
-                    Value::Object(part)
+                    let head = [("type", V::from("text")), ("text", V::from(t.as_ref()))].map(|(k, v)| (V::from(k), v));
+                    V::from_pairs(head.into_iter().chain(extra.iter().map(|(k, v)| (V::from(k.as_str()), template::value(v)))))
                 })
-                .collect(),
-        )
-    } else {
-        joined()
-    };
-    let mut out = Map::new();
-    out.insert("role".into(), Value::String(role.into()));
-    out.insert("content".into(), content);
-    if role == "assistant" {
-        if let Some(Value::Array(calls)) = m.get("tool_calls")
-            && !calls.is_empty()
-        {
-            out.insert("tool_calls".into(), Value::Array(calls.iter().map(parse_arguments).collect::<Result<_, _>>()?));
-        }
-        if let Some(r) = m.get("reasoning").or_else(|| m.get("reasoning_content")).filter(|v| !v.is_null()) {
-            out.insert("reasoning".into(), r.clone());
-            out.insert("reasoning_content".into(), r.clone());
-        }
+                .collect::<V>()
+        } else if let [(text, _)] = self.texts.as_slice() {
+            V::from(text.as_ref())
+        } else {
+            V::from(self.joined())
+        };
+        let head = [(V::from("role"), V::from(self.role)), (V::from("content"), content)];
+        V::from_pairs(head.into_iter().chain(self.fields.into_iter().map(|(k, v)| (V::from(k), v))))
     }
-    if role == "tool"
-        && let Some(id) = m.get("tool_call_id")
-    {
-        out.insert("tool_call_id".into(), id.clone());
-    }
-    for key in ["name", "task"] {
-        if let Some(v @ Value::String(_)) = m.get(key) {
-            out.insert(key.into(), v.clone());
-        }
-    }
-    if role == "developer" {
-        out.insert("tools".into(), Value::Null);
-    }
-    Ok(Value::Object(out))
 }
 
 /// The field holding a content part's text, by the part's `type`; `None` for
@@ -343,12 +354,12 @@ pub fn text_field(kind: Option<&str>) -> Option<&'static str> {
 
 /// A system text starting with `x-anthropic-billing-header` loses its first
 /// line, and the part is dropped when nothing follows it.
-fn strip_billing_header(texts: &mut Vec<(String, Map<String, Value>)>) {
+fn strip_billing_header<T>(texts: &mut Vec<(Cow<'_, str>, T)>) {
     texts.retain_mut(|(t, _)| {
         if !t.starts_with("x-anthropic-billing-header") {
             return true;
         }
-        *t = t.split_once('\n').map(|(_, rest)| rest.to_owned()).unwrap_or_default();
+        *t = Cow::Owned(t.split_once('\n').map(|(_, rest)| rest.to_owned()).unwrap_or_default());
         !t.is_empty()
     });
 }

@@ -37,6 +37,10 @@ impl Template {
         env.set_fuel(Some(FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_formatter(|out, _state, value| {
+            if let Some(s) = value.as_str() {
+                // A string prints as itself: no copy on the way.
+                return out.write_str(s).map_err(|e| Error::new(ErrorKind::WriteFailure, e.to_string()));
+            }
             let mut s = String::new();
             py_str(&mut s, value);
             out.write_str(&s).map_err(|e| Error::new(ErrorKind::WriteFailure, e.to_string()))
