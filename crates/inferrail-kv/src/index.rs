@@ -196,43 +196,34 @@ impl KvIndex {
     /// distinct depth rather than one per block.
     pub fn matched(&self, hashes: &[BlockHash], slots: &[Slot]) -> Vec<usize> {
         let holders = self.holders.pin();
-        let mut wanted: Vec<u64> = Vec::new();
+        // The slots asked about, 64 to a word of the holder bitmaps; each word is searched on its own.
+        let mut words: Vec<u64> = Vec::new();
         for &s in slots {
-            set_bit(&mut wanted, s);
+            set_bit(&mut words, s);
         }
-        let w = wanted.len();
-        // Slot sets, `w` words each, one after another: set 0 is every slot
-        // asked about, set 1 none; each probe adds one.
-        let mut sets: Vec<u64> = Vec::with_capacity(w * 64);
-        sets.extend_from_slice(&wanted);
-        sets.resize(2 * w, 0);
-        let mut depth_of = vec![0; w * 64];
-        // Stretches [lo, hi) with the sets holding the first lo and the first hi
-        // blocks; the slots in the first and not the second stop inside it.
-        let mut stretches = vec![(0, hashes.len() + 1, 0, w)];
-        while let Some((lo, hi, at_lo, at_hi)) = stretches.pop() {
-            // (A loop, not a slice comparison: that calls memcmp, which costs more than the probe.)
-            if (0..w).all(|i| sets[at_lo + i] == sets[at_hi + i]) {
-                continue;
-            }
-            if hi == lo + 1 {
-                for i in 0..w {
-                    let mut stop = sets[at_lo + i] & !sets[at_hi + i];
+        let mut depth_of = vec![0; words.len() * 64];
+        // Stretches [lo, hi) with the slots holding the first lo and the first hi
+        // blocks; the slots in the first set and not the second stop inside it.
+        let mut stretches: Vec<(usize, usize, u64, u64)> = Vec::with_capacity(64);
+        for (w, &wanted) in words.iter().enumerate().filter(|(_, wanted)| **wanted != 0) {
+            stretches.push((0, hashes.len() + 1, wanted, 0));
+            while let Some((lo, hi, at_lo, at_hi)) = stretches.pop() {
+                if at_lo == at_hi {
+                    continue;
+                }
+                if hi == lo + 1 {
+                    let mut stop = at_lo & !at_hi;
                     while stop != 0 {
-                        depth_of[i * 64 + stop.trailing_zeros() as usize] = lo;
+                        depth_of[w * 64 + stop.trailing_zeros() as usize] = lo;
                         stop &= stop - 1;
                     }
+                    continue;
                 }
-                continue;
+                let mid = (lo + hi) / 2;
+                let at_mid = at_lo & holders.get(&hashes[mid - 1]).map_or(0, |b| b.word(w));
+                stretches.push((mid, hi, at_mid, at_hi));
+                stretches.push((lo, mid, at_lo, at_mid));
             }
-            let mid = (lo + hi) / 2;
-            let bits = holders.get(&hashes[mid - 1]);
-            let at_mid = sets.len();
-            for i in 0..w {
-                sets.push(sets[at_lo + i] & bits.map_or(0, |b| b.word(i)));
-            }
-            stretches.push((mid, hi, at_mid, at_hi));
-            stretches.push((lo, mid, at_lo, at_mid));
         }
         slots.iter().map(|&s| depth_of[s as usize]).collect()
     }

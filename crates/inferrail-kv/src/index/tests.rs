@@ -174,3 +174,24 @@ fn predictions_never_claim_the_last_token() {
     assert_eq!(predicted_cached_tokens(2, 100, 16), 32);
     assert_eq!(predicted_cached_tokens(0, 0, 16), 0);
 }
+
+#[test]
+fn slots_past_the_first_64_are_searched_too() {
+    let index = KvIndex::new();
+    let prompt = chain(1, 40);
+    let slots: [Slot; 5] = [0, 63, 64, 130, 200];
+    for (i, &s) in slots.iter().enumerate() {
+        index.add_replica(s, 100);
+        let held = &prompt[..i * 9];
+        index.record(s, held, held.len(), 0);
+    }
+    assert_eq!(index.matched(&prompt, &slots), vec![0, 9, 18, 27, 36]);
+    assert_eq!(index.matched(&prompt, &[200, 64]), vec![36, 18], "any subset, in the order asked");
+    index.remove_replica(64);
+    index.clear_replica(200);
+    assert_eq!(index.matched(&prompt, &slots), vec![0, 9, 0, 27, 0]);
+    // Blocks shared by slots in different words keep the other holders when one lets go.
+    index.record(130, &prompt[..5], 5, 0);
+    index.remove_replica(63);
+    assert_eq!(index.matched(&prompt, &[63, 130]), vec![0, 27]);
+}
