@@ -56,6 +56,9 @@ fn tokenize(c: &mut Criterion) {
     c.bench_function("8k-token chat, rendered only", |b| b.iter(|| render(&cold, &body, RequestTemplates::Decline).unwrap()));
     let system = text(0, 1_700);
     c.bench_function("2k-token system prompt, encode only, cold", |b| b.iter(|| cold.encode(&system, false)));
+    // One 8,000-letter word (a blob without spaces): merged every time, never cached.
+    let blob: String = (0..8_000u32).map(|i| char::from(b'a' + (i.wrapping_mul(2_654_435_761) >> 27) as u8 % 26)).collect();
+    c.bench_function("one 8,000-letter word, encode only", |b| b.iter(|| cold.encode(&blob, false)));
     // Words never seen before, so every one is merged by the BPE model.
     let mut next_word = 0u64;
     c.bench_function("500 unseen words, encode only", |b| {

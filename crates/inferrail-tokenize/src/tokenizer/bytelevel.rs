@@ -10,6 +10,8 @@
 //! Tokenizers of any other shape keep the Hugging Face pipeline; the property
 //! tests compare the two on adversarial text.
 
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::sync::LazyLock;
 
 use aho_corasick::{AhoCorasick, MatchKind};
@@ -24,6 +26,8 @@ const LLAMA3_SPLIT: &str =
 
 /// Words kept before the cache starts over.
 const WORD_CACHE: usize = 1 << 17;
+/// Longer words (runs of symbols, blobs) are merged each time rather than kept.
+const MAX_CACHED_WORD: usize = 64;
 
 /// Encodes text the way a byte-level BPE tokenizer with the Qwen or Llama 3 split does.
 pub(super) struct ByteLevel {
@@ -110,10 +114,12 @@ impl ByteLevel {
                 } else {
                     let ids = self.merge(word.as_bytes());
                     out.extend_from_slice(&ids);
-                    if words.len() >= WORD_CACHE {
-                        words.clear();
+                    if word.len() <= MAX_CACHED_WORD {
+                        if words.len() >= WORD_CACHE {
+                            words.clear();
+                        }
+                        words.insert(word.into(), ids);
                     }
-                    words.insert(word.into(), ids);
                 }
                 at = end;
             }
@@ -131,29 +137,53 @@ impl ByteLevel {
 
     /// The ids of one word: its bytes, merged pair by pair, the lowest-ranked
     /// pair first and the leftmost of equals first, as the BPE model merges.
+    /// Candidate merges wait in a heap, so a long word costs n log n, not n².
     fn merge(&self, word: &[u8]) -> Box<[u32]> {
         if let Some(&id) = self.whole_words.as_ref().and_then(|w| w.get(word)) {
             return Box::new([id]);
         }
-        let rank = |a: u32, b: u32| self.merges.get(&(a, b)).copied().unwrap_or((u32::MAX, 0));
-        let mut ids: Vec<u32> = word.iter().map(|&b| self.byte_ids[usize::from(b)]).collect();
-        // ranks[i]: the merge of ids[i] and ids[i + 1].
-        let mut ranks: Vec<(u32, u32)> = ids.windows(2).map(|w| rank(w[0], w[1])).collect();
-        while let Some((at, &(r, joined))) = ranks.iter().enumerate().min_by_key(|(i, r)| (r.0, *i))
-            && r != u32::MAX
-        {
-            ids[at] = joined;
-            ids.remove(at + 1);
-            ranks.remove(at);
-            if at > 0 {
-                ranks[at - 1] = rank(ids[at - 1], ids[at]);
-            }
-            if at + 1 < ids.len() {
-                ranks[at] = rank(ids[at], ids[at + 1]);
+        // The symbols as a linked list over the word's bytes (index, not pointer); a merged-away symbol's id is GONE.
+        const GONE: u32 = u32::MAX;
+        let mut syms: Vec<Sym> =
+            (0..word.len()).map(|i| Sym { id: self.byte_ids[usize::from(word[i])], prev: i.wrapping_sub(1), next: i + 1 }).collect();
+        let id_at = |syms: &[Sym], i: usize| syms.get(i).map(|s| s.id).filter(|&id| id != GONE);
+        let pair = |syms: &[Sym], left: usize| self.merges.get(&(id_at(syms, left)?, id_at(syms, syms[left].next)?)).copied();
+        let mut heap = BinaryHeap::with_capacity(word.len());
+        for left in 0..word.len().saturating_sub(1) {
+            if let Some((rank, joined)) = pair(&syms, left) {
+                heap.push(Reverse((rank, left, joined)));
             }
         }
-        ids.into()
+        while let Some(Reverse((rank, left, joined))) = heap.pop() {
+            // A candidate is stale when either symbol has changed since it was pushed.
+            if id_at(&syms, left).is_none() || pair(&syms, left) != Some((rank, joined)) {
+                continue;
+            }
+            let right = syms[left].next;
+            let after = syms[right].next;
+            syms[left].id = joined;
+            syms[right].id = GONE;
+            syms[left].next = after;
+            if let Some(after) = syms.get_mut(after) {
+                after.prev = left;
+            }
+            for l in [syms[left].prev, left] {
+                if l < syms.len()
+                    && let Some((rank, joined)) = pair(&syms, l)
+                {
+                    heap.push(Reverse((rank, l, joined)));
+                }
+            }
+        }
+        syms.iter().map(|s| s.id).filter(|&id| id != GONE).collect()
     }
+}
+
+/// One symbol of a word being merged.
+struct Sym {
+    id: u32,
+    prev: usize,
+    next: usize,
 }
 
 /// The byte ids, merges and (with `ignore_merges`) whole words of a byte-level BPE model in `tokenizer.json`.

@@ -96,3 +96,20 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn long_words_encode_as_the_hugging_face_pipeline_does() {
+    // One 'word' of 6,000 letters, a run of one letter, and a long punctuation run: the merge must not go quadratic, nor differ.
+    let mut state = 7u64;
+    let letters: String = (0..6_000)
+        .map(|_| {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            char::from(b'a' + (state >> 59) as u8 % 26)
+        })
+        .collect();
+    let text = format!("{letters} {} {}", "a".repeat(3_000), "=-".repeat(1_500));
+    for family in ["qwen3", "llama3_1"] {
+        let tok = Tokenizer::load(family_dir(family).to_str().unwrap(), 0).unwrap();
+        assert_eq!(tok.encode(&text, false), whole(&tok, &text), "{family}");
+    }
+}
