@@ -346,4 +346,4 @@ impl ChunkCache {
 
 mod bytelevel;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
