@@ -1,0 +1,108 @@
+"""How well the approximate KV index predicts cached tokens when requests overlap.
+
+The end-to-end suite proves predictions exact for requests one at a time.
+This measures what concurrency does to them: the same fleet as that test
+(three simulators with the real Qwen3 tokenizer and 64-block caches, Envoy
+and inferrail, round robin), with U users each holding a conversation that
+shares one of three system prompts, all talking at once. Every response's
+x-inferrail-cached-tokens is compared with the engine's cached_tokens.
+
+Run with `just bench-accuracy` (it builds the debug binaries the suite uses).
+"""
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "crates" / "inferrail" / "tests" / "e2e"))
+from conftest import Fleet, http  # noqa: E402  (the end-to-end suite's fleet)
+
+QWEN3 = ROOT / ".cache" / "tokenizers" / "qwen3"
+WORDS = ("river stone cloud lantern garden silver copper window mountain ocean forest delta "
+         "的 数据 模型 naïve café").split(" ")
+
+
+def text(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def user(fleet, seed, turns, systems):
+    """One user's conversation, turn after turn; returns (predicted, engine) cached tokens per turn."""
+    rng = random.Random(seed)
+    conv = [{"role": "system", "content": rng.choice(systems)}]
+    out = []
+    for _ in range(turns):
+        conv.append({"role": "user", "content": text(rng, rng.randint(3, 40))})
+        body = {"model": "sim", "messages": conv, "max_tokens": rng.randint(1, 12)}
+        r = http("POST", f"{fleet.url}/v1/chat/completions", body, timeout=60)
+        assert r.status == 200, r.body[:300]
+        predicted = int(r.headers.get("x-inferrail-cached-tokens", -1))
+        out.append((predicted, r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        conv.append({"role": "assistant", "content": text(rng, rng.randint(3, 20))})
+        if len(conv) > 9:
+            del conv[1:3]
+    return out
+
+
+def measure(users, requests):
+    rng = random.Random(11)
+    systems = [text(rng, n) for n in (60, 150, 240)]
+    with tempfile.TemporaryDirectory() as tmp:
+        fleet = Fleet(Path(tmp), tokenizer=QWEN3,
+                      sim_flags=["--block-size", "16", "--num-gpu-blocks-override", "64", "--max-model-len", "1024"],
+                      replica_extra=", block_size: 16, kv_blocks: 64").start()
+        try:
+            start = time.monotonic()
+            with ThreadPoolExecutor(users) as pool:
+                runs = list(pool.map(lambda u: user(fleet, 100 + u, requests // users, systems), range(users)))
+            secs = time.monotonic() - start
+        finally:
+            fleet.stop()
+    pairs = [p for run in runs for p in run]
+    errors = [p - e for p, e in pairs]
+    return {
+        "users": users,
+        "requests": len(pairs),
+        "seconds": round(secs, 2),
+        "exact": sum(e == 0 for e in errors),
+        "over_predicted": sum(e > 0 for e in errors),
+        "under_predicted": sum(e < 0 for e in errors),
+        "mean_abs_error_tokens": round(sum(abs(e) for e in errors) / len(pairs), 2),
+        "predicted_cached_tokens": sum(p for p, _ in pairs),
+        "engine_cached_tokens": sum(e for _, e in pairs),
+        "requests_with_cache_hits": sum(e > 0 for _, e in pairs),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--users", default="1,4,16", help="concurrent users, one run each")
+    ap.add_argument("--requests", type=int, default=320, help="requests a run")
+    ap.add_argument("--out", type=Path, help="where to write the JSON result")
+    args = ap.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    points = []
+    for users in [int(u) for u in args.users.split(",")]:
+        point = measure(users, args.requests)
+        print(json.dumps(point), flush=True)
+        points.append(point)
+    result = {
+        "benchmark": "prediction-accuracy-under-concurrency",
+        "setup": f"3 simulators (Qwen3 tokenizer, 64 blocks of 16 tokens, default latency model), Envoy, inferrail (debug build), "
+                 f"round robin; chat conversations sharing 3 system prompts; commit {commit}",
+        "points": points,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
