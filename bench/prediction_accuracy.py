@@ -2,7 +2,7 @@
 
 The end-to-end suite proves predictions exact for requests one at a time.
 This measures what concurrency does to them: the same fleet as that test
-(three simulators with the real Qwen3 tokenizer and 64-block caches, Envoy
+(three simulators with the real Qwen3 tokenizer and small caches, Envoy
 and inferrail, round robin), with U users each holding a conversation that
 shares one of three system prompts, all talking at once. Every response's
 x-inferrail-cached-tokens is compared with the engine's cached_tokens.
@@ -51,13 +51,13 @@ def user(fleet, seed, turns, systems):
     return out
 
 
-def measure(users, requests):
+def measure(users, requests, blocks):
     rng = random.Random(11)
     systems = [text(rng, n) for n in (60, 150, 240)]
     with tempfile.TemporaryDirectory() as tmp:
         fleet = Fleet(Path(tmp), tokenizer=QWEN3,
-                      sim_flags=["--block-size", "16", "--num-gpu-blocks-override", "64", "--max-model-len", "1024"],
-                      replica_extra=", block_size: 16, kv_blocks: 64").start()
+                      sim_flags=["--block-size", "16", "--num-gpu-blocks-override", str(blocks), "--max-model-len", "1024"],
+                      replica_extra=f", block_size: 16, kv_blocks: {blocks}").start()
         try:
             start = time.monotonic()
             with ThreadPoolExecutor(users) as pool:
@@ -69,6 +69,7 @@ def measure(users, requests):
     errors = [p - e for p, e in pairs]
     return {
         "users": users,
+        "blocks": blocks,
         "requests": len(pairs),
         "seconds": round(secs, 2),
         "exact": sum(e == 0 for e in errors),
@@ -85,17 +86,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--users", default="1,4,16", help="concurrent users, one run each")
     ap.add_argument("--requests", type=int, default=320, help="requests a run")
+    ap.add_argument("--blocks", default="64,256", help="KV cache blocks of each simulator, one run each")
     ap.add_argument("--out", type=Path, help="where to write the JSON result")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     points = []
-    for users in [int(u) for u in args.users.split(",")]:
-        point = measure(users, args.requests)
-        print(json.dumps(point), flush=True)
-        points.append(point)
+    for blocks in [int(b) for b in args.blocks.split(",")]:
+        for users in [int(u) for u in args.users.split(",")]:
+            point = measure(users, args.requests, blocks)
+            print(json.dumps(point), flush=True)
+            points.append(point)
     result = {
         "benchmark": "prediction-accuracy-under-concurrency",
-        "setup": f"3 simulators (Qwen3 tokenizer, 64 blocks of 16 tokens, default latency model), Envoy, inferrail (debug build), "
+        "setup": f"3 simulators (Qwen3 tokenizer, 16-token blocks, default latency model), Envoy, inferrail (debug build), "
                  f"round robin; chat conversations sharing 3 system prompts; commit {commit}",
         "points": points,
     }

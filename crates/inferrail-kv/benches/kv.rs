@@ -21,7 +21,7 @@ fn lookup(c: &mut Criterion) {
         index.add_replica(s, 4096);
         // Every replica holds a different share of the prompt's prefix.
         let held = &prompt[..(s as usize * 8).min(512)];
-        index.record(s, held, held.len(), 0);
+        index.complete(&index.record(s, held, held.len(), 0, 0));
     }
     percentiles("lookup 512 blocks over 64 replicas", || index.matched(std::hint::black_box(&prompt), &slots));
     c.bench_function("lookup 512 blocks over 64 replicas", |b| b.iter(|| index.matched(std::hint::black_box(&prompt), &slots)));
@@ -30,18 +30,18 @@ fn lookup(c: &mut Criterion) {
     for &s in &slots {
         shared.add_replica(s, 4096);
         let held = &prompt[..[0, 128, 128, 128, 128, 128, 300, 512][s as usize % 8]];
-        shared.record(s, held, held.len(), 0);
+        shared.complete(&shared.record(s, held, held.len(), 0, 0));
     }
     percentiles("lookup 512 blocks over 64 replicas at 4 depths", || shared.matched(std::hint::black_box(&prompt), &slots));
     c.bench_function("lookup 512 blocks over 64 replicas at 4 depths", |b| {
         b.iter(|| shared.matched(std::hint::black_box(&prompt), &slots))
     });
-    c.bench_function("record 512 blocks", |b| {
+    c.bench_function("record and complete 512 blocks", |b| {
         let mut n = 0u128;
         b.iter(|| {
             n += 1;
             let fresh: Vec<u128> = (0..512u128).map(|k| (n << 64) | k).collect();
-            index.record(3, &fresh, fresh.len(), 0)
+            index.complete(&index.record(3, &fresh, fresh.len(), 0, 0))
         })
     });
 }
@@ -80,7 +80,7 @@ fn memory() {
         index.add_replica(s, capacity);
         for p in 0..16u128 {
             let prompt: Vec<u128> = (0..1024u128).map(|k| if k < 256 { k } else { ((u128::from(s) * 16 + p + 1) << 64) | k }).collect();
-            index.record(s, &prompt, prompt.len(), 0);
+            index.complete(&index.record(s, &prompt, prompt.len(), 0, 0));
         }
     }
     let held = index.entries();

@@ -21,13 +21,31 @@ mod shadow;
 /// A replica's slot in the index.
 pub type Slot = u32;
 
-/// What one `record` added, for a take-back.
+/// The blocks one request holds on a replica while it runs, for its
+/// completion or take-back.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Recorded {
     /// The replica.
     pub slot: Slot,
-    /// Blocks it did not hold before.
-    pub added: Vec<BlockHash>,
+    /// Which shadow of the replica (a cleared or re-added replica starts a new one).
+    shadow: u64,
+    /// The request's blocks in order: the reused ones, then the ones it added.
+    keys: Vec<BlockHash>,
+    /// How many leading keys were reused.
+    reused: usize,
+    /// Blocks its generated tokens fill, taken when it completes.
+    output: usize,
+    /// A request that did not fit beside the running ones waits in the
+    /// engine's queue and holds nothing: recorded when it completes (its
+    /// prompt, reusable blocks and partial blocks).
+    waited: Option<(Vec<BlockHash>, usize, usize)>,
+}
+
+impl Recorded {
+    /// Blocks the request added (it did not hold them before).
+    pub fn added(&self) -> &[BlockHash] {
+        &self.keys[self.reused..]
+    }
 }
 
 /// Hashes a block hash with two multiplies: a block hash is uniform already
@@ -62,8 +80,10 @@ type FoldState = std::hash::BuildHasherDefault<Fold>;
 pub struct KvIndex {
     /// Block -> the slots holding it.
     holders: papaya::HashMap<BlockHash, Bits, FoldState>,
-    shadows: Mutex<HashMap<Slot, Shadow>>,
+    /// Each replica's shadow, with the id of that shadow.
+    shadows: Mutex<HashMap<Slot, (u64, Shadow)>>,
     placeholders: AtomicU64,
+    shadow_ids: AtomicU64,
 }
 
 /// Placeholder keys carry this tag in their high half; a real block hash does
@@ -89,21 +109,26 @@ impl KvIndex {
             holders: papaya::HashMap::builder().hasher(FoldState::default()).resize_mode(papaya::ResizeMode::Blocking).build(),
             shadows: Mutex::default(),
             placeholders: AtomicU64::new(0),
+            shadow_ids: AtomicU64::new(0),
         }
     }
 
     /// Adds a replica that holds nothing and can hold `capacity` blocks (at least one).
     pub fn add_replica(&self, slot: Slot, capacity: usize) {
         let mut shadows = self.lock();
-        if let Some(old) = shadows.insert(slot, Shadow::new(capacity)) {
+        if let Some((_, old)) = shadows.insert(slot, self.new_shadow(capacity)) {
             self.drop_all(slot, old);
         }
+    }
+
+    fn new_shadow(&self, capacity: usize) -> (u64, Shadow) {
+        (self.shadow_ids.fetch_add(1, Ordering::Relaxed), Shadow::new(capacity))
     }
 
     /// Forgets a replica that left.
     pub fn remove_replica(&self, slot: Slot) {
         let mut shadows = self.lock();
-        if let Some(old) = shadows.remove(&slot) {
+        if let Some((_, old)) = shadows.remove(&slot) {
             self.drop_all(slot, old);
         }
     }
@@ -111,9 +136,9 @@ impl KvIndex {
     /// Empties a replica whose engine restarted, keeping its capacity.
     pub fn clear_replica(&self, slot: Slot) {
         let mut shadows = self.lock();
-        let Some(shadow) = shadows.get_mut(&slot) else { return };
-        let cap = shadow.cap();
-        let old = std::mem::replace(shadow, Shadow::new(cap));
+        let Some(entry) = shadows.get_mut(&slot) else { return };
+        let cap = entry.1.cap();
+        let (_, old) = std::mem::replace(entry, self.new_shadow(cap));
         self.drop_all(slot, old);
     }
 
@@ -121,51 +146,71 @@ impl KvIndex {
     /// KV cache: `prompt` holds the hashes of the prompt's full blocks, of
     /// which the engine may reuse at most `reusable` leading ones (all, or all
     /// but the last when the prompt ends on a block boundary: it always
-    /// computes the last prompt token); `extra` more blocks (the prompt's
-    /// partial last block, generated tokens) take room but can never be
-    /// matched. As in the engine, reused blocks are protected first, fresh
-    /// blocks then evict the least recent, a fresh block whose prefix is
-    /// still cached caches nothing, and the request's blocks end in the order
-    /// the engine frees them: last block least recent.
-    pub fn record(&self, slot: Slot, prompt: &[BlockHash], reusable: usize, extra: usize) -> Recorded {
-        let mut evicted = Vec::new();
+    /// computes the last prompt token); `partial` more blocks (the prompt's
+    /// partial last block) take room but can never be matched, and `output`
+    /// blocks of generated tokens are taken as it completes. As in the
+    /// engine, a request that fits beside the running ones holds its blocks
+    /// until it completes: reused blocks cannot be evicted meanwhile, fresh
+    /// blocks take the least recently freed ones, and a fresh block whose
+    /// prefix is still cached caches nothing. One that does not fit waits
+    /// and is recorded when it completes.
+    pub fn record(&self, slot: Slot, prompt: &[BlockHash], reusable: usize, partial: usize, output: usize) -> Recorded {
         let mut shadows = self.lock();
-        let Some(shadow) = shadows.get_mut(&slot) else { return Recorded { slot, added: Vec::new() } };
+        let Some((id, shadow)) = shadows.get_mut(&slot) else { return Recorded { slot, ..Recorded::default() } };
+        let mut recorded = Recorded { slot, shadow: *id, output, ..Recorded::default() };
+        match self.admit(shadow, slot, prompt, reusable, partial, false) {
+            Some((keys, reused)) => (recorded.keys, recorded.reused) = (keys, reused),
+            None => recorded.waited = Some((prompt.to_vec(), reusable, partial)),
+        }
+        recorded
+    }
+
+    /// Takes blocks for a request's prompt; `None` when they do not fit
+    /// beside the running requests' (unless `anyway`: then the prompt keeps
+    /// its leading blocks). Returns the blocks and how many were reused.
+    fn admit(
+        &self,
+        shadow: &mut Shadow,
+        slot: Slot,
+        prompt: &[BlockHash],
+        reusable: usize,
+        partial: usize,
+        anyway: bool,
+    ) -> Option<(Vec<BlockHash>, usize)> {
         let reusable = reusable.min(prompt.len());
-        let hits = prompt[..reusable].iter().take_while(|&&h| shadow.contains(h)).count();
-        for &h in &prompt[..hits] {
-            shadow.promote(h);
-        }
-        // Room for every fresh block first: what they evict is chosen before
-        // any of them is named. A request larger than the whole cache (the
-        // engine could not run it) keeps its leading blocks.
-        let fresh = (prompt.len() - hits + extra).min(shadow.cap() - hits);
-        let mut keys: Vec<BlockHash> = prompt[..hits].to_vec();
-        keys.extend((0..fresh).map(|_| self.placeholder()));
-        for &p in keys[hits..].iter().rev() {
-            if let Some(out) = shadow.push(p) {
-                evicted.push(out);
+        let reused = prompt[..reusable].iter().take_while(|&&h| shadow.hold(h)).count();
+        let need = prompt.len() - reused + partial;
+        if need > shadow.available() && !anyway {
+            for &h in prompt[..reused].iter().rev() {
+                shadow.release(h);
             }
+            return None;
         }
-        for i in hits..prompt.len().min(keys.len()) {
-            if !shadow.contains(prompt[i]) && shadow.remove(keys[i]) {
-                shadow.push(prompt[i]);
+        // Room for every fresh block first: what they evict is chosen before any of them is named.
+        let mut evicted = Vec::new();
+        let mut keys: Vec<BlockHash> = prompt[..reused].to_vec();
+        for _ in 0..need.min(shadow.available()) {
+            let p = self.placeholder();
+            match shadow.push(p) {
+                Ok(out) => evicted.extend(out),
+                Err(shadow::Full) => break,
+            }
+            keys.push(p);
+        }
+        for i in reused..prompt.len().min(keys.len()) {
+            if !shadow.contains(prompt[i]) && shadow.remove(keys[i]) && shadow.push(prompt[i]).is_ok() {
                 keys[i] = prompt[i];
             }
         }
-        for &k in keys.iter().rev() {
-            shadow.promote(k);
-        }
-        let added: Vec<BlockHash> = keys[hits..].iter().copied().filter(|&k| shadow.contains(k)).collect();
         let holders = self.holders.pin();
-        for h in added.iter().filter(|h| !is_placeholder(**h)) {
+        for h in keys[reused..].iter().filter(|h| !is_placeholder(**h)) {
             holders.update_or_insert_with(*h, |bits| bits.with(slot), || Bits::default().with(slot));
         }
         // A block evicted and then named again by the same request stays held.
         for h in evicted.into_iter().filter(|&h| !is_placeholder(h) && !shadow.contains(h)) {
             release(&holders, h, slot);
         }
-        Recorded { slot, added }
+        Some((keys, reused))
     }
 
     /// A key for a block no prompt can match.
@@ -173,15 +218,55 @@ impl KvIndex {
         PLACEHOLDER | BlockHash::from(self.placeholders.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// Takes back what an attempt added (the engine refused or failed it).
-    pub fn take_back(&self, recorded: &Recorded) {
+    /// The request completed: its blocks are freed as the engine frees them,
+    /// last block first, so a long prefix is later evicted from its tail.
+    pub fn complete(&self, recorded: &Recorded) {
         let mut shadows = self.lock();
-        let Some(shadow) = shadows.get_mut(&recorded.slot) else { return };
-        let holders = self.holders.pin();
-        for h in &recorded.added {
-            if shadow.remove(*h) && !is_placeholder(*h) {
-                release(&holders, *h, recorded.slot);
+        let Some((_, shadow)) = shadows.get_mut(&recorded.slot).filter(|(id, _)| *id == recorded.shadow) else { return };
+        let waited;
+        let keys = match &recorded.waited {
+            Some((prompt, reusable, partial)) => {
+                waited = self.admit(shadow, recorded.slot, prompt, *reusable, *partial, true).map(|(keys, _)| keys).unwrap_or_default();
+                &waited
             }
+            None => &recorded.keys,
+        };
+        // Generated tokens' blocks, the request's last, are freed first.
+        let mut output = Vec::with_capacity(recorded.output);
+        for _ in 0..recorded.output.min(shadow.available()) {
+            let p = self.placeholder();
+            let Ok(evicted) = shadow.push(p) else { break };
+            if let Some(h) = evicted.filter(|&h| !is_placeholder(h)) {
+                release(&self.holders.pin(), h, recorded.slot);
+            }
+            output.push(p);
+        }
+        for &h in output.iter().rev().chain(keys.iter().rev()) {
+            shadow.release(h);
+        }
+    }
+
+    /// Takes back what an attempt recorded (the engine refused or failed it):
+    /// the blocks it added are forgotten (but for those another request
+    /// reused, which that one fills) and the ones it reused freed. After
+    /// `complete` (the refusal's status came late) only its added blocks that
+    /// no running request holds are forgotten.
+    pub fn take_back(&self, recorded: &Recorded, completed: bool) {
+        let mut shadows = self.lock();
+        let Some((_, shadow)) = shadows.get_mut(&recorded.slot).filter(|(id, _)| *id == recorded.shadow) else { return };
+        let holders = self.holders.pin();
+        // Last block first, as every release goes, so a prefix stays newer than what follows it.
+        for &h in recorded.added().iter().rev() {
+            let gone = if completed { shadow.remove_if_free(h) } else { shadow.withdraw(h) };
+            if gone && !is_placeholder(h) {
+                release(&holders, h, recorded.slot);
+            }
+        }
+        if completed {
+            return;
+        }
+        for &h in recorded.keys[..recorded.reused].iter().rev() {
+            shadow.release(h);
         }
     }
 
@@ -230,26 +315,26 @@ impl KvIndex {
 
     /// Blocks the index holds, over every replica.
     pub fn entries(&self) -> usize {
-        self.lock().values().map(Shadow::len).sum()
+        self.lock().values().map(|(_, s)| s.len()).sum()
     }
 
     /// Bytes the index has allocated: the shadows' exactly, the holder map's
     /// by its entries (papaya does not say its table's size; its tables run
     /// 40-85% full, so 16 bytes of table a block is allowed).
     pub fn bytes(&self) -> usize {
-        let shadows: usize = self.lock().values().map(Shadow::bytes).sum();
+        let shadows: usize = self.lock().values().map(|(_, s)| s.bytes()).sum();
         let entry = size_of::<(BlockHash, Bits)>().next_multiple_of(16) + 16;
         shadows + self.holders.len() * entry
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, Shadow>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, (u64, Shadow)>> {
         self.shadows.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Releases every block of a replica's old shadow; called under the lock.
     fn drop_all(&self, slot: Slot, shadow: Shadow) {
         let holders = self.holders.pin();
-        for h in shadow.iter().filter(|&h| !is_placeholder(h)) {
+        for h in shadow.blocks().filter(|&h| !is_placeholder(h)) {
             release(&holders, h, slot);
         }
     }

@@ -133,6 +133,8 @@ impl ExtProc {
     async fn request_over(&self, request_id: &str) {
         let Some(lease) = self.router.lease(request_id) else { return };
         lease.release();
+        // The engine finished it (or dropped it with the client): its blocks are free now.
+        self.router.complete(&lease);
         let duration = lease.start.elapsed();
         tokio::time::sleep(OBSERVE_GRACE).await;
         let Some(held) = self.router.forget(request_id) else { return };

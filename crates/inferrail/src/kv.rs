@@ -44,9 +44,10 @@ pub struct Prediction {
     hashes: Vec<(usize, Vec<BlockHash>)>,
 }
 
-/// What a decision recorded on a replica, to take back if the engine refuses it.
+/// What a decision recorded on a replica: its blocks are freed when the
+/// request completes, and taken back if the engine refused it (even after).
 #[derive(Debug)]
-pub struct Record(Recorded);
+pub struct Record(Recorded, std::sync::atomic::AtomicBool);
 
 impl Kv {
     /// An empty index with the configured defaults.
@@ -145,14 +146,22 @@ impl Kv {
         let hashes = p.hashes.iter().find(|(b, _)| *b == bs).map_or(&[][..], |(_, h)| &h[..]);
         let n = p.prompt_tokens;
         // The engine holds every token it computed: the prompt, then all but the last generated one.
-        let total_blocks = (n + p.output_tokens - 1).div_ceil(bs);
-        let extra = total_blocks.saturating_sub(hashes.len());
-        Record(self.index.record(r.slot, hashes, n.saturating_sub(1) / bs, extra))
+        let prompt_blocks = n.div_ceil(bs);
+        let output_blocks = (n + p.output_tokens - 1).div_ceil(bs).saturating_sub(prompt_blocks);
+        let partial = prompt_blocks.saturating_sub(hashes.len());
+        Record(self.index.record(r.slot, hashes, n.saturating_sub(1) / bs, partial, output_blocks), Default::default())
     }
 
     /// The engine refused or failed the request: forget what it recorded.
     pub fn take_back(&self, rec: &Record) {
-        self.index.take_back(&rec.0);
+        self.index.take_back(&rec.0, rec.1.load(std::sync::atomic::Ordering::Acquire));
+    }
+
+    /// The request completed: the engine freed its blocks. Once per record.
+    pub fn complete(&self, rec: &Record) {
+        if !rec.1.swap(true, std::sync::atomic::Ordering::AcqRel) {
+            self.index.complete(&rec.0);
+        }
     }
 
     /// Entries in the index (blocks held, over all replicas).

@@ -290,6 +290,14 @@ impl Router {
         Some(moved)
     }
 
+    /// The request is over: the engine freed its blocks. The record stays,
+    /// for a refusal whose status comes after.
+    pub fn complete(&self, lease: &Lease) {
+        if let Some((_, record)) = &*lease.kv.lock().unwrap_or_else(|p| p.into_inner()) {
+            self.kv.complete(record);
+        }
+    }
+
     /// The engine refused or failed a request: its prompt is not in that cache.
     pub fn take_back(&self, lease: &Lease) {
         if let Some((_, record)) = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).take() {

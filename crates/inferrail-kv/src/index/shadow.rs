@@ -1,7 +1,9 @@
-//! One replica's shadow of its KV cache: the blocks it holds, least recently
-//! used first out, in about 30 bytes a block.
+//! One replica's shadow of its KV cache, kept as the engine keeps its block
+//! pool: blocks held by running requests cannot be evicted; the others wait
+//! in a queue, least recently freed first out, and keep their prefix until
+//! they are reused. About 30 bytes a block.
 //!
-//! Blocks live in a slab (one array of nodes linked in recency order by
+//! Blocks live in a slab (one array of nodes, linked in freeing order by
 //! index, not pointer) and a hash table holds only each block's node index,
 //! hashed and compared through the slab. A general LRU map would spend a
 //! heap allocation and two pointers a block, and keep every key twice.
@@ -15,14 +17,18 @@ use crate::hash::BlockHash;
 
 /// No node.
 const NIL: u32 = u32::MAX;
+/// The `older` link of a node held by running requests (its `newer` counts them).
+const IN_USE: u32 = u32::MAX - 1;
+/// Set in the count of a block a second request took while the first still held it.
+const SHARED: u32 = 1 << 31;
 
 #[derive(Debug, Clone, Copy)]
 struct Node {
     /// The block hash in two halves, so a node is 24 bytes, not 32.
     key: [u64; 2],
-    /// Towards the most recent.
+    /// Towards the most recently freed; the holder count while in use.
     newer: u32,
-    /// Towards the least recent; the next free node while the node is free.
+    /// Towards the least recently freed; `IN_USE` while in use; the next free node while the node is unused.
     older: u32,
 }
 
@@ -34,29 +40,41 @@ fn join(k: [u64; 2]) -> BlockHash {
     BlockHash::from(k[0]) | (BlockHash::from(k[1]) << 64)
 }
 
-/// A fixed-capacity LRU set of block hashes.
+fn hash(h: BlockHash) -> u64 {
+    FoldState::default().hash_one(h)
+}
+
+/// A fixed-capacity pool of block hashes; see the module doc.
 #[derive(Debug)]
 pub(super) struct Shadow {
     nodes: Vec<Node>,
     table: HashTable<u32>,
     cap: usize,
+    /// Blocks held by running requests.
+    in_use: usize,
     newest: u32,
     oldest: u32,
-    free: u32,
+    unused: u32,
 }
 
 impl Shadow {
     /// An empty shadow that holds up to `cap` blocks (at least one).
     pub(super) fn new(cap: usize) -> Self {
-        Shadow { nodes: Vec::new(), table: HashTable::new(), cap: cap.max(1), newest: NIL, oldest: NIL, free: NIL }
+        Shadow { nodes: Vec::new(), table: HashTable::new(), cap: cap.max(1), in_use: 0, newest: NIL, oldest: NIL, unused: NIL }
     }
 
     pub(super) fn cap(&self) -> usize {
         self.cap
     }
 
+    /// Blocks held, in use or not.
     pub(super) fn len(&self) -> usize {
         self.table.len()
+    }
+
+    /// Blocks a new request can take: the empty ones and those no running request holds.
+    pub(super) fn available(&self) -> usize {
+        self.cap - self.in_use
     }
 
     /// Bytes this shadow has allocated.
@@ -66,28 +84,54 @@ impl Shadow {
 
     fn find(&self, h: BlockHash) -> Option<u32> {
         let key = split(h);
-        self.table.find(FoldState::default().hash_one(h), |&i| self.nodes[i as usize].key == key).copied()
+        self.table.find(hash(h), |&i| self.nodes[i as usize].key == key).copied()
     }
 
     pub(super) fn contains(&self, h: BlockHash) -> bool {
         self.find(h).is_some()
     }
 
-    /// Makes a held block the most recent; does nothing for one not held.
-    pub(super) fn promote(&mut self, h: BlockHash) {
-        if let Some(i) = self.find(h) {
+    /// One more running request holds a block; false if the block is not held.
+    pub(super) fn hold(&mut self, h: BlockHash) -> bool {
+        let Some(i) = self.find(h) else { return false };
+        if self.nodes[i as usize].older == IN_USE {
+            self.nodes[i as usize].newer = (self.nodes[i as usize].newer + 1) | SHARED;
+        } else {
             self.unlink(i);
+            self.set_in_use(i);
+        }
+        true
+    }
+
+    /// A running request let go of a block: when none holds it any more it is
+    /// the most recently freed. Does nothing for a block not in use.
+    pub(super) fn release(&mut self, h: BlockHash) {
+        let Some(i) = self.find(h) else { return };
+        let node = &mut self.nodes[i as usize];
+        if node.older != IN_USE {
+            return;
+        }
+        node.newer -= 1;
+        if node.newer & !SHARED == 0 {
+            self.in_use -= 1;
             self.link_newest(i);
         }
     }
 
-    /// Adds a block not held as the most recent, and returns the least recent
-    /// block when that makes one too many.
-    pub(super) fn push(&mut self, h: BlockHash) -> Option<BlockHash> {
+    /// Adds a block not held, in use by one request, reusing the least
+    /// recently freed block when the pool is full (returned). `Err` when
+    /// every block is in use.
+    pub(super) fn push(&mut self, h: BlockHash) -> Result<Option<BlockHash>, Full> {
         debug_assert!(!self.contains(h), "push takes a block not held");
-        let evicted = if self.len() == self.cap { self.pop_oldest() } else { None };
-        let node = Node { key: split(h), newer: NIL, older: NIL };
-        let i = if self.free == NIL {
+        let evicted = if self.len() == self.cap {
+            let oldest = self.nodes.get(self.oldest as usize).ok_or(Full)?.key;
+            self.remove(join(oldest));
+            Some(join(oldest))
+        } else {
+            None
+        };
+        let node = Node { key: split(h), newer: 0, older: 0 };
+        let i = if self.unused == NIL {
             if self.nodes.len() == self.nodes.capacity() {
                 // Grow by doubling, but never past the capacity a full shadow needs.
                 self.nodes.reserve_exact(self.nodes.len().max(16).min(self.cap - self.nodes.len()));
@@ -95,39 +139,63 @@ impl Shadow {
             self.nodes.push(node);
             u32::try_from(self.nodes.len() - 1).unwrap_or(NIL)
         } else {
-            let i = self.free;
-            self.free = self.nodes[i as usize].older;
+            let i = self.unused;
+            self.unused = self.nodes[i as usize].older;
             self.nodes[i as usize] = node;
             i
         };
         let nodes = &self.nodes;
-        self.table.insert_unique(FoldState::default().hash_one(h), i, |&j| FoldState::default().hash_one(join(nodes[j as usize].key)));
-        self.link_newest(i);
-        evicted
+        self.table.insert_unique(hash(h), i, |&j| hash(join(nodes[j as usize].key)));
+        self.set_in_use(i);
+        Ok(evicted)
     }
 
-    /// Removes a block; false if it was not held.
+    /// A request gives up a block it added and never filled (the engine
+    /// refused it): the block goes, unless another request took it meanwhile
+    /// (that one filled it), in which case it is only released. True if it went.
+    pub(super) fn withdraw(&mut self, h: BlockHash) -> bool {
+        match self.find(h) {
+            Some(i) if self.nodes[i as usize].older == IN_USE && self.nodes[i as usize].newer & SHARED != 0 => {
+                self.release(h);
+                false
+            }
+            _ => self.remove(h),
+        }
+    }
+
+    /// Removes a block no running request holds; true if it went.
+    pub(super) fn remove_if_free(&mut self, h: BlockHash) -> bool {
+        match self.find(h) {
+            Some(i) if self.nodes[i as usize].older != IN_USE => self.remove(h),
+            _ => false,
+        }
+    }
+
+    /// Removes a block, in use or not; false if it was not held.
     pub(super) fn remove(&mut self, h: BlockHash) -> bool {
         let key = split(h);
         let nodes = &self.nodes;
-        let Ok(entry) = self.table.find_entry(FoldState::default().hash_one(h), |&i| nodes[i as usize].key == key) else { return false };
+        let Ok(entry) = self.table.find_entry(hash(h), |&i| nodes[i as usize].key == key) else { return false };
         let (i, _) = entry.remove();
-        self.unlink(i);
-        self.nodes[i as usize].older = self.free;
-        self.free = i;
+        if self.nodes[i as usize].older == IN_USE {
+            self.in_use -= 1;
+        } else {
+            self.unlink(i);
+        }
+        self.nodes[i as usize].older = self.unused;
+        self.unused = i;
         true
     }
 
-    /// Every block held, most recent first.
-    pub(super) fn iter(&self) -> impl Iterator<Item = BlockHash> + '_ {
-        std::iter::successors(Some(self.newest).filter(|&i| i != NIL), |&i| Some(self.nodes[i as usize].older).filter(|&o| o != NIL))
-            .map(|i| join(self.nodes[i as usize].key))
+    /// Every block held, in no particular order.
+    pub(super) fn blocks(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.table.iter().map(|&i| join(self.nodes[i as usize].key))
     }
 
-    fn pop_oldest(&mut self) -> Option<BlockHash> {
-        let h = join(self.nodes.get(self.oldest as usize)?.key);
-        self.remove(h);
-        Some(h)
+    fn set_in_use(&mut self, i: u32) {
+        self.nodes[i as usize].older = IN_USE;
+        self.nodes[i as usize].newer = 1;
+        self.in_use += 1;
     }
 
     fn unlink(&mut self, i: u32) {
@@ -154,59 +222,103 @@ impl Shadow {
     }
 }
 
+/// Every block of a shadow is in use: nothing can be evicted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Full;
+
 #[cfg(test)]
 mod tests {
-    use std::collections::VecDeque;
+    use std::collections::{HashMap, VecDeque};
 
     use proptest::prelude::*;
 
     use super::*;
 
+    impl Shadow {
+        /// The blocks no request holds, most recently freed first.
+        fn free_order(&self) -> Vec<BlockHash> {
+            std::iter::successors(Some(self.newest).filter(|&i| i != NIL), |&i| Some(self.nodes[i as usize].older).filter(|&o| o != NIL))
+                .map(|i| join(self.nodes[i as usize].key))
+                .collect()
+        }
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
         Push(u8),
-        Promote(u8),
+        Hold(u8),
+        Release(u8),
         Remove(u8),
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![any::<u8>().prop_map(Op::Push), any::<u8>().prop_map(Op::Promote), any::<u8>().prop_map(Op::Remove)]
+        prop_oneof![
+            any::<u8>().prop_map(Op::Push),
+            any::<u8>().prop_map(Op::Hold),
+            any::<u8>().prop_map(Op::Release),
+            any::<u8>().prop_map(Op::Remove)
+        ]
     }
 
     /// Keys with structure in both halves, as placeholders have.
     fn key(k: u8) -> BlockHash {
-        (BlockHash::from(k % 3) << 64) | BlockHash::from(k)
+        (BlockHash::from(k % 3) << 64) | BlockHash::from(k % 16)
     }
 
     proptest! {
         #[test]
-        fn the_shadow_is_an_lru_set(ops in proptest::collection::vec(op(), 1..200), cap in 1usize..10) {
+        fn the_shadow_is_the_engines_block_pool(ops in proptest::collection::vec(op(), 1..200), cap in 1usize..10) {
             let mut shadow = Shadow::new(cap);
-            // Most recent first.
-            let mut model: VecDeque<BlockHash> = VecDeque::new();
+            // Free blocks, most recently freed first, and blocks in use with their holders.
+            let mut free: VecDeque<BlockHash> = VecDeque::new();
+            let mut in_use: HashMap<BlockHash, u32> = HashMap::new();
             for op in ops {
                 match op {
-                    Op::Push(k) if !model.contains(&key(k)) => {
-                        let evicted = if model.len() == cap { model.pop_back() } else { None };
-                        model.push_front(key(k));
-                        prop_assert_eq!(shadow.push(key(k)), evicted);
+                    Op::Push(k) if !free.contains(&key(k)) && !in_use.contains_key(&key(k)) => {
+                        let want = if free.len() + in_use.len() < cap {
+                            Ok(None)
+                        } else {
+                            free.pop_back().map(Some).ok_or(Full)
+                        };
+                        if want.is_ok() {
+                            in_use.insert(key(k), 1);
+                        }
+                        prop_assert_eq!(shadow.push(key(k)), want);
                     }
                     Op::Push(_) => {}
-                    Op::Promote(k) => {
-                        if let Some(at) = model.iter().position(|&h| h == key(k)) {
-                            model.remove(at);
-                            model.push_front(key(k));
+                    Op::Hold(k) => {
+                        let held = if let Some(n) = in_use.get_mut(&key(k)) {
+                            *n += 1;
+                            true
+                        } else if let Some(at) = free.iter().position(|&h| h == key(k)) {
+                            free.remove(at);
+                            in_use.insert(key(k), 1);
+                            true
+                        } else {
+                            false
+                        };
+                        prop_assert_eq!(shadow.hold(key(k)), held);
+                    }
+                    Op::Release(k) => {
+                        if let Some(n) = in_use.get_mut(&key(k)) {
+                            *n -= 1;
+                            if *n == 0 {
+                                in_use.remove(&key(k));
+                                free.push_front(key(k));
+                            }
                         }
-                        shadow.promote(key(k));
+                        shadow.release(key(k));
                     }
                     Op::Remove(k) => {
-                        let held = model.iter().position(|&h| h == key(k)).map(|at| model.remove(at)).is_some();
+                        let held = in_use.remove(&key(k)).is_some()
+                            || free.iter().position(|&h| h == key(k)).map(|at| free.remove(at)).is_some();
                         prop_assert_eq!(shadow.remove(key(k)), held);
                     }
                 }
-                prop_assert_eq!(shadow.iter().collect::<Vec<_>>(), model.iter().copied().collect::<Vec<_>>());
-                prop_assert_eq!(shadow.len(), model.len());
-                prop_assert!(shadow.nodes.len() <= cap, "freed nodes are reused");
+                prop_assert_eq!(shadow.free_order(), free.iter().copied().collect::<Vec<_>>());
+                prop_assert_eq!(shadow.len(), free.len() + in_use.len());
+                prop_assert_eq!(shadow.available(), cap - in_use.len());
+                prop_assert!(shadow.nodes.len() <= cap, "unused nodes are reused");
             }
         }
     }
@@ -215,7 +327,8 @@ mod tests {
     fn a_full_shadow_costs_under_forty_bytes_a_block() {
         let mut shadow = Shadow::new(100_000);
         for k in 0..100_000u128 {
-            shadow.push(k << 3);
+            shadow.push(k << 3).unwrap();
+            shadow.release(k << 3);
         }
         assert_eq!(shadow.len(), 100_000);
         assert!(shadow.bytes() < 40 * 100_000, "{} bytes", shadow.bytes());

@@ -1,62 +1,173 @@
-//! The index against a naive model: per replica, a vector in LRU order.
+//! The index against a naive model: per replica, the engine's block pool spelled out on a vector and a map.
 
 use super::*;
 use proptest::prelude::*;
 
 #[derive(Debug, Default)]
+struct Pool {
+    cap: usize,
+    /// Blocks no request holds, least recently freed first.
+    free: Vec<BlockHash>,
+    /// Blocks running requests hold, with how many hold each and whether a second took it while one held it.
+    in_use: HashMap<BlockHash, (u32, bool)>,
+    /// Which incarnation: records of an older one are ignored.
+    generation: u32,
+}
+
+impl Pool {
+    fn contains(&self, h: BlockHash) -> bool {
+        self.free.contains(&h) || self.in_use.contains_key(&h)
+    }
+
+    fn hold(&mut self, h: BlockHash) -> bool {
+        if let Some((n, shared)) = self.in_use.get_mut(&h) {
+            *n += 1;
+            *shared = true;
+        } else if let Some(at) = self.free.iter().position(|&b| b == h) {
+            self.free.remove(at);
+            self.in_use.insert(h, (1, false));
+        } else {
+            return false;
+        }
+        true
+    }
+
+    fn release(&mut self, h: BlockHash) {
+        if let Some((n, _)) = self.in_use.get_mut(&h) {
+            *n -= 1;
+            if *n == 0 {
+                self.in_use.remove(&h);
+                self.free.push(h);
+            }
+        }
+    }
+}
+
+/// A request in flight in the model: its replica, the pool's generation, its blocks, how many it reused,
+/// its output blocks, and (when it did not fit) its prompt, reusable and partial blocks.
+type Flight = (Slot, u32, Vec<BlockHash>, usize, usize, Option<(Vec<BlockHash>, usize, usize)>);
+
+#[derive(Debug, Default)]
 struct Naive {
-    /// slot -> (capacity, blocks, most recent last)
-    replicas: HashMap<Slot, (usize, Vec<BlockHash>)>,
+    replicas: HashMap<Slot, Pool>,
 }
 
 impl Naive {
-    /// The engine's layout, spelled out on a vector: placeholders are `None`-like keys from a counter.
-    fn record(&mut self, slot: Slot, prompt: &[BlockHash], reusable: usize, extra: usize, next: &mut u128) -> Vec<BlockHash> {
-        let Some((cap, blocks)) = self.replicas.get_mut(&slot) else { return Vec::new() };
-        let to_back = |blocks: &mut Vec<BlockHash>, h: BlockHash| {
-            if let Some(i) = blocks.iter().position(|&b| b == h) {
-                blocks.remove(i);
-                blocks.push(h);
+    /// The engine's layout, spelled out: placeholders are keys from a counter.
+    fn record(
+        &mut self,
+        slot: Slot,
+        prompt: &[BlockHash],
+        reusable: usize,
+        partial: usize,
+        output: usize,
+        next: &mut u128,
+    ) -> Option<Flight> {
+        let pool = self.replicas.get_mut(&slot)?;
+        let generation = pool.generation;
+        Some(match Self::admit(pool, prompt, reusable, partial, false, next) {
+            Some((keys, reused)) => (slot, generation, keys, reused, output, None),
+            None => (slot, generation, Vec::new(), 0, output, Some((prompt.to_vec(), reusable, partial))),
+        })
+    }
+
+    fn admit(
+        pool: &mut Pool,
+        prompt: &[BlockHash],
+        reusable: usize,
+        partial: usize,
+        anyway: bool,
+        next: &mut u128,
+    ) -> Option<(Vec<BlockHash>, usize)> {
+        let reused = prompt[..reusable.min(prompt.len())].iter().take_while(|&&h| pool.hold(h)).count();
+        let need = prompt.len() - reused + partial;
+        if need > pool.cap - pool.in_use.len() && !anyway {
+            for &h in prompt[..reused].iter().rev() {
+                pool.release(h);
             }
-        };
-        let hits = prompt[..reusable.min(prompt.len())].iter().take_while(|h| blocks.contains(h)).count();
-        for &h in &prompt[..hits] {
-            to_back(blocks, h);
+            return None;
         }
-        let mut keys: Vec<BlockHash> = prompt[..hits].to_vec();
-        for _ in 0..(prompt.len() - hits + extra).min(*cap - hits) {
-            *next += 1;
-            keys.push((7u128 << 100) | *next);
+        let mut keys: Vec<BlockHash> = prompt[..reused].to_vec();
+        for _ in 0..need.min(pool.cap - pool.in_use.len()) {
+            keys.push(Self::take(pool, next));
         }
-        for &p in keys[hits..].iter().rev() {
-            blocks.push(p);
-            if blocks.len() > *cap {
-                blocks.remove(0);
-            }
-        }
-        for i in hits..prompt.len().min(keys.len()) {
-            if !blocks.contains(&prompt[i])
-                && let Some(at) = blocks.iter().position(|&b| b == keys[i])
-            {
-                blocks[at] = prompt[i];
+        for i in reused..prompt.len().min(keys.len()) {
+            if !pool.contains(prompt[i]) {
+                pool.in_use.remove(&keys[i]);
+                pool.in_use.insert(prompt[i], (1, false));
                 keys[i] = prompt[i];
             }
         }
-        for &k in keys.iter().rev() {
-            to_back(blocks, k);
+        Some((keys, reused))
+    }
+
+    /// A fresh placeholder block in use, reusing the least recently freed block when full.
+    fn take(pool: &mut Pool, next: &mut u128) -> BlockHash {
+        if pool.free.len() + pool.in_use.len() == pool.cap {
+            pool.free.remove(0);
         }
-        keys[hits..].iter().copied().filter(|k| blocks.contains(k)).collect()
+        *next += 1;
+        let p = (7u128 << 100) | *next;
+        pool.in_use.insert(p, (1, false));
+        p
+    }
+
+    fn pool(&mut self, flight: &Flight) -> Option<&mut Pool> {
+        self.replicas.get_mut(&flight.0).filter(|p| p.generation == flight.1)
+    }
+
+    fn complete(&mut self, flight: &Flight, next: &mut u128) {
+        let Some(pool) = self.pool(flight) else { return };
+        let keys = match &flight.5 {
+            Some((prompt, reusable, partial)) => {
+                Self::admit(pool, prompt, *reusable, *partial, true, next).map(|(k, _)| k).unwrap_or_default()
+            }
+            None => flight.2.clone(),
+        };
+        let output: Vec<BlockHash> = (0..flight.4.min(pool.cap - pool.in_use.len())).map(|_| Self::take(pool, next)).collect();
+        for &h in output.iter().rev().chain(keys.iter().rev()) {
+            pool.release(h);
+        }
+    }
+
+    fn take_back(&mut self, flight: &Flight) {
+        if let Some(pool) = self.pool(flight) {
+            for &h in flight.2[flight.3..].iter().rev() {
+                match pool.in_use.get(&h) {
+                    Some((_, true)) => pool.release(h),
+                    _ => {
+                        pool.in_use.remove(&h);
+                        pool.free.retain(|&b| b != h);
+                    }
+                }
+            }
+            for &h in flight.2[..flight.3].iter().rev() {
+                pool.release(h);
+            }
+        }
     }
 
     fn matched(&self, hashes: &[BlockHash], slot: Slot) -> usize {
-        let Some((_, blocks)) = self.replicas.get(&slot) else { return 0 };
-        hashes.iter().take_while(|h| blocks.contains(h)).count()
+        let Some(pool) = self.replicas.get(&slot) else { return 0 };
+        hashes.iter().take_while(|&&h| pool.contains(h)).count()
     }
 }
 
 #[derive(Debug, Clone)]
 enum Op {
-    Record { slot: Slot, family: u8, len: usize, reusable: usize, extra: usize, take_back: bool },
+    Record {
+        slot: Slot,
+        family: u8,
+        len: usize,
+        reusable: usize,
+        partial: usize,
+        output: usize,
+    },
+    /// Completes (or takes back) the in-flight request at this index, if there is one.
+    Finish {
+        which: usize,
+        take_back: bool,
+    },
     Clear(Slot),
     Remove(Slot),
     Add(Slot),
@@ -65,9 +176,10 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         // An engine reuses every full block of a prompt, or all but the last when the prompt ends on a block boundary.
-        8 => (0u32..4, 0u8..3, 1usize..8, any::<bool>(), 0usize..3, any::<bool>()).prop_map(|(slot, family, len, all, extra, take_back)| {
-            Op::Record { slot, family, len, reusable: if all { len } else { len - 1 }, extra, take_back }
+        6 => (0u32..4, 0u8..3, 1usize..8, any::<bool>(), 0usize..2, 0usize..3).prop_map(|(slot, family, len, all, partial, output)| {
+            Op::Record { slot, family, len, reusable: if all { len } else { len - 1 }, partial, output }
         }),
+        6 => (0usize..4, prop::bool::weighted(0.2)).prop_map(|(which, take_back)| Op::Finish { which, take_back }),
         1 => (0u32..4).prop_map(Op::Clear),
         1 => (0u32..4).prop_map(Op::Remove),
         1 => (0u32..4).prop_map(Op::Add),
@@ -84,41 +196,52 @@ proptest! {
         let index = KvIndex::new();
         let mut naive = Naive::default();
         let mut next = 0u128;
-        for s in 0..4 {
+        let mut generation = 0;
+        // Requests in flight: the index's record and the model's.
+        let mut flights: Vec<(Recorded, Option<Flight>)> = Vec::new();
+        let mut add = |naive: &mut Naive, s: Slot| {
             index.add_replica(s, cap);
-            naive.replicas.insert(s, (cap, Vec::new()));
+            generation += 1;
+            naive.replicas.insert(s, Pool { cap, generation, ..Pool::default() });
+        };
+        for s in 0..4 {
+            add(&mut naive, s);
         }
         for op in ops {
             match op {
-                Op::Record { slot, family, len, reusable, extra, take_back } => {
+                Op::Record { slot, family, len, reusable, partial, output } => {
                     let hashes = chain(family, len);
-                    let recorded = index.record(slot, &hashes, reusable, extra);
-                    let added = naive.record(slot, &hashes, reusable, extra, &mut next);
+                    let recorded = index.record(slot, &hashes, reusable, partial, output);
+                    let flight = naive.record(slot, &hashes, reusable, partial, output, &mut next);
                     let real = |v: &[BlockHash]| -> (Vec<BlockHash>, usize) {
                         let mut r: Vec<BlockHash> = v.iter().copied().filter(|h| hashes.contains(h)).collect();
                         r.sort_unstable();
                         (r, v.len())
                     };
-                    prop_assert_eq!(real(&recorded.added), real(&added));
+                    let want = flight.as_ref().map(|f| real(&f.2[f.3..])).unwrap_or_default();
+                    prop_assert_eq!(real(recorded.added()), want);
+                    flights.push((recorded, flight));
+                }
+                Op::Finish { which, take_back } if which < flights.len() => {
+                    let (recorded, flight) = flights.remove(which);
                     if take_back {
-                        index.take_back(&recorded);
-                        if let Some((_, blocks)) = naive.replicas.get_mut(&slot) {
-                            blocks.retain(|b| !added.contains(b));
-                        }
+                        index.take_back(&recorded, false);
+                        if let Some(f) = &flight { naive.take_back(f); }
+                    } else {
+                        index.complete(&recorded);
+                        if let Some(f) = &flight { naive.complete(f, &mut next); }
                     }
                 }
+                Op::Finish { .. } => {}
                 Op::Clear(s) => {
                     index.clear_replica(s);
-                    if let Some((_, blocks)) = naive.replicas.get_mut(&s) { blocks.clear(); }
+                    if naive.replicas.contains_key(&s) { add(&mut naive, s); }
                 }
                 Op::Remove(s) => {
                     index.remove_replica(s);
                     naive.replicas.remove(&s);
                 }
-                Op::Add(s) => {
-                    index.add_replica(s, cap);
-                    naive.replicas.insert(s, (cap, Vec::new()));
-                }
+                Op::Add(s) => add(&mut naive, s),
             }
             for family in 0..3 {
                 let hashes = chain(family, 8);
@@ -126,7 +249,7 @@ proptest! {
                 let want: Vec<usize> = slots.iter().map(|&s| naive.matched(&hashes, s)).collect();
                 prop_assert_eq!(index.matched(&hashes, &slots), want);
             }
-            prop_assert_eq!(index.entries(), naive.replicas.values().map(|(_, b)| b.len()).sum::<usize>());
+            prop_assert_eq!(index.entries(), naive.replicas.values().map(|p| p.free.len() + p.in_use.len()).sum::<usize>());
         }
     }
 }
@@ -135,8 +258,8 @@ proptest! {
 fn a_long_prefix_is_evicted_from_its_tail() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
-    index.record(0, &chain(0, 4), 4, 0);
-    index.record(0, &chain(1, 1), 1, 0);
+    index.complete(&index.record(0, &chain(0, 4), 4, 0, 0));
+    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0));
     assert_eq!(index.matched(&chain(0, 4), &[0]), [3]);
 }
 
@@ -145,12 +268,12 @@ fn partial_and_generated_blocks_take_room() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
     // Two full blocks and two more the index cannot name: the shadow is full.
-    index.record(0, &chain(0, 2), 2, 2);
+    index.complete(&index.record(0, &chain(0, 2), 2, 0, 2));
     assert_eq!(index.entries(), 4);
     // One fresh block evicts the least recent: the first request's last (unnamed) block.
-    index.record(0, &chain(1, 1), 1, 0);
+    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0));
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
-    index.record(0, &chain(2, 2), 2, 0);
+    index.complete(&index.record(0, &chain(2, 2), 2, 0, 0));
     assert_eq!(index.matched(&chain(0, 2), &[0]), [1], "then its tail");
 }
 
@@ -158,12 +281,12 @@ fn partial_and_generated_blocks_take_room() {
 fn a_fully_cached_prompt_recomputes_its_last_block_without_moving_it() {
     let index = KvIndex::new();
     index.add_replica(0, 8);
-    index.record(0, &chain(0, 2), 1, 0);
+    index.complete(&index.record(0, &chain(0, 2), 1, 0, 0));
     // The same prompt again, its last block not reusable: the engine fills a
     // fresh block that caches nothing, and the old one keeps its place.
-    let r = index.record(0, &chain(0, 2), 1, 0);
-    assert_eq!(r.added.len(), 1);
-    assert!(!chain(0, 2).contains(&r.added[0]));
+    let r = index.record(0, &chain(0, 2), 1, 0, 0);
+    assert_eq!(r.added().len(), 1);
+    assert!(!chain(0, 2).contains(&r.added()[0]));
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
 }
 
@@ -183,7 +306,7 @@ fn slots_past_the_first_64_are_searched_too() {
     for (i, &s) in slots.iter().enumerate() {
         index.add_replica(s, 100);
         let held = &prompt[..i * 9];
-        index.record(s, held, held.len(), 0);
+        index.complete(&index.record(s, held, held.len(), 0, 0));
     }
     assert_eq!(index.matched(&prompt, &slots), vec![0, 9, 18, 27, 36]);
     assert_eq!(index.matched(&prompt, &[200, 64]), vec![36, 18], "any subset, in the order asked");
@@ -191,7 +314,42 @@ fn slots_past_the_first_64_are_searched_too() {
     index.clear_replica(200);
     assert_eq!(index.matched(&prompt, &slots), vec![0, 9, 0, 27, 0]);
     // Blocks shared by slots in different words keep the other holders when one lets go.
-    index.record(130, &prompt[..5], 5, 0);
+    index.complete(&index.record(130, &prompt[..5], 5, 0, 0));
     index.remove_replica(63);
     assert_eq!(index.matched(&prompt, &[63, 130]), vec![0, 27]);
+}
+
+#[test]
+fn blocks_of_running_requests_are_not_evicted() {
+    let index = KvIndex::new();
+    index.add_replica(0, 4);
+    let first = index.record(0, &chain(0, 3), 3, 0, 0);
+    // Three more blocks do not fit beside the running request's: the engine queues the second request.
+    let second = index.record(0, &chain(1, 3), 3, 0, 0);
+    assert!(second.added().is_empty());
+    assert_eq!(index.matched(&chain(0, 3), &[0]), [3], "the running request's blocks stay");
+    assert_eq!(index.matched(&chain(1, 3), &[0]), [0], "a queued request holds nothing");
+    index.complete(&first);
+    // The queued one ran after: it took the first request's blocks from the tail.
+    index.complete(&second);
+    assert_eq!(index.matched(&chain(0, 3), &[0]), [1]);
+    assert_eq!(index.matched(&chain(1, 3), &[0]), [3]);
+    // Freed last block first: the second request's tail goes before its head.
+    index.complete(&index.record(0, &chain(2, 1), 1, 0, 0));
+    assert_eq!(index.matched(&chain(0, 3), &[0]), [0]);
+    index.complete(&index.record(0, &chain(3, 1), 1, 0, 0));
+    assert_eq!(index.matched(&chain(1, 3), &[0]), [2]);
+}
+
+#[test]
+fn a_record_from_before_a_restart_changes_nothing() {
+    let index = KvIndex::new();
+    index.add_replica(0, 4);
+    let old = index.record(0, &chain(0, 2), 2, 0, 0);
+    index.clear_replica(0);
+    let new = index.record(0, &chain(0, 2), 2, 0, 0);
+    index.take_back(&old, false);
+    assert_eq!(index.matched(&chain(0, 2), &[0]), [2], "the old record does not touch the new shadow");
+    index.take_back(&new, false);
+    assert_eq!(index.matched(&chain(0, 2), &[0]), [0]);
 }
