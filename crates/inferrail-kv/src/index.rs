@@ -9,7 +9,7 @@
 //! What an attempt recorded can be taken back (the engine refused it), a
 //! replica can be cleared (its engine restarted) or forgotten (it left).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -21,31 +21,43 @@ mod shadow;
 /// A replica's slot in the index.
 pub type Slot = u32;
 
-/// The blocks one request holds on a replica while it runs, for its
-/// completion or take-back.
+/// A recorded request, for its completion or take-back.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Recorded {
     /// The replica.
     pub slot: Slot,
-    /// Which shadow of the replica (a cleared or re-added replica starts a new one).
-    shadow: u64,
-    /// The request's blocks in order: the reused ones, then the ones it added.
-    keys: Vec<BlockHash>,
-    /// How many leading keys were reused.
-    reused: usize,
-    /// Blocks its generated tokens fill, taken when it completes.
-    output: usize,
-    /// A request that did not fit beside the running ones waits in the
-    /// engine's queue and holds nothing: recorded when it completes (its
-    /// prompt, reusable blocks and partial blocks).
-    waited: Option<(Vec<BlockHash>, usize, usize)>,
+    /// Which incarnation of the replica (a cleared or re-added replica starts a new one).
+    replica: u64,
+    request: u64,
+    /// Blocks the request added when it was recorded: none if it had to wait.
+    added: Vec<BlockHash>,
 }
 
 impl Recorded {
-    /// Blocks the request added (it did not hold them before).
+    /// Blocks the request added when it was recorded (it did not hold them before).
     pub fn added(&self) -> &[BlockHash] {
-        &self.keys[self.reused..]
+        &self.added
     }
+}
+
+/// One replica as the index sees it: its shadow, and the requests it runs or queues.
+#[derive(Debug)]
+struct Replica {
+    /// Which incarnation.
+    id: u64,
+    shadow: Shadow,
+    /// Requests recorded and not yet completed or taken back.
+    requests: HashMap<u64, Request>,
+    /// Requests waiting for room, first come first, as in the engine's queue.
+    queue: VecDeque<u64>,
+}
+
+#[derive(Debug)]
+enum Request {
+    /// In the engine's queue: holds nothing yet.
+    Waiting { prompt: Vec<BlockHash>, reusable: usize, partial: usize, output: usize },
+    /// Running: holds its blocks, the reused ones first.
+    Running { keys: Vec<BlockHash>, reused: usize, output: usize },
 }
 
 /// Hashes a block hash with two multiplies: a block hash is uniform already
@@ -80,10 +92,10 @@ type FoldState = std::hash::BuildHasherDefault<Fold>;
 pub struct KvIndex {
     /// Block -> the slots holding it.
     holders: papaya::HashMap<BlockHash, Bits, FoldState>,
-    /// Each replica's shadow, with the id of that shadow.
-    shadows: Mutex<HashMap<Slot, (u64, Shadow)>>,
+    replicas: Mutex<HashMap<Slot, Replica>>,
     placeholders: AtomicU64,
-    shadow_ids: AtomicU64,
+    /// Replica incarnations and requests take their ids from here.
+    ids: AtomicU64,
 }
 
 /// Placeholder keys carry this tag in their high half; a real block hash does
@@ -107,38 +119,39 @@ impl KvIndex {
             // Growing copies the whole table at once: lookups, the hot path,
             // never search an old table and a new one while a copy is under way.
             holders: papaya::HashMap::builder().hasher(FoldState::default()).resize_mode(papaya::ResizeMode::Blocking).build(),
-            shadows: Mutex::default(),
+            replicas: Mutex::default(),
             placeholders: AtomicU64::new(0),
-            shadow_ids: AtomicU64::new(0),
+            ids: AtomicU64::new(0),
         }
     }
 
     /// Adds a replica that holds nothing and can hold `capacity` blocks (at least one).
     pub fn add_replica(&self, slot: Slot, capacity: usize) {
-        let mut shadows = self.lock();
-        if let Some((_, old)) = shadows.insert(slot, self.new_shadow(capacity)) {
+        let mut replicas = self.lock();
+        if let Some(old) = replicas.insert(slot, self.new_replica(capacity)) {
             self.drop_all(slot, old);
         }
     }
 
-    fn new_shadow(&self, capacity: usize) -> (u64, Shadow) {
-        (self.shadow_ids.fetch_add(1, Ordering::Relaxed), Shadow::new(capacity))
+    fn new_replica(&self, capacity: usize) -> Replica {
+        let id = self.ids.fetch_add(1, Ordering::Relaxed);
+        Replica { id, shadow: Shadow::new(capacity), requests: HashMap::new(), queue: VecDeque::new() }
     }
 
     /// Forgets a replica that left.
     pub fn remove_replica(&self, slot: Slot) {
-        let mut shadows = self.lock();
-        if let Some((_, old)) = shadows.remove(&slot) {
+        let mut replicas = self.lock();
+        if let Some(old) = replicas.remove(&slot) {
             self.drop_all(slot, old);
         }
     }
 
     /// Empties a replica whose engine restarted, keeping its capacity.
     pub fn clear_replica(&self, slot: Slot) {
-        let mut shadows = self.lock();
-        let Some(entry) = shadows.get_mut(&slot) else { return };
-        let cap = entry.1.cap();
-        let (_, old) = std::mem::replace(entry, self.new_shadow(cap));
+        let mut replicas = self.lock();
+        let Some(entry) = replicas.get_mut(&slot) else { return };
+        let fresh = self.new_replica(entry.shadow.cap());
+        let old = std::mem::replace(entry, fresh);
         self.drop_all(slot, old);
     }
 
@@ -152,17 +165,43 @@ impl KvIndex {
     /// engine, a request that fits beside the running ones holds its blocks
     /// until it completes: reused blocks cannot be evicted meanwhile, fresh
     /// blocks take the least recently freed ones, and a fresh block whose
-    /// prefix is still cached caches nothing. One that does not fit waits
-    /// and is recorded when it completes.
+    /// prefix is still cached caches nothing. One that does not fit, or
+    /// comes behind one waiting, waits its turn in a queue, first come
+    /// first, and starts when completions make room for it (at the latest
+    /// when it completes).
     pub fn record(&self, slot: Slot, prompt: &[BlockHash], reusable: usize, partial: usize, output: usize) -> Recorded {
-        let mut shadows = self.lock();
-        let Some((id, shadow)) = shadows.get_mut(&slot) else { return Recorded { slot, ..Recorded::default() } };
-        let mut recorded = Recorded { slot, shadow: *id, output, ..Recorded::default() };
-        match self.admit(shadow, slot, prompt, reusable, partial, false) {
-            Some((keys, reused)) => (recorded.keys, recorded.reused) = (keys, reused),
-            None => recorded.waited = Some((prompt.to_vec(), reusable, partial)),
+        let mut replicas = self.lock();
+        let Some(rep) = replicas.get_mut(&slot) else { return Recorded { slot, ..Recorded::default() } };
+        let request = self.ids.fetch_add(1, Ordering::Relaxed);
+        let mut added = Vec::new();
+        // Behind a queue it waits its turn; before one, it runs if it fits.
+        let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };
+        match admitted {
+            Some((keys, reused)) => {
+                added = keys[reused..].to_vec();
+                rep.requests.insert(request, Request::Running { keys, reused, output });
+            }
+            None => {
+                rep.requests.insert(request, Request::Waiting { prompt: prompt.to_vec(), reusable, partial, output });
+                rep.queue.push_back(request);
+            }
         }
-        recorded
+        Recorded { slot, replica: rep.id, request, added }
+    }
+
+    /// Starts waiting requests, first come first, while the first fits.
+    fn admit_waiting(&self, slot: Slot, rep: &mut Replica) {
+        let Replica { shadow, requests, queue, .. } = rep;
+        while let Some(&head) = queue.front() {
+            let Some(Request::Waiting { prompt, reusable, partial, output }) = requests.get(&head) else {
+                queue.pop_front();
+                continue;
+            };
+            let Some((keys, reused)) = self.admit(shadow, slot, prompt, *reusable, *partial, false) else { break };
+            let output = *output;
+            requests.insert(head, Request::Running { keys, reused, output });
+            queue.pop_front();
+        }
     }
 
     /// Takes blocks for a request's prompt; `None` when they do not fit
@@ -221,29 +260,32 @@ impl KvIndex {
     /// The request completed: its blocks are freed as the engine frees them,
     /// last block first, so a long prefix is later evicted from its tail.
     pub fn complete(&self, recorded: &Recorded) {
-        let mut shadows = self.lock();
-        let Some((_, shadow)) = shadows.get_mut(&recorded.slot).filter(|(id, _)| *id == recorded.shadow) else { return };
-        let waited;
-        let keys = match &recorded.waited {
-            Some((prompt, reusable, partial)) => {
-                waited = self.admit(shadow, recorded.slot, prompt, *reusable, *partial, true).map(|(keys, _)| keys).unwrap_or_default();
-                &waited
+        let mut replicas = self.lock();
+        let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        let (keys, output) = match rep.requests.remove(&recorded.request) {
+            Some(Request::Running { keys, output, .. }) => (keys, output),
+            // It ran, though the index did not see room for it: it took what it could.
+            Some(Request::Waiting { prompt, reusable, partial, output }) => {
+                rep.queue.retain(|&r| r != recorded.request);
+                (self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).map(|(k, _)| k).unwrap_or_default(), output)
             }
-            None => &recorded.keys,
+            None => return,
         };
         // Generated tokens' blocks, the request's last, are freed first.
-        let mut output = Vec::with_capacity(recorded.output);
-        for _ in 0..recorded.output.min(shadow.available()) {
+        let shadow = &mut rep.shadow;
+        let mut generated = Vec::with_capacity(output);
+        for _ in 0..output.min(shadow.available()) {
             let p = self.placeholder();
             let Ok(evicted) = shadow.push(p) else { break };
             if let Some(h) = evicted.filter(|&h| !is_placeholder(h)) {
                 release(&self.holders.pin(), h, recorded.slot);
             }
-            output.push(p);
+            generated.push(p);
         }
-        for &h in output.iter().rev().chain(keys.iter().rev()) {
+        for &h in generated.iter().rev().chain(keys.iter().rev()) {
             shadow.release(h);
         }
+        self.admit_waiting(recorded.slot, rep);
     }
 
     /// Takes back what an attempt recorded (the engine refused or failed it):
@@ -252,22 +294,34 @@ impl KvIndex {
     /// `complete` (the refusal's status came late) only its added blocks that
     /// no running request holds are forgotten.
     pub fn take_back(&self, recorded: &Recorded, completed: bool) {
-        let mut shadows = self.lock();
-        let Some((_, shadow)) = shadows.get_mut(&recorded.slot).filter(|(id, _)| *id == recorded.shadow) else { return };
+        let mut replicas = self.lock();
+        let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
         let holders = self.holders.pin();
+        let shadow = &mut rep.shadow;
         // Last block first, as every release goes, so a prefix stays newer than what follows it.
-        for &h in recorded.added().iter().rev() {
-            let gone = if completed { shadow.remove_if_free(h) } else { shadow.withdraw(h) };
-            if gone && !is_placeholder(h) {
-                release(&holders, h, recorded.slot);
-            }
-        }
         if completed {
+            for &h in recorded.added.iter().rev() {
+                if shadow.remove_if_free(h) && !is_placeholder(h) {
+                    release(&holders, h, recorded.slot);
+                }
+            }
             return;
         }
-        for &h in recorded.keys[..recorded.reused].iter().rev() {
-            shadow.release(h);
+        match rep.requests.remove(&recorded.request) {
+            Some(Request::Running { keys, reused, .. }) => {
+                for &h in keys[reused..].iter().rev() {
+                    if shadow.withdraw(h) && !is_placeholder(h) {
+                        release(&holders, h, recorded.slot);
+                    }
+                }
+                for &h in keys[..reused].iter().rev() {
+                    shadow.release(h);
+                }
+            }
+            Some(Request::Waiting { .. }) => rep.queue.retain(|&r| r != recorded.request),
+            None => return,
         }
+        self.admit_waiting(recorded.slot, rep);
     }
 
     /// How many leading blocks of `hashes` each of `slots` holds.
@@ -315,26 +369,26 @@ impl KvIndex {
 
     /// Blocks the index holds, over every replica.
     pub fn entries(&self) -> usize {
-        self.lock().values().map(|(_, s)| s.len()).sum()
+        self.lock().values().map(|r| r.shadow.len()).sum()
     }
 
     /// Bytes the index has allocated: the shadows' exactly, the holder map's
     /// by its entries (papaya does not say its table's size; its tables run
     /// 40-85% full, so 16 bytes of table a block is allowed).
     pub fn bytes(&self) -> usize {
-        let shadows: usize = self.lock().values().map(|(_, s)| s.bytes()).sum();
+        let shadows: usize = self.lock().values().map(|r| r.shadow.bytes()).sum();
         let entry = size_of::<(BlockHash, Bits)>().next_multiple_of(16) + 16;
         shadows + self.holders.len() * entry
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, (u64, Shadow)>> {
-        self.shadows.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, Replica>> {
+        self.replicas.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Releases every block of a replica's old shadow; called under the lock.
-    fn drop_all(&self, slot: Slot, shadow: Shadow) {
+    fn drop_all(&self, slot: Slot, old: Replica) {
         let holders = self.holders.pin();
-        for h in shadow.blocks().filter(|&h| !is_placeholder(h)) {
+        for h in old.shadow.blocks().filter(|&h| !is_placeholder(h)) {
             release(&holders, h, slot);
         }
     }

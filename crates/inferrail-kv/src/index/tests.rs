@@ -12,6 +12,9 @@ struct Pool {
     in_use: HashMap<BlockHash, (u32, bool)>,
     /// Which incarnation: records of an older one are ignored.
     generation: u32,
+    /// Requests in flight by id: running with (blocks, reused, output), or waiting with (prompt, reusable, partial, output).
+    running: HashMap<u64, (Vec<BlockHash>, usize, usize)>,
+    waiting: Vec<(u64, Vec<BlockHash>, usize, usize, usize)>,
 }
 
 impl Pool {
@@ -41,19 +44,68 @@ impl Pool {
             }
         }
     }
+
+    /// A fresh placeholder block in use, reusing the least recently freed block when full.
+    fn take(&mut self, next: &mut u128) -> BlockHash {
+        if self.free.len() + self.in_use.len() == self.cap {
+            self.free.remove(0);
+        }
+        *next += 1;
+        let p = (7u128 << 100) | *next;
+        self.in_use.insert(p, (1, false));
+        p
+    }
+
+    fn admit(
+        &mut self,
+        prompt: &[BlockHash],
+        reusable: usize,
+        partial: usize,
+        anyway: bool,
+        next: &mut u128,
+    ) -> Option<(Vec<BlockHash>, usize)> {
+        let reused = prompt[..reusable.min(prompt.len())].iter().take_while(|&&h| self.hold(h)).count();
+        let need = prompt.len() - reused + partial;
+        if need > self.cap - self.in_use.len() && !anyway {
+            for &h in prompt[..reused].iter().rev() {
+                self.release(h);
+            }
+            return None;
+        }
+        let mut keys: Vec<BlockHash> = prompt[..reused].to_vec();
+        for _ in 0..need.min(self.cap - self.in_use.len()) {
+            keys.push(self.take(next));
+        }
+        for i in reused..prompt.len().min(keys.len()) {
+            if !self.contains(prompt[i]) {
+                self.in_use.remove(&keys[i]);
+                self.in_use.insert(prompt[i], (1, false));
+                keys[i] = prompt[i];
+            }
+        }
+        Some((keys, reused))
+    }
+
+    fn admit_waiting(&mut self, next: &mut u128) {
+        while let Some((id, prompt, reusable, partial, output)) = self.waiting.first().cloned() {
+            let Some((keys, reused)) = self.admit(&prompt, reusable, partial, false, next) else { break };
+            self.waiting.remove(0);
+            self.running.insert(id, (keys, reused, output));
+        }
+    }
 }
 
-/// A request in flight in the model: its replica, the pool's generation, its blocks, how many it reused,
-/// its output blocks, and (when it did not fit) its prompt, reusable and partial blocks.
-type Flight = (Slot, u32, Vec<BlockHash>, usize, usize, Option<(Vec<BlockHash>, usize, usize)>);
+/// A request in flight in the model: its replica, the pool's generation, its id.
+type Flight = (Slot, u32, u64);
 
 #[derive(Debug, Default)]
 struct Naive {
     replicas: HashMap<Slot, Pool>,
+    ids: u64,
 }
 
 impl Naive {
-    /// The engine's layout, spelled out: placeholders are keys from a counter.
+    /// The engine's layout, spelled out: placeholders are keys from a counter. Returns the flight and the blocks it added.
     fn record(
         &mut self,
         slot: Slot,
@@ -62,54 +114,23 @@ impl Naive {
         partial: usize,
         output: usize,
         next: &mut u128,
-    ) -> Option<Flight> {
+    ) -> Option<(Flight, Vec<BlockHash>)> {
+        self.ids += 1;
+        let id = self.ids;
         let pool = self.replicas.get_mut(&slot)?;
-        let generation = pool.generation;
-        Some(match Self::admit(pool, prompt, reusable, partial, false, next) {
-            Some((keys, reused)) => (slot, generation, keys, reused, output, None),
-            None => (slot, generation, Vec::new(), 0, output, Some((prompt.to_vec(), reusable, partial))),
-        })
-    }
-
-    fn admit(
-        pool: &mut Pool,
-        prompt: &[BlockHash],
-        reusable: usize,
-        partial: usize,
-        anyway: bool,
-        next: &mut u128,
-    ) -> Option<(Vec<BlockHash>, usize)> {
-        let reused = prompt[..reusable.min(prompt.len())].iter().take_while(|&&h| pool.hold(h)).count();
-        let need = prompt.len() - reused + partial;
-        if need > pool.cap - pool.in_use.len() && !anyway {
-            for &h in prompt[..reused].iter().rev() {
-                pool.release(h);
+        let admitted = if pool.waiting.is_empty() { pool.admit(prompt, reusable, partial, false, next) } else { None };
+        let added = match admitted {
+            Some((keys, reused)) => {
+                let added = keys[reused..].to_vec();
+                pool.running.insert(id, (keys, reused, output));
+                added
             }
-            return None;
-        }
-        let mut keys: Vec<BlockHash> = prompt[..reused].to_vec();
-        for _ in 0..need.min(pool.cap - pool.in_use.len()) {
-            keys.push(Self::take(pool, next));
-        }
-        for i in reused..prompt.len().min(keys.len()) {
-            if !pool.contains(prompt[i]) {
-                pool.in_use.remove(&keys[i]);
-                pool.in_use.insert(prompt[i], (1, false));
-                keys[i] = prompt[i];
+            None => {
+                pool.waiting.push((id, prompt.to_vec(), reusable, partial, output));
+                Vec::new()
             }
-        }
-        Some((keys, reused))
-    }
-
-    /// A fresh placeholder block in use, reusing the least recently freed block when full.
-    fn take(pool: &mut Pool, next: &mut u128) -> BlockHash {
-        if pool.free.len() + pool.in_use.len() == pool.cap {
-            pool.free.remove(0);
-        }
-        *next += 1;
-        let p = (7u128 << 100) | *next;
-        pool.in_use.insert(p, (1, false));
-        p
+        };
+        Some(((slot, pool.generation, id), added))
     }
 
     fn pool(&mut self, flight: &Flight) -> Option<&mut Pool> {
@@ -118,21 +139,25 @@ impl Naive {
 
     fn complete(&mut self, flight: &Flight, next: &mut u128) {
         let Some(pool) = self.pool(flight) else { return };
-        let keys = match &flight.5 {
-            Some((prompt, reusable, partial)) => {
-                Self::admit(pool, prompt, *reusable, *partial, true, next).map(|(k, _)| k).unwrap_or_default()
-            }
-            None => flight.2.clone(),
+        let (keys, output) = if let Some((keys, _, output)) = pool.running.remove(&flight.2) {
+            (keys, output)
+        } else if let Some(at) = pool.waiting.iter().position(|w| w.0 == flight.2) {
+            let (_, prompt, reusable, partial, output) = pool.waiting.remove(at);
+            (pool.admit(&prompt, reusable, partial, true, next).map(|(k, _)| k).unwrap_or_default(), output)
+        } else {
+            return;
         };
-        let output: Vec<BlockHash> = (0..flight.4.min(pool.cap - pool.in_use.len())).map(|_| Self::take(pool, next)).collect();
-        for &h in output.iter().rev().chain(keys.iter().rev()) {
+        let generated: Vec<BlockHash> = (0..output.min(pool.cap - pool.in_use.len())).map(|_| pool.take(next)).collect();
+        for &h in generated.iter().rev().chain(keys.iter().rev()) {
             pool.release(h);
         }
+        pool.admit_waiting(next);
     }
 
-    fn take_back(&mut self, flight: &Flight) {
-        if let Some(pool) = self.pool(flight) {
-            for &h in flight.2[flight.3..].iter().rev() {
+    fn take_back(&mut self, flight: &Flight, next: &mut u128) {
+        let Some(pool) = self.pool(flight) else { return };
+        if let Some((keys, reused, _)) = pool.running.remove(&flight.2) {
+            for &h in keys[reused..].iter().rev() {
                 match pool.in_use.get(&h) {
                     Some((_, true)) => pool.release(h),
                     _ => {
@@ -141,10 +166,15 @@ impl Naive {
                     }
                 }
             }
-            for &h in flight.2[..flight.3].iter().rev() {
+            for &h in keys[..reused].iter().rev() {
                 pool.release(h);
             }
+        } else if let Some(at) = pool.waiting.iter().position(|w| w.0 == flight.2) {
+            pool.waiting.remove(at);
+        } else {
+            return;
         }
+        pool.admit_waiting(next);
     }
 
     fn matched(&self, hashes: &[BlockHash], slot: Slot) -> usize {
@@ -218,15 +248,15 @@ proptest! {
                         r.sort_unstable();
                         (r, v.len())
                     };
-                    let want = flight.as_ref().map(|f| real(&f.2[f.3..])).unwrap_or_default();
+                    let want = flight.as_ref().map(|(_, added)| real(added)).unwrap_or_default();
                     prop_assert_eq!(real(recorded.added()), want);
-                    flights.push((recorded, flight));
+                    flights.push((recorded, flight.map(|(f, _)| f)));
                 }
                 Op::Finish { which, take_back } if which < flights.len() => {
                     let (recorded, flight) = flights.remove(which);
                     if take_back {
                         index.take_back(&recorded, false);
-                        if let Some(f) = &flight { naive.take_back(f); }
+                        if let Some(f) = &flight { naive.take_back(f, &mut next); }
                     } else {
                         index.complete(&recorded);
                         if let Some(f) = &flight { naive.complete(f, &mut next); }
