@@ -126,7 +126,9 @@ bench-overhead out="bench/results/overhead/added-latency.json" *args: setup
     trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
     start() { name=$1; shift; "$@" > "$run/$name.log" 2>&1 < /dev/null & pids+=($!); }
     for i in 1 2 3; do start "sim-$i" target/release/inferrail-sim --port "800$i" --served-model-name inferrail/sim-8b --zero-latency; done
-    start inferrail target/release/inferrail --config envoy/local-inferrail.yaml
+    # The router tokenizes with a real tokenizer (Qwen3), as in production; the simulators keep theirs.
+    sed 's|tokenizer: builtin:sim|tokenizer: {{cache}}/tokenizers/qwen3|' envoy/local-inferrail.yaml > "$run/inferrail.yaml"
+    start inferrail target/release/inferrail --config "$run/inferrail.yaml"
     start envoy "{{venv}}/bin/envoy" -c envoy/local.yaml --log-level error --disable-hot-restart --concurrency 1
     start envoy-plain "{{venv}}/bin/envoy" -c bench/envoy/plain.yaml --log-level error --disable-hot-restart --concurrency 1 --base-id 1
     body='{"model": "inferrail/sim-8b", "prompt": "warm", "max_tokens": 1}'
@@ -134,7 +136,7 @@ bench-overhead out="bench/results/overhead/added-latency.json" *args: setup
         for _ in $(seq 200); do curl -sf -o /dev/null "localhost:$port/v1/completions" -d "$body" && break; sleep 0.1; done
     done
     commit=$(git rev-parse --short HEAD)
-    target/release/inferrail-bench overhead --setup "2-core machine shared by client, Envoy 1.40 (1 worker each), inferrail (release) and 3 zero-latency simulators; least_request; commit $commit" \
+    target/release/inferrail-bench overhead --setup "2-core machine shared by client, Envoy 1.40 (1 worker each), inferrail (release, Qwen3 tokenizer) and 3 zero-latency simulators; least_request; commit $commit" \
         --out {{out}} {{args}}
 
 # Prediction accuracy of the KV index as users overlap (1, 4 and 16 at once by default); the result goes to bench/results/prediction/.
