@@ -18,7 +18,7 @@ use xxhash_rust::xxh3::xxh3_128;
 
 use crate::sim;
 use crate::template::Template;
-use bytelevel::ByteLevel;
+use bpe::Bpe;
 
 /// A chunk shorter than this is encoded every time rather than cached.
 const MIN_CACHED_BYTES: usize = 256;
@@ -68,7 +68,7 @@ pub struct Tokenizer {
 
 enum Encoder {
     Sim,
-    Hf { tok: Box<tokenizers::Tokenizer>, cuts: Option<AhoCorasick>, fast: Option<Box<ByteLevel>> },
+    Hf { tok: Box<tokenizers::Tokenizer>, cuts: Option<AhoCorasick>, fast: Option<Box<Bpe>> },
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -108,7 +108,7 @@ impl Tokenizer {
         let json_text = std::fs::read_to_string(&json_path).map_err(|source| LoadError::Read { path: json_path.clone(), source })?;
         let hf: tokenizers::Tokenizer = json_text.parse().map_err(|e: tokenizers::Error| invalid(e.to_string()))?;
         let json: Value = serde_json::from_str(&json_text).map_err(|e| invalid(e.to_string()))?;
-        let fast = ByteLevel::new(&json, &hf).map(Box::new);
+        let fast = Bpe::new(&json, &hf).map(Box::new);
         let config_path = dir.join("tokenizer_config.json");
         let config: Value = match std::fs::read(&config_path) {
             Ok(bytes) => {
@@ -179,7 +179,7 @@ impl Tokenizer {
         ids
     }
 
-    fn encode_chunk(&self, tok: &tokenizers::Tokenizer, fast: Option<&ByteLevel>, chunk: &str, out: &mut Vec<u32>) {
+    fn encode_chunk(&self, tok: &tokenizers::Tokenizer, fast: Option<&Bpe>, chunk: &str, out: &mut Vec<u32>) {
         let cache = self.cache.as_ref().filter(|_| chunk.len() >= MIN_CACHED_BYTES);
         let key = cache.map(|_| xxh3_128(chunk.as_bytes()));
         if let (Some(cache), Some(key)) = (cache, key)
@@ -344,6 +344,6 @@ impl ChunkCache {
     }
 }
 
-mod bytelevel;
+mod bpe;
 #[cfg(test)]
 pub(crate) mod tests;

@@ -113,3 +113,20 @@ fn long_words_encode_as_the_hugging_face_pipeline_does() {
         assert_eq!(tok.encode(&text, false), whole(&tok, &text), "{family}");
     }
 }
+
+#[test]
+fn gemma_words_split_only_where_no_token_spans() {
+    // Gemma has a token for "> </": a word boundary before that space would lose it.
+    let tok = Tokenizer::load(family_dir("gemma3").to_str().unwrap(), 0).unwrap();
+    for text in [
+        "a> </b",
+        "\n> </p> and <b> </b>",
+        "a  b   c    d",
+        "   leading and trailing   ",
+        "\n\n  indented\n\tcode()  {\n    return x;\n}",
+        "unknown \u{10FFFD} characters \u{E000} fall back to bytes",
+        "naïve café — «quotes» 数据 😀 done",
+    ] {
+        assert_eq!(tok.encode(text, false), whole(&tok, text), "{text:?}");
+    }
+}

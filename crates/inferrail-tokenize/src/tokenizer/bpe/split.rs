@@ -1,5 +1,6 @@
 //! Splits text into words as the regex pre-tokenizers of the Qwen 2/3,
-//! Llama 3 and DeepSeek V3 tokenizers do, without running a regex.
+//! Llama 3 and DeepSeek V3 tokenizers do, without running a regex, and
+//! Gemma's text at the word boundaries no token spans.
 //!
 //! Each scan takes the pattern's alternatives in order at each position, as
 //! a backtracking regex engine does (the first alternative that matches
@@ -23,12 +24,17 @@ const DEEPSEEK: [&str; 3] = [
 ];
 
 /// Which split a tokenizer uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Split {
     /// The Qwen and Llama 3 pattern, with the most digits one word holds.
     Gpt { digits: usize },
     /// DeepSeek V3's numbers, then CJK runs, then its word pattern.
     DeepSeek,
+    /// Gemma's text after spaces became `▁`: its tokenizer splits nothing,
+    /// but no token spans a `▁` run's start unless some token has the
+    /// character before it right before a `▁` (`glued`), so a word may start
+    /// at every other run of `▁` and merge as the whole text would.
+    Metaspace { glued: Vec<char> },
 }
 
 impl Split {
@@ -50,9 +56,9 @@ impl Split {
     }
 
     /// Calls `word` with each word of `text`, in order; the words concatenate to `text`.
-    pub(super) fn words<'t>(self, text: &'t str, mut word: impl FnMut(&'t str)) {
+    pub(super) fn words<'t>(&self, text: &'t str, mut word: impl FnMut(&'t str)) {
         match self {
-            Split::Gpt { digits } => {
+            &Split::Gpt { digits } => {
                 let mut at = 0;
                 while at < text.len() {
                     let end = gpt_word_end(text, at, digits);
@@ -62,6 +68,20 @@ impl Split {
             }
             Split::DeepSeek => {
                 isolate(text, numbers, &mut |piece| isolate(piece, cjk, &mut |piece| isolate(piece, deepseek_word, &mut word)))
+            }
+            Split::Metaspace { glued } => {
+                let mut start = 0;
+                let mut before: Option<char> = None;
+                for (at, c) in text.char_indices() {
+                    if c == '\u{2581}' && before.is_some_and(|b| b != '\u{2581}' && !glued.contains(&b)) {
+                        word(&text[start..at]);
+                        start = at;
+                    }
+                    before = Some(c);
+                }
+                if start < text.len() {
+                    word(&text[start..]);
+                }
             }
         }
     }
