@@ -139,7 +139,7 @@ bench-overhead out="bench/results/overhead/added-latency.json" *args: setup
     target/release/inferrail-bench overhead --setup "2-core machine shared by client, Envoy 1.40 (1 worker each), inferrail (release, Qwen3 tokenizer) and 3 zero-latency simulators; least_request; commit $commit" \
         --out {{out}} {{args}}
 
-# Prediction accuracy of the KV index as users overlap (1, 4 and 16 at once by default); the result goes to bench/results/prediction/.
+# Prediction accuracy of the KV index as users overlap (1, 4 and 16 at once, on 64- and 256-block caches, by default); the result goes to bench/results/prediction/.
 bench-accuracy out="bench/results/prediction/accuracy.json" *args: setup
     cargo build --quiet -p inferrail -p inferrail-sim
     "{{venv}}/bin/python" bench/prediction_accuracy.py --out {{out}} {{args}}
