@@ -217,13 +217,15 @@ impl KvIndex {
         anyway: bool,
     ) -> Option<(Vec<BlockHash>, usize)> {
         let reusable = reusable.min(prompt.len());
-        let reused = prompt[..reusable].iter().take_while(|&&h| shadow.hold(h)).count();
+        let reused = prompt[..reusable].iter().take_while(|&&h| shadow.contains(h)).count();
         let need = prompt.len() - reused + partial;
-        if need > shadow.available() && !anyway {
-            for &h in prompt[..reused].iter().rev() {
-                shadow.release(h);
-            }
+        // Taking its reused blocks out of the free queue leaves less room; the engine checks before it touches anything.
+        let free_reused = prompt[..reused].iter().filter(|&&h| !shadow.in_use(h)).count();
+        if need + free_reused > shadow.available() && !anyway {
             return None;
+        }
+        for &h in &prompt[..reused] {
+            shadow.hold(h);
         }
         // Room for every fresh block first: what they evict is chosen before any of them is named.
         let mut evicted = Vec::new();
@@ -291,22 +293,17 @@ impl KvIndex {
     /// Takes back what an attempt recorded (the engine refused or failed it):
     /// the blocks it added are forgotten (but for those another request
     /// reused, which that one fills) and the ones it reused freed. After
-    /// `complete` (the refusal's status came late) only its added blocks that
-    /// no running request holds are forgotten.
+    /// `complete` nothing changes: other requests may have reused or remade
+    /// its blocks since, and forgetting them could strand what follows them.
     pub fn take_back(&self, recorded: &Recorded, completed: bool) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        if completed {
+            return;
+        }
         let holders = self.holders.pin();
         let shadow = &mut rep.shadow;
         // Last block first, as every release goes, so a prefix stays newer than what follows it.
-        if completed {
-            for &h in recorded.added.iter().rev() {
-                if shadow.remove_if_free(h) && !is_placeholder(h) {
-                    release(&holders, h, recorded.slot);
-                }
-            }
-            return;
-        }
         match rep.requests.remove(&recorded.request) {
             Some(Request::Running { keys, reused, .. }) => {
                 for &h in keys[reused..].iter().rev() {

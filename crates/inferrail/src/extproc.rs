@@ -133,8 +133,11 @@ impl ExtProc {
     async fn request_over(&self, request_id: &str) {
         let Some(lease) = self.router.lease(request_id) else { return };
         lease.release();
-        // The engine finished it (or dropped it with the client): its blocks are free now.
-        self.router.complete(&lease);
+        // The engine finished it (or dropped it with the client): its blocks
+        // are free now. A status still on its way completes it when it comes.
+        if lease.status().is_some_and(|s| s < 400) {
+            self.router.complete(&lease);
+        }
         let duration = lease.start.elapsed();
         tokio::time::sleep(OBSERVE_GRACE).await;
         let Some(held) = self.router.forget(request_id) else { return };
@@ -144,9 +147,12 @@ impl ExtProc {
             Some(s) if s >= 400 => "4xx",
             Some(_) => "ok",
         };
-        if held.status().is_none() {
+        match held.status() {
             // The engine never answered (a refusal or failure was taken back when its status came).
-            self.router.take_back(&held);
+            None => self.router.take_back(&held),
+            // Again, for a lease moved to another replica after the request ended.
+            Some(s) if s < 400 => self.router.complete(&held),
+            Some(_) => {}
         }
         let model = self.router.models[held.model].name.clone();
         metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => outcome)
@@ -199,6 +205,9 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
                     if code >= 400 {
                         // The engine refused or failed it: what the decision recorded is not in its cache.
                         router.take_back(held);
+                    } else if held.released() {
+                        // The request ended before its status came: complete it now.
+                        router.complete(held);
                     }
                     if code >= 500 {
                         crate::health::request_failed(router, &held.replica);

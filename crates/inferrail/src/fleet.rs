@@ -175,22 +175,24 @@ impl Lease {
 
     /// Records the upstream's response status.
     pub fn set_status(&self, status: u16) {
-        self.status.store(u32::from(status), Ordering::Relaxed);
+        // Sequentially consistent with `release`: of a status and a release
+        // racing, at least one side sees the other (both may complete the record).
+        self.status.store(u32::from(status), Ordering::SeqCst);
     }
 
     /// The upstream's response status, if one was seen.
     pub fn status(&self) -> Option<u16> {
-        u16::try_from(self.status.load(Ordering::Relaxed)).ok().filter(|&s| s != 0)
+        u16::try_from(self.status.load(Ordering::SeqCst)).ok().filter(|&s| s != 0)
     }
 
     /// Whether the slot was given back.
     pub fn released(&self) -> bool {
-        self.state.load(Ordering::Relaxed) == RELEASED
+        self.state.load(Ordering::SeqCst) == RELEASED
     }
 
     /// Gives the slot back; only the first call counts.
     pub fn release(&self) {
-        let before = self.state.swap(RELEASED, Ordering::AcqRel);
+        let before = self.state.swap(RELEASED, Ordering::SeqCst);
         if before == PENDING {
             self.replica.pending.fetch_sub(1, Ordering::Relaxed);
         }

@@ -163,12 +163,9 @@ impl Shadow {
         }
     }
 
-    /// Removes a block no running request holds; true if it went.
-    pub(super) fn remove_if_free(&mut self, h: BlockHash) -> bool {
-        match self.find(h) {
-            Some(i) if self.nodes[i as usize].older != IN_USE => self.remove(h),
-            _ => false,
-        }
+    /// Whether a running request holds a block.
+    pub(super) fn in_use(&self, h: BlockHash) -> bool {
+        self.find(h).is_some_and(|i| self.nodes[i as usize].older == IN_USE)
     }
 
     /// Removes a block, in use or not; false if it was not held.

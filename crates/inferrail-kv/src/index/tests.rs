@@ -64,13 +64,14 @@ impl Pool {
         anyway: bool,
         next: &mut u128,
     ) -> Option<(Vec<BlockHash>, usize)> {
-        let reused = prompt[..reusable.min(prompt.len())].iter().take_while(|&&h| self.hold(h)).count();
+        let reused = prompt[..reusable.min(prompt.len())].iter().take_while(|&&h| self.contains(h)).count();
         let need = prompt.len() - reused + partial;
-        if need > self.cap - self.in_use.len() && !anyway {
-            for &h in prompt[..reused].iter().rev() {
-                self.release(h);
-            }
+        let free_reused = prompt[..reused].iter().filter(|h| !self.in_use.contains_key(h)).count();
+        if need + free_reused > self.cap - self.in_use.len() && !anyway {
             return None;
+        }
+        for &h in &prompt[..reused] {
+            self.hold(h);
         }
         let mut keys: Vec<BlockHash> = prompt[..reused].to_vec();
         for _ in 0..need.min(self.cap - self.in_use.len()) {
@@ -260,6 +261,10 @@ proptest! {
                     } else {
                         index.complete(&recorded);
                         if let Some(f) = &flight { naive.complete(f, &mut next); }
+                        if which % 2 == 1 {
+                            // A refusal whose status came after the request ended changes nothing.
+                            index.take_back(&recorded, true);
+                        }
                     }
                 }
                 Op::Finish { .. } => {}
