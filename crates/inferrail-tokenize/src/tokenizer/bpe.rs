@@ -118,8 +118,11 @@ impl Bpe {
         let merges = merges(model)?;
         let whole_words = if model["ignore_merges"] == true { Some(whole_words(model)?) } else { None };
         let finder = |normalized: bool| -> Option<AddedTokens> {
-            let (ids, patterns): (Vec<u32>, Vec<String>) =
-                tokens.iter().filter(|(_, t)| t.normalized == normalized).map(|(&id, t)| (id, t.content.clone())).unzip();
+            // In id order, so text two tokens share always gives the same (lowest) id.
+            let mut found: Vec<(u32, String)> =
+                tokens.iter().filter(|(_, t)| t.normalized == normalized).map(|(&id, t)| (id, t.content.clone())).collect();
+            found.sort_unstable();
+            let (ids, patterns): (Vec<u32>, Vec<String>) = found.into_iter().unzip();
             if patterns.is_empty() {
                 return Some(None);
             }
