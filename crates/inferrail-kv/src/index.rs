@@ -21,7 +21,7 @@ mod shadow;
 /// A replica's slot in the index.
 pub type Slot = u32;
 
-/// A recorded request, for its completion or take-back.
+/// A recorded request, for its completion or take-back; what it holds stays in the index.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Recorded {
     /// The replica.
@@ -29,15 +29,6 @@ pub struct Recorded {
     /// Which incarnation of the replica (a cleared or re-added replica starts a new one).
     replica: u64,
     request: u64,
-    /// Blocks the request added when it was recorded: none if it had to wait.
-    added: Vec<BlockHash>,
-}
-
-impl Recorded {
-    /// Blocks the request added when it was recorded (it did not hold them before).
-    pub fn added(&self) -> &[BlockHash] {
-        &self.added
-    }
 }
 
 /// One replica as the index sees it: its shadow, and the requests it runs or queues.
@@ -173,12 +164,10 @@ impl KvIndex {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&slot) else { return Recorded { slot, ..Recorded::default() } };
         let request = self.ids.fetch_add(1, Ordering::Relaxed);
-        let mut added = Vec::new();
         // Behind a queue it waits its turn; before one, it runs if it fits.
         let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };
         match admitted {
             Some((keys, reused)) => {
-                added = keys[reused..].to_vec();
                 rep.requests.insert(request, Request::Running { keys, reused, output });
             }
             None => {
@@ -186,7 +175,7 @@ impl KvIndex {
                 rep.queue.push_back(request);
             }
         }
-        Recorded { slot, replica: rep.id, request, added }
+        Recorded { slot, replica: rep.id, request }
     }
 
     /// Starts waiting requests, first come first, while the first fits.
@@ -261,6 +250,7 @@ impl KvIndex {
 
     /// The request completed: its blocks are freed as the engine frees them,
     /// last block first, so a long prefix is later evicted from its tail.
+    /// Only the first call for a record counts.
     pub fn complete(&self, recorded: &Recorded) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
@@ -275,12 +265,13 @@ impl KvIndex {
         };
         // Generated tokens' blocks, the request's last, are freed first.
         let shadow = &mut rep.shadow;
+        let holders = self.holders.pin();
         let mut generated = Vec::with_capacity(output);
         for _ in 0..output.min(shadow.available()) {
             let p = self.placeholder();
             let Ok(evicted) = shadow.push(p) else { break };
             if let Some(h) = evicted.filter(|&h| !is_placeholder(h)) {
-                release(&self.holders.pin(), h, recorded.slot);
+                release(&holders, h, recorded.slot);
             }
             generated.push(p);
         }
@@ -295,12 +286,9 @@ impl KvIndex {
     /// reused, which that one fills) and the ones it reused freed. After
     /// `complete` nothing changes: other requests may have reused or remade
     /// its blocks since, and forgetting them could strand what follows them.
-    pub fn take_back(&self, recorded: &Recorded, completed: bool) {
+    pub fn take_back(&self, recorded: &Recorded) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
-        if completed {
-            return;
-        }
         let holders = self.holders.pin();
         let shadow = &mut rep.shadow;
         // Last block first, as every release goes, so a prefix stays newer than what follows it.

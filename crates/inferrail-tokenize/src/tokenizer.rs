@@ -188,18 +188,14 @@ impl Tokenizer {
             out.extend_from_slice(&ids);
             return;
         }
-        let ids: Arc<[u32]> = match fast {
-            Some(fast) => {
-                let mut ids = Vec::with_capacity(chunk.len() / 3);
-                fast.encode(chunk, &mut ids);
-                ids.into()
-            }
+        let start = out.len();
+        match fast {
+            Some(fast) => fast.encode(chunk, out),
             // Encoding without added special tokens cannot fail for a valid tokenizer; an error yields no ids.
-            None => tok.encode_fast(chunk, false).map(|e| e.get_ids().into()).unwrap_or_else(|_| Arc::from([])),
-        };
-        out.extend_from_slice(&ids);
+            None => out.extend_from_slice(tok.encode_fast(chunk, false).as_ref().map_or(&[][..], |e| e.get_ids())),
+        }
         if let (Some(cache), Some(key)) = (cache, key) {
-            cache.lock().unwrap_or_else(|p| p.into_inner()).put(key, ids);
+            cache.lock().unwrap_or_else(|p| p.into_inner()).put(key, out[start..].into());
         }
     }
 

@@ -45,9 +45,9 @@ pub struct Prediction {
 }
 
 /// What a decision recorded on a replica: its blocks are freed when the
-/// request completes, and taken back if the engine refused it (even after).
+/// request completes, or taken back if the engine refused it first.
 #[derive(Debug)]
-pub struct Record(Recorded, std::sync::atomic::AtomicBool);
+pub struct Record(Recorded);
 
 impl Kv {
     /// An empty index with the configured defaults.
@@ -149,19 +149,17 @@ impl Kv {
         let prompt_blocks = n.div_ceil(bs);
         let output_blocks = (n + p.output_tokens - 1).div_ceil(bs).saturating_sub(prompt_blocks);
         let partial = prompt_blocks.saturating_sub(hashes.len());
-        Record(self.index.record(r.slot, hashes, n.saturating_sub(1) / bs, partial, output_blocks), Default::default())
+        Record(self.index.record(r.slot, hashes, n.saturating_sub(1) / bs, partial, output_blocks))
     }
 
     /// The engine refused or failed the request: forget what it recorded.
     pub fn take_back(&self, rec: &Record) {
-        self.index.take_back(&rec.0, rec.1.load(std::sync::atomic::Ordering::Acquire));
+        self.index.take_back(&rec.0);
     }
 
-    /// The request completed: the engine freed its blocks. Once per record.
+    /// The request completed: the engine freed its blocks (once per record).
     pub fn complete(&self, rec: &Record) {
-        if !rec.1.swap(true, std::sync::atomic::Ordering::AcqRel) {
-            self.index.complete(&rec.0);
-        }
+        self.index.complete(&rec.0);
     }
 
     /// Entries in the index (blocks held, over all replicas).

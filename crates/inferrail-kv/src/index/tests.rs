@@ -3,6 +3,16 @@
 use super::*;
 use proptest::prelude::*;
 
+impl KvIndex {
+    /// Blocks a running request added when it was recorded (none while it waits).
+    fn added(&self, r: &Recorded) -> Vec<BlockHash> {
+        match self.lock().get(&r.slot).and_then(|rep| rep.requests.get(&r.request)) {
+            Some(Request::Running { keys, reused, .. }) => keys[*reused..].to_vec(),
+            _ => Vec::new(),
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Pool {
     cap: usize,
@@ -250,20 +260,20 @@ proptest! {
                         (r, v.len())
                     };
                     let want = flight.as_ref().map(|(_, added)| real(added)).unwrap_or_default();
-                    prop_assert_eq!(real(recorded.added()), want);
+                    prop_assert_eq!(real(&index.added(&recorded)), want);
                     flights.push((recorded, flight.map(|(f, _)| f)));
                 }
                 Op::Finish { which, take_back } if which < flights.len() => {
                     let (recorded, flight) = flights.remove(which);
                     if take_back {
-                        index.take_back(&recorded, false);
+                        index.take_back(&recorded);
                         if let Some(f) = &flight { naive.take_back(f, &mut next); }
                     } else {
                         index.complete(&recorded);
                         if let Some(f) = &flight { naive.complete(f, &mut next); }
                         if which % 2 == 1 {
                             // A refusal whose status came after the request ended changes nothing.
-                            index.take_back(&recorded, true);
+                            index.take_back(&recorded);
                         }
                     }
                 }
@@ -320,8 +330,9 @@ fn a_fully_cached_prompt_recomputes_its_last_block_without_moving_it() {
     // The same prompt again, its last block not reusable: the engine fills a
     // fresh block that caches nothing, and the old one keeps its place.
     let r = index.record(0, &chain(0, 2), 1, 0, 0);
-    assert_eq!(r.added().len(), 1);
-    assert!(!chain(0, 2).contains(&r.added()[0]));
+    let added = index.added(&r);
+    assert_eq!(added.len(), 1);
+    assert!(!chain(0, 2).contains(&added[0]));
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
 }
 
@@ -361,7 +372,7 @@ fn blocks_of_running_requests_are_not_evicted() {
     let first = index.record(0, &chain(0, 3), 3, 0, 0);
     // Three more blocks do not fit beside the running request's: the engine queues the second request.
     let second = index.record(0, &chain(1, 3), 3, 0, 0);
-    assert!(second.added().is_empty());
+    assert!(index.added(&second).is_empty());
     assert_eq!(index.matched(&chain(0, 3), &[0]), [3], "the running request's blocks stay");
     assert_eq!(index.matched(&chain(1, 3), &[0]), [0], "a queued request holds nothing");
     index.complete(&first);
@@ -383,8 +394,8 @@ fn a_record_from_before_a_restart_changes_nothing() {
     let old = index.record(0, &chain(0, 2), 2, 0, 0);
     index.clear_replica(0);
     let new = index.record(0, &chain(0, 2), 2, 0, 0);
-    index.take_back(&old, false);
+    index.take_back(&old);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2], "the old record does not touch the new shadow");
-    index.take_back(&new, false);
+    index.take_back(&new);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [0]);
 }
