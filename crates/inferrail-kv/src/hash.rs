@@ -1,13 +1,17 @@
 //! Chained XXH3-128 block hashes.
 //!
-//! Block `i`'s hash is XXH3-128 of its token ids (their bytes in place, in
-//! the machine's byte order) seeded with its parent's hash folded to 64 bits,
-//! so one hash names the whole prefix up to the end of its block. The chain starts
-//! from a salt (model, adapter, `cache_salt`), so equal tokens under a
-//! different salt never share blocks. A trailing partial block is not hashed:
-//! engines only cache full blocks.
+//! Block `i`'s hash is its parent's hash times an odd 128-bit constant plus
+//! XXH3-128 of its own token ids (their bytes in place, in the machine's
+//! byte order), so one hash names the whole prefix up to the end of its
+//! block. Blocks' XXH3 hashes do not wait for one another, so the processor
+//! computes several at once; only the multiply-add is chained (ADR 0008).
+//! Multiplying by an odd constant is invertible modulo 2^128, so a changed
+//! block changes every later hash, never only some. The chain starts from a
+//! salt (model, adapter, `cache_salt`), so equal tokens under a different
+//! salt never share blocks. A trailing partial block is not hashed: engines
+//! only cache full blocks.
 
-use xxhash_rust::xxh3::{xxh3_128, xxh3_128_with_seed};
+use xxhash_rust::xxh3::xxh3_128;
 
 /// The name of a block together with its whole prefix.
 pub type BlockHash = u128;
@@ -38,11 +42,14 @@ pub fn extend_block_hashes(hashes: &mut Vec<BlockHash>, seed: BlockHash, tokens:
     }
     let mut parent = hashes.last().copied().unwrap_or(seed);
     for block in tokens.chunks_exact(block_size).skip(hashes.len()) {
-        let fold = (parent as u64) ^ ((parent >> 64) as u64);
-        parent = xxh3_128_with_seed(bytemuck::cast_slice(block), fold);
+        parent = parent.wrapping_mul(CHAIN).wrapping_add(xxh3_128(bytemuck::cast_slice(block)));
         hashes.push(parent);
     }
 }
+
+/// The chain's multiplier: odd (so invertible modulo 2^128), its bits
+/// spread over both halves (the fractional digits of the golden ratio).
+const CHAIN: u128 = 0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835;
 
 #[cfg(test)]
 mod tests {
@@ -53,6 +60,14 @@ mod tests {
     fn partial_blocks_are_not_hashed() {
         assert_eq!(block_hashes(0, &[1, 2, 3], 4).len(), 0);
         assert_eq!(block_hashes(0, &[1, 2, 3, 4, 5], 4).len(), 1);
+    }
+
+    #[test]
+    fn reordered_or_repeated_blocks_hash_apart() {
+        let (a, b) = ([1u32, 2, 3, 4], [3u32, 4, 1, 2]);
+        assert_ne!(block_hashes(0, &a, 2)[1], block_hashes(0, &b, 2)[1]);
+        let twice = block_hashes(0, &[5, 6, 5, 6], 2);
+        assert_ne!(twice[0], twice[1]);
     }
 
     #[test]

@@ -328,25 +328,31 @@ impl KvIndex {
         let mut depth_of = vec![0; words.len() * 64];
         // Stretches [lo, hi) with the slots holding the first lo and the first hi
         // blocks; the slots in the first set and not the second stop inside it.
-        let mut stretches: Vec<(usize, usize, u64, u64)> = Vec::with_capacity(64);
+        // A level's stretches are split together: their probes do not wait
+        // for one another, so the processor overlaps them.
+        let (mut level, mut next): (Vec<(usize, usize, u64, u64)>, Vec<_>) = (Vec::with_capacity(64), Vec::with_capacity(64));
         for (w, &wanted) in words.iter().enumerate().filter(|(_, wanted)| **wanted != 0) {
-            stretches.push((0, hashes.len() + 1, wanted, 0));
-            while let Some((lo, hi, at_lo, at_hi)) = stretches.pop() {
-                if at_lo == at_hi {
-                    continue;
-                }
-                if hi == lo + 1 {
-                    let mut stop = at_lo & !at_hi;
-                    while stop != 0 {
-                        depth_of[w * 64 + stop.trailing_zeros() as usize] = lo;
-                        stop &= stop - 1;
+            level.push((0, hashes.len() + 1, wanted, 0));
+            while !level.is_empty() {
+                for &(lo, hi, at_lo, at_hi) in &level {
+                    if hi == lo + 1 {
+                        let mut stop = at_lo & !at_hi;
+                        while stop != 0 {
+                            depth_of[w * 64 + stop.trailing_zeros() as usize] = lo;
+                            stop &= stop - 1;
+                        }
+                        continue;
                     }
-                    continue;
+                    let mid = (lo + hi) / 2;
+                    let at_mid = at_lo & holders.get(&hashes[mid - 1]).map_or(0, |b| b.word(w));
+                    for half in [(lo, mid, at_lo, at_mid), (mid, hi, at_mid, at_hi)] {
+                        if half.2 != half.3 {
+                            next.push(half);
+                        }
+                    }
                 }
-                let mid = (lo + hi) / 2;
-                let at_mid = at_lo & holders.get(&hashes[mid - 1]).map_or(0, |b| b.word(w));
-                stretches.push((mid, hi, at_mid, at_hi));
-                stretches.push((lo, mid, at_lo, at_mid));
+                std::mem::swap(&mut level, &mut next);
+                next.clear();
             }
         }
         slots.iter().map(|&s| depth_of[s as usize]).collect()
