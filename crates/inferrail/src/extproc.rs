@@ -1,11 +1,14 @@
 //! The ext_proc gRPC service: one stream per HTTP request and filter.
 //!
-//! Envoy's route filter sends headers, then the buffered body, and gets the
-//! decision; Envoy keeps that stream open until the HTTP request ends, however
-//! it ends, so its closing releases the request's lease. The observe filter
-//! (observability mode, asynchronous, no added latency) reports the upstream
-//! response: status, the replica that really served after retries, and the
-//! first body byte. A stream's first message says which filter it comes from.
+//! Envoy's route filter sends the request headers and streams the body
+//! without waiting for the headers' answer; the decision answers the
+//! headers (Envoy picks the upstream host then), and each body chunk is let
+//! through after it. The filter asks for response trailers so that Envoy
+//! keeps the stream open until the HTTP request ends, however it ends: its
+//! closing releases the request's lease. The observe filter (observability
+//! mode, asynchronous, no added latency) reports the upstream response:
+//! status, the replica that really served after retries, and the first body
+//! byte. A stream's first message says which filter it comes from.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -23,7 +26,7 @@ use tonic::{Status, Streaming};
 use crate::fleet::Lease;
 use crate::reply;
 use crate::request::{self, Endpoint};
-use crate::router::Router;
+use crate::router::{RouteError, Router};
 
 /// The service Envoy's ext_proc filters call.
 #[derive(Clone)]
@@ -40,6 +43,13 @@ impl ExtProc {
 }
 
 type Out = Result<ProcessingResponse, Status>;
+
+/// A body still arriving after this long is slow: Envoy (which waits
+/// `message_timeout`, 200 ms in the shipped configs, for the headers'
+/// answer) is asked to wait up to `BODY_WAIT` instead (its filter's
+/// `max_message_timeout` caps it).
+const BODY_SLOW: std::time::Duration = std::time::Duration::from_millis(50);
+const BODY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How long a finished request's record waits for late observe messages.
 const OBSERVE_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
@@ -72,7 +82,7 @@ fn new_request_id() -> String {
 
 impl ExtProc {
     async fn route(&self, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>, tx: mpsc::Sender<Out>) {
-        let Some(Request::RequestHeaders(HttpHeaders { headers, end_of_stream: mut body_done, .. })) = first.request else { return };
+        let Some(Request::RequestHeaders(HttpHeaders { headers, end_of_stream: body_done, .. })) = first.request else { return };
         let head = request::head(headers.as_ref());
         let mut body = Vec::new();
         let answer = match request::endpoint(&head.method, &head.path) {
@@ -92,29 +102,28 @@ impl ExtProc {
                     Some(id) => (id, false),
                     None => (new_request_id(), true),
                 };
-                if !body_done {
-                    let set: Vec<(&str, &str)> = if generated { vec![("x-request-id", request_id.as_str())] } else { Vec::new() };
-                    if tx.send(Ok(reply::continue_headers(&set))).await.is_err() {
-                        return;
+                // Envoy holds the headers, and streams the body chunks
+                // without waiting for their answer, until the decision
+                // answers the headers: one round trip for the request.
+                let max = self.router.config.server.max_body_bytes;
+                let chunks = match read_body(&mut inbound, &tx, &mut body, body_done, max).await {
+                    Ok(chunks) => chunks,
+                    Err(BodyError::TooLarge) => {
+                        let _ = tx.send(Ok(reply::route_error(&RouteError::TooLarge(max)))).await;
+                        return until_over(&mut inbound, &tx).await;
                     }
-                }
-                while !body_done {
-                    match inbound.message().await {
-                        Ok(Some(ProcessingRequest { request: Some(Request::RequestBody(b)), .. })) => {
-                            body.extend_from_slice(&b.body);
-                            body_done = b.end_of_stream;
-                        }
-                        Ok(Some(_)) => {}
-                        // Envoy gave up on the request (client gone, timeout).
-                        Ok(None) | Err(_) => return,
-                    }
-                }
+                    // Envoy gave up on the request (client gone, timeout).
+                    Err(BodyError::Gone) => return,
+                };
                 match self.router.decide(&body, generation, &request_id).await {
                     Ok(d) => {
-                        let answer = reply::decision(&d, d.request_id != request_id);
-                        // If Envoy is gone it no longer needs the answer.
-                        let _ = tx.send(Ok(answer)).await;
-                        while let Ok(Some(_)) = inbound.message().await {}
+                        for answer in reply::decision(&d, generated || d.request_id != request_id, chunks) {
+                            // If Envoy is gone it no longer needs the answer.
+                            if tx.send(Ok(answer)).await.is_err() {
+                                break;
+                            }
+                        }
+                        until_over(&mut inbound, &tx).await;
                         self.request_over(&d.request_id).await;
                         return;
                     }
@@ -124,7 +133,7 @@ impl ExtProc {
         };
         // If Envoy is gone it no longer needs the answer.
         let _ = tx.send(Ok(answer)).await;
-        while let Ok(Some(_)) = inbound.message().await {}
+        until_over(&mut inbound, &tx).await;
     }
 
     /// The route stream closed: the request is over. Its slot is given back
@@ -158,6 +167,65 @@ impl ExtProc {
         metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => outcome)
             .increment(1);
         metrics::histogram!("inferrail_request_duration_seconds").record(duration.as_secs_f64());
+    }
+}
+
+enum BodyError {
+    /// Over `server.max_body_bytes`: answered at once, not read to its end.
+    TooLarge,
+    /// The stream ended first.
+    Gone,
+}
+
+/// Reads the request's body chunks into `body` (none if the headers ended
+/// the request) and returns how many came, each of which needs an answer.
+/// If the body is still arriving after `BODY_SLOW`, Envoy is asked to wait
+/// up to `BODY_WAIT` for the headers' answer.
+async fn read_body(
+    inbound: &mut Streaming<ProcessingRequest>,
+    tx: &mpsc::Sender<Out>,
+    body: &mut Vec<u8>,
+    mut done: bool,
+    max: usize,
+) -> Result<usize, BodyError> {
+    let (mut chunks, mut asked) = (0, false);
+    while !done {
+        let message = if asked {
+            inbound.message().await
+        } else {
+            match tokio::time::timeout(BODY_SLOW, inbound.message()).await {
+                Ok(m) => m,
+                Err(_) => {
+                    asked = true;
+                    tx.send(Ok(reply::wait_for_body(BODY_WAIT))).await.map_err(|_| BodyError::Gone)?;
+                    continue;
+                }
+            }
+        };
+        match message {
+            Ok(Some(ProcessingRequest { request: Some(Request::RequestBody(b)), .. })) => {
+                body.extend_from_slice(&b.body);
+                done = b.end_of_stream;
+                chunks += 1;
+                if body.len() > max {
+                    return Err(BodyError::TooLarge);
+                }
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => return Err(BodyError::Gone),
+        }
+    }
+    Ok(chunks)
+}
+
+/// Waits for the route stream to close, which Envoy does when the request
+/// is over. The filter asks for response trailers only to keep its stream
+/// open until then; any that come are let through at once.
+async fn until_over(inbound: &mut Streaming<ProcessingRequest>, tx: &mpsc::Sender<Out>) {
+    while let Ok(Some(m)) = inbound.message().await {
+        if let Some(Request::ResponseTrailers(_)) = m.request {
+            let _ = tx.send(Ok(reply::continue_trailers())).await;
+        }
     }
 }
 

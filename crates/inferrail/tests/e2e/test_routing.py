@@ -87,6 +87,39 @@ def test_aliases_are_rewritten_for_the_engine(fleet_factory):
     assert [m["id"] for m in listed["data"]] == [MODEL, "sim"]
 
 
+def envoy_stat(fleet, name):
+    text = http("GET", f"http://127.0.0.1:{fleet.envoy_admin}/stats?filter=ext_proc").body.decode()
+    return sum(int(line.split(": ")[1]) for line in text.splitlines() if line.split(": ")[0].endswith("." + name))
+
+
+def test_a_slow_body_still_gets_the_decision(fleet_factory):
+    # Half the body comes 400 ms after the headers and the first half,
+    # longer than Envoy's 200 ms message timeout: the router asks Envoy to
+    # wait, decides, answers the headers, replaces the first chunk with the
+    # rewritten body (the model is an alias) and clears the others. The
+    # engine must count exactly the prompt the router tokenized.
+    import http.client
+    import time
+    fleet = fleet_factory(policy="round_robin")
+    body = json.dumps({"model": "sim", "prompt": "slow " * 2000, "max_tokens": 1}).encode()
+    c = http.client.HTTPConnection("127.0.0.1", fleet.listen, timeout=10)
+    c.putrequest("POST", "/v1/completions")
+    c.putheader("content-type", "application/json")
+    c.putheader("content-length", str(len(body)))
+    c.endheaders()
+    c.send(body[:5000])
+    time.sleep(0.4)
+    c.send(body[5000:])
+    r = c.getresponse()
+    reply = json.loads(r.read())
+    assert r.status == 200, reply
+    assert reply["model"] == MODEL
+    assert r.getheader("x-inferrail-prompt-tokens") == str(reply["usage"]["prompt_tokens"])
+    assert_enforced(fleet, [(r.getheader("x-inferrail-replica"), r.getheader("x-inferrail-upstream"))])
+    assert envoy_stat(fleet, "override_message_timeout_received") == 1
+    assert envoy_stat(fleet, "message_timeouts") == 0 and envoy_stat(fleet, "failure_mode_allowed") == 0
+
+
 @pytest.mark.parametrize("method,path,body,status", [
     ("POST", "/v1/chat/completions", b'{"model": "sim", "messages": [', 400),
     ("POST", "/v1/chat/completions", b'[1, 2]', 400),
