@@ -112,7 +112,7 @@ down:
     done
     echo "the local fleet is down"
 
-# Benchmark the latency inferrail adds: open loop at 1,000 and 2,000 req/s through Envoy with and without it; writes bench/results/overhead/.
+# Benchmark the latency inferrail adds: open loop at 1,000 and 2,000 req/s through Envoy with and without it, alternating in rounds; writes bench/results/overhead/
 bench-overhead out="bench/results/overhead/added-latency.json" *args: setup
     #!/usr/bin/env bash
     set -euo pipefail

@@ -29,12 +29,16 @@ pub struct OverheadArgs {
     /// Request rates to measure, per second.
     #[arg(long, value_delimiter = ',', default_value = "1000,2000")]
     pub rates: Vec<f64>,
-    /// Measured seconds per run.
+    /// Measured seconds per rate and Envoy, over all rounds.
     #[arg(long, default_value_t = 10.0)]
     pub duration_s: f64,
-    /// Unmeasured seconds before each run.
-    #[arg(long, default_value_t = 2.0)]
+    /// Unmeasured seconds before each round.
+    #[arg(long, default_value_t = 1.0)]
     pub warmup_s: f64,
+    /// Rounds per rate, each through one Envoy then the other, so drift in
+    /// the machine's load falls on both alike.
+    #[arg(long, default_value_t = 4)]
+    pub rounds: u32,
     /// Seed of the arrival schedule.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -77,17 +81,23 @@ struct OverheadResult {
     benchmark: &'static str,
     setup: String,
     duration_s: f64,
+    rounds: u32,
     seed: u64,
     points: Vec<RatePoint>,
 }
 
-/// Measures, per rate, the same schedule through both Envoys.
+/// Measures, per rate, the same schedules through both Envoys, alternating
+/// between them round by round.
 pub async fn overhead(args: OverheadArgs) -> anyhow::Result<()> {
     let http = reqwest::Client::builder().pool_max_idle_per_host(512).tcp_nodelay(true).build()?;
     let mut points = Vec::new();
     for &rate in &args.rates {
-        let without = run(&http, &args.without, &args.model, rate, &args).await;
-        let with = run(&http, &args.with, &args.model, rate, &args).await;
+        let (mut without, mut with) = (Samples::default(), Samples::default());
+        for round in 0..u64::from(args.rounds.max(1)) {
+            run(&http, &args.without, rate, round, &args, &mut without).await;
+            run(&http, &args.with, rate, round, &args, &mut with).await;
+        }
+        let (without, with) = (without.run(), with.run());
         eprintln!(
             "{rate} req/s: p50 {:.3} -> {:.3} ms, p99 {:.3} -> {:.3} ms",
             without.latency.p50_ms, with.latency.p50_ms, without.latency.p99_ms, with.latency.p99_ms
@@ -104,6 +114,7 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<()> {
         benchmark: "added-latency-open-loop",
         setup: args.setup.clone(),
         duration_s: args.duration_s,
+        rounds: args.rounds,
         seed: args.seed,
         points,
     };
@@ -127,11 +138,33 @@ pub fn schedule(rate: f64, secs: f64, seed: u64) -> Vec<Duration> {
     }
 }
 
-async fn run(http: &reqwest::Client, base: &str, model: &str, rate: f64, args: &OverheadArgs) -> Run {
-    let chat = args.system_prompt_tokens > 0;
+/// What the rounds measured through one Envoy.
+#[derive(Default)]
+struct Samples {
+    latency: Vec<Duration>,
+    lag: Vec<Duration>,
+    errors: usize,
+}
+
+impl Samples {
+    fn run(self) -> Run {
+        Run {
+            sent: self.latency.len() + self.errors,
+            errors: self.errors,
+            latency: report::latency(self.latency),
+            send_lag: report::latency(self.lag),
+        }
+    }
+}
+
+/// One round through `base`: a warmup, then `duration_s / rounds` measured
+/// seconds, on the round's own schedule (the same for both Envoys).
+async fn run(http: &reqwest::Client, base: &str, rate: f64, round: u64, args: &OverheadArgs, out: &mut Samples) {
+    let (model, chat) = (&args.model, args.system_prompt_tokens > 0);
     let url = format!("{base}/v1/{}", if chat { "chat/completions" } else { "completions" });
     let system = "lantern ".repeat(args.system_prompt_tokens);
-    let offsets = schedule(rate, args.warmup_s + args.duration_s, args.seed);
+    let secs = args.duration_s / f64::from(args.rounds.max(1));
+    let offsets = schedule(rate, args.warmup_s + secs, args.seed.wrapping_add(round));
     let start = Instant::now() + Duration::from_millis(50);
     let warmup = Duration::from_secs_f64(args.warmup_s);
     let tasks: Vec<_> = offsets
@@ -140,9 +173,9 @@ async fn run(http: &reqwest::Client, base: &str, model: &str, rate: f64, args: &
         .map(|(i, offset)| {
             let (http, url) = (http.clone(), url.clone());
             let body = if chat {
-                json!({"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("request {i}")}], "max_tokens": 1})
+                json!({"model": model, "messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("request {round}.{i}")}], "max_tokens": 1})
             } else {
-                json!({"model": model, "prompt": format!("request {i}"), "max_tokens": 1})
+                json!({"model": model, "prompt": format!("request {round}.{i}"), "max_tokens": 1})
             };
             let at = start + offset;
             tokio::spawn(async move {
@@ -156,23 +189,21 @@ async fn run(http: &reqwest::Client, base: &str, model: &str, rate: f64, args: &
             })
         })
         .collect();
-    let (mut latency, mut lag, mut errors) = (Vec::new(), Vec::new(), 0);
     for t in tasks {
         let Ok((measured, ok, took, late)) = t.await else {
-            errors += 1;
+            out.errors += 1;
             continue;
         };
         if !measured {
             continue;
         }
         if ok {
-            latency.push(took);
-            lag.push(late);
+            out.latency.push(took);
+            out.lag.push(late);
         } else {
-            errors += 1;
+            out.errors += 1;
         }
     }
-    Run { sent: latency.len() + errors, errors, latency: report::latency(latency), send_lag: report::latency(lag) }
 }
 
 #[cfg(test)]
