@@ -47,8 +47,9 @@ pub fn extend_block_hashes(hashes: &mut Vec<BlockHash>, seed: BlockHash, tokens:
     }
 }
 
-/// The chain's multiplier: odd (so invertible modulo 2^128), its bits
-/// spread over both halves (the fractional digits of the golden ratio).
+/// The chain's multiplier: the golden ratio's first 128 fractional bits
+/// with the last one set, so it is odd (invertible modulo 2^128) and its
+/// bits spread over both halves.
 const CHAIN: u128 = 0x9e37_79b9_7f4a_7c15_f39c_c060_5ced_c835;
 
 #[cfg(test)]

@@ -44,10 +44,10 @@ impl ExtProc {
 
 type Out = Result<ProcessingResponse, Status>;
 
-/// A body still arriving after this long is slow: Envoy (which waits
-/// `message_timeout`, 200 ms in the shipped configs, for the headers'
-/// answer) is asked to wait up to `BODY_WAIT` instead (its filter's
-/// `max_message_timeout` caps it).
+/// A body chunk this late is slow: Envoy (which waits `message_timeout`,
+/// 200 ms in the shipped configs, after each message it sends) is asked to
+/// wait up to `BODY_WAIT` instead. The filter's `max_message_timeout` must
+/// allow it (Envoy ignores a longer wait).
 const BODY_SLOW: std::time::Duration = std::time::Duration::from_millis(50);
 const BODY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -106,11 +106,11 @@ impl ExtProc {
                 // without waiting for their answer, until the decision
                 // answers the headers: one round trip for the request.
                 let max = self.router.config.server.max_body_bytes;
-                let chunks = match read_body(&mut inbound, &tx, &mut body, body_done, max).await {
+                let chunks = match read_body(&mut inbound, &tx, &mut body, body_done.then_some(0).or(head.content_length), max).await {
                     Ok(chunks) => chunks,
                     Err(BodyError::TooLarge) => {
                         let _ = tx.send(Ok(reply::route_error(&RouteError::TooLarge(max)))).await;
-                        return until_over(&mut inbound, &tx).await;
+                        return until_over(&mut inbound, &tx, None, 0).await;
                     }
                     // Envoy gave up on the request (client gone, timeout).
                     Err(BodyError::Gone) => return,
@@ -123,7 +123,7 @@ impl ExtProc {
                                 break;
                             }
                         }
-                        until_over(&mut inbound, &tx).await;
+                        until_over(&mut inbound, &tx, d.body.as_deref(), chunks).await;
                         self.request_over(&d.request_id).await;
                         return;
                     }
@@ -133,7 +133,7 @@ impl ExtProc {
         };
         // If Envoy is gone it no longer needs the answer.
         let _ = tx.send(Ok(answer)).await;
-        until_over(&mut inbound, &tx).await;
+        until_over(&mut inbound, &tx, None, 0).await;
     }
 
     /// The route stream closed: the request is over. Its slot is given back
@@ -177,18 +177,21 @@ enum BodyError {
     Gone,
 }
 
-/// Reads the request's body chunks into `body` (none if the headers ended
-/// the request) and returns how many came, each of which needs an answer.
-/// If the body is still arriving after `BODY_SLOW`, Envoy is asked to wait
-/// up to `BODY_WAIT` for the headers' answer.
+/// Reads the request's body chunks into `body` until the last one, or
+/// until the `expected` length (the request's `content-length`; 0 when the
+/// headers ended the request) is in, and returns how many chunks came: each
+/// needs an answer, after the headers'. Envoy gives up on an answer
+/// `message_timeout` after the last message it sent, so whenever the next
+/// chunk is `BODY_SLOW` late it is asked to wait up to `BODY_WAIT`.
 async fn read_body(
     inbound: &mut Streaming<ProcessingRequest>,
     tx: &mpsc::Sender<Out>,
     body: &mut Vec<u8>,
-    mut done: bool,
+    expected: Option<usize>,
     max: usize,
 ) -> Result<usize, BodyError> {
     let (mut chunks, mut asked) = (0, false);
+    let mut done = expected.is_some_and(|n| n == 0);
     while !done {
         let message = if asked {
             inbound.message().await
@@ -205,8 +208,10 @@ async fn read_body(
         match message {
             Ok(Some(ProcessingRequest { request: Some(Request::RequestBody(b)), .. })) => {
                 body.extend_from_slice(&b.body);
-                done = b.end_of_stream;
+                done = b.end_of_stream || expected.is_some_and(|n| body.len() >= n);
                 chunks += 1;
+                // Envoy's timer restarted with this chunk, and with it the right to extend it.
+                asked = false;
                 if body.len() > max {
                     return Err(BodyError::TooLarge);
                 }
@@ -219,13 +224,21 @@ async fn read_body(
 }
 
 /// Waits for the route stream to close, which Envoy does when the request
-/// is over. The filter asks for response trailers only to keep its stream
-/// open until then; any that come are let through at once.
-async fn until_over(inbound: &mut Streaming<ProcessingRequest>, tx: &mpsc::Sender<Out>) {
+/// is over, answering what still comes: body chunks after the decision
+/// (the empty one that ends a body whose length was known, numbered from
+/// `answered`; emptied when the body was `rewritten`), and response
+/// trailers, which the filter asks for only to keep its stream open.
+async fn until_over(inbound: &mut Streaming<ProcessingRequest>, tx: &mpsc::Sender<Out>, rewritten: Option<&[u8]>, mut answered: usize) {
     while let Ok(Some(m)) = inbound.message().await {
-        if let Some(Request::ResponseTrailers(_)) = m.request {
-            let _ = tx.send(Ok(reply::continue_trailers())).await;
-        }
+        let answer = match m.request {
+            Some(Request::RequestBody(_)) => {
+                answered += 1;
+                reply::chunk(rewritten, answered - 1)
+            }
+            Some(Request::ResponseTrailers(_)) => reply::continue_trailers(),
+            _ => continue,
+        };
+        let _ = tx.send(Ok(answer)).await;
     }
 }
 

@@ -77,20 +77,33 @@ pub fn wait_for_body(timeout: std::time::Duration) -> ProcessingResponse {
     ProcessingResponse { override_message_timeout: Some(timeout), ..Default::default() }
 }
 
+/// The answer to body chunk `index`: let through, or, when the body was
+/// rewritten, replaced by the whole new body (the first chunk) or emptied.
+pub fn chunk(rewritten: Option<&[u8]>, index: usize) -> ProcessingResponse {
+    let mutation = rewritten.map(|b| match index {
+        0 => Mutation::Body(b.to_vec()),
+        _ => Mutation::ClearBody(true),
+    });
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse {
+            response: Some(CommonResponse { body_mutation: mutation.map(|m| BodyMutation { mutation: Some(m) }), ..Default::default() }),
+        })),
+        ..Default::default()
+    }
+}
+
 /// The decision, as the answer to the request's headers (Envoy held them,
 /// and the body chunks it streamed, until now), followed by one answer for
 /// each of the `chunks` body chunks. `set_request_id` when the request goes
 /// by an id the client did not send. A rewritten body replaces the first
-/// chunk and clears the rest.
+/// chunk and clears the rest. Envoy drops `content-length` from a streamed
+/// body's request, so the upstream request goes out chunked.
 pub fn decision(d: &Decision, set_request_id: bool, chunks: usize) -> Vec<ProcessingResponse> {
     let targets: Vec<String> = d.targets.iter().map(|r| r.addr.to_string()).collect();
     let targets = targets.join(",");
     let mut set = vec![header(DESTINATION, &targets)];
     if set_request_id {
         set.push(header("x-request-id", &d.request_id));
-    }
-    if let Some(b) = &d.body {
-        set.push(header("content-length", &b.len().to_string()));
     }
     let mut ours = vec![
         ("replica", string(&d.targets[0].id)),
@@ -117,20 +130,6 @@ pub fn decision(d: &Decision, set_request_id: bool, chunks: usize) -> Vec<Proces
         dynamic_metadata: Some(metadata),
         ..Default::default()
     };
-    let body = (0..chunks).map(|i| {
-        let mutation = d.body.as_ref().map(|b| match i {
-            0 => Mutation::Body(b.clone()),
-            _ => Mutation::ClearBody(true),
-        });
-        ProcessingResponse {
-            response: Some(Response::RequestBody(BodyResponse {
-                response: Some(CommonResponse {
-                    body_mutation: mutation.map(|m| BodyMutation { mutation: Some(m) }),
-                    ..Default::default()
-                }),
-            })),
-            ..Default::default()
-        }
-    });
+    let body = (0..chunks).map(|i| chunk(d.body.as_deref(), i));
     std::iter::once(headers).chain(body).collect()
 }

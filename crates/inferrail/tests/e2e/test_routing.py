@@ -93,11 +93,12 @@ def envoy_stat(fleet, name):
 
 
 def test_a_slow_body_still_gets_the_decision(fleet_factory):
-    # Half the body comes 400 ms after the headers and the first half,
-    # longer than Envoy's 200 ms message timeout: the router asks Envoy to
-    # wait, decides, answers the headers, replaces the first chunk with the
-    # rewritten body (the model is an alias) and clears the others. The
-    # engine must count exactly the prompt the router tokenized.
+    # The body comes in three parts 300 ms apart, each pause longer than
+    # Envoy's 200 ms message timeout (which restarts with every chunk): the
+    # router asks Envoy to wait at each, decides, answers the headers,
+    # replaces the first chunk with the rewritten body (the model is an
+    # alias) and clears the others. The engine must count exactly the
+    # prompt the router tokenized.
     import http.client
     import time
     fleet = fleet_factory(policy="round_robin")
@@ -107,16 +108,16 @@ def test_a_slow_body_still_gets_the_decision(fleet_factory):
     c.putheader("content-type", "application/json")
     c.putheader("content-length", str(len(body)))
     c.endheaders()
-    c.send(body[:5000])
-    time.sleep(0.4)
-    c.send(body[5000:])
+    for part in (body[:4000], body[4000:8000], body[8000:]):
+        c.send(part)
+        time.sleep(0.3)
     r = c.getresponse()
     reply = json.loads(r.read())
     assert r.status == 200, reply
     assert reply["model"] == MODEL
     assert r.getheader("x-inferrail-prompt-tokens") == str(reply["usage"]["prompt_tokens"])
     assert_enforced(fleet, [(r.getheader("x-inferrail-replica"), r.getheader("x-inferrail-upstream"))])
-    assert envoy_stat(fleet, "override_message_timeout_received") == 1
+    assert envoy_stat(fleet, "override_message_timeout_received") == 2
     assert envoy_stat(fleet, "message_timeouts") == 0 and envoy_stat(fleet, "failure_mode_allowed") == 0
 
 
