@@ -217,7 +217,10 @@ async fn read_body(
                 }
             }
             Ok(Some(_)) => {}
-            Ok(None) | Err(_) => return Err(BodyError::Gone),
+            Ok(None) | Err(_) => {
+                metrics::counter!("inferrail_bodies_incomplete_total").increment(1);
+                return Err(BodyError::Gone);
+            }
         }
     }
     Ok(chunks)

@@ -121,6 +121,20 @@ def test_a_slow_body_still_gets_the_decision(fleet_factory):
     assert envoy_stat(fleet, "message_timeouts") == 0 and envoy_stat(fleet, "failure_mode_allowed") == 0
 
 
+def test_a_body_over_the_listener_limit_is_counted_and_still_served(fleet_factory):
+    # Misconfigured: Envoy's listener holds 256 kB, inferrail accepts 1 MiB.
+    # Envoy stops reading the 600 kB body, so it never completes; after the
+    # 10 s inferrail asked for, Envoy routes the request without a decision
+    # (the alias is not rewritten, so the engine refuses it) and inferrail
+    # counts the incomplete body.
+    fleet = fleet_factory(listener_buffer_bytes=262144)
+    r = http("POST", f"{fleet.url}/v1/completions", {"model": "sim", "prompt": "x" * 600_000, "max_tokens": 1}, timeout=30)
+    assert r.status == 404 and "`sim` does not exist" in r.json()["error"]["message"], r.body[:300]
+    assert "x-inferrail-replica" not in r.headers
+    assert fleet.metric("inferrail_bodies_incomplete_total") == 1
+    assert envoy_stat(fleet, "failure_mode_allowed") == 1
+
+
 @pytest.mark.parametrize("method,path,body,status", [
     ("POST", "/v1/chat/completions", b'{"model": "sim", "messages": [', 400),
     ("POST", "/v1/chat/completions", b'[1, 2]', 400),
