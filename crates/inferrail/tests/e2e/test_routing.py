@@ -117,7 +117,8 @@ def test_a_slow_body_still_gets_the_decision(fleet_factory):
     assert reply["model"] == MODEL
     assert r.getheader("x-inferrail-prompt-tokens") == str(reply["usage"]["prompt_tokens"])
     assert_enforced(fleet, [(r.getheader("x-inferrail-replica"), r.getheader("x-inferrail-upstream"))])
-    assert envoy_stat(fleet, "override_message_timeout_received") == 2
+    # At least one extension for each pause (a busy machine may make another chunk late too).
+    assert envoy_stat(fleet, "override_message_timeout_received") >= 2
     assert envoy_stat(fleet, "message_timeouts") == 0 and envoy_stat(fleet, "failure_mode_allowed") == 0
 
 
