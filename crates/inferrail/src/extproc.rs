@@ -1,14 +1,11 @@
 //! The ext_proc gRPC service: one stream per HTTP request and filter.
 //!
-//! Envoy's route filter sends the request headers and streams the body
-//! without waiting for the headers' answer; the decision answers the
-//! headers (Envoy picks the upstream host then), and each body chunk is let
-//! through after it. The filter asks for response trailers so that Envoy
-//! keeps the stream open until the HTTP request ends, however it ends: its
-//! closing releases the request's lease. The observe filter (observability
-//! mode, asynchronous, no added latency) reports the upstream response:
-//! status, the replica that really served after retries, and the first body
-//! byte. A stream's first message says which filter it comes from.
+//! Envoy's route filter sends headers, then the buffered body, and gets the
+//! decision; Envoy keeps that stream open until the HTTP request ends, however
+//! it ends, so its closing releases the request's lease. The observe filter
+//! (observability mode, asynchronous, no added latency) reports the upstream
+//! response: status, the replica that really served after retries, and the
+//! first body byte. A stream's first message says which filter it comes from.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -26,7 +23,7 @@ use tonic::{Status, Streaming};
 use crate::fleet::Lease;
 use crate::reply;
 use crate::request::{self, Endpoint};
-use crate::router::{RouteError, Router};
+use crate::router::Router;
 
 /// The service Envoy's ext_proc filters call.
 #[derive(Clone)]
@@ -43,13 +40,6 @@ impl ExtProc {
 }
 
 type Out = Result<ProcessingResponse, Status>;
-
-/// A body chunk this late is slow: Envoy (which waits `message_timeout`,
-/// 200 ms in the shipped configs, after each message it sends) is asked to
-/// wait up to `BODY_WAIT` instead. The filter's `max_message_timeout` must
-/// allow it (Envoy ignores a longer wait).
-const BODY_SLOW: std::time::Duration = std::time::Duration::from_millis(50);
-const BODY_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How long a finished request's record waits for late observe messages.
 const OBSERVE_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
@@ -82,7 +72,7 @@ fn new_request_id() -> String {
 
 impl ExtProc {
     async fn route(&self, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>, tx: mpsc::Sender<Out>) {
-        let Some(Request::RequestHeaders(HttpHeaders { headers, end_of_stream: body_done, .. })) = first.request else { return };
+        let Some(Request::RequestHeaders(HttpHeaders { headers, end_of_stream: mut body_done, .. })) = first.request else { return };
         let head = request::head(headers.as_ref());
         let mut body = Vec::new();
         let answer = match request::endpoint(&head.method, &head.path) {
@@ -102,28 +92,29 @@ impl ExtProc {
                     Some(id) => (id, false),
                     None => (new_request_id(), true),
                 };
-                // Envoy holds the headers, and streams the body chunks
-                // without waiting for their answer, until the decision
-                // answers the headers: one round trip for the request.
-                let max = self.router.config.server.max_body_bytes;
-                let chunks = match read_body(&mut inbound, &tx, &mut body, body_done.then_some(0).or(head.content_length), max).await {
-                    Ok(chunks) => chunks,
-                    Err(BodyError::TooLarge) => {
-                        let _ = tx.send(Ok(reply::route_error(&RouteError::TooLarge(max)))).await;
-                        return until_over(&mut inbound, &tx, None, 0).await;
+                if !body_done {
+                    let set: Vec<(&str, &str)> = if generated { vec![("x-request-id", request_id.as_str())] } else { Vec::new() };
+                    if tx.send(Ok(reply::continue_headers(&set))).await.is_err() {
+                        return;
                     }
-                    // Envoy gave up on the request (client gone, timeout).
-                    Err(BodyError::Gone) => return,
-                };
+                }
+                while !body_done {
+                    match inbound.message().await {
+                        Ok(Some(ProcessingRequest { request: Some(Request::RequestBody(b)), .. })) => {
+                            body.extend_from_slice(&b.body);
+                            body_done = b.end_of_stream;
+                        }
+                        Ok(Some(_)) => {}
+                        // Envoy gave up on the request (client gone, timeout).
+                        Ok(None) | Err(_) => return,
+                    }
+                }
                 match self.router.decide(&body, generation, &request_id).await {
                     Ok(d) => {
-                        for answer in reply::decision(&d, generated || d.request_id != request_id, chunks) {
-                            // If Envoy is gone it no longer needs the answer.
-                            if tx.send(Ok(answer)).await.is_err() {
-                                break;
-                            }
-                        }
-                        until_over(&mut inbound, &tx, d.body.as_deref(), chunks).await;
+                        let answer = reply::decision(&d, d.request_id != request_id);
+                        // If Envoy is gone it no longer needs the answer.
+                        let _ = tx.send(Ok(answer)).await;
+                        while let Ok(Some(_)) = inbound.message().await {}
                         self.request_over(&d.request_id).await;
                         return;
                     }
@@ -133,7 +124,7 @@ impl ExtProc {
         };
         // If Envoy is gone it no longer needs the answer.
         let _ = tx.send(Ok(answer)).await;
-        until_over(&mut inbound, &tx, None, 0).await;
+        while let Ok(Some(_)) = inbound.message().await {}
     }
 
     /// The route stream closed: the request is over. Its slot is given back
@@ -167,81 +158,6 @@ impl ExtProc {
         metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => outcome)
             .increment(1);
         metrics::histogram!("inferrail_request_duration_seconds").record(duration.as_secs_f64());
-    }
-}
-
-enum BodyError {
-    /// Over `server.max_body_bytes`: answered at once, not read to its end.
-    TooLarge,
-    /// The stream ended first.
-    Gone,
-}
-
-/// Reads the request's body chunks into `body` until the last one, or
-/// until the `expected` length (the request's `content-length`; 0 when the
-/// headers ended the request) is in, and returns how many chunks came: each
-/// needs an answer, after the headers'. Envoy gives up on an answer
-/// `message_timeout` after the last message it sent, so whenever the next
-/// chunk is `BODY_SLOW` late it is asked to wait up to `BODY_WAIT`.
-async fn read_body(
-    inbound: &mut Streaming<ProcessingRequest>,
-    tx: &mpsc::Sender<Out>,
-    body: &mut Vec<u8>,
-    expected: Option<usize>,
-    max: usize,
-) -> Result<usize, BodyError> {
-    let (mut chunks, mut asked) = (0, false);
-    let mut done = expected.is_some_and(|n| n == 0);
-    while !done {
-        let message = if asked {
-            inbound.message().await
-        } else {
-            match tokio::time::timeout(BODY_SLOW, inbound.message()).await {
-                Ok(m) => m,
-                Err(_) => {
-                    asked = true;
-                    tx.send(Ok(reply::wait_for_body(BODY_WAIT))).await.map_err(|_| BodyError::Gone)?;
-                    continue;
-                }
-            }
-        };
-        match message {
-            Ok(Some(ProcessingRequest { request: Some(Request::RequestBody(b)), .. })) => {
-                body.extend_from_slice(&b.body);
-                done = b.end_of_stream || expected.is_some_and(|n| body.len() >= n);
-                chunks += 1;
-                // Envoy's timer restarted with this chunk, and with it the right to extend it.
-                asked = false;
-                if body.len() > max {
-                    return Err(BodyError::TooLarge);
-                }
-            }
-            Ok(Some(_)) => {}
-            Ok(None) | Err(_) => {
-                metrics::counter!("inferrail_bodies_incomplete_total").increment(1);
-                return Err(BodyError::Gone);
-            }
-        }
-    }
-    Ok(chunks)
-}
-
-/// Waits for the route stream to close, which Envoy does when the request
-/// is over, answering what still comes: body chunks after the decision
-/// (the empty one that ends a body whose length was known, numbered from
-/// `answered`; emptied when the body was `rewritten`), and response
-/// trailers, which the filter asks for only to keep its stream open.
-async fn until_over(inbound: &mut Streaming<ProcessingRequest>, tx: &mpsc::Sender<Out>, rewritten: Option<&[u8]>, mut answered: usize) {
-    while let Ok(Some(m)) = inbound.message().await {
-        let answer = match m.request {
-            Some(Request::RequestBody(_)) => {
-                answered += 1;
-                reply::chunk(rewritten, answered - 1)
-            }
-            Some(Request::ResponseTrailers(_)) => reply::continue_trailers(),
-            _ => continue,
-        };
-        let _ = tx.send(Ok(answer)).await;
     }
 }
 

@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse, ProcessingResponse, TrailersResponse,
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse, ProcessingResponse,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
@@ -66,45 +66,31 @@ pub fn route_error(e: &RouteError) -> ProcessingResponse {
     immediate(status, error_body(status, kind, &e.to_string(), param), &[], &format!("inferrail_{}", e.reason()))
 }
 
-/// Lets response trailers through unchanged.
-pub fn continue_trailers() -> ProcessingResponse {
-    ProcessingResponse { response: Some(Response::ResponseTrailers(TrailersResponse::default())), ..Default::default() }
-}
-
-/// Asks Envoy to wait longer for the headers' answer: the body is still arriving.
-pub fn wait_for_body(timeout: std::time::Duration) -> ProcessingResponse {
-    let timeout = envoy_types::pb::google::protobuf::Duration { seconds: timeout.as_secs() as i64, nanos: timeout.subsec_nanos() as i32 };
-    ProcessingResponse { override_message_timeout: Some(timeout), ..Default::default() }
-}
-
-/// The answer to body chunk `index`: let through, or, when the body was
-/// rewritten, replaced by the whole new body (the first chunk) or emptied.
-pub fn chunk(rewritten: Option<&[u8]>, index: usize) -> ProcessingResponse {
-    let mutation = rewritten.map(|b| match index {
-        0 => Mutation::Body(b.to_vec()),
-        _ => Mutation::ClearBody(true),
-    });
+/// Let the headers through and wait for the body.
+pub fn continue_headers(set: &[(&str, &str)]) -> ProcessingResponse {
+    let header_mutation =
+        (!set.is_empty()).then(|| HeaderMutation { set_headers: set.iter().map(|(k, v)| header(k, v)).collect(), ..Default::default() });
     ProcessingResponse {
-        response: Some(Response::RequestBody(BodyResponse {
-            response: Some(CommonResponse { body_mutation: mutation.map(|m| BodyMutation { mutation: Some(m) }), ..Default::default() }),
+        response: Some(Response::RequestHeaders(HeadersResponse {
+            response: Some(CommonResponse { header_mutation, ..Default::default() }),
         })),
         ..Default::default()
     }
 }
 
-/// The decision, as the answer to the request's headers (Envoy held them,
-/// and the body chunks it streamed, until now), followed by one answer for
-/// each of the `chunks` body chunks. `set_request_id` when the request goes
-/// by an id the client did not send. A rewritten body replaces the first
-/// chunk and clears the rest. Envoy drops `content-length` from a streamed
-/// body's request, so the upstream request goes out chunked.
-pub fn decision(d: &Decision, set_request_id: bool, chunks: usize) -> Vec<ProcessingResponse> {
+/// The decision, as the body-phase answer; `renamed` when the request's id
+/// was already in flight and the request now goes by `d.request_id`.
+pub fn decision(d: &Decision, renamed: bool) -> ProcessingResponse {
     let targets: Vec<String> = d.targets.iter().map(|r| r.addr.to_string()).collect();
     let targets = targets.join(",");
     let mut set = vec![header(DESTINATION, &targets)];
-    if set_request_id {
+    if renamed {
         set.push(header("x-request-id", &d.request_id));
     }
+    let body_mutation = d.body.as_ref().map(|b| {
+        set.push(header("content-length", &b.len().to_string()));
+        BodyMutation { mutation: Some(Mutation::Body(b.clone())) }
+    });
     let mut ours = vec![
         ("replica", string(&d.targets[0].id)),
         ("policy", string(d.policy)),
@@ -120,16 +106,15 @@ pub fn decision(d: &Decision, set_request_id: bool, chunks: usize) -> Vec<Proces
             .into_iter()
             .collect(),
     };
-    let headers = ProcessingResponse {
-        response: Some(Response::RequestHeaders(HeadersResponse {
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse {
             response: Some(CommonResponse {
                 header_mutation: Some(HeaderMutation { set_headers: set, ..Default::default() }),
+                body_mutation,
                 ..Default::default()
             }),
         })),
         dynamic_metadata: Some(metadata),
         ..Default::default()
-    };
-    let body = (0..chunks).map(|i| chunk(d.body.as_deref(), i));
-    std::iter::once(headers).chain(body).collect()
+    }
 }

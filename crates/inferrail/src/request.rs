@@ -18,8 +18,6 @@ pub struct Head {
     pub path: String,
     /// `x-request-id`, as Envoy generated or passed it.
     pub request_id: Option<String>,
-    /// `content-length`, when the client sent one.
-    pub content_length: Option<usize>,
 }
 
 /// A header's value: Envoy sends it in `raw_value`, older versions in `value`.
@@ -41,7 +39,6 @@ pub fn head(headers: Option<&HeaderMap>) -> Head {
             ":method" => h.method = value,
             ":path" => h.path = value.split('?').next().unwrap_or_default().to_string(),
             "x-request-id" => h.request_id = Some(value),
-            "content-length" => h.content_length = value.trim().parse().ok(),
             _ => {}
         }
     }

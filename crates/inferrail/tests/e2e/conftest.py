@@ -17,8 +17,7 @@ MODEL = "inferrail/sim-8b"
 
 
 class Fleet:
-    def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="",
-                 listener_buffer_bytes=16777216):
+    def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra=""):
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
@@ -42,8 +41,6 @@ class Fleet:
         for old, new in [(8080, self.listen), (9901, self.envoy_admin), (9002, self.grpc)] + list(zip((8001, 8002, 8003), self.sim_ports)):
             envoy, n = re.subn(rf"port_value: {old}\b", f"port_value: {new}", envoy)
             assert n == 1, f"envoy/local.yaml should name port {old} once"
-        envoy, n = re.subn(r"per_connection_buffer_limit_bytes: \d+", f"per_connection_buffer_limit_bytes: {listener_buffer_bytes}", envoy)
-        assert n == 1, "envoy/local.yaml should set the listener's buffer limit once"
         self.envoy_config = tmp / "envoy.yaml"
         self.envoy_config.write_text(envoy)
 

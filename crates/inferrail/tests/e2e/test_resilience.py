@@ -25,6 +25,30 @@ def test_router_down_means_round_robin_not_errors(fleet_factory):
     assert len(upstreams) == 3
 
 
+def test_a_router_that_dies_while_a_body_arrives_costs_no_request(fleet_factory):
+    # The router is killed after the headers and half the body: Envoy still
+    # holds the whole body (it is buffered, ADR 0009) and sends it, intact,
+    # round robin. The engine must count every token of the prompt.
+    fleet = fleet_factory()
+    prompt = "".join(f"w{i:05d} " for i in range(1500))
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=15)
+    c.putrequest("POST", "/v1/completions")
+    c.putheader("content-type", "application/json")
+    c.putheader("content-length", str(len(body)))
+    c.endheaders()
+    c.send(body[:4000])
+    time.sleep(0.3)
+    fleet.kill("inferrail")
+    time.sleep(0.3)
+    c.send(body[4000:])
+    r = c.getresponse()
+    reply = json.loads(r.read())
+    assert r.status == 200, reply
+    direct = http("POST", f"{fleet.sim_url(0)}/v1/completions", body).json()
+    assert reply["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+
+
 def load(fleet, stop, results):
     while not stop.is_set():
         t = time.monotonic()

@@ -8,7 +8,7 @@ import collections
 import openai
 import pytest
 
-from conftest import MODEL, http, wait_until
+from conftest import MODEL, http
 
 
 def served(fleet, n, **kw):
@@ -94,11 +94,9 @@ def envoy_stat(fleet, name):
 
 def test_a_slow_body_still_gets_the_decision(fleet_factory):
     # The body comes in three parts 300 ms apart, each pause longer than
-    # Envoy's 200 ms message timeout (which restarts with every chunk): the
-    # router asks Envoy to wait at each, decides, answers the headers,
-    # replaces the first chunk with the rewritten body (the model is an
-    # alias) and clears the others. The engine must count exactly the
-    # prompt the router tokenized.
+    # Envoy's 200 ms message timeout: Envoy buffers it and sends it whole,
+    # so the router still decides, and rewrites the body (the model is an
+    # alias). The engine must count exactly the prompt the router tokenized.
     import http.client
     import time
     fleet = fleet_factory(policy="round_robin")
@@ -117,24 +115,7 @@ def test_a_slow_body_still_gets_the_decision(fleet_factory):
     assert reply["model"] == MODEL
     assert r.getheader("x-inferrail-prompt-tokens") == str(reply["usage"]["prompt_tokens"])
     assert_enforced(fleet, [(r.getheader("x-inferrail-replica"), r.getheader("x-inferrail-upstream"))])
-    # At least one extension for each pause (a busy machine may make another chunk late too).
-    assert envoy_stat(fleet, "override_message_timeout_received") >= 2
     assert envoy_stat(fleet, "message_timeouts") == 0 and envoy_stat(fleet, "failure_mode_allowed") == 0
-
-
-def test_a_body_over_the_listener_limit_is_counted_and_still_served(fleet_factory):
-    # Misconfigured: Envoy's listener holds 256 kB, inferrail accepts 1 MiB.
-    # Envoy stops reading the 600 kB body, so it never completes; after the
-    # 10 s inferrail asked for, Envoy routes the request without a decision
-    # (the alias is not rewritten, so the engine refuses it) and inferrail
-    # counts the incomplete body.
-    fleet = fleet_factory(listener_buffer_bytes=262144)
-    r = http("POST", f"{fleet.url}/v1/completions", {"model": "sim", "prompt": "x" * 600_000, "max_tokens": 1}, timeout=30)
-    assert r.status == 404 and "`sim` does not exist" in r.json()["error"]["message"], r.body[:300]
-    assert "x-inferrail-replica" not in r.headers
-    # Envoy dropped the route stream when it gave up; inferrail counts it as it notices.
-    wait_until(lambda: fleet.metric("inferrail_bodies_incomplete_total") == 1, "the incomplete body counted")
-    assert envoy_stat(fleet, "failure_mode_allowed") == 1
 
 
 @pytest.mark.parametrize("method,path,body,status", [
