@@ -206,10 +206,11 @@ impl KvIndex {
         anyway: bool,
     ) -> Option<(Vec<BlockHash>, usize)> {
         let reusable = reusable.min(prompt.len());
-        let reused = prompt[..reusable].iter().take_while(|&&h| shadow.contains(h)).count();
+        // The leading blocks held, and of those, how many no running request holds.
+        let mut free_reused = 0;
+        let reused = prompt[..reusable].iter().map_while(|&h| shadow.in_use(h)).inspect(|&used| free_reused += usize::from(!used)).count();
         let need = prompt.len() - reused + partial;
         // Taking its reused blocks out of the free queue leaves less room; the engine checks before it touches anything.
-        let free_reused = prompt[..reused].iter().filter(|&&h| !shadow.in_use(h)).count();
         if need + free_reused > shadow.available() && !anyway {
             return None;
         }
@@ -217,16 +218,9 @@ impl KvIndex {
             shadow.hold(h);
         }
         // Room for every fresh block first: what they evict is chosen before any of them is named.
-        let mut evicted = Vec::new();
+        let (fresh, evicted) = self.take_fresh(shadow, need);
         let mut keys: Vec<BlockHash> = prompt[..reused].to_vec();
-        for _ in 0..need.min(shadow.available()) {
-            let p = self.placeholder();
-            match shadow.push(p) {
-                Ok(out) => evicted.extend(out),
-                Err(shadow::Full) => break,
-            }
-            keys.push(p);
-        }
+        keys.extend(fresh);
         for i in reused..prompt.len().min(keys.len()) {
             if !shadow.contains(prompt[i]) && shadow.remove(keys[i]) && shadow.push(prompt[i]).is_ok() {
                 keys[i] = prompt[i];
@@ -237,10 +231,23 @@ impl KvIndex {
             holders.update_or_insert_with(*h, |bits| bits.with(slot), || Bits::default().with(slot));
         }
         // A block evicted and then named again by the same request stays held.
-        for h in evicted.into_iter().filter(|&h| !is_placeholder(h) && !shadow.contains(h)) {
+        for h in evicted.into_iter().filter(|&h| !shadow.contains(h)) {
             release(&holders, h, slot);
         }
         Some((keys, reused))
+    }
+
+    /// Takes up to `n` fresh blocks, named by placeholders, while some block
+    /// is not in use; returns them and the real blocks they evicted.
+    fn take_fresh(&self, shadow: &mut Shadow, n: usize) -> (Vec<BlockHash>, Vec<BlockHash>) {
+        let (mut fresh, mut evicted) = (Vec::with_capacity(n), Vec::new());
+        for _ in 0..n {
+            let p = self.placeholder();
+            let Ok(out) = shadow.push(p) else { break };
+            evicted.extend(out.filter(|&h| !is_placeholder(h)));
+            fresh.push(p);
+        }
+        (fresh, evicted)
     }
 
     /// A key for a block no prompt can match.
@@ -266,14 +273,9 @@ impl KvIndex {
         // Generated tokens' blocks, the request's last, are freed first.
         let shadow = &mut rep.shadow;
         let holders = self.holders.pin();
-        let mut generated = Vec::with_capacity(output);
-        for _ in 0..output.min(shadow.available()) {
-            let p = self.placeholder();
-            let Ok(evicted) = shadow.push(p) else { break };
-            if let Some(h) = evicted.filter(|&h| !is_placeholder(h)) {
-                release(&holders, h, recorded.slot);
-            }
-            generated.push(p);
+        let (generated, evicted) = self.take_fresh(shadow, output);
+        for h in evicted {
+            release(&holders, h, recorded.slot);
         }
         for &h in generated.iter().rev().chain(keys.iter().rev()) {
             shadow.release(h);

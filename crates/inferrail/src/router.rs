@@ -290,11 +290,11 @@ impl Router {
         Some(moved)
     }
 
-    /// The request is over: the engine freed its blocks. The record stays,
-    /// for a refusal whose status comes after.
+    /// The request is over and the engine answered it (status below 400):
+    /// it freed its blocks. Only the first call for a lease does anything.
     pub fn complete(&self, lease: &Lease) {
-        if let Some((_, record)) = &*lease.kv.lock().unwrap_or_else(|p| p.into_inner()) {
-            self.kv.complete(record);
+        if let Some((_, record)) = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            self.kv.complete(&record);
         }
     }
 

@@ -163,9 +163,9 @@ impl Shadow {
         }
     }
 
-    /// Whether a running request holds a block.
-    pub(super) fn in_use(&self, h: BlockHash) -> bool {
-        self.find(h).is_some_and(|i| self.nodes[i as usize].older == IN_USE)
+    /// Whether a running request holds a block; `None` if the block is not held.
+    pub(super) fn in_use(&self, h: BlockHash) -> Option<bool> {
+        self.find(h).map(|i| self.nodes[i as usize].older == IN_USE)
     }
 
     /// Removes a block, in use or not; false if it was not held.
