@@ -296,8 +296,9 @@ impl<'a> Message<'a> {
                 fields.push(("tool_calls", template::value(&Value::Array(calls))));
             }
             if let Some(r) = m.get("reasoning").or_else(|| m.get("reasoning_content")).filter(|v| !v.is_null()) {
-                fields.push(("reasoning", template::value(r)));
-                fields.push(("reasoning_content", template::value(r)));
+                let r = template::value(r);
+                fields.push(("reasoning", r.clone()));
+                fields.push(("reasoning_content", r));
             }
         }
         if role == "tool"

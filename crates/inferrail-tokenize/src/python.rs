@@ -158,10 +158,7 @@ fn float_repr(f: f64) -> String {
 pub fn py_str(out: &mut String, value: &Value) {
     match value.kind() {
         ValueKind::Undefined => {}
-        ValueKind::String | ValueKind::Plain => match value.as_str() {
-            Some(s) => out.push_str(s),
-            None => out.push_str(&value.to_string()),
-        },
+        ValueKind::String | ValueKind::Plain => out.push_str(&value.to_string()),
         _ => py_repr(out, value),
     }
 }

@@ -83,13 +83,11 @@ mod hostile {
     use serde_json::{Map, Value, json};
 
     use super::super::*;
-    use crate::tokenizer::tests::family_dir;
+    use crate::tokenizer::tests::{FAMILIES, family_dir};
 
     static TOKENIZERS: LazyLock<Vec<Tokenizer>> = LazyLock::new(|| {
         let mut all = vec![Tokenizer::load("builtin:sim", 0).unwrap()];
-        all.extend(
-            ["qwen3", "llama3_1", "gemma3", "deepseek_v3"].map(|f| Tokenizer::load(family_dir(f).to_str().unwrap(), 4_096).unwrap()),
-        );
+        all.extend(FAMILIES.map(|f| Tokenizer::load(family_dir(f).to_str().unwrap(), 4_096).unwrap()));
         all
     });
 
