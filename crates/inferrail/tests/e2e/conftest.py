@@ -93,6 +93,11 @@ class Fleet:
         m = pattern.search(self.metrics())
         return float(m.group(1)) if m else None
 
+    def envoy_stat(self, name):
+        """An ext_proc counter of Envoy's, summed over both filters."""
+        text = http("GET", f"http://127.0.0.1:{self.envoy_admin}/stats?filter=ext_proc").body.decode()
+        return sum(int(line.split(": ")[1]) for line in text.splitlines() if line.split(": ")[0].endswith("." + name))
+
     def sim_url(self, i):
         return f"http://127.0.0.1:{self.sim_ports[i]}"
 
