@@ -72,11 +72,12 @@ bench-sim:
     target/release/inferrail-bench throughput --engine "inferrail-sim --zero-latency ($commit)" --out "$out/throughput-zero-latency.json"
     stop_sim
 
-# Bring up the local fleet: three simulators (8001-8003), inferrail (ext_proc 9002, admin 9090) and Envoy (8080, admin 9901).
-up: setup
+# Bring up the local fleet: three simulators (8001-8003), inferrail (ext_proc 9002, admin 9090) and Envoy (8080, admin 9901); `just up sidecar` reads engine load through the inferrail-scraper sidecar (9095) instead of in the router.
+up LOAD="embedded": setup
     #!/usr/bin/env bash
     set -euo pipefail
-    cargo build --quiet -p inferrail -p inferrail-sim
+    case "{{LOAD}}" in embedded|sidecar) ;; *) echo "just up [embedded|sidecar]" >&2; exit 2;; esac
+    cargo build --quiet -p inferrail -p inferrail-sim -p inferrail-scraper
     run="{{cache}}/fleet"
     mkdir -p "$run"
     "{{just_executable()}}" --justfile "{{justfile()}}" down > /dev/null
@@ -85,7 +86,13 @@ up: setup
     for i in 1 2 3; do
         start "sim-$i" target/debug/inferrail-sim --port "800$i" --served-model-name inferrail/sim-8b --enable-prompt-tokens-details --seed "$i"
     done
-    start inferrail target/debug/inferrail --config envoy/local-inferrail.yaml
+    config=envoy/local-inferrail.yaml
+    if [ "{{LOAD}}" = sidecar ]; then
+        start scraper target/debug/inferrail-scraper --config "$config" --listen 127.0.0.1:9095
+        { cat "$config"; printf 'load:\n  sidecar: http://127.0.0.1:9095\n'; } > "$run/inferrail.yaml"
+        config="$run/inferrail.yaml"
+    fi
+    start inferrail target/debug/inferrail --config "$config"
     start envoy "{{venv}}/bin/envoy" -c envoy/local.yaml --log-level warn --disable-hot-restart
     body='{"model": "sim", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}'
     for _ in $(seq 200); do
@@ -147,3 +154,4 @@ bench-accuracy out="bench/results/prediction/accuracy.json" *args: setup
 # Benchmark decision time per policy (criterion); the medians are recorded in bench/results/decision/.
 bench-decision:
     cargo bench -p inferrail-policy --bench rank -- --warm-up-time 1 --measurement-time 2
+    cargo bench -p inferrail-route --bench decide -- --warm-up-time 1 --measurement-time 2

@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 use std::net::SocketAddr;
 
-use inferrail_policy::PolicyKind;
+use inferrail_policy::{Params, PolicyKind};
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration.
@@ -32,6 +32,8 @@ pub struct Config {
     pub tokenizer: Tokenization,
     /// The KV index: what each replica's cache is predicted to hold.
     pub kv: Kv,
+    /// Engine load: the replicas' `/metrics` pages, read here or by the sidecar.
+    pub load: Load,
     /// Models clients may ask for.
     pub models: Vec<Model>,
     /// Replicas listed by address.
@@ -78,11 +80,13 @@ impl Default for Admin {
 pub struct Routing {
     /// Seed of the randomized policies; the same seed replays the same choices.
     pub seed: u64,
+    /// Every policy's parameters, for every model; a model's `policies` overrides them field by field.
+    pub policies: Params,
 }
 
 impl Default for Routing {
     fn default() -> Self {
-        Self { seed: 0x1fe4_7a11 }
+        Self { seed: 0x1fe4_7a11, policies: Params::default() }
     }
 }
 
@@ -172,6 +176,27 @@ impl Default for Kv {
     }
 }
 
+/// Where the engines' load comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Load {
+    /// The `inferrail-scraper` sidecar's gRPC address (`http://127.0.0.1:9095`);
+    /// unset: the router reads every replica's `/metrics` itself.
+    pub sidecar: Option<String>,
+    /// Time between reads of one replica's page, milliseconds.
+    pub interval_ms: u64,
+    /// A read that takes longer fails, milliseconds.
+    pub timeout_ms: u64,
+    /// A page larger than this fails, bytes.
+    pub max_bytes: usize,
+}
+
+impl Default for Load {
+    fn default() -> Self {
+        Self { sidecar: None, interval_ms: 100, timeout_ms: 100, max_bytes: 4 << 20 }
+    }
+}
+
 /// A model clients may ask for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -186,11 +211,36 @@ pub struct Model {
     /// `tokenizer_config.json`, or `hf:<org>/<name>` from the local Hugging
     /// Face cache. Without one, its requests are routed without predictions.
     pub tokenizer: Option<String>,
+    /// Policy parameters of this model that differ from `routing.policies`
+    /// (same shape; only the fields given are overridden).
+    pub policies: serde_yaml::Value,
 }
 
 impl Default for Model {
     fn default() -> Self {
-        Self { name: String::new(), aliases: Vec::new(), policy: PolicyKind::RoundRobin, tokenizer: None }
+        Self {
+            name: String::new(),
+            aliases: Vec::new(),
+            policy: PolicyKind::RoundRobin,
+            tokenizer: None,
+            policies: serde_yaml::Value::Null,
+        }
+    }
+}
+
+/// `over` laid on `base`: mappings merge key by key, anything else replaces.
+fn merged(base: serde_yaml::Value, over: &serde_yaml::Value) -> serde_yaml::Value {
+    use serde_yaml::Value;
+    match (base, over) {
+        (Value::Mapping(mut b), Value::Mapping(o)) => {
+            for (k, v) in o {
+                let inner = b.remove(k).unwrap_or(Value::Null);
+                b.insert(k.clone(), merged(inner, v));
+            }
+            Value::Mapping(b)
+        }
+        (base, Value::Null) => base,
+        (_, o) => o.clone(),
     }
 }
 
@@ -338,6 +388,26 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// Model `m`'s policy parameters: `routing.policies` with the model's own laid over them.
+    pub fn params(&self, m: usize) -> Params {
+        self.model_params(m).unwrap_or_else(|_| self.routing.policies.clone())
+    }
+
+    /// The merged parameters, or every problem with its path.
+    fn model_params(&self, m: usize) -> Result<Params, Vec<String>> {
+        let over = &self.models[m].policies;
+        if over.is_null() {
+            return Ok(self.routing.policies.clone());
+        }
+        let at = format!("models[{m}].policies");
+        let base = serde_yaml::to_value(&self.routing.policies).map_err(|e| vec![format!("{at}: {e}")])?;
+        let mut unknown = Vec::new();
+        let params: Params =
+            serde_ignored::deserialize(merged(base, over), |path| unknown.push(format!("{at}.{}: unknown key", path_text(&path))))
+                .map_err(|e| vec![format!("{at}: {e}")])?;
+        if unknown.is_empty() { Ok(params) } else { Err(unknown) }
+    }
+
     /// Reads, parses and validates a file.
     pub fn load(path: &str) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
@@ -389,13 +459,29 @@ impl Config {
         if t.workers == 0 || t.queue == 0 || t.max_wait_ms == 0 {
             p.push("tokenizer: workers, queue and max_wait_ms must be at least 1".into());
         }
+        let l = &self.load;
+        if l.interval_ms == 0 || l.timeout_ms == 0 || l.max_bytes == 0 {
+            p.push("load: interval_ms, timeout_ms and max_bytes must be at least 1".into());
+        }
+        if let Some(s) = &l.sidecar
+            && !(s.starts_with("http://") || s.starts_with("https://"))
+        {
+            p.push(format!("load.sidecar: {s:?} is not an http:// or https:// address"));
+        }
         if self.kv.block_size == 0 || self.kv.blocks == 0 {
             p.push("kv: block_size and blocks must be at least 1".into());
         }
+        p.extend(self.routing.policies.validate("routing.policies"));
         let mut names = HashSet::new();
         for (i, m) in self.models.iter().enumerate() {
             if m.name.is_empty() {
                 p.push(format!("models[{i}].name: missing"));
+            }
+            if !m.policies.is_null() {
+                match self.model_params(i) {
+                    Ok(params) => p.extend(params.validate(&format!("models[{i}].policies"))),
+                    Err(e) => p.extend(e),
+                }
             }
             for n in std::iter::once(&m.name).chain(&m.aliases) {
                 if !n.is_empty() && !names.insert(n.as_str()) {

@@ -84,3 +84,49 @@ fn the_documented_example_is_valid_and_complete() {
         assert!(have.contains(&k), "example.yaml does not document {k}");
     }
 }
+
+#[test]
+fn policy_parameters_are_global_with_per_model_overrides_and_bad_ones_are_named_by_path() {
+    let text = "
+routing:
+  policies:
+    prefill: {prefill_token_us: 80}
+    cost_model: {epsilon: 0.5}
+models:
+  - name: m
+    policy: cost_model
+    policies:
+      cost_model: {kappa: 0.8, hot_prefix: {blocks: 8}}
+  - {name: n, policy: kv_aware}
+replicas:
+  - {id: a, address: 127.0.0.1:8001, models: [m, n]}
+";
+    let c = Config::parse(text).unwrap();
+    let (m, n) = (c.params(0), c.params(1));
+    assert_eq!((m.cost_model.epsilon, m.cost_model.kappa, m.cost_model.hot_prefix.blocks), (0.5, 0.8, 8));
+    assert_eq!(m.cost_model.hot_prefix.window_secs, 10.0, "fields not given keep the global value");
+    assert_eq!((m.prefill.prefill_token_us, n.prefill.prefill_token_us), (80.0, 80.0));
+    assert_eq!((n.cost_model.epsilon, n.cost_model.kappa), (0.5, 0.92));
+
+    let bad = "
+routing:
+  policies:
+    cost_model: {kappa: 1.5, epsilon: -1, colour: red}
+models:
+  - name: m
+    policies: {kv_aware: {load_weight: -2, spin: 1}, prefix_hash: {blocks: 0}}
+replicas:
+  - {id: a, address: 127.0.0.1:8001, models: [m]}
+";
+    let Err(ConfigError::Invalid(problems)) = Config::parse(bad) else { panic!("accepted") };
+    let expected = [
+        "routing.policies.cost_model.colour: unknown key",
+        "routing.policies.cost_model.epsilon: -1 is not a non-negative number",
+        "routing.policies.cost_model.kappa: 1.5 is not in (0, 1]",
+        "models[0].policies.kv_aware.spin: unknown key",
+    ];
+    for e in expected {
+        assert!(problems.iter().any(|p| p.starts_with(e)), "missing {e:?} in {problems:#?}");
+    }
+    assert_eq!(problems.len(), expected.len(), "an override with unknown keys is not validated further: {problems:#?}");
+}

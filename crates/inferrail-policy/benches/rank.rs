@@ -1,32 +1,41 @@
-//! Decision time per policy: eligibility plus ranking over a fleet.
+//! Decision time per policy over plain candidates: eligibility, guards,
+//! scores and order (no index lookup; `inferrail-route`'s benchmark has the
+//! whole decision).
 #![allow(missing_docs)]
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use inferrail_policy::{PolicyKind, ReplicaLoad, build, eligible};
+use inferrail_policy::{ALL, Candidate, Params, Request, build, decide};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
 
-fn fleet(n: usize) -> Vec<ReplicaLoad> {
+fn fleet(n: usize) -> Vec<Candidate> {
     (0..n)
-        .map(|i| ReplicaLoad {
+        .map(|i| Candidate {
+            key: i as u64 * 0x9e37_79b9_7f4a_7c15,
             in_flight: (i * 7 % 13) as u32,
             pending: (i % 3) as u32,
             max_concurrency: 256,
             max_pending: 64,
             healthy: i % 17 != 5,
+            cached_tokens: (i * 997) % 8_000,
+            queued_prefill_secs: (i % 5) as f64 * 0.1,
+            prompt_tokens_in_flight: (i * 311 % 5_000) as u64,
+            engine: None,
         })
         .collect()
 }
 
 fn rank(c: &mut Criterion) {
     let mut group = c.benchmark_group("decide");
+    let blocks: Vec<u128> = (0..500).collect();
+    let req = Request { prompt_tokens: Some(8_000), blocks: &blocks, block_size: 16, ..Request::default() };
     for n in [3usize, 16, 64] {
-        let replicas = fleet(n);
-        for kind in [PolicyKind::RoundRobin, PolicyKind::Random, PolicyKind::LeastRequest, PolicyKind::P2c] {
-            let policy = build(kind, 1);
-            group.bench_with_input(BenchmarkId::new(policy.name(), n), &replicas, |b, r| {
-                b.iter(|| {
-                    let candidates = eligible(r).unwrap_or_default();
-                    std::hint::black_box(policy.rank(r, candidates))
-                })
+        let candidates = fleet(n);
+        for kind in ALL {
+            let policy = build(kind, &Params::default());
+            let mut rng = StdRng::seed_from_u64(1);
+            group.bench_with_input(BenchmarkId::new(policy.name(), n), &candidates, |b, c| {
+                b.iter(|| std::hint::black_box(decide(policy.as_ref(), &req, c, &mut rng)))
             });
         }
     }

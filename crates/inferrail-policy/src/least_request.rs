@@ -1,55 +1,46 @@
-//! `least_request`: fewest requests in flight first, ties broken at random.
-//!
-//! Candidates are shuffled with the policy's seeded generator, then stably
-//! sorted by in-flight count, so equal loads share traffic evenly.
+//! `least_request`: fewest requests in flight first; ties at random (the
+//! shared tie-break of [`crate::order`]), so equal loads share traffic evenly.
 
-use rand::seq::SliceRandom;
+use rand::rngs::StdRng;
 
-use crate::{ReplicaLoad, RoutingPolicy, SeededRng};
+use crate::{Candidate, Request, RoutingPolicy, Score};
 
 /// See the module doc.
 #[derive(Debug)]
-pub struct LeastRequest {
-    rng: SeededRng,
-}
-
-impl LeastRequest {
-    /// A policy breaking ties from `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self { rng: SeededRng::new(seed) }
-    }
-}
-
-/// `candidates` by in-flight count, ties in the order given.
-pub fn by_load(replicas: &[ReplicaLoad], mut candidates: Vec<usize>) -> Vec<usize> {
-    candidates.sort_by_key(|&i| replicas[i].in_flight);
-    candidates
-}
+pub struct LeastRequest;
 
 impl RoutingPolicy for LeastRequest {
     fn name(&self) -> &'static str {
         "least_request"
     }
 
-    fn rank(&self, replicas: &[ReplicaLoad], mut candidates: Vec<usize>) -> Vec<usize> {
-        self.rng.with(|rng| candidates.shuffle(rng));
-        by_load(replicas, candidates)
+    fn terms(&self) -> &'static [&'static str] {
+        &["in_flight"]
+    }
+
+    fn score(&self, _req: &Request, c: &[Candidate], offered: &[usize], _rng: &mut StdRng, out: &mut [Score]) -> Option<&'static str> {
+        for (s, &i) in out.iter_mut().zip(offered) {
+            *s = Score::single(f64::from(c[i].in_flight));
+        }
+        None
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::load;
+    use crate::decide;
+    use crate::testing::{fleet, rng};
 
     #[test]
     fn least_loaded_first_and_ties_shared() {
-        let p = LeastRequest::new(1);
-        assert_eq!(p.rank(&[load(5), load(1), load(3)], vec![0, 1, 2]), [1, 2, 0]);
-        let even = [load(2), load(2), load(9)];
+        let mut r = rng(1);
+        let req = Request::default();
+        assert_eq!(decide(&LeastRequest, &req, &fleet(&[5, 1, 3]), &mut r).unwrap(), [1, 2, 0]);
+        let even = fleet(&[2, 2, 9]);
         let mut wins = [0; 3];
         for _ in 0..200 {
-            wins[p.rank(&even, vec![0, 1, 2])[0]] += 1;
+            wins[decide(&LeastRequest, &req, &even, &mut r).unwrap()[0]] += 1;
         }
         assert!(wins[0] > 50 && wins[1] > 50 && wins[2] == 0, "{wins:?}");
     }

@@ -1,24 +1,45 @@
-//! Routing policies: given the replicas that may serve a request, rank them.
+//! Routing policies: given the replicas that may serve a request, score them.
 //!
-//! A policy sees plain data ([`ReplicaLoad`]) and returns every eligible
-//! replica, best first: the first serves, the next ones are the fallbacks
-//! Envoy's retries walk. Eligibility (health, room) is decided apart, by
-//! [`eligible`], so each policy only scores. Policies hold their own seeded
-//! randomness, so a seed replays the same choices. No I/O happens here.
+//! A policy sees plain data: each [`Candidate`] (the router's own counters,
+//! the engine's last fresh report, the prompt's predicted cached tokens) and
+//! the [`Request`]. It may set candidates aside with a typed [`SetAside`]
+//! reason ([`RoutingPolicy::guard`]), then gives every remaining candidate a
+//! [`Score`] split into named terms, lower is better. Ordering the scores,
+//! with ties to fewer requests in flight and then to chance, is [`order`]'s
+//! job, the same for every policy. A policy that keeps state across
+//! decisions (round robin's counter, sessions, the hot-prefix sketch) updates
+//! it only in [`RoutingPolicy::picked`], after a decision is committed, so
+//! that scoring can be replayed to explain a decision without changing the
+//! next one. Randomness comes from a generator the caller passes in (seeded,
+//! so a seed replays the same choices). No I/O happens here.
 #![forbid(unsafe_code)]
 
+pub mod cost_model;
+pub mod dynamo_kv;
+pub mod gie_default;
+pub mod kv_aware;
 pub mod least_request;
 pub mod p2c;
+pub mod prefix_hash;
 pub mod random;
 pub mod round_robin;
+pub mod sglang_cache_aware;
+pub mod sketch;
 
-use rand::SeedableRng;
+use std::time::Duration;
+
+use rand::RngCore;
 use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 
+/// A block's chained hash, as the KV index names it.
+pub type BlockHash = u128;
+
 /// What a policy knows of one replica at decision time.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReplicaLoad {
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    /// A stable number for the replica (a hash of its id), for rendezvous hashing and sessions.
+    pub key: u64,
     /// Requests routed to it and not yet finished.
     pub in_flight: u32,
     /// Of those, the ones still waiting for their first byte.
@@ -29,12 +50,102 @@ pub struct ReplicaLoad {
     pub max_pending: u32,
     /// Passes health checks and is not ejected.
     pub healthy: bool,
+    /// Prompt tokens the KV index predicts it holds (0 without a prediction).
+    pub cached_tokens: usize,
+    /// Prefill the router has sent it and that is not done yet, seconds.
+    pub queued_prefill_secs: f64,
+    /// Prompt tokens of the requests in flight there.
+    pub prompt_tokens_in_flight: u64,
+    /// The engine's own last report, only while it is fresh.
+    pub engine: Option<EngineReport>,
 }
 
-impl ReplicaLoad {
+impl Candidate {
     /// Has room for one more request.
     pub fn has_room(&self) -> bool {
         self.in_flight < self.max_concurrency && self.pending < self.max_pending
+    }
+
+    /// Requests decoding now: the engine's count while its report is fresh,
+    /// else the router's requests past their first byte.
+    pub fn running(&self) -> u32 {
+        self.engine.as_ref().map_or(self.in_flight.saturating_sub(self.pending), |e| e.running)
+    }
+}
+
+/// What an engine last said of its load, from its `/metrics` page.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineReport {
+    /// Requests running.
+    pub running: u32,
+    /// Requests waiting.
+    pub waiting: u32,
+    /// Share of its KV cache in use, 0 to 1.
+    pub kv_usage: f64,
+}
+
+/// What a policy knows of the request.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Request<'a> {
+    /// The decision's time on the router's clock.
+    pub now: Duration,
+    /// Prompt tokens, when the prompt was tokenized.
+    pub prompt_tokens: Option<usize>,
+    /// The prompt's full blocks' hashes at `block_size` (empty without a prediction).
+    pub blocks: &'a [BlockHash],
+    /// Tokens per block of `blocks`.
+    pub block_size: usize,
+    /// The conversation it names (`x-session-id`, or the body's `user`).
+    pub session: Option<&'a str>,
+    /// The prompt as text, for policies that match characters rather than
+    /// tokens (given only to those whose [`RoutingPolicy::wants_text`] says so).
+    pub text: Option<&'a str>,
+}
+
+/// A candidate's score: lower is better; `terms` are named by the policy's [`RoutingPolicy::terms`].
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Score {
+    /// What ranks it.
+    pub total: f64,
+    /// Its parts, for explanations and logs.
+    pub terms: [f64; 4],
+}
+
+impl Score {
+    /// A score that is its only term.
+    pub fn single(total: f64) -> Self {
+        Self { total, terms: [total, 0.0, 0.0, 0.0] }
+    }
+}
+
+/// Why a replica was not offered to the policy, or was set aside by its guards.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SetAside {
+    /// Failing probes or ejected.
+    Unhealthy,
+    /// At its concurrency or pending limit.
+    Full,
+    /// One more request would put it above the bounded-load cap.
+    BoundedLoad {
+        /// The cap.
+        cap: u32,
+    },
+    /// Its engine reports its KV cache fuller than `kappa` and the prompt is long and uncached there.
+    KvPressure {
+        /// The reported usage.
+        usage: f64,
+    },
+}
+
+impl SetAside {
+    /// A short label for metrics and logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::Unhealthy => "unhealthy",
+            Self::Full => "full",
+            Self::BoundedLoad { .. } => "bounded_load",
+            Self::KvPressure { .. } => "kv_pressure",
+        }
     }
 }
 
@@ -63,27 +174,111 @@ impl NoReplica {
     }
 }
 
-/// Indices of the replicas that may take a request: healthy, with room.
-pub fn eligible(replicas: &[ReplicaLoad]) -> Result<Vec<usize>, NoReplica> {
-    if replicas.is_empty() {
+/// Marks the candidates that may not take a request (unhealthy, or full) in
+/// `aside`; fails with the reason when none may.
+pub fn eligibility(candidates: &[Candidate], aside: &mut [Option<SetAside>]) -> Result<(), NoReplica> {
+    if candidates.is_empty() {
         return Err(NoReplica::NoneServe);
     }
-    let healthy: Vec<usize> = (0..replicas.len()).filter(|&i| replicas[i].healthy).collect();
-    if healthy.is_empty() {
-        return Err(NoReplica::AllUnhealthy);
+    for (c, a) in candidates.iter().zip(aside.iter_mut()) {
+        *a = if !c.healthy {
+            Some(SetAside::Unhealthy)
+        } else if !c.has_room() {
+            Some(SetAside::Full)
+        } else {
+            None
+        };
     }
-    let open: Vec<usize> = healthy.into_iter().filter(|&i| replicas[i].has_room()).collect();
-    if open.is_empty() { Err(NoReplica::AllFull) } else { Ok(open) }
+    if aside.iter().all(|a| *a == Some(SetAside::Unhealthy)) {
+        Err(NoReplica::AllUnhealthy)
+    } else if aside.iter().all(Option::is_some) {
+        Err(NoReplica::AllFull)
+    } else {
+        Ok(())
+    }
 }
 
-/// A routing policy: ranks eligible replicas, best first.
+/// A routing policy: guards, then scores; see the module doc.
 pub trait RoutingPolicy: Send + Sync {
     /// The policy's name, as configured and as metrics label it.
     fn name(&self) -> &'static str;
 
-    /// Orders `candidates` (indices into `replicas`, all eligible, never
-    /// empty) best first. The result holds each candidate exactly once.
-    fn rank(&self, replicas: &[ReplicaLoad], candidates: Vec<usize>) -> Vec<usize>;
+    /// Names of the score's terms, in order (at most four).
+    fn terms(&self) -> &'static [&'static str];
+
+    /// Whether it reads [`Request::text`].
+    fn wants_text(&self) -> TextKind {
+        TextKind::None
+    }
+
+    /// Sets aside candidates its guards refuse (`aside[i]` is `None` for the
+    /// ones still offered, at least one). Must leave at least one offered.
+    /// Returns a note when a guard was waived because it would refuse all.
+    fn guard(&self, _req: &Request, _candidates: &[Candidate], _aside: &mut [Option<SetAside>]) -> Option<&'static str> {
+        None
+    }
+
+    /// Scores each of `offered` (indices into `candidates`, never empty) into
+    /// the same position of `out`. Returns what steered the decision, when
+    /// something other than the scores' order did (a session, a fallback).
+    fn score(
+        &self,
+        req: &Request,
+        candidates: &[Candidate],
+        offered: &[usize],
+        rng: &mut StdRng,
+        out: &mut [Score],
+    ) -> Option<&'static str>;
+
+    /// The decision was committed to `winner` (an index into `candidates`).
+    fn picked(&self, _req: &Request, _candidates: &[Candidate], _winner: usize) {}
+}
+
+/// Which text of a request a policy reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TextKind {
+    /// None.
+    None,
+    /// The messages' contents (or the prompt) joined by single spaces, as SGLang's router reads them.
+    Contents,
+    /// The messages serialized as JSON (or the prompt), as the Inference Extension's picker reads them.
+    Serialized,
+}
+
+/// `offered` ordered by score, then fewer requests in flight, then at random.
+pub fn order(candidates: &[Candidate], offered: &[usize], scores: &[Score], rng: &mut StdRng) -> Vec<usize> {
+    let mut keyed: Vec<(f64, u32, u32, usize)> =
+        offered.iter().zip(scores).map(|(&i, s)| (s.total, candidates[i].in_flight, rng.next_u32(), i)).collect();
+    keyed.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    keyed.into_iter().map(|k| k.3).collect()
+}
+
+/// The engine's prefill cost: `a*u + b*u*(c + u/2) + d` seconds for `u`
+/// uncached tokens after `c` cached ones. `inferrail-calibrate` fits it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Prefill {
+    /// `a`: microseconds per uncached token.
+    pub prefill_token_us: f64,
+    /// `b`: nanoseconds per attended token pair.
+    pub prefill_pair_ns: f64,
+    /// `d`: milliseconds per prefill.
+    pub prefill_fixed_ms: f64,
+}
+
+impl Default for Prefill {
+    /// The simulator's defaults, close to an 8B model on one 24 GB GPU.
+    fn default() -> Self {
+        Self { prefill_token_us: 100.0, prefill_pair_ns: 3.3, prefill_fixed_ms: 5.0 }
+    }
+}
+
+impl Prefill {
+    /// Seconds to prefill `uncached` tokens after `cached` ones.
+    pub fn secs(&self, uncached: usize, cached: usize) -> f64 {
+        let (u, c) = (uncached as f64, cached as f64);
+        self.prefill_token_us * 1e-6 * u + self.prefill_pair_ns * 1e-9 * u * (c + u / 2.0) + self.prefill_fixed_ms * 1e-3
+    }
 }
 
 /// A policy as configured for a model.
@@ -99,50 +294,134 @@ pub enum PolicyKind {
     LeastRequest,
     /// The better of two chosen at random.
     P2c,
+    /// Rendezvous hash on the prompt's first blocks.
+    PrefixHash,
+    /// Predicted cached share against relative load.
+    KvAware,
+    /// Lowest estimated time to first token, inside load guards.
+    CostModel,
+    /// SGLang router's `cache_aware`, as a stand-in for comparisons.
+    SglangCacheAware,
+    /// NVIDIA Dynamo's KV router cost, as a stand-in for comparisons.
+    DynamoKv,
+    /// The Gateway API Inference Extension's default endpoint picker, as a stand-in for comparisons.
+    GieDefault,
 }
 
-/// Builds a policy; randomized ones draw from `seed`.
-pub fn build(kind: PolicyKind, seed: u64) -> Box<dyn RoutingPolicy> {
+/// Every policy's parameters; a model uses the ones of its policy, and
+/// `prefill` also sizes the prefill the router counts as queued.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Params {
+    /// The engine's prefill cost.
+    pub prefill: Prefill,
+    /// `cost_model`.
+    pub cost_model: cost_model::Config,
+    /// `kv_aware`.
+    pub kv_aware: kv_aware::Config,
+    /// `prefix_hash`.
+    pub prefix_hash: prefix_hash::Config,
+    /// `sglang_cache_aware`.
+    pub sglang_cache_aware: sglang_cache_aware::Config,
+    /// `dynamo_kv`.
+    pub dynamo_kv: dynamo_kv::Config,
+    /// `gie_default`.
+    pub gie_default: gie_default::Config,
+}
+
+impl Params {
+    /// Every range problem, each with its path under `at`.
+    pub fn validate(&self, at: &str) -> Vec<String> {
+        let mut p = Vec::new();
+        let f = &self.prefill;
+        for (name, v) in
+            [("prefill_token_us", f.prefill_token_us), ("prefill_pair_ns", f.prefill_pair_ns), ("prefill_fixed_ms", f.prefill_fixed_ms)]
+        {
+            if !(v.is_finite() && v >= 0.0) {
+                p.push(format!("{at}.prefill.{name}: {v} is not a non-negative number"));
+            }
+        }
+        self.cost_model.validate(&format!("{at}.cost_model"), &mut p);
+        self.kv_aware.validate(&format!("{at}.kv_aware"), &mut p);
+        self.prefix_hash.validate(&format!("{at}.prefix_hash"), &mut p);
+        self.sglang_cache_aware.validate(&format!("{at}.sglang_cache_aware"), &mut p);
+        self.dynamo_kv.validate(&format!("{at}.dynamo_kv"), &mut p);
+        self.gie_default.validate(&format!("{at}.gie_default"), &mut p);
+        p
+    }
+}
+
+/// Builds a policy with its parameters.
+pub fn build(kind: PolicyKind, params: &Params) -> Box<dyn RoutingPolicy> {
     match kind {
         PolicyKind::RoundRobin => Box::new(round_robin::RoundRobin::default()),
-        PolicyKind::Random => Box::new(random::Random::new(seed)),
-        PolicyKind::LeastRequest => Box::new(least_request::LeastRequest::new(seed)),
-        PolicyKind::P2c => Box::new(p2c::P2c::new(seed)),
+        PolicyKind::Random => Box::new(random::Random),
+        PolicyKind::LeastRequest => Box::new(least_request::LeastRequest),
+        PolicyKind::P2c => Box::new(p2c::P2c),
+        PolicyKind::PrefixHash => Box::new(prefix_hash::PrefixHash::new(params.prefix_hash.clone())),
+        PolicyKind::KvAware => Box::new(kv_aware::KvAware::new(params.kv_aware.clone())),
+        PolicyKind::CostModel => Box::new(cost_model::CostModel::new(params.cost_model.clone(), params.prefill)),
+        PolicyKind::SglangCacheAware => Box::new(sglang_cache_aware::SglangCacheAware::new(params.sglang_cache_aware.clone())),
+        PolicyKind::DynamoKv => Box::new(dynamo_kv::DynamoKv::new(params.dynamo_kv.clone())),
+        PolicyKind::GieDefault => Box::new(gie_default::GieDefault::new(params.gie_default.clone())),
     }
 }
 
-/// Seeded randomness a policy owns; locked only for the few draws of one decision.
-#[derive(Debug)]
-pub struct SeededRng(std::sync::Mutex<StdRng>);
+/// Every policy kind, for tests and benchmarks.
+pub const ALL: [PolicyKind; 10] = [
+    PolicyKind::RoundRobin,
+    PolicyKind::Random,
+    PolicyKind::LeastRequest,
+    PolicyKind::P2c,
+    PolicyKind::PrefixHash,
+    PolicyKind::KvAware,
+    PolicyKind::CostModel,
+    PolicyKind::SglangCacheAware,
+    PolicyKind::DynamoKv,
+    PolicyKind::GieDefault,
+];
 
-impl SeededRng {
-    /// From a seed.
-    pub fn new(seed: u64) -> Self {
-        Self(std::sync::Mutex::new(StdRng::seed_from_u64(seed)))
-    }
-
-    /// Runs `f` with the generator.
-    pub fn with<T>(&self, f: impl FnOnce(&mut StdRng) -> T) -> T {
-        let mut rng = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        f(&mut rng)
-    }
+/// Runs one whole decision over plain candidates: eligibility, the policy's
+/// guards, scores and order. Returns the order (winner first) or why nobody
+/// qualifies. The route crate does the same with its own bookkeeping; this
+/// is for tests, benchmarks and simulations that need only the order.
+pub fn decide(policy: &dyn RoutingPolicy, req: &Request, candidates: &[Candidate], rng: &mut StdRng) -> Result<Vec<usize>, NoReplica> {
+    let mut aside = vec![None; candidates.len()];
+    eligibility(candidates, &mut aside)?;
+    policy.guard(req, candidates, &mut aside);
+    let offered: Vec<usize> = (0..candidates.len()).filter(|&i| aside[i].is_none()).collect();
+    let mut scores = vec![Score::default(); offered.len()];
+    policy.score(req, candidates, &offered, rng, &mut scores);
+    Ok(order(candidates, &offered, &scores, rng))
 }
 
 #[cfg(test)]
 pub(crate) mod testing {
     use super::*;
+    use rand::SeedableRng;
 
-    pub fn load(in_flight: u32) -> ReplicaLoad {
-        ReplicaLoad { in_flight, pending: 0, max_concurrency: 100, max_pending: 100, healthy: true }
+    pub fn load(in_flight: u32) -> Candidate {
+        Candidate {
+            key: u64::from(in_flight).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5555,
+            in_flight,
+            pending: 0,
+            max_concurrency: 100,
+            max_pending: 100,
+            healthy: true,
+            cached_tokens: 0,
+            queued_prefill_secs: 0.0,
+            prompt_tokens_in_flight: 0,
+            engine: None,
+        }
     }
 
-    /// Checks a ranking is a permutation of the candidates.
-    pub fn assert_permutation(ranked: &[usize], candidates: &[usize]) {
-        let mut a = ranked.to_vec();
-        let mut b = candidates.to_vec();
-        a.sort_unstable();
-        b.sort_unstable();
-        assert_eq!(a, b, "ranking {ranked:?} is not a permutation of {candidates:?}");
+    /// Candidates with distinct keys.
+    pub fn fleet(loads: &[u32]) -> Vec<Candidate> {
+        loads.iter().enumerate().map(|(i, &l)| Candidate { key: i as u64 * 0x9e37_79b9 + 17, ..load(l) }).collect()
+    }
+
+    pub fn rng(seed: u64) -> StdRng {
+        StdRng::seed_from_u64(seed)
     }
 }
 
@@ -152,43 +431,88 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn eligible(c: &[Candidate]) -> Result<Vec<usize>, NoReplica> {
+        let mut aside = vec![None; c.len()];
+        eligibility(c, &mut aside)?;
+        Ok((0..c.len()).filter(|&i| aside[i].is_none()).collect())
+    }
+
     #[test]
     fn eligibility_names_why_nobody_can_serve() {
         assert_eq!(eligible(&[]), Err(NoReplica::NoneServe));
-        let sick = ReplicaLoad { healthy: false, ..load(0) };
+        let sick = Candidate { healthy: false, ..load(0) };
         assert_eq!(eligible(&[sick.clone(), sick.clone()]), Err(NoReplica::AllUnhealthy));
-        let full = ReplicaLoad { in_flight: 100, ..load(0) };
+        let full = Candidate { in_flight: 100, ..load(0) };
         assert_eq!(eligible(&[sick.clone(), full.clone()]), Err(NoReplica::AllFull));
-        let waiting = ReplicaLoad { pending: 100, ..load(0) };
+        let waiting = Candidate { pending: 100, ..load(0) };
         assert_eq!(eligible(&[sick, full, waiting, load(3)]), Ok(vec![3]));
+    }
+
+    #[test]
+    fn ties_go_to_fewer_in_flight_then_to_chance() {
+        let c = fleet(&[4, 2, 2]);
+        let scores = [Score::single(1.0); 3];
+        let mut wins = [0; 3];
+        let mut r = rng(5);
+        for _ in 0..300 {
+            let o = order(&c, &[0, 1, 2], &scores, &mut r);
+            assert_eq!(o[2], 0, "the busiest is last on equal scores");
+            wins[o[0]] += 1;
+        }
+        assert!(wins[1] > 100 && wins[2] > 100, "{wins:?}");
     }
 
     proptest! {
         #[test]
-        fn every_policy_ranks_each_candidate_exactly_once(
-            loads in proptest::collection::vec(0u32..20, 1..12),
+        fn every_policy_ranks_each_offered_candidate_exactly_once_and_never_an_ineligible_one(
+            loads in proptest::collection::vec((0u32..20, any::<bool>(), 0usize..4000, 0.0f64..2.0), 1..12),
             seed in any::<u64>(),
+            prompt in proptest::option::of(0usize..4000),
             calls in 1usize..5,
         ) {
-            let replicas: Vec<ReplicaLoad> = loads.iter().map(|&l| load(l)).collect();
-            for kind in [PolicyKind::RoundRobin, PolicyKind::Random, PolicyKind::LeastRequest, PolicyKind::P2c] {
-                let policy = build(kind, seed);
+            let mut c = fleet(&loads.iter().map(|l| l.0).collect::<Vec<_>>());
+            for (x, l) in c.iter_mut().zip(&loads) {
+                x.healthy = l.1;
+                x.cached_tokens = l.2;
+                x.queued_prefill_secs = l.3;
+            }
+            let blocks: Vec<BlockHash> = (0..prompt.unwrap_or(0) as u128 / 16).collect();
+            let text = prompt.map(|n| "ab ".repeat(n % 300));
+            let req = Request { prompt_tokens: prompt, blocks: &blocks, block_size: 16, text: text.as_deref(), ..Request::default() };
+            let mut r = rng(seed);
+            for kind in ALL {
+                let policy = build(kind, &Params::default());
                 for _ in 0..calls {
-                    let candidates = eligible(&replicas).unwrap_or_default();
-                    let ranked = policy.rank(&replicas, candidates.clone());
-                    assert_permutation(&ranked, &candidates);
+                    match decide(policy.as_ref(), &req, &c, &mut r) {
+                        Ok(ranked) => {
+                            prop_assert!(!ranked.is_empty());
+                            let eligible = eligible(&c).unwrap_or_default();
+                            prop_assert!(ranked.iter().all(|i| eligible.contains(i)), "{kind:?} offered an ineligible replica");
+                            let mut dedup = ranked.clone();
+                            dedup.sort_unstable();
+                            dedup.dedup();
+                            prop_assert_eq!(dedup.len(), ranked.len());
+                            policy.picked(&req, &c, ranked[0]);
+                        }
+                        Err(e) => prop_assert_eq!(Some(e), eligible(&c).err()),
+                    }
                 }
             }
         }
 
         #[test]
         fn a_seed_replays_the_same_choices(loads in proptest::collection::vec(0u32..5, 2..8), seed in any::<u64>()) {
-            let replicas: Vec<ReplicaLoad> = loads.iter().map(|&l| load(l)).collect();
-            for kind in [PolicyKind::Random, PolicyKind::LeastRequest, PolicyKind::P2c] {
-                let (a, b) = (build(kind, seed), build(kind, seed));
+            let c = fleet(&loads);
+            for kind in ALL {
+                let (a, b) = (build(kind, &Params::default()), build(kind, &Params::default()));
+                let (mut ra, mut rb) = (rng(seed), rng(seed));
                 for _ in 0..10 {
-                    let c: Vec<usize> = (0..replicas.len()).collect();
-                    prop_assert_eq!(a.rank(&replicas, c.clone()), b.rank(&replicas, c));
+                    let req = Request::default();
+                    let x = decide(a.as_ref(), &req, &c, &mut ra).unwrap();
+                    let y = decide(b.as_ref(), &req, &c, &mut rb).unwrap();
+                    a.picked(&req, &c, x[0]);
+                    b.picked(&req, &c, y[0]);
+                    prop_assert_eq!(x, y);
                 }
             }
         }

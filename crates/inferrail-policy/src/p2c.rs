@@ -4,22 +4,30 @@
 //! in flight wins (the first drawn on a tie) and the other is the first
 //! fallback. The remaining candidates follow, fewest in flight first.
 
+use rand::rngs::StdRng;
 use rand::seq::index::sample;
 
-use crate::least_request::by_load;
-use crate::{ReplicaLoad, RoutingPolicy, SeededRng};
+use crate::{Candidate, Request, RoutingPolicy, Score};
 
 /// See the module doc.
 #[derive(Debug)]
-pub struct P2c {
-    rng: SeededRng,
-}
+pub struct P2c;
 
-impl P2c {
-    /// A policy drawing from `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self { rng: SeededRng::new(seed) }
+/// Scores `offered` as p2c ranks them: the better of two drawn first.
+pub fn two_choices(c: &[Candidate], offered: &[usize], rng: &mut StdRng, out: &mut [Score]) {
+    // The rest, after the two drawn, by load.
+    for (s, &i) in out.iter_mut().zip(offered) {
+        *s = Score::single(2.0 + f64::from(c[i].in_flight));
     }
+    if offered.len() < 2 {
+        out[0] = Score::single(0.0);
+        return;
+    }
+    let picked = sample(rng, offered.len(), 2);
+    let (a, b) = (picked.index(0), picked.index(1));
+    let (first, second) = if c[offered[b]].in_flight < c[offered[a]].in_flight { (b, a) } else { (a, b) };
+    out[first] = Score::single(0.0);
+    out[second] = Score::single(1.0);
 }
 
 impl RoutingPolicy for P2c {
@@ -27,30 +35,30 @@ impl RoutingPolicy for P2c {
         "p2c"
     }
 
-    fn rank(&self, replicas: &[ReplicaLoad], candidates: Vec<usize>) -> Vec<usize> {
-        if candidates.len() < 2 {
-            return candidates;
-        }
-        let picked = self.rng.with(|rng| sample(rng, candidates.len(), 2));
-        let (a, b) = (candidates[picked.index(0)], candidates[picked.index(1)]);
-        let (first, second) = if replicas[b].in_flight < replicas[a].in_flight { (b, a) } else { (a, b) };
-        let rest = candidates.into_iter().filter(|&i| i != first && i != second).collect();
-        [first, second].into_iter().chain(by_load(replicas, rest)).collect()
+    fn terms(&self) -> &'static [&'static str] {
+        &["draw"]
+    }
+
+    fn score(&self, _req: &Request, c: &[Candidate], offered: &[usize], rng: &mut StdRng, out: &mut [Score]) -> Option<&'static str> {
+        two_choices(c, offered, rng, out);
+        None
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::load;
+    use crate::decide;
+    use crate::testing::{fleet, rng};
 
     #[test]
     fn the_busiest_never_wins_and_two_candidates_order_by_load() {
-        let p = P2c::new(9);
-        let r = [load(1), load(7), load(4)];
+        let mut r = rng(9);
+        let req = Request::default();
+        let c = fleet(&[1, 7, 4]);
         for _ in 0..100 {
-            assert_ne!(p.rank(&r, vec![0, 1, 2])[0], 1);
+            assert_ne!(decide(&P2c, &req, &c, &mut r).unwrap()[0], 1);
         }
-        assert_eq!(p.rank(&r, vec![1, 2]), [2, 1]);
+        assert_eq!(decide(&P2c, &req, &fleet(&[7, 4]), &mut r).unwrap(), [1, 0]);
     }
 }

@@ -1,45 +1,44 @@
-//! `random`: candidates in a uniformly random order, from a seeded generator.
+//! `random`: candidates in a uniformly random order, from the seeded generator.
 
-use rand::seq::SliceRandom;
+use rand::Rng;
+use rand::rngs::StdRng;
 
-use crate::{ReplicaLoad, RoutingPolicy, SeededRng};
+use crate::{Candidate, Request, RoutingPolicy, Score};
 
 /// See the module doc.
 #[derive(Debug)]
-pub struct Random {
-    rng: SeededRng,
-}
-
-impl Random {
-    /// A policy drawing from `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self { rng: SeededRng::new(seed) }
-    }
-}
+pub struct Random;
 
 impl RoutingPolicy for Random {
     fn name(&self) -> &'static str {
         "random"
     }
 
-    fn rank(&self, _replicas: &[ReplicaLoad], mut candidates: Vec<usize>) -> Vec<usize> {
-        self.rng.with(|rng| candidates.shuffle(rng));
-        candidates
+    fn terms(&self) -> &'static [&'static str] {
+        &["draw"]
+    }
+
+    fn score(&self, _req: &Request, _c: &[Candidate], _offered: &[usize], rng: &mut StdRng, out: &mut [Score]) -> Option<&'static str> {
+        for s in out {
+            *s = Score::single(rng.random());
+        }
+        None
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::load;
+    use crate::decide;
+    use crate::testing::{fleet, rng};
 
     #[test]
-    fn spreads_over_every_candidate() {
-        let p = Random::new(3);
-        let r = vec![load(0); 4];
+    fn spreads_over_every_candidate_whatever_the_load() {
+        let c = fleet(&[0, 9, 3, 30]);
+        let mut r = rng(3);
         let mut wins = [0; 4];
         for _ in 0..400 {
-            wins[p.rank(&r, vec![0, 1, 2, 3])[0]] += 1;
+            wins[decide(&Random, &Request::default(), &c, &mut r).unwrap()[0]] += 1;
         }
         assert!(wins.iter().all(|&w| w > 50), "{wins:?}");
     }

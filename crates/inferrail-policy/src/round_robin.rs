@@ -1,11 +1,14 @@
 //! `round_robin`: each candidate in turn.
 //!
-//! A counter advances once per decision; the winner is the candidate at the
-//! counter's position and the fallbacks follow in ring order. No parameters.
+//! A counter advances once per committed decision; the candidate at the
+//! counter's position (among those offered) scores 0 and the others follow
+//! in ring order. No parameters.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::{ReplicaLoad, RoutingPolicy};
+use rand::rngs::StdRng;
+
+use crate::{Candidate, Request, RoutingPolicy, Score};
 
 /// See the module doc.
 #[derive(Debug, Default)]
@@ -18,25 +21,44 @@ impl RoutingPolicy for RoundRobin {
         "round_robin"
     }
 
-    fn rank(&self, _replicas: &[ReplicaLoad], mut candidates: Vec<usize>) -> Vec<usize> {
-        let start = self.next.fetch_add(1, Ordering::Relaxed) % candidates.len().max(1);
-        candidates.rotate_left(start);
-        candidates
+    fn terms(&self) -> &'static [&'static str] {
+        &["turn"]
+    }
+
+    fn score(&self, _req: &Request, _c: &[Candidate], offered: &[usize], _rng: &mut StdRng, out: &mut [Score]) -> Option<&'static str> {
+        let n = offered.len();
+        let start = self.next.load(Ordering::Relaxed) % n;
+        for (k, s) in out.iter_mut().enumerate() {
+            *s = Score::single(((k + n - start) % n) as f64);
+        }
+        None
+    }
+
+    fn picked(&self, _req: &Request, _c: &[Candidate], _winner: usize) {
+        self.next.fetch_add(1, Ordering::Relaxed);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::load;
+    use crate::decide;
+    use crate::testing::{load, rng};
 
     #[test]
-    fn takes_turns() {
+    fn takes_turns_and_only_a_committed_decision_moves_the_counter() {
         let p = RoundRobin::default();
-        let r = vec![load(0); 3];
-        let winners: Vec<usize> = (0..6).map(|_| p.rank(&r, vec![0, 1, 2])[0]).collect();
+        let c = vec![load(0); 3];
+        let req = Request::default();
+        let mut r = rng(0);
+        let mut winners = Vec::new();
+        for _ in 0..6 {
+            let o = decide(&p, &req, &c, &mut r).unwrap();
+            assert_eq!(decide(&p, &req, &c, &mut r).unwrap(), o, "planning twice changes nothing");
+            p.picked(&req, &c, o[0]);
+            winners.push(o[0]);
+        }
         assert_eq!(winners, [0, 1, 2, 0, 1, 2]);
-        assert_eq!(p.rank(&r, vec![0, 1, 2]), [0, 1, 2]);
-        assert_eq!(p.rank(&r, vec![0, 1, 2]), [1, 2, 0]);
+        assert_eq!(decide(&p, &req, &c, &mut r).unwrap(), [0, 1, 2]);
     }
 }

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use inferrail_config::DnsGroup;
 
-use crate::fleet::Replica;
-use crate::router::{Fleet, Router};
+use inferrail_route::fleet::{Fleet, Replica};
+
+use crate::router::Router;
 
 /// The id of a discovered member.
 pub fn member_id(group: &str, addr: SocketAddr) -> String {
@@ -53,22 +54,22 @@ impl Discovery {
             .map(|&a| {
                 old.iter().find(|r| r.addr == a).cloned().unwrap_or_else(|| {
                     let id = member_id(&group.group, a);
-                    let slot = router.kv.slot(&id);
+                    let slot = router.core.kv.slot(&id);
                     let r = Arc::new(Replica::new(id, a, models.clone(), group.limits(), group.cache(), slot));
-                    router.kv.join(&r);
+                    router.core.join(&r);
                     r
                 })
             })
             .collect();
         let changed = new.len() != old.len() || new.iter().zip(old).any(|(a, b)| !Arc::ptr_eq(a, b));
         for gone in old.iter().filter(|r| !new.iter().any(|n| Arc::ptr_eq(n, r))) {
-            router.kv.leave(gone);
+            router.core.leave(gone);
         }
         if changed {
             tracing::info!(group = %group.group, members = ?addrs, "membership changed");
             self.members[g] = new;
             let all = self.listed.iter().chain(self.members.iter().flatten()).cloned().collect();
-            router.set_fleet(Fleet::new(all, router.models.len()));
+            router.set_fleet(Fleet::new(all, router.core.models.len()));
         }
         changed
     }
@@ -127,7 +128,7 @@ discovery: [{group: pool, host: pool.internal, port: 8000, models: [m]}]
         assert!(d.apply(&r, 0, Ok(vec![ip(2), ip(1), ip(1)])));
         assert_eq!(ids(&r), ["listed", "pool-10.0.0.1-8000", "pool-10.0.0.2-8000"]);
         let survivor = r.fleet().replicas[2].clone();
-        let lease = r.decide(br#"{"model": "m"}"#, inferrail_tokenize::chat::Endpoint::Chat, "req").await;
+        let lease = r.decide(br#"{"model": "m"}"#, inferrail_tokenize::chat::Endpoint::Chat, "req", None).await;
         assert!(lease.is_ok());
         survivor.set_probe(false);
 

@@ -20,10 +20,10 @@ use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
-use crate::fleet::Lease;
 use crate::reply;
 use crate::request::{self, Endpoint};
 use crate::router::Router;
+use inferrail_route::fleet::Lease;
 
 /// The service Envoy's ext_proc filters call.
 #[derive(Clone)]
@@ -109,7 +109,7 @@ impl ExtProc {
                         Ok(None) | Err(_) => return,
                     }
                 }
-                match self.router.decide(&body, generation, &request_id).await {
+                match self.router.decide(&body, generation, &request_id, head.session.as_deref()).await {
                     Ok(d) => {
                         let answer = reply::decision(&d, d.request_id != request_id);
                         // If Envoy is gone it no longer needs the answer.
@@ -154,7 +154,7 @@ impl ExtProc {
             Some(s) if s < 400 => self.router.complete(&held),
             Some(_) => {}
         }
-        let model = self.router.models[held.model].name.clone();
+        let model = self.router.core.models[held.model].name.clone();
         metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => outcome)
             .increment(1);
         metrics::histogram!("inferrail_request_duration_seconds").record(duration.as_secs_f64());

@@ -8,8 +8,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use serde_json::{Value, json};
 
-use crate::fleet::{Replica, may_eject};
 use crate::router::Router;
+use inferrail_route::fleet::{Replica, may_eject};
 
 /// A request to `replica` failed upstream: count it, and eject the replica
 /// after enough failures in a row, within the ejection budget.
@@ -46,29 +46,12 @@ pub async fn probe_loop(router: Arc<Router>) {
             let http = http.clone();
             probes.spawn(async move {
                 let ok = http.get(format!("http://{}/health", r.addr)).send().await.is_ok_and(|resp| resp.status().is_success());
-                // The engine's cache shape and prefix-cache counters ride along with the probe.
-                let page = match ok {
-                    true => match http.get(format!("http://{}/metrics", r.addr)).send().await {
-                        Ok(resp) if resp.status().is_success() => resp.text().await.ok(),
-                        _ => None,
-                    },
-                    false => None,
-                };
-                (r, ok, page)
+                (r, ok)
             });
         }
-        while let Some(Ok((r, ok, page))) = probes.join_next().await {
+        while let Some(Ok((r, ok))) = probes.join_next().await {
             if r.set_probe(ok) {
                 tracing::info!(replica = %r.id, healthy = ok, "probe state changed");
-            }
-            if let Some(page) = page {
-                let (shape, queries) = crate::kv::parse_metrics(&page);
-                if let Some((block_size, blocks)) = shape {
-                    router.kv.learned(&r, block_size, blocks);
-                }
-                if let Some(q) = queries {
-                    router.kv.prefix_cache_queries(&r, q);
-                }
             }
         }
     }
@@ -81,10 +64,14 @@ pub fn publish_gauges(router: &Router) {
         metrics::gauge!("inferrail_replica_healthy", "replica" => r.id.clone()).set(if r.healthy(now) { 1.0 } else { 0.0 });
         metrics::gauge!("inferrail_replica_ejected", "replica" => r.id.clone()).set(if r.ejected(now) { 1.0 } else { 0.0 });
         metrics::gauge!("inferrail_replica_in_flight", "replica" => r.id.clone()).set(f64::from(r.in_flight()));
+        metrics::gauge!("inferrail_replica_pending", "replica" => r.id.clone()).set(f64::from(r.pending()));
+        metrics::gauge!("inferrail_replica_prompt_tokens_in_flight", "replica" => r.id.clone()).set(r.prompt_tokens() as f64);
+        metrics::gauge!("inferrail_replica_queued_prefill_seconds", "replica" => r.id.clone())
+            .set(r.queued_prefill(router.now()).as_secs_f64());
     }
     metrics::gauge!("inferrail_leases").set(router.leases_held() as f64);
-    metrics::gauge!("inferrail_kv_index_entries").set(router.kv.entries() as f64);
-    metrics::gauge!("inferrail_kv_index_bytes").set(router.kv.bytes() as f64);
+    metrics::gauge!("inferrail_kv_index_entries").set(router.core.kv.entries() as f64);
+    metrics::gauge!("inferrail_kv_index_bytes").set(router.core.kv.bytes() as f64);
 }
 
 /// The `/v1/models` answer: configured models in order, then their aliases,
@@ -93,7 +80,7 @@ pub fn models_json(router: &Router, cards: &[Value]) -> String {
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let card = |name: &str| cards.iter().find(|c| c["id"] == name);
     let mut data = Vec::new();
-    for m in &router.models {
+    for m in &router.core.models {
         let engine = card(&m.name);
         let entry = |id: &str, parent: Option<&str>| {
             json!({

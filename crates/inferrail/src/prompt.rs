@@ -12,21 +12,11 @@ use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::time::{Duration, Instant};
 
 use inferrail_config::Config;
+pub use inferrail_route::kv::Prompt;
 use inferrail_tokenize::Tokenizer;
 use inferrail_tokenize::chat::{self, Endpoint, RequestTemplates};
 use serde_json::{Map, Value};
 use tokio::sync::oneshot;
-
-/// A prompt as the engine will see it, and what the KV index needs besides.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Prompt {
-    /// Token ids.
-    pub ids: Vec<u32>,
-    /// Output tokens asked for, when the request says.
-    pub max_tokens: Option<usize>,
-    /// The request's `cache_salt`, which keeps its blocks apart.
-    pub cache_salt: Option<String>,
-}
 
 struct Job {
     model: usize,

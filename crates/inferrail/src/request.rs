@@ -6,6 +6,7 @@
 use std::ops::Range;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use inferrail_policy::TextKind;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -18,6 +19,8 @@ pub struct Head {
     pub path: String,
     /// `x-request-id`, as Envoy generated or passed it.
     pub request_id: Option<String>,
+    /// `x-session-id`: the conversation the request belongs to.
+    pub session: Option<String>,
 }
 
 /// A header's value: Envoy sends it in `raw_value`, older versions in `value`.
@@ -39,6 +42,7 @@ pub fn head(headers: Option<&HeaderMap>) -> Head {
             ":method" => h.method = value,
             ":path" => h.path = value.split('?').next().unwrap_or_default().to_string(),
             "x-request-id" => h.request_id = Some(value),
+            "x-session-id" => h.session = Some(value),
             _ => {}
         }
     }
@@ -79,6 +83,8 @@ pub struct Fields {
     pub model: Option<String>,
     /// Where the `model` value sits in the body, `null` included.
     pub model_at: Option<Range<usize>>,
+    /// The body's `user`, when it is a string: names a conversation for session affinity.
+    pub user: Option<String>,
 }
 
 /// Why a body was refused.
@@ -107,6 +113,8 @@ impl<'de: 'a, 'a> Deserialize<'de> for Present<'a> {
 struct Borrowed<'a> {
     #[serde(borrow, default)]
     model: Present<'a>,
+    #[serde(borrow, default)]
+    user: Present<'a>,
 }
 
 /// Parses the fields routing needs; the whole body must be valid JSON.
@@ -115,7 +123,8 @@ pub fn fields(body: &[u8]) -> Result<Fields, BodyError> {
         return Err(BodyError::NotJson("expected an object".into()));
     }
     let parsed: Borrowed<'_> = serde_json::from_slice(body).map_err(|e| BodyError::NotJson(e.to_string()))?;
-    let Present(Some(raw)) = parsed.model else { return Ok(Fields { model: None, model_at: None }) };
+    let user = parsed.user.0.and_then(|raw| serde_json::from_str::<String>(raw.get()).ok());
+    let Present(Some(raw)) = parsed.model else { return Ok(Fields { model: None, model_at: None, user }) };
     // The raw value borrows from `body`; its offset is where it sits.
     let start = raw.get().as_ptr() as usize - body.as_ptr() as usize;
     let model_at = Some(start..start + raw.get().len());
@@ -123,7 +132,35 @@ pub fn fields(body: &[u8]) -> Result<Fields, BodyError> {
         "null" => None,
         text => Some(serde_json::from_str::<String>(text).map_err(|_| BodyError::ModelNotString)?),
     };
-    Ok(Fields { model, model_at })
+    Ok(Fields { model, model_at, user })
+}
+
+/// The prompt as text of the kind a policy reads ([`TextKind`]): the
+/// messages' contents joined by single spaces, or the messages serialized as
+/// JSON; a completion's prompt as it is. `None` when the policy reads none
+/// or the body has neither.
+pub fn text(body: &[u8], kind: TextKind) -> Option<String> {
+    if kind == TextKind::None {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    if let Some(prompt) = v.get("prompt").and_then(|p| p.as_str()) {
+        return Some(prompt.to_owned());
+    }
+    let messages = v.get("messages")?.as_array()?;
+    Some(match kind {
+        TextKind::Serialized => serde_json::to_string(messages).ok()?,
+        _ => {
+            let content = |m: &serde_json::Value| match m.get("content") {
+                Some(serde_json::Value::String(s)) => s.clone(),
+                Some(serde_json::Value::Array(parts)) => {
+                    parts.iter().filter_map(|p| p.get("text").and_then(|t| t.as_str())).collect::<Vec<_>>().join(" ")
+                }
+                _ => String::new(),
+            };
+            messages.iter().map(content).collect::<Vec<_>>().join(" ")
+        }
+    })
 }
 
 /// The body with the model set to `name`: the old value replaced in place,

@@ -1,57 +1,27 @@
-//! The decision: from a request body to an ordered list of replicas.
+//! The decision, as the service makes it: from a request body to an ordered
+//! list of replicas.
 //!
 //! The model named in the body (or its alias, or the only model when none is
-//! named) selects a policy and the replicas serving it; the prompt is
-//! tokenized (`prompt`) and each candidate's cached prefix predicted (`kv`);
-//! eligibility keeps the healthy replicas with room; the policy ranks them;
-//! the winner and up to `retry.fallbacks` more are returned, the prompt is
-//! recorded on the winner, and a lease on it counts the request in flight
+//! named) is found, the prompt tokenized (`prompt`) and cut into blocks, and
+//! the decision core (`inferrail-route`) plans over the current fleet with
+//! the engines' latest reports, then commits: the winner is leased and the
+//! prompt recorded in the KV index. The lease counts the request in flight
 //! until the request ends.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use inferrail_config::Config;
-use inferrail_policy::{NoReplica, RoutingPolicy, eligible};
-
+use inferrail_load::table::LoadTable;
+use inferrail_policy::{EngineReport, NoReplica};
+use inferrail_route::fleet::{Fleet, Lease, Replica};
+use inferrail_route::{Core, Plan, Report, View};
 use inferrail_tokenize::chat::Endpoint;
 
-use crate::fleet::{Lease, Replica};
-use crate::kv::Kv;
 use crate::prompt::Prompts;
 use crate::request::{self, BodyError};
-
-/// A model and how its replicas are chosen.
-pub struct ModelRoute {
-    /// Name the engines serve.
-    pub name: String,
-    /// Other names clients may use.
-    pub aliases: Vec<String>,
-    policy: Box<dyn RoutingPolicy>,
-}
-
-/// The current replicas, grouped by model; replaced whole when membership changes.
-#[derive(Debug, Default)]
-pub struct Fleet {
-    /// Every replica.
-    pub replicas: Vec<Arc<Replica>>,
-    per_model: Vec<Vec<Arc<Replica>>>,
-}
-
-impl Fleet {
-    /// Groups `replicas` by the models they serve.
-    pub fn new(replicas: Vec<Arc<Replica>>, models: usize) -> Self {
-        let mut per_model = vec![Vec::new(); models];
-        for r in &replicas {
-            for &m in &r.models {
-                per_model[m].push(r.clone());
-            }
-        }
-        Self { replicas, per_model }
-    }
-}
 
 /// A routing decision.
 #[derive(Debug)]
@@ -71,6 +41,8 @@ pub struct Decision {
     pub prompt_tokens: Option<usize>,
     /// Predicted cached prompt tokens on each target, when the prompt was tokenized.
     pub cached_tokens: Vec<usize>,
+    /// What steered the decision besides the scores, if anything.
+    pub steer: Option<&'static str>,
 }
 
 /// Why the router answered a request itself.
@@ -117,63 +89,58 @@ impl RouteError {
     }
 }
 
-/// The router: models, policies, the fleet and the leases in force.
+/// The router: models, the fleet, the engines' reports and the leases in force.
 pub struct Router {
     /// The configuration it was built from.
     pub config: Config,
-    /// Models in configuration order.
-    pub models: Vec<ModelRoute>,
+    /// The decision core: models, policies, the KV index.
+    pub core: Core,
     names: HashMap<String, usize>,
     fleet: ArcSwap<Fleet>,
     leases: papaya::HashMap<String, Arc<Lease>>,
+    /// The engines' latest load reports, by replica id.
+    pub loads: LoadTable,
     clock: Instant,
     /// Tokenizers and their workers.
     pub prompts: Prompts,
-    /// The KV index.
-    pub kv: Kv,
 }
 
 impl Router {
     /// Builds the router with the configuration's listed replicas, loading every model's tokenizer.
     pub fn new(config: Config) -> anyhow::Result<Self> {
-        let seed = config.routing.seed;
-        let models: Vec<ModelRoute> = config
-            .models
-            .iter()
-            .enumerate()
-            .map(|(i, m)| ModelRoute {
-                name: m.name.clone(),
-                aliases: m.aliases.clone(),
-                policy: inferrail_policy::build(m.policy, seed.wrapping_add(i as u64)),
-            })
-            .collect();
+        let core = Core::new(&config);
         let mut names = HashMap::new();
-        for (i, m) in models.iter().enumerate() {
+        for (i, m) in core.models.iter().enumerate() {
             for n in std::iter::once(&m.name).chain(&m.aliases) {
                 names.insert(n.clone(), i);
             }
         }
-        let kv = Kv::new(config.kv.clone());
         let replicas: Vec<Arc<Replica>> = config
             .replicas
             .iter()
             .filter_map(|r| {
                 let addr = r.address.parse().ok()?;
                 let served = r.models.iter().filter_map(|m| names.get(m).copied()).collect();
-                Some(Arc::new(Replica::new(r.id.clone(), addr, served, r.limits(), r.cache(), kv.slot(&r.id))))
+                Some(Arc::new(Replica::new(r.id.clone(), addr, served, r.limits(), r.cache(), core.kv.slot(&r.id))))
             })
             .collect();
         for r in &replicas {
-            kv.join(r);
+            core.join(r);
         }
-        let fleet = ArcSwap::from_pointee(Fleet::new(replicas, models.len()));
+        let fleet = ArcSwap::from_pointee(Fleet::new(replicas, core.models.len()));
         let prompts = Prompts::new(&config)?;
-        Ok(Self { config, models, names, fleet, leases: papaya::HashMap::new(), clock: Instant::now(), prompts, kv })
+        let (leases, loads) = (papaya::HashMap::new(), LoadTable::new());
+        Ok(Self { config, core, names, fleet, leases, loads, clock: Instant::now(), prompts })
     }
 
-    /// Milliseconds since the router started: the clock health state uses.
+    /// Time since the router started: the clock decisions, reports and health use.
+    pub fn now(&self) -> Duration {
+        self.clock.elapsed()
+    }
+
+    /// Milliseconds since the router started.
     pub fn now_ms(&self) -> u64 {
-        self.clock.elapsed().as_millis() as u64
+        self.now().as_millis() as u64
     }
 
     /// The current fleet.
@@ -186,15 +153,15 @@ impl Router {
         self.fleet.store(Arc::new(fleet));
     }
 
-    /// Model index of a name the engines serve.
+    /// Model index of a name clients may use.
     pub fn model_index(&self, name: &str) -> Option<usize> {
         self.names.get(name).copied()
     }
 
     /// Decides where a generation request goes, and leases the winner under `request_id`.
-    pub async fn decide(&self, body: &[u8], endpoint: Endpoint, request_id: &str) -> Result<Decision, RouteError> {
+    pub async fn decide(&self, body: &[u8], endpoint: Endpoint, request_id: &str, session: Option<&str>) -> Result<Decision, RouteError> {
         let started = Instant::now();
-        let result = self.decide_inner(body, endpoint, request_id).await;
+        let result = self.decide_inner(body, endpoint, request_id, session).await;
         let policy = match &result {
             Ok(d) => d.policy,
             Err(_) => "none",
@@ -207,7 +174,27 @@ impl Router {
         result
     }
 
-    async fn decide_inner(&self, body: &[u8], endpoint: Endpoint, request_id: &str) -> Result<Decision, RouteError> {
+    /// Plans a request for `model` with its prompt as tokenized (no state changes).
+    pub fn plan(
+        &self,
+        model: usize,
+        prompt: Option<&inferrail_route::kv::Prompt>,
+        session: Option<&str>,
+        text: Option<&str>,
+    ) -> Result<Plan, NoReplica> {
+        let fleet = self.fleet.load();
+        let view = View { model, prediction: prompt.map(|p| self.core.prepare(model, p, &fleet)), session, text };
+        self.core.plan(&view, &fleet, &|r: &Replica| self.report(&r.id), self.now())
+    }
+
+    /// Replica `id`'s latest engine report, however old, on the router's clock.
+    pub fn report(&self, id: &str) -> Option<Report> {
+        let s = self.loads.get(id)?;
+        let load = EngineReport { running: s.load.running, waiting: s.load.waiting, kv_usage: s.load.kv_usage };
+        Some(Report { at: s.at.saturating_duration_since(self.clock), load })
+    }
+
+    async fn decide_inner(&self, body: &[u8], endpoint: Endpoint, request_id: &str, session: Option<&str>) -> Result<Decision, RouteError> {
         let max = self.config.server.max_body_bytes;
         if body.len() > max {
             return Err(RouteError::TooLarge(max));
@@ -215,50 +202,42 @@ impl Router {
         let fields = request::fields(body)?;
         let index = match &fields.model {
             Some(name) => self.names.get(name).copied().ok_or_else(|| RouteError::UnknownModel(name.clone()))?,
-            None if self.models.len() == 1 => 0,
+            None if self.core.models.len() == 1 => 0,
             None => return Err(RouteError::MissingModel),
         };
-        let model = &self.models[index];
+        let model = &self.core.models[index];
         // The model's name does not change the prompt: tokenize the body as sent.
         let prompt = self.prompts.prompt(index, endpoint, body).await;
+        let text = request::text(body, self.core.wants_text(index));
         let body = match fields.model {
             Some(name) if name == model.name => None,
             _ => Some(request::with_model(body, fields.model_at, &model.name)),
         };
-        let fleet = self.fleet.load();
-        let replicas = &fleet.per_model[index];
-        let now = self.now_ms();
-        let loads: Vec<_> = replicas.iter().map(|r| r.load(now)).collect();
-        let ranked = model.policy.rank(&loads, eligible(&loads)?);
-        let targets: Vec<Arc<Replica>> = ranked.iter().take(1 + self.config.retry.fallbacks).map(|&i| replicas[i].clone()).collect();
-        let lease = Arc::new(Lease::new(targets[0].clone(), index));
-        let (prompt_tokens, cached_tokens) = match prompt {
-            Some(p) => {
-                let prediction = Arc::new(self.kv.prepare(&model.name, &p, &targets));
-                let cached = self.kv.cached(&prediction, &targets);
-                metrics::histogram!("inferrail_predicted_cached_tokens").record(cached[0] as f64);
-                let record = self.kv.record(&prediction, &targets[0]);
-                *lease.kv.lock().unwrap_or_else(|p| p.into_inner()) = Some((prediction, record));
-                (Some(p.ids.len()), cached)
-            }
-            None => (None, Vec::new()),
-        };
+        let session = session.or(fields.user.as_deref());
+        let plan = self.plan(index, prompt.as_ref(), session, text.as_deref())?;
+        record_plan(&plan);
+        let (policy, steer, prompt_tokens) = (plan.policy, plan.steer, plan.prompt_tokens());
+        let committed = self.core.commit(plan);
+        if let Some(&cached) = committed.cached_tokens.first() {
+            metrics::histogram!("inferrail_predicted_cached_tokens").record(cached as f64);
+        }
         let leases = self.leases.pin();
         let mut key = request_id.to_string();
         let mut n = 0u32;
         // Ids come from clients: a second request in flight with the same one gets its own.
-        while leases.try_insert(key.clone(), lease.clone()).is_err() {
+        while leases.try_insert(key.clone(), committed.lease.clone()).is_err() {
             n += 1;
             key = format!("{request_id}.{n}");
         }
         Ok(Decision {
             request_id: key,
             model: model.name.clone(),
-            targets,
-            policy: model.policy.name(),
+            targets: committed.targets,
+            policy,
             body,
             prompt_tokens,
-            cached_tokens,
+            cached_tokens: committed.cached_tokens,
+            steer,
         })
     }
 
@@ -279,13 +258,7 @@ impl Router {
     pub fn move_lease(&self, request_id: &str, to: &Arc<Replica>) -> Option<Arc<Lease>> {
         let leases = self.leases.pin();
         let old = leases.get(request_id).filter(|l| !l.released())?;
-        let moved = Arc::new(Lease::since(to.clone(), old.model, old.start));
-        if let Some((prediction, record)) = old.kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            self.kv.take_back(&record);
-            let again = self.kv.record(&prediction, to);
-            *moved.kv.lock().unwrap_or_else(|p| p.into_inner()) = Some((prediction, again));
-        }
-        old.release();
+        let moved = self.core.move_lease(old, to);
         leases.insert(request_id.to_string(), moved.clone());
         Some(moved)
     }
@@ -293,15 +266,12 @@ impl Router {
     /// The request is over and the engine answered it (status below 400):
     /// it freed its blocks. Only the first call for a lease does anything.
     pub fn complete(&self, lease: &Lease) {
-        if let Some((_, record)) = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            self.kv.complete(&record);
-        }
+        self.core.complete(lease);
     }
 
     /// The engine refused or failed a request: its prompt is not in that cache.
     pub fn take_back(&self, lease: &Lease) {
-        if let Some((_, record)) = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            self.kv.take_back(&record);
+        if self.core.take_back(lease) {
             metrics::counter!("inferrail_kv_take_backs_total").increment(1);
         }
     }
@@ -309,6 +279,30 @@ impl Router {
     /// Leases held now.
     pub fn leases_held(&self) -> usize {
         self.leases.len()
+    }
+}
+
+/// Counts what set replicas aside and what steered a plan.
+fn record_plan(plan: &Plan) {
+    for c in &plan.candidates {
+        if let Some(why) = c.set_aside {
+            metrics::counter!("inferrail_set_aside_total", "policy" => plan.policy, "reason" => why.label()).increment(1);
+        }
+    }
+    if let Some(steer) = plan.steer {
+        metrics::counter!("inferrail_steered_total", "policy" => plan.policy, "reason" => steer).increment(1);
+    }
+    if let Some(waived) = plan.waived {
+        metrics::counter!("inferrail_guards_waived_total", "policy" => plan.policy, "guard" => waived).increment(1);
+    }
+    if plan.prediction.is_none() {
+        metrics::counter!("inferrail_decisions_without_prediction_total", "policy" => plan.policy).increment(1);
+    }
+    let engine_reports = plan.candidates.iter().filter(|c| c.candidate.engine.is_some()).count();
+    if engine_reports < plan.candidates.len() {
+        // Some replica's engine report is missing or stale: its load is the router's own counters.
+        metrics::counter!("inferrail_stale_reports_total", "policy" => plan.policy)
+            .increment((plan.candidates.len() - engine_reports) as u64);
     }
 }
 

@@ -16,7 +16,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::extproc::ExtProc;
 use crate::router::Router;
-use crate::{admin, discovery, health};
+use crate::{admin, discovery, health, load};
 
 /// A started service.
 pub struct Running {
@@ -84,6 +84,8 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
     let background = vec![
         tokio::spawn(admin::serve(admin_listener, router.clone(), metrics_handle())),
         tokio::spawn(health::probe_loop(router.clone())),
+        tokio::spawn(load::run(router.clone())),
+        tokio::spawn(load::learn_loop(router.clone())),
         tokio::spawn(health::cards_loop(router.clone(), models)),
         tokio::spawn(discovery::run(router.clone())),
     ];

@@ -17,7 +17,7 @@ MODEL = "inferrail/sim-8b"
 
 
 class Fleet:
-    def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra=""):
+    def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing=""):
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
@@ -32,7 +32,7 @@ class Fleet:
         self.config.write_text(
             f"server: {{listen: 127.0.0.1:{self.grpc}, max_body_bytes: 1048576, shutdown_grace_ms: 2000}}\n"
             f"admin: {{listen: 127.0.0.1:{self.admin}}}\n"
-            f"routing: {{seed: 7}}\n"
+            f"routing: {{seed: 7{routing}}}\n"
             f"health: {{probe_interval_ms: 100, probe_timeout_ms: 300}}\n"
             f"{config_extra}"
             f"models:\n  - {{name: {MODEL}, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}}}\n"

@@ -1,15 +1,20 @@
 //! The replicas the router knows, with the router's own live counters:
-//! requests in flight and waiting for a first byte, and health (active
-//! probes plus passive ejection with doubling backoff).
+//! requests in flight and waiting for a first byte, prompt tokens in flight,
+//! the prefill it has sent and that is not done yet (a virtual queue that
+//! drains in real time and is empty once every request there has had its
+//! first byte), and health (active probes plus passive ejection with
+//! doubling backoff). Times are on the router's clock, passed in.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use inferrail_config::{CacheShape, Health as HealthConfig, Limits};
 use inferrail_kv::index::Slot;
-use inferrail_policy::ReplicaLoad;
+use inferrail_policy::{Candidate, EngineReport};
+
+use crate::kv::{Prediction, Record};
 
 /// One replica and its live state.
 #[derive(Debug)]
@@ -26,16 +31,47 @@ pub struct Replica {
     pub slot: Slot,
     /// Its KV cache shape as configured.
     pub cache: CacheShape,
+    /// A stable number for it (a hash of its id), for hashing policies and sessions.
+    pub key: u64,
     learned_block_size: AtomicUsize,
     learned_blocks: AtomicUsize,
     /// The engine's prefix-cache query counter when last read.
     pub prefix_queries: AtomicU64,
     in_flight: AtomicU32,
     pending: AtomicU32,
+    prompt_tokens: AtomicU64,
+    /// When the prefill queued on it will be done, microseconds on the router's clock.
+    queue_until_us: AtomicU64,
     probe_ok: AtomicBool,
     failures: AtomicU32,
     ejections: AtomicU32,
     ejected_until_ms: AtomicU64,
+}
+
+/// The current replicas, grouped by model; replaced whole when membership changes.
+#[derive(Debug, Default)]
+pub struct Fleet {
+    /// Every replica.
+    pub replicas: Vec<Arc<Replica>>,
+    per_model: Vec<Vec<Arc<Replica>>>,
+}
+
+impl Fleet {
+    /// Groups `replicas` by the models they serve.
+    pub fn new(replicas: Vec<Arc<Replica>>, models: usize) -> Self {
+        let mut per_model = vec![Vec::new(); models];
+        for r in &replicas {
+            for &m in &r.models {
+                per_model[m].push(r.clone());
+            }
+        }
+        Self { replicas, per_model }
+    }
+
+    /// The replicas serving model `m`, in membership order.
+    pub fn serving(&self, m: usize) -> &[Arc<Replica>] {
+        self.per_model.get(m).map_or(&[], Vec::as_slice)
+    }
 }
 
 /// Lease states: waiting for the first byte, streaming, released.
@@ -47,21 +83,24 @@ impl Replica {
     /// A replica with nothing in flight, healthy until shown otherwise.
     pub fn new(id: String, addr: SocketAddr, models: Vec<usize>, limits: Limits, cache: CacheShape, slot: Slot) -> Self {
         Self {
-            id,
             addr,
             models,
             limits,
             slot,
             cache,
+            key: xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
             learned_block_size: AtomicUsize::new(0),
             learned_blocks: AtomicUsize::new(0),
             prefix_queries: AtomicU64::new(0),
             in_flight: AtomicU32::new(0),
             pending: AtomicU32::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            queue_until_us: AtomicU64::new(0),
             probe_ok: AtomicBool::new(true),
             failures: AtomicU32::new(0),
             ejections: AtomicU32::new(0),
             ejected_until_ms: AtomicU64::new(0),
+            id,
         }
     }
 
@@ -96,14 +135,46 @@ impl Replica {
         self.ejected_until_ms.load(Ordering::Relaxed) > now_ms
     }
 
-    /// What a policy sees of it.
-    pub fn load(&self, now_ms: u64) -> ReplicaLoad {
-        ReplicaLoad {
+    /// Requests still waiting for their first byte.
+    pub fn pending(&self) -> u32 {
+        self.pending.load(Ordering::Relaxed)
+    }
+
+    /// Prompt tokens of the requests in flight.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.prompt_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Prefill sent to it and not done yet at `now`: none once every request there has had its first byte.
+    pub fn queued_prefill(&self, now: Duration) -> Duration {
+        if self.pending() == 0 {
+            return Duration::ZERO;
+        }
+        let until = self.queue_until_us.load(Ordering::Relaxed);
+        Duration::from_micros(until.saturating_sub(now.as_micros() as u64))
+    }
+
+    /// Queues `prefill` behind what is queued at `now`.
+    pub fn queue_prefill(&self, now: Duration, prefill: Duration) {
+        let (now, add) = (now.as_micros() as u64, prefill.as_micros() as u64);
+        // The closure always gives a value, so the update cannot fail.
+        let _ = self.queue_until_us.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |until| Some(until.max(now) + add));
+    }
+
+    /// What a policy sees of it at `now`, with the prompt's predicted cached
+    /// tokens there and the engine's report when it is fresh.
+    pub fn candidate(&self, now: Duration, cached_tokens: usize, engine: Option<EngineReport>) -> Candidate {
+        Candidate {
+            key: self.key,
             in_flight: self.in_flight.load(Ordering::Relaxed),
-            pending: self.pending.load(Ordering::Relaxed),
+            pending: self.pending(),
             max_concurrency: self.limits.max_concurrency,
             max_pending: self.limits.max_pending,
-            healthy: self.healthy(now_ms),
+            healthy: self.healthy(now.as_millis() as u64),
+            cached_tokens,
+            queued_prefill_secs: self.queued_prefill(now).as_secs_f64(),
+            prompt_tokens_in_flight: self.prompt_tokens(),
+            engine,
         }
     }
 
@@ -137,9 +208,10 @@ impl Replica {
         length
     }
 
-    fn acquire(&self) {
+    fn acquire(&self, prompt_tokens: u64) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.pending.fetch_add(1, Ordering::Relaxed);
+        self.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
     }
 }
 
@@ -155,22 +227,25 @@ pub struct Lease {
     pub model: usize,
     /// When the decision was made.
     pub start: Instant,
+    /// Prompt tokens it counts in flight on its replica.
+    pub prompt_tokens: u64,
     state: AtomicU8,
     status: AtomicU32,
     /// What the decision recorded in the KV index, to take back if the engine refuses the request.
-    pub kv: Mutex<Option<(Arc<crate::kv::Prediction>, crate::kv::Record)>>,
+    pub kv: Mutex<Option<(Arc<Prediction>, Record)>>,
 }
 
 impl Lease {
-    /// Takes a slot on `replica`.
-    pub fn new(replica: Arc<Replica>, model: usize) -> Self {
-        Self::since(replica, model, Instant::now())
+    /// Takes a slot on `replica` for a prompt of `prompt_tokens`.
+    pub fn new(replica: Arc<Replica>, model: usize, prompt_tokens: u64) -> Self {
+        Self::since(replica, model, Instant::now(), prompt_tokens)
     }
 
     /// Takes a slot on `replica` for a request decided at `start`.
-    pub fn since(replica: Arc<Replica>, model: usize, start: Instant) -> Self {
-        replica.acquire();
-        Self { replica, model, start, state: AtomicU8::new(PENDING), status: AtomicU32::new(0), kv: Mutex::new(None) }
+    pub fn since(replica: Arc<Replica>, model: usize, start: Instant, prompt_tokens: u64) -> Self {
+        replica.acquire(prompt_tokens);
+        let (state, status, kv) = (AtomicU8::new(PENDING), AtomicU32::new(0), Mutex::new(None));
+        Self { replica, model, start, prompt_tokens, state, status, kv }
     }
 
     /// Records the upstream's response status.
@@ -198,6 +273,7 @@ impl Lease {
         }
         if before != RELEASED {
             self.replica.in_flight.fetch_sub(1, Ordering::Relaxed);
+            self.replica.prompt_tokens.fetch_sub(self.prompt_tokens, Ordering::Relaxed);
         }
     }
 
@@ -236,19 +312,40 @@ mod tests {
         Arc::new(Replica::new("r".into(), SocketAddr::from(([127, 0, 0, 1], 1)), models, limits, CacheShape::default(), 0))
     }
 
+    fn counts(r: &Replica) -> (u32, u32, u64) {
+        let c = r.candidate(Duration::ZERO, 0, None);
+        (c.in_flight, c.pending, r.prompt_tokens())
+    }
+
     #[test]
     fn a_lease_counts_until_dropped_and_pending_until_its_first_byte() {
         let r = replica(vec![0]);
-        let lease = Lease::new(r.clone(), 0);
-        assert_eq!((r.load(0).in_flight, r.load(0).pending), (1, 1));
-        assert!(!r.load(0).has_room(), "max_pending is 1");
+        let lease = Lease::new(r.clone(), 0, 700);
+        assert_eq!(counts(&r), (1, 1, 700));
+        assert!(!r.candidate(Duration::ZERO, 0, None).has_room(), "max_pending is 1");
         assert!(lease.first_byte());
         assert!(!lease.first_byte());
-        assert_eq!((r.load(0).in_flight, r.load(0).pending), (1, 0));
+        assert_eq!(counts(&r), (1, 0, 700));
         drop(lease);
-        assert_eq!((r.load(0).in_flight, r.load(0).pending), (0, 0));
-        drop(Lease::new(r.clone(), 0));
-        assert_eq!((r.load(0).in_flight, r.load(0).pending), (0, 0));
+        assert_eq!(counts(&r), (0, 0, 0));
+        drop(Lease::new(r.clone(), 0, 5));
+        assert_eq!(counts(&r), (0, 0, 0));
+    }
+
+    #[test]
+    fn the_prefill_queue_drains_in_real_time_and_empties_with_the_last_first_byte() {
+        let r = replica(vec![0]);
+        let ms = Duration::from_millis;
+        let a = Lease::new(r.clone(), 0, 10);
+        r.queue_prefill(ms(1_000), ms(300));
+        r.queue_prefill(ms(1_100), ms(200));
+        assert_eq!(r.queued_prefill(ms(1_100)), ms(400), "the second waits behind the first");
+        assert_eq!(r.queued_prefill(ms(1_450)), ms(50));
+        assert_eq!(r.queued_prefill(ms(9_000)), Duration::ZERO);
+        r.queue_prefill(ms(10_000), ms(100));
+        assert_eq!(r.queued_prefill(ms(10_000)), ms(100), "an idle queue starts from now");
+        a.first_byte();
+        assert_eq!(r.queued_prefill(ms(10_000)), Duration::ZERO, "every request there has had its first byte");
     }
 
     #[test]

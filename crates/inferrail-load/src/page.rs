@@ -1,0 +1,345 @@
+//! Reading an engine's Prometheus text page into an [`EngineLoad`].
+//!
+//! A hand-written line scanner for the text exposition format (0.0.4): every
+//! sample line is checked (name, labels, value), so a page that is not a
+//! metrics page is an error rather than an idle engine. Only the few families
+//! routing needs are kept. The engine is recognized by the prefix of its
+//! families (`vllm:` or `sglang:`). Data-parallel ranks publish one series per
+//! rank: counts are summed over series, KV usage is their mean.
+
+#[cfg(test)]
+mod tests;
+
+/// The engine that served a metrics page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Engine {
+    /// vLLM (families `vllm:*`).
+    Vllm,
+    /// SGLang (families `sglang:*`).
+    Sglang,
+}
+
+impl Engine {
+    /// The engine's name as operators write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Engine::Vllm => "vllm",
+            Engine::Sglang => "sglang",
+        }
+    }
+}
+
+/// The KV cache's geometry, from `vllm:cache_config_info`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheInfo {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks on the GPU, summed over data-parallel ranks.
+    pub blocks: usize,
+}
+
+/// What an engine says about its own load at one moment.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineLoad {
+    /// Which engine said it.
+    pub engine: Engine,
+    /// Requests running, summed over ranks.
+    pub running: u32,
+    /// Requests waiting for a slot, summed over ranks.
+    pub waiting: u32,
+    /// Share of the KV cache in use (0.0 to 1.0), the mean over ranks.
+    pub kv_usage: f64,
+    /// Prompt tokens looked up in the prefix cache since start
+    /// (`vllm:prefix_cache_queries_total`), summed; going backwards means the engine restarted.
+    pub prefix_queries: Option<u64>,
+    /// Prompt tokens found in the prefix cache since start (`vllm:prefix_cache_hits_total`).
+    pub prefix_hits: Option<u64>,
+    /// KV cache geometry, where the engine publishes it.
+    pub cache: Option<CacheInfo>,
+}
+
+/// Why a page could not be read as an engine's load.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PageError {
+    /// The page is not UTF-8 text.
+    #[error("the page is not UTF-8 text")]
+    NotUtf8,
+    /// No `vllm:` or `sglang:` sample on the page.
+    #[error("no vllm: or sglang: metrics on the page")]
+    UnknownEngine,
+    /// A family routing needs is absent.
+    #[error("metric family {0} is missing")]
+    Missing(&'static str),
+    /// A line is not a valid sample line.
+    #[error("line {line}: {what}")]
+    Malformed {
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        what: &'static str,
+    },
+    /// A sample of a family routing needs has a value that makes no sense for it.
+    #[error("{family} has the impossible value {value}")]
+    BadValue {
+        /// The family.
+        family: &'static str,
+        /// The value as parsed.
+        value: f64,
+    },
+}
+
+/// The families read for one engine.
+struct Families {
+    engine: Engine,
+    running: &'static str,
+    waiting: &'static str,
+    kv_usage: &'static [&'static str],
+    prefix_queries: Option<&'static str>,
+    prefix_hits: Option<&'static str>,
+    cache_info: Option<&'static str>,
+}
+
+const VLLM: Families = Families {
+    engine: Engine::Vllm,
+    running: "vllm:num_requests_running",
+    waiting: "vllm:num_requests_waiting",
+    // `gpu_cache_usage_perc` is the name before vLLM 0.10.
+    kv_usage: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+    prefix_queries: Some("vllm:prefix_cache_queries_total"),
+    prefix_hits: Some("vllm:prefix_cache_hits_total"),
+    cache_info: Some("vllm:cache_config_info"),
+};
+
+const SGLANG: Families = Families {
+    engine: Engine::Sglang,
+    running: "sglang:num_running_reqs",
+    waiting: "sglang:num_queue_reqs",
+    kv_usage: &["sglang:token_usage"],
+    prefix_queries: None,
+    prefix_hits: None,
+    cache_info: None,
+};
+
+/// Sum and count of one family's series.
+#[derive(Default, Clone, Copy)]
+struct Acc {
+    sum: f64,
+    series: u32,
+}
+
+impl Acc {
+    fn add(&mut self, v: f64) {
+        self.sum += v;
+        self.series += 1;
+    }
+    fn get(self) -> Option<Self> {
+        (self.series > 0).then_some(self)
+    }
+}
+
+/// Parses a Prometheus text page from vLLM or SGLang.
+pub fn parse(page: &str) -> Result<EngineLoad, PageError> {
+    let mut engine: Option<&Families> = None;
+    let (mut running, mut waiting, mut prefix_q, mut prefix_h) = (Acc::default(), Acc::default(), Acc::default(), Acc::default());
+    // One accumulator per accepted KV usage name; the first name present wins.
+    let mut kv = [Acc::default(); 2];
+    let mut block_size: Option<usize> = None;
+    let mut blocks: Option<usize> = Some(0);
+    let mut cache_series = 0u32;
+
+    for (i, line) in page.lines().enumerate() {
+        let line_no = i + 1;
+        let line = line.trim_start();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let sample = sample(line).map_err(|what| PageError::Malformed { line: line_no, what })?;
+        let fams = match engine {
+            Some(f) => f,
+            None if sample.name.starts_with("vllm:") => engine.insert(&VLLM),
+            None if sample.name.starts_with("sglang:") => engine.insert(&SGLANG),
+            None => continue,
+        };
+        let name = sample.name;
+        if name == fams.running {
+            running.add(sample.value);
+        } else if name == fams.waiting {
+            waiting.add(sample.value);
+        } else if let Some(k) = fams.kv_usage.iter().position(|n| *n == name) {
+            kv[k].add(sample.value);
+        } else if Some(name) == fams.prefix_queries {
+            prefix_q.add(sample.value);
+        } else if Some(name) == fams.prefix_hits {
+            prefix_h.add(sample.value);
+        } else if Some(name) == fams.cache_info {
+            cache_series += 1;
+            let size = label(sample.labels, "block_size").and_then(|v| v.parse::<usize>().ok());
+            let n = label(sample.labels, "num_gpu_blocks").and_then(|v| v.parse::<usize>().ok());
+            // Ranks share one block size; a rank without a number makes the total unknown.
+            block_size = block_size.or(size);
+            blocks = match (blocks, n) {
+                (Some(total), Some(n)) => Some(total.saturating_add(n)),
+                _ => None,
+            };
+        }
+    }
+
+    let fams = engine.ok_or(PageError::UnknownEngine)?;
+    let running = running.get().ok_or(PageError::Missing(fams.running))?;
+    let waiting = waiting.get().ok_or(PageError::Missing(fams.waiting))?;
+    let (kv_name, kv) =
+        fams.kv_usage.iter().zip(kv).find_map(|(n, acc)| acc.get().map(|a| (*n, a))).ok_or(PageError::Missing(fams.kv_usage[0]))?;
+    let kv_usage = kv.sum / f64::from(kv.series);
+    if !(kv_usage.is_finite() && kv_usage >= 0.0) {
+        return Err(PageError::BadValue { family: kv_name, value: kv_usage });
+    }
+    let cache = match (block_size, blocks) {
+        (Some(block_size), Some(blocks)) if cache_series > 0 => Some(CacheInfo { block_size, blocks }),
+        _ => None,
+    };
+    Ok(EngineLoad {
+        engine: fams.engine,
+        running: count(fams.running, running.sum)?,
+        waiting: count(fams.waiting, waiting.sum)?,
+        // Engines report usage a hair over 1.0 at times; the share is what routing needs.
+        kv_usage: kv_usage.min(1.0),
+        prefix_queries: total(fams.prefix_queries, prefix_q)?,
+        prefix_hits: total(fams.prefix_hits, prefix_h)?,
+        cache,
+    })
+}
+
+/// A gauge of requests as a whole number.
+fn count(family: &'static str, v: f64) -> Result<u32, PageError> {
+    if (0.0..=f64::from(u32::MAX)).contains(&v) {
+        // Gauges are whole numbers written as floats (`4.0`).
+        Ok(v.round() as u32)
+    } else {
+        Err(PageError::BadValue { family, value: v })
+    }
+}
+
+/// A counter of tokens, if the engine publishes it.
+fn total(family: Option<&'static str>, acc: Acc) -> Result<Option<u64>, PageError> {
+    let (Some(family), Some(acc)) = (family, acc.get()) else { return Ok(None) };
+    // 2^53: past it an f64 no longer holds every whole number.
+    if (0.0..=9_007_199_254_740_992.0).contains(&acc.sum) {
+        Ok(Some(acc.sum.round() as u64))
+    } else {
+        Err(PageError::BadValue { family, value: acc.sum })
+    }
+}
+
+/// One sample line, borrowed from the page.
+struct Sample<'a> {
+    name: &'a str,
+    /// The text between the braces, checked.
+    labels: &'a str,
+    value: f64,
+}
+
+/// Splits and checks `name{labels} value [timestamp]`.
+fn sample(line: &str) -> Result<Sample<'_>, &'static str> {
+    let name_end = line.find(|c: char| c == '{' || c.is_ascii_whitespace()).ok_or("no value")?;
+    let name = &line[..name_end];
+    if !valid_name(name) {
+        return Err("bad metric name");
+    }
+    let mut rest = &line[name_end..];
+    let mut labels = "";
+    if let Some(after) = rest.strip_prefix('{') {
+        let len = label_set_len(after)?;
+        labels = &after[..len];
+        rest = &after[len + 1..];
+    }
+    let mut fields = rest.split_ascii_whitespace();
+    let value = fields.next().ok_or("no value")?;
+    let value = parse_value(value).ok_or("bad value")?;
+    if let Some(ts) = fields.next() {
+        ts.parse::<i64>().map_err(|_| "bad timestamp")?;
+    }
+    if fields.next().is_some() {
+        return Err("trailing text");
+    }
+    Ok(Sample { name, labels, value })
+}
+
+fn valid_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+}
+
+/// Prometheus values: floats, `NaN`, `+Inf`, `-Inf`.
+fn parse_value(v: &str) -> Option<f64> {
+    match v {
+        "+Inf" => Some(f64::INFINITY),
+        "-Inf" => Some(f64::NEG_INFINITY),
+        "NaN" => Some(f64::NAN),
+        // Rust also accepts "inf" and "nan" spelled other ways; Prometheus does not.
+        _ if v.bytes().any(|b| b.is_ascii_alphabetic() && b != b'e' && b != b'E') => None,
+        _ => v.parse().ok(),
+    }
+}
+
+/// The length of `k="v",k2="v2"` up to (not including) the closing brace.
+fn label_set_len(s: &str) -> Result<usize, &'static str> {
+    let bytes = s.as_bytes();
+    let mut i = 0;
+    loop {
+        while bytes.get(i).is_some_and(|b| *b == b' ') {
+            i += 1;
+        }
+        match bytes.get(i) {
+            Some(b'}') => return Ok(i),
+            None => return Err("unclosed labels"),
+            _ => {}
+        }
+        let key_start = i;
+        while bytes.get(i).is_some_and(|b| b.is_ascii_alphanumeric() || *b == b'_') {
+            i += 1;
+        }
+        if i == key_start || bytes[key_start].is_ascii_digit() {
+            return Err("bad label name");
+        }
+        if bytes.get(i) != Some(&b'=') || bytes.get(i + 1) != Some(&b'"') {
+            return Err("bad label");
+        }
+        i += 2;
+        loop {
+            match bytes.get(i) {
+                None => return Err("unclosed label value"),
+                Some(b'\\') => i += 2,
+                Some(b'"') => break,
+                Some(_) => i += 1,
+            }
+        }
+        i += 1;
+        match bytes.get(i) {
+            Some(b',') => i += 1,
+            Some(b'}') => return Ok(i),
+            _ => return Err("bad label separator"),
+        }
+    }
+}
+
+/// A label's raw value in a checked label set (escapes left as written).
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    loop {
+        rest = rest.trim_start_matches([' ', ',']);
+        let eq = rest.find("=\"")?;
+        let k = &rest[..eq];
+        let v_start = eq + 2;
+        let bytes = rest.as_bytes();
+        let mut i = v_start;
+        while i < bytes.len() && bytes[i] != b'"' {
+            i += if bytes[i] == b'\\' { 2 } else { 1 };
+        }
+        let v = rest.get(v_start..i)?;
+        if k == key {
+            return Some(v);
+        }
+        rest = rest.get(i + 1..)?;
+    }
+}

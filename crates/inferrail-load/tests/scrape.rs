@@ -1,0 +1,122 @@
+//! The scraper against real HTTP servers: misbehaving targets never delay a
+//! healthy one, and a real simulator is read correctly.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::Behaviour;
+use inferrail_load::{Engine, LoadTable, ScrapeConfig, Scraper};
+
+/// Generous: the router drops snapshots older than this.
+const FRESH: Duration = Duration::from_millis(250);
+
+/// Polls until `ok` holds, for at most `limit`.
+async fn eventually(limit: Duration, mut ok: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if ok() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_targets_never_delay_a_healthy_one() {
+    common::record_metrics();
+    let healthy = common::serve(Behaviour::Healthy).await;
+    let hang = common::serve(Behaviour::Hang).await;
+    let huge = common::serve(Behaviour::Huge(50 << 20)).await;
+    let endless = common::serve(Behaviour::Endless).await;
+    let table = LoadTable::new();
+    let scraper = Scraper::new(ScrapeConfig::default(), table.clone()).unwrap();
+    scraper.set_targets([
+        ("ok".to_string(), healthy),
+        ("hang".to_string(), hang),
+        ("huge".to_string(), huge),
+        ("endless".to_string(), endless),
+    ]);
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // Sampled over another second: the healthy target is fresh every time.
+    for _ in 0..10 {
+        let snap = table.get("ok").expect("the healthy target has a snapshot");
+        assert!(snap.age(Instant::now()) < FRESH, "healthy snapshot is {:?} old", snap.age(Instant::now()));
+        assert_eq!((snap.load.engine, snap.load.running), (Engine::Vllm, 4));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for bad in ["hang", "huge", "endless"] {
+        assert_eq!(table.get(bad), None, "{bad} has a snapshot");
+        let errors = common::scrape_errors(bad);
+        assert!(!errors.is_empty(), "{bad}: no scrape error counted");
+        for (reason, n) in &errors {
+            assert!(*n > 0 && ["timeout", "too_large"].contains(&reason.as_str()), "{bad}: {errors:?}");
+        }
+    }
+    assert_eq!(common::scrape_errors("hang").iter().map(|e| e.0.as_str()).collect::<Vec<_>>(), ["timeout"]);
+    assert_eq!(common::scrape_errors("huge").iter().map(|e| e.0.as_str()).collect::<Vec<_>>(), ["too_large"]);
+    assert!(common::scrape_errors("ok").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_past_the_limit_is_dropped_while_it_streams() {
+    common::record_metrics();
+    let addr = common::serve(Behaviour::ChunkedHuge(4 << 20)).await;
+    let config = ScrapeConfig { timeout: Duration::from_secs(5), max_bytes: 64 << 10, ..ScrapeConfig::default() };
+    let scraper = Scraper::new(config, LoadTable::new()).unwrap();
+    let mut events = scraper.subscribe();
+    scraper.set_targets([("chunked".to_string(), addr)]);
+    let scrape = tokio::time::timeout(Duration::from_secs(10), events.recv()).await.unwrap().unwrap();
+    assert_eq!(scrape.outcome.unwrap_err().reason(), "too_large");
+    assert!(eventually(Duration::from_secs(2), || !common::scrape_errors("chunked").is_empty()).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_that_is_not_metrics_is_unreadable_and_a_dead_port_is_http() {
+    common::record_metrics();
+    let html = common::serve(Behaviour::Html).await;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let table = LoadTable::new();
+    let scraper = Scraper::new(ScrapeConfig::default(), table.clone()).unwrap();
+    scraper.set_targets([("html".to_string(), html), ("dead".to_string(), dead)]);
+    let counted = |id: &str, reason: &str| common::scrape_errors(id).iter().any(|(r, n)| r == reason && *n > 0);
+    assert!(eventually(Duration::from_secs(3), || counted("html", "unreadable") && counted("dead", "http")).await);
+    assert_eq!((table.get("html"), table.get("dead")), (None, None));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targets_come_and_go() {
+    let a = common::serve(Behaviour::Healthy).await;
+    let b = common::serve(Behaviour::Healthy).await;
+    let table = LoadTable::new();
+    let scraper = Scraper::new(ScrapeConfig::default(), table.clone()).unwrap();
+    scraper.set_targets([("a".to_string(), a)]);
+    assert!(eventually(Duration::from_secs(3), || table.get("a").is_some()).await);
+    scraper.set_targets([("b".to_string(), b)]);
+    assert_eq!(table.get("a"), None, "a removed target leaves the table");
+    assert!(eventually(Duration::from_secs(3), || table.get("b").is_some()).await);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(table.get("a"), None, "a removed target is no longer scraped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_simulator_is_scraped_fresh() {
+    let (_sim, addr) = common::start_sim();
+    let table = LoadTable::new();
+    let scraper = Scraper::new(ScrapeConfig::default(), table.clone()).unwrap();
+    scraper.set_targets([("sim".to_string(), addr)]);
+    let fresh = || table.get("sim").is_some_and(|s| s.age(Instant::now()) < FRESH);
+    assert!(eventually(Duration::from_secs(5), fresh).await, "no fresh snapshot of the simulator");
+    let load = table.get("sim").unwrap().load;
+    assert_eq!((load.engine, load.running, load.waiting), (Engine::Vllm, 0, 0));
+    assert_eq!(load.cache.map(|c| c.block_size), Some(32));
+    assert!(load.prefix_queries.is_some());
+    // Still fresh a second later: scraping keeps going.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(fresh());
+}

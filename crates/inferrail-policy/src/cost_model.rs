@@ -1,0 +1,245 @@
+//! `cost_model`: the lowest estimated time to first token, inside load guards.
+//!
+//! For each candidate the estimate is `W + P(u, c)`: `W` is the prefill the
+//! router has queued there plus `decode_interference_ms` per running request
+//! (the engine's count while its report is fresh), and `P(u, c) = a*u +
+//! b*u*(c + u/2) + d` ([`crate::Prefill`]) prices the `u` prompt tokens it
+//! would compute after the `c` it holds. Lowest wins; ties go to fewer
+//! requests in flight, then to chance.
+//!
+//! Guards, before scoring:
+//! - bounded load: never a replica that would hold more than
+//!   `ceil((1 + epsilon) * (in_flight + 1) / n)` requests, `in_flight` summed
+//!   over the `n` offered replicas (consistent hashing with bounded loads;
+//!   the least loaded always qualifies);
+//! - KV pressure: never a replica whose engine reports more than `kappa` of
+//!   its KV cache in use, for a prompt with more than `short_prompt_tokens`
+//!   to compute there, unless every remaining replica is in that state.
+//!
+//! Hot prefixes: the prefill demand of each root prefix (its first
+//! `hot_prefix.blocks` blocks), in seconds of prefill per second on a replica
+//! that holds the root (the rest of each prompt after it), is counted in a
+//! decaying count-min sketch ([`crate::sketch`]). A root needing more
+//! than `hot_prefix.utilization` of a replica gets `ceil(demand /
+//! utilization)` owners: when fewer replicas hold it, the least queued
+//! others are priced as if they held it too, so its load spreads by queue.
+//!
+//! Session affinity (off by default): a request naming its conversation goes
+//! back to the conversation's last replica while the guards allow it.
+
+use std::num::NonZeroUsize;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use lru::LruCache;
+use rand::rngs::StdRng;
+use serde::{Deserialize, Serialize};
+
+use crate::sketch::Sketch;
+use crate::{Candidate, Prefill, Request, RoutingPolicy, Score, SetAside};
+
+/// `cost_model` parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Config {
+    /// Time a running request adds to a new request's first token, milliseconds.
+    pub decode_interference_ms: f64,
+    /// Bounded load: a replica holds at most `1 + epsilon` times its share.
+    pub epsilon: f64,
+    /// KV pressure: reported KV usage above which long uncached prompts go elsewhere.
+    pub kappa: f64,
+    /// KV pressure spares prompts with at most this many tokens to compute.
+    pub short_prompt_tokens: usize,
+    /// Send a conversation back to its last replica while the guards allow.
+    pub session_affinity: bool,
+    /// Conversations remembered for affinity (least recent forgotten first).
+    pub sessions: usize,
+    /// Hot prefix replication.
+    pub hot_prefix: HotPrefix,
+}
+
+/// Hot prefix replication parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct HotPrefix {
+    /// Replicate hot prefixes at all.
+    pub enabled: bool,
+    /// Leading blocks that make a root prefix.
+    pub blocks: usize,
+    /// Seconds over which demand is averaged (the sketch's decay).
+    pub window_secs: f64,
+    /// Share of one replica's time a root's prefill may take before it gets another owner.
+    pub utilization: f64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            decode_interference_ms: 0.06,
+            epsilon: 1.0,
+            kappa: 0.92,
+            short_prompt_tokens: 256,
+            session_affinity: false,
+            sessions: 100_000,
+            hot_prefix: HotPrefix::default(),
+        }
+    }
+}
+
+impl Default for HotPrefix {
+    fn default() -> Self {
+        Self { enabled: true, blocks: 16, window_secs: 10.0, utilization: 0.5 }
+    }
+}
+
+impl Config {
+    pub(crate) fn validate(&self, at: &str, p: &mut Vec<String>) {
+        let h = &self.hot_prefix;
+        let non_negative = [("decode_interference_ms", self.decode_interference_ms), ("epsilon", self.epsilon)];
+        for (name, v) in non_negative {
+            if !(v.is_finite() && v >= 0.0) {
+                p.push(format!("{at}.{name}: {v} is not a non-negative number"));
+            }
+        }
+        if !(self.kappa > 0.0 && self.kappa <= 1.0) {
+            p.push(format!("{at}.kappa: {} is not in (0, 1]", self.kappa));
+        }
+        if self.sessions == 0 {
+            p.push(format!("{at}.sessions: must be at least 1"));
+        }
+        if h.blocks == 0 {
+            p.push(format!("{at}.hot_prefix.blocks: must be at least 1"));
+        }
+        if !(h.window_secs.is_finite() && h.window_secs > 0.0) {
+            p.push(format!("{at}.hot_prefix.window_secs: {} is not a positive number", h.window_secs));
+        }
+        if !(h.utilization.is_finite() && h.utilization > 0.0) {
+            p.push(format!("{at}.hot_prefix.utilization: {} is not a positive number", h.utilization));
+        }
+    }
+}
+
+/// See the module doc.
+#[derive(Debug)]
+pub struct CostModel {
+    config: Config,
+    prefill: Prefill,
+    demand: Mutex<Sketch>,
+    sessions: Mutex<LruCache<String, u64>>,
+}
+
+impl CostModel {
+    /// With its parameters and the engine's prefill cost.
+    pub fn new(config: Config, prefill: Prefill) -> Self {
+        let half_life = Duration::from_secs_f64(config.hot_prefix.window_secs * std::f64::consts::LN_2);
+        let sessions = NonZeroUsize::new(config.sessions).unwrap_or(NonZeroUsize::MIN);
+        Self { config, prefill, demand: Mutex::new(Sketch::new(half_life)), sessions: Mutex::new(LruCache::new(sessions)) }
+    }
+
+    /// The root prefix of a request and its tokens, when it has one.
+    fn root(&self, req: &Request) -> Option<(u128, usize)> {
+        let h = &self.config.hot_prefix;
+        (h.enabled && req.blocks.len() >= h.blocks).then(|| (req.blocks[h.blocks - 1], h.blocks * req.block_size))
+    }
+
+    /// Owners the request's root prefix needs now (1 when it is not hot).
+    fn owners(&self, root: u128) -> usize {
+        let h = &self.config.hot_prefix;
+        let sketch = self.demand.lock().unwrap_or_else(|p| p.into_inner());
+        let demand = sketch.estimate(root) / sketch.window_secs();
+        if demand > h.utilization { (demand / h.utilization).ceil() as usize } else { 1 }
+    }
+
+    /// The estimated time to first token of a prompt on `c`, as if it held `cached` tokens.
+    fn estimate(&self, c: &Candidate, prompt: Option<usize>, cached: usize) -> Score {
+        let queue = c.queued_prefill_secs;
+        let decode = self.config.decode_interference_ms * 1e-3 * f64::from(c.running());
+        let prefill = prompt.map_or(0.0, |n| self.prefill.secs(n.saturating_sub(cached), cached.min(n)));
+        Score { total: queue + decode + prefill, terms: [queue, decode, prefill, 0.0] }
+    }
+}
+
+impl RoutingPolicy for CostModel {
+    fn name(&self) -> &'static str {
+        "cost_model"
+    }
+
+    fn terms(&self) -> &'static [&'static str] {
+        &["queue", "decode", "prefill", "hot_credit"]
+    }
+
+    fn guard(&self, req: &Request, c: &[Candidate], aside: &mut [Option<SetAside>]) -> Option<&'static str> {
+        let offered: Vec<usize> = (0..c.len()).filter(|&i| aside[i].is_none()).collect();
+        if offered.is_empty() {
+            return None;
+        }
+        let total: u64 = offered.iter().map(|&i| u64::from(c[i].in_flight)).sum();
+        let cap = ((1.0 + self.config.epsilon) * (total + 1) as f64 / offered.len() as f64).ceil() as u32;
+        for &i in &offered {
+            if c[i].in_flight + 1 > cap {
+                aside[i] = Some(SetAside::BoundedLoad { cap });
+            }
+        }
+        let prompt = req.prompt_tokens?;
+        let pressured = |i: usize| {
+            c[i].engine
+                .filter(|e| e.kv_usage > self.config.kappa && prompt.saturating_sub(c[i].cached_tokens) > self.config.short_prompt_tokens)
+        };
+        let remaining: Vec<usize> = offered.into_iter().filter(|&i| aside[i].is_none()).collect();
+        if remaining.iter().all(|&i| pressured(i).is_some()) {
+            return remaining.iter().any(|&i| pressured(i).is_some()).then_some("kv_waived");
+        }
+        for i in remaining {
+            if let Some(e) = pressured(i) {
+                aside[i] = Some(SetAside::KvPressure { usage: e.kv_usage });
+            }
+        }
+        None
+    }
+
+    fn score(&self, req: &Request, c: &[Candidate], offered: &[usize], _rng: &mut StdRng, out: &mut [Score]) -> Option<&'static str> {
+        for (s, &i) in out.iter_mut().zip(offered) {
+            *s = self.estimate(&c[i], req.prompt_tokens, c[i].cached_tokens);
+        }
+        if let Some((root, root_tokens)) = self.root(req) {
+            let owners = self.owners(root).min(offered.len());
+            let holders = offered.iter().filter(|&&i| c[i].cached_tokens >= root_tokens).count();
+            if owners > holders {
+                // The least queued replicas without the root are priced as if they held it.
+                let mut others: Vec<usize> = (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens < root_tokens).collect();
+                others.sort_by(|&a, &b| (out[a].terms[0] + out[a].terms[1]).total_cmp(&(out[b].terms[0] + out[b].terms[1])));
+                for k in others.into_iter().take(owners - holders) {
+                    let credited = self.estimate(&c[offered[k]], req.prompt_tokens, root_tokens);
+                    let saved = out[k].total - credited.total;
+                    out[k] = Score { terms: [credited.terms[0], credited.terms[1], credited.terms[2], saved], ..credited };
+                }
+            }
+        }
+        if self.config.session_affinity
+            && let Some(session) = req.session
+            && let Some(&home) = self.sessions.lock().unwrap_or_else(|p| p.into_inner()).peek(session)
+            && let Some(k) = offered.iter().position(|&i| c[i].key == home)
+        {
+            out[k].total = -1.0;
+            return Some("session");
+        }
+        None
+    }
+
+    fn picked(&self, req: &Request, c: &[Candidate], winner: usize) {
+        if let Some((root, root_tokens)) = self.root(req) {
+            // The work the request brings to a replica that holds its root.
+            let n = req.prompt_tokens.unwrap_or(root_tokens);
+            let work = self.prefill.secs(n.saturating_sub(root_tokens), root_tokens.min(n));
+            self.demand.lock().unwrap_or_else(|p| p.into_inner()).add(root, work, req.now);
+        }
+        if self.config.session_affinity
+            && let Some(session) = req.session
+        {
+            self.sessions.lock().unwrap_or_else(|p| p.into_inner()).put(session.to_owned(), c[winner].key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,146 @@
+//! The cost model's estimate, guards, hot prefixes and sessions.
+
+use super::*;
+use crate::testing::{fleet, rng};
+use crate::{EngineReport, decide};
+use proptest::prelude::*;
+
+fn policy(config: Config) -> CostModel {
+    CostModel::new(config, Prefill::default())
+}
+
+#[test]
+fn a_cached_replica_behind_a_long_queue_loses_to_an_idle_cold_one_and_wins_once_the_cold_one_is_busier() {
+    // The design's worked example: 8,000 prompt tokens, 6,000 of them cached on replica 0.
+    let p = policy(Config::default());
+    let req = Request { prompt_tokens: Some(8_000), ..Request::default() };
+    let mut c = fleet(&[4, 0]);
+    c[0].cached_tokens = 6_000;
+    c[0].queued_prefill_secs = 2.0;
+    let mut r = rng(1);
+    let cold = Prefill::default().secs(8_000, 0);
+    assert!(cold < 2.0, "an idle cold replica computes it all in {cold:.3} s, under the 2 s queue");
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 1);
+    c[1].queued_prefill_secs = 2.0;
+    c[1].in_flight = 4;
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 0, "with equal queues the cache decides");
+}
+
+#[test]
+fn kv_pressure_sets_aside_a_full_cache_for_long_uncached_prompts_unless_every_replica_is_full() {
+    let p = policy(Config::default());
+    let full = Some(EngineReport { running: 3, waiting: 0, kv_usage: 0.97 });
+    let mut c = fleet(&[0, 5]);
+    c[0].engine = full;
+    let long = Request { prompt_tokens: Some(2_000), ..Request::default() };
+    let mut aside = vec![None; 2];
+    assert_eq!(p.guard(&long, &c, &mut aside), None);
+    assert_eq!(aside, [Some(SetAside::KvPressure { usage: 0.97 }), None]);
+    // A short prompt, or one mostly cached there, is spared.
+    let mut aside = vec![None; 2];
+    p.guard(&Request { prompt_tokens: Some(200), ..long }, &c, &mut aside);
+    assert_eq!(aside, [None, None]);
+    c[0].cached_tokens = 1_900;
+    let mut aside = vec![None; 2];
+    p.guard(&long, &c, &mut aside);
+    assert_eq!(aside, [None, None]);
+    // Every replica under pressure: the guard is waived, and says so.
+    c[0].cached_tokens = 0;
+    c[1].engine = full;
+    let mut aside = vec![None; 2];
+    assert_eq!(p.guard(&long, &c, &mut aside), Some("kv_waived"));
+    assert_eq!(aside, [None, None]);
+}
+
+#[test]
+fn a_session_goes_back_to_its_replica_while_the_guards_allow_then_follows_the_new_one() {
+    let p = policy(Config { session_affinity: true, ..Config::default() });
+    let mut r = rng(2);
+    let mut c = fleet(&[1, 1, 1]);
+    let req = Request { prompt_tokens: Some(100), session: Some("chat-7"), ..Request::default() };
+    let first = decide(&p, &req, &c, &mut r).unwrap()[0];
+    p.picked(&req, &c, first);
+    // Another replica looks cheaper now, but the conversation stays.
+    let other = (first + 1) % 3;
+    c[other].cached_tokens = 100;
+    c[first].queued_prefill_secs = 0.5;
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], first);
+    // Overloaded beyond the bounded-load cap: it moves, and the session follows.
+    c[first].in_flight = 9;
+    let moved = decide(&p, &req, &c, &mut r).unwrap()[0];
+    assert_ne!(moved, first);
+    p.picked(&req, &c, moved);
+    c[first].in_flight = 1;
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], moved);
+}
+
+#[test]
+fn a_hot_root_prefix_gets_more_owners_and_a_cold_one_stays_on_its_holder() {
+    let p = policy(Config::default());
+    let blocks: Vec<u128> = (1..=40).collect();
+    let mut c = fleet(&[0, 0, 0, 0]);
+    c[0].cached_tokens = 640;
+    let mut r = rng(3);
+    let at = |t_ms: u64| Request {
+        now: Duration::from_millis(t_ms),
+        prompt_tokens: Some(700),
+        blocks: &blocks,
+        block_size: 16,
+        ..Request::default()
+    };
+    let req = at(0);
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 0, "not hot yet: the holder wins");
+    // The 444 tokens after the 256-token root cost about 0.05 s where the root is cached; 100 requests a second need several replicas.
+    for t in 0..500 {
+        let req = at(t * 10);
+        let w = decide(&p, &req, &c, &mut r).unwrap()[0];
+        p.picked(&req, &c, w);
+    }
+    let owners = p.owners(blocks[15]);
+    assert!(owners >= 2, "demand needs {owners} owners");
+    let req = at(5_000);
+    let mut scores = vec![Score::default(); 4];
+    c[0].queued_prefill_secs = 0.2;
+    p.score(&req, &c, &[0, 1, 2, 3], &mut r, &mut scores);
+    let credited = scores.iter().filter(|s| s.terms[3] > 0.0).count();
+    assert_eq!(credited, (owners - 1).min(3), "{scores:?}");
+    assert_ne!(decide(&p, &req, &c, &mut r).unwrap()[0], 0, "the queued holder shares its hot prefix");
+}
+
+proptest! {
+    #[test]
+    fn bounded_load_is_never_exceeded_over_any_arrivals_and_departures(
+        n in 1usize..8,
+        epsilon in 0.0f64..2.0,
+        ops in proptest::collection::vec((any::<bool>(), 0usize..8, 0usize..3000, 0.0f64..1.0), 1..300),
+        seed in any::<u64>(),
+    ) {
+        let p = policy(Config { epsilon, ..Config::default() });
+        let mut c = fleet(&vec![0; n]);
+        let mut r = rng(seed);
+        for (arrive, who, cached, queue) in ops {
+            if arrive {
+                c[who % n].cached_tokens = cached;
+                c[who % n].queued_prefill_secs = queue;
+                let req = Request { prompt_tokens: Some(3_000), ..Request::default() };
+                let total: u32 = c.iter().map(|x| x.in_flight).sum();
+                let cap = ((1.0 + epsilon) * f64::from(total + 1) / n as f64).ceil() as u32;
+                let w = decide(&p, &req, &c, &mut r).unwrap()[0];
+                c[w].in_flight += 1;
+                prop_assert!(c[w].in_flight <= cap, "{} in flight over the cap {cap}", c[w].in_flight);
+                p.picked(&req, &c, w);
+            } else if c[who % n].in_flight > 0 {
+                c[who % n].in_flight -= 1;
+            }
+        }
+    }
+
+    #[test]
+    fn more_cache_never_costs_more(prompt in 1usize..32_000, a in 0usize..32_000, b in 0usize..32_000, queue in 0.0f64..5.0, running in 0u32..64) {
+        let p = policy(Config::default());
+        let (lo, hi) = (a.min(b), a.max(b));
+        let mut c = fleet(&[running])[0].clone();
+        c.queued_prefill_secs = queue;
+        prop_assert!(p.estimate(&c, Some(prompt), hi).total <= p.estimate(&c, Some(prompt), lo).total + 1e-12);
+    }
+}

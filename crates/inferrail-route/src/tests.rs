@@ -1,0 +1,113 @@
+//! Plans and commits over in-memory fleets.
+
+use super::*;
+use inferrail_config::Config;
+use proptest::prelude::*;
+
+fn core(policy: &str, n: usize) -> (Core, Fleet) {
+    let mut yaml = format!("retry: {{fallbacks: 1}}\nmodels:\n  - {{name: m, policy: {policy}}}\n  - {{name: other}}\nreplicas:\n");
+    for i in 0..n {
+        yaml += &format!("  - {{id: r{i}, address: '127.0.0.1:{}', models: [m], max_concurrency: 8}}\n", 8001 + i);
+    }
+    yaml += "  - {id: o, address: '127.0.0.1:9000', models: [other]}\n";
+    let config = Config::parse(&yaml).unwrap();
+    let core = Core::new(&config);
+    let replicas: Vec<Arc<Replica>> = config
+        .replicas
+        .iter()
+        .map(|r| {
+            let models = r.models.iter().map(|m| usize::from(m == "other")).collect();
+            Arc::new(Replica::new(r.id.clone(), r.address.parse().unwrap(), models, r.limits(), r.cache(), core.kv.slot(&r.id)))
+        })
+        .collect();
+    for r in &replicas {
+        core.join(r);
+    }
+    (core, Fleet::new(replicas, 2))
+}
+
+fn prompt(first: u32, n: u32) -> Prompt {
+    Prompt { ids: (first..first + n).collect(), max_tokens: Some(4), cache_salt: None }
+}
+
+fn view<'a>(core: &Core, fleet: &Fleet, p: &Prompt) -> View<'a> {
+    View { model: 0, prediction: Some(core.prepare(0, p, fleet)), session: None, text: None }
+}
+
+const NONE: &dyn Fn(&Replica) -> Option<Report> = &|_| None;
+
+#[test]
+fn planning_changes_nothing_and_the_next_decision_picks_the_planned_winner() {
+    for policy in ["round_robin", "random", "p2c", "least_request", "kv_aware", "cost_model", "prefix_hash"] {
+        let (core, fleet) = core(policy, 4);
+        let mut held = Vec::new();
+        for i in 0..12u32 {
+            let p = prompt(i % 3 * 10_000, 300 + i);
+            let v = view(&core, &fleet, &p);
+            let now = Duration::from_millis(u64::from(i) * 10);
+            let explained = core.plan(&v, &fleet, NONE, now).unwrap();
+            let again = core.plan(&v, &fleet, NONE, now).unwrap();
+            assert_eq!(explained.order, again.order, "{policy}: planning twice gives the same plan");
+            let committed = core.commit(core.plan(&v, &fleet, NONE, now).unwrap());
+            assert_eq!(committed.targets[0].id, explained.winner().replica.id, "{policy}: the explained winner is routed");
+            assert_eq!(committed.targets.len(), 2, "winner and one fallback");
+            assert_ne!(committed.targets[0].id, committed.targets[1].id);
+            held.push(committed.lease);
+        }
+    }
+}
+
+#[test]
+fn a_committed_prompt_is_predicted_cached_and_its_prefill_queued_on_the_winner() {
+    let (core, fleet) = core("cost_model", 3);
+    let p = prompt(0, 2_000);
+    let first = core.commit(core.plan(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap());
+    let winner = first.targets[0].clone();
+    let expected = core.models[0].params.prefill.secs(2_000, 0);
+    assert!((first.prefill.as_secs_f64() - expected).abs() < 1e-6);
+    assert_eq!(winner.queued_prefill(Duration::ZERO), Duration::from_micros(first.prefill.as_micros() as u64));
+    assert_eq!(winner.prompt_tokens(), 2_000);
+    let plan = core.plan(&view(&core, &fleet, &prompt(0, 2_100)), &fleet, NONE, Duration::ZERO).unwrap();
+    let on = |id: &str| plan.candidates.iter().find(|c| c.replica.id == id).unwrap();
+    assert_eq!(on(&winner.id).candidate.cached_tokens, 2_000);
+    assert!(plan.candidates.iter().filter(|c| c.replica.id != winner.id).all(|c| c.candidate.cached_tokens == 0));
+    assert_eq!(plan.terms, ["queue", "decode", "prefill", "hot_credit"]);
+    let score = on(&winner.id).score.unwrap();
+    assert!((score.terms[0] - first.prefill.as_secs_f64()).abs() < 1e-6, "the queued prefill is the queue term");
+    // Its first byte empties the queue; the lease's end the counters.
+    first.lease.first_byte();
+    assert_eq!(winner.queued_prefill(Duration::ZERO), Duration::ZERO);
+    first.lease.release();
+    assert_eq!(winner.prompt_tokens(), 0);
+}
+
+#[test]
+fn unhealthy_and_full_replicas_are_set_aside_with_their_reason() {
+    let (core, fleet) = core("cost_model", 3);
+    let [a, b, _c] = [0, 1, 2].map(|i| fleet.serving(0)[i].clone());
+    a.set_probe(false);
+    let _held: Vec<Lease> = (0..8).map(|_| Lease::new(b.clone(), 0, 0)).collect();
+    let plan = core.plan(&view(&core, &fleet, &prompt(0, 100)), &fleet, NONE, Duration::ZERO).unwrap();
+    let reasons: Vec<Option<SetAside>> = plan.candidates.iter().map(|c| c.set_aside).collect();
+    assert_eq!(reasons, [Some(SetAside::Unhealthy), Some(SetAside::Full), None]);
+    assert_eq!(plan.order, [2]);
+    assert!(plan.candidates.iter().all(|c| c.replica.models.contains(&0)), "only replicas serving the model");
+}
+
+proptest! {
+    #[test]
+    fn a_stale_report_is_never_read(ages in proptest::collection::vec(0u64..600, 3), usage in 0.0f64..1.0) {
+        let (core, fleet) = core("cost_model", 3);
+        let now = Duration::from_secs(10);
+        let reports = |r: &Replica| {
+            let i: usize = r.id[1..].parse().ok()?;
+            Some(Report { at: now - Duration::from_millis(ages[i]), load: EngineReport { running: 7, waiting: 3, kv_usage: usage } })
+        };
+        let plan = core.plan(&view(&core, &fleet, &prompt(0, 100)), &fleet, &reports, now).unwrap();
+        for (c, &age) in plan.candidates.iter().zip(&ages) {
+            let (_, seen_age) = c.report.unwrap();
+            prop_assert_eq!(seen_age, Duration::from_millis(age));
+            prop_assert_eq!(c.candidate.engine.is_some(), age <= 250, "a report {}ms old", age);
+        }
+    }
+}

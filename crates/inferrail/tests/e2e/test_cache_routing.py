@@ -1,0 +1,102 @@
+"""Routing on the cache through a real Envoy: three simulators whose caches
+hold about a third of the shared system prompts each, the same seeded
+traffic for every policy, and the share of shared-prompt tokens the engines
+report as cached (usage.prompt_tokens_details.cached_tokens).
+
+A cache-blind policy scatters each system prompt over every replica, so each
+cache churns through all of them; a cache-aware one gives each prompt a
+home. Sessions: with affinity on, a conversation stays on its replica until
+that replica is past the bounded-load cap (the policy's unit tests show the
+move; here, that it stays while other replicas' caches would attract it).
+"""
+import json
+import random
+import threading
+
+import pytest
+
+from conftest import http
+
+PROMPTS, PROMPT_WORDS = 6, 300
+BLOCKS = 48  # 768 tokens of 16: about two of the six system prompts (about 330 tokens each)
+
+
+def system_prompts():
+    rng = random.Random(11)
+    words = "river stone cloud lantern garden silver copper window mountain ocean forest delta".split()
+    return [f"You are assistant {i}. " + " ".join(rng.choice(words) for _ in range(PROMPT_WORDS)) for i in range(PROMPTS)]
+
+
+def run(fleet, requests=120, warmup=40, clients=1, seed=5):
+    """Sends the same seeded W1-like traffic; returns (cached share of shared-prompt tokens after warmup, replicas used)."""
+    prompts = system_prompts()
+    rng = random.Random(seed)
+    plan = [(rng.randrange(PROMPTS), rng.randrange(10**6)) for _ in range(requests)]
+    results = [None] * requests
+    lock = threading.Lock()
+    next_index = [0]
+
+    def client():
+        while True:
+            with lock:
+                i = next_index[0]
+                next_index[0] += 1
+            if i >= requests:
+                return
+            p, q = plan[i]
+            body = {"model": "sim", "max_tokens": 2, "messages": [
+                {"role": "system", "content": prompts[p]}, {"role": "user", "content": f"Question {q}: why?"}]}
+            r = http("POST", f"{fleet.url}/v1/chat/completions", body)
+            assert r.status == 200, r.body[:300]
+            usage = json.loads(r.body)["usage"]
+            results[i] = (p, usage["prompt_tokens_details"]["cached_tokens"], r.headers.get("x-inferrail-replica"))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # A system prompt's cacheable tokens: the most of it any request found cached (its full blocks).
+    cacheable = {}
+    for p, c, _ in results:
+        cacheable[p] = max(cacheable.get(p, 0), c)
+    measured = results[warmup:]
+    share = sum(min(c, cacheable[p]) for p, c, _ in measured) / sum(cacheable[p] for p, _, _ in measured)
+    return share, {rep for _, _, rep in results}
+
+
+def make(fleet_factory, policy, **extra):
+    return fleet_factory(policy=policy, sim_flags=["--zero-latency", "--block-size", "16", "--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "768"],
+                         replica_extra=f", block_size: 16, kv_blocks: {BLOCKS}", **extra)
+
+
+def test_kv_aware_keeps_the_shared_prompts_cached(fleet_factory):
+    policy = "kv_aware"
+    share, used = run(make(fleet_factory, policy))
+    assert share >= 0.80, f"{policy} kept {share:.0%} of shared-prompt tokens cached"
+    assert len(used) == 3, f"{policy} used only {used}"
+
+
+def test_round_robin_keeps_well_under_half(fleet_factory):
+    share, _ = run(make(fleet_factory, "round_robin"))
+    assert share < 0.45, f"round robin kept {share:.0%} cached"
+
+
+def test_a_session_sticks_to_its_replica_while_other_caches_would_attract_it(fleet_factory):
+    fleet = make(fleet_factory, "cost_model", routing=", policies: {cost_model: {session_affinity: true}}")
+    prompts = system_prompts()
+
+    def ask(session, content, prompt=0):
+        body = {"model": "sim", "max_tokens": 2, "messages": [{"role": "system", "content": prompts[prompt]}, {"role": "user", "content": content}]}
+        r = http("POST", f"{fleet.url}/v1/chat/completions", body, {"x-session-id": session})
+        assert r.status == 200, r.body[:300]
+        return r.headers["x-inferrail-replica"]
+
+    home = ask("chat-1", "first turn")
+    # Other prompts' caches elsewhere would attract it; affinity keeps it home.
+    for i in range(1, 4):
+        ask(f"other-{i}", "warm another replica", prompt=i)
+    assert all(ask("chat-1", f"turn {t}", prompt=t % 3 + 1) == home for t in range(6))
+    assert fleet.metric("inferrail_steered_total", 'policy="cost_model",reason="session"') >= 6
+    # Leaving it when overloaded is the bounded-load guard's job, shown in the policy's own tests.
+
