@@ -204,8 +204,10 @@ impl RoutingPolicy for CostModel {
         if let Some((root, root_tokens)) = self.root(req) {
             let owners = self.owners(root).min(offered.len());
             let holders = offered.iter().filter(|&&i| c[i].cached_tokens >= root_tokens).count();
-            if owners > holders {
-                // The least queued replicas without the root are priced as if they held it.
+            // A hot root held somewhere: the least queued replicas without it
+            // are priced as if they held it too, up to its owners. A root
+            // nobody holds, or one that is not hot, is priced as it is.
+            if owners > 1 && holders >= 1 && owners > holders {
                 let mut others: Vec<usize> = (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens < root_tokens).collect();
                 others.sort_by(|&a, &b| (out[a].terms[0] + out[a].terms[1]).total_cmp(&(out[b].terms[0] + out[b].terms[1])));
                 for k in others.into_iter().take(owners - holders) {

@@ -111,3 +111,20 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn new_prompts_spread_over_idle_replicas_rather_than_pile_on_one() {
+    // Every lease ends before the next decision, as with one client at a time.
+    let (core, fleet) = core("cost_model", 3);
+    let mut wins = std::collections::HashMap::new();
+    for i in 0..30u32 {
+        let p = prompt(i * 100_000, 350);
+        let plan = core.plan(&view(&core, &fleet, &p), &fleet, NONE, Duration::from_millis(u64::from(i) * 20)).unwrap();
+        assert!(plan.candidates.iter().all(|c| c.score.unwrap().terms[3] == 0.0), "no hot credit for a root nobody holds");
+        let c = core.commit(plan);
+        *wins.entry(c.targets[0].id.clone()).or_insert(0) += 1;
+        c.lease.first_byte();
+        c.lease.release();
+    }
+    assert!(wins.values().all(|&n| n >= 5) && wins.len() == 3, "{wins:?}");
+}

@@ -5,17 +5,20 @@ report as cached (usage.prompt_tokens_details.cached_tokens).
 
 A cache-blind policy scatters each system prompt over every replica, so each
 cache churns through all of them; a cache-aware one gives each prompt a
-home. Sessions: with affinity on, a conversation stays on its replica until
-that replica is past the bounded-load cap (the policy's unit tests show the
-move; here, that it stays while other replicas' caches would attract it).
+home. Two regimes: one client at a time on simulators that take no time
+(placement alone decides), and two clients on simulators with the default
+latency model (queues and the load guards take part). Sessions: with
+affinity on, a conversation stays on its replica until that replica is past
+the bounded-load cap, then follows the new one.
 """
 import json
 import random
 import threading
+import urllib.request
 
 import pytest
 
-from conftest import http
+from conftest import http, wait_until
 
 PROMPTS, PROMPT_WORDS = 6, 300
 BLOCKS = 48  # 768 tokens of 16: about two of the six system prompts (about 330 tokens each)
@@ -65,25 +68,33 @@ def run(fleet, requests=120, warmup=40, clients=1, seed=5):
     return share, {rep for _, _, rep in results}
 
 
-def make(fleet_factory, policy, **extra):
-    return fleet_factory(policy=policy, sim_flags=["--zero-latency", "--block-size", "16", "--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "768"],
+def make(fleet_factory, policy, latency=False, **extra):
+    flags = ["--block-size", "16", "--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "768"]
+    return fleet_factory(policy=policy, sim_flags=flags if latency else ["--zero-latency", *flags],
                          replica_extra=f", block_size: 16, kv_blocks: {BLOCKS}", **extra)
 
 
-def test_kv_aware_keeps_the_shared_prompts_cached(fleet_factory):
-    policy = "kv_aware"
+@pytest.mark.parametrize("policy", ["cost_model", "kv_aware", "prefix_hash", "round_robin"])
+def test_one_client_at_a_time_cache_aware_policies_keep_the_shared_prompts_cached(fleet_factory, policy):
     share, used = run(make(fleet_factory, policy))
-    assert share >= 0.80, f"{policy} kept {share:.0%} of shared-prompt tokens cached"
+    if policy == "round_robin":
+        assert share < 0.45, f"round robin kept {share:.0%} cached"
+    else:
+        assert share >= 0.80, f"{policy} kept {share:.0%} of shared-prompt tokens cached"
     assert len(used) == 3, f"{policy} used only {used}"
 
 
-def test_round_robin_keeps_well_under_half(fleet_factory):
-    share, _ = run(make(fleet_factory, "round_robin"))
-    assert share < 0.45, f"round robin kept {share:.0%} cached"
+@pytest.mark.parametrize("policy", ["cost_model", "round_robin"])
+def test_two_clients_on_timed_engines_cost_model_keeps_the_shared_prompts_cached(fleet_factory, policy):
+    share, _ = run(make(fleet_factory, policy, latency=True), clients=2)
+    if policy == "round_robin":
+        assert share < 0.45, f"round robin kept {share:.0%} cached"
+    else:
+        assert share >= 0.80, f"{policy} kept {share:.0%} of shared-prompt tokens cached"
 
 
-def test_a_session_sticks_to_its_replica_while_other_caches_would_attract_it(fleet_factory):
-    fleet = make(fleet_factory, "cost_model", routing=", policies: {cost_model: {session_affinity: true}}")
+def test_a_session_sticks_to_its_replica_until_it_is_overloaded_then_follows_the_new_one(fleet_factory):
+    fleet = make(fleet_factory, "cost_model", latency=True, routing=", policies: {cost_model: {session_affinity: true}}")
     prompts = system_prompts()
 
     def ask(session, content, prompt=0):
@@ -98,5 +109,22 @@ def test_a_session_sticks_to_its_replica_while_other_caches_would_attract_it(fle
         ask(f"other-{i}", "warm another replica", prompt=i)
     assert all(ask("chat-1", f"turn {t}", prompt=t % 3 + 1) == home for t in range(6))
     assert fleet.metric("inferrail_steered_total", 'policy="cost_model",reason="session"') >= 6
-    # Leaving it when overloaded is the bounded-load guard's job, shown in the policy's own tests.
+
+    # Two long streams of the conversation hold its home (2 of 2 in flight);
+    # a third request would put it past ceil(2 * 3 / 3) = 2: it moves.
+    def open_stream():
+        body = {"model": "sim", "max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": "a long answer"}]}
+        req = urllib.request.Request(f"{fleet.url}/v1/chat/completions", json.dumps(body).encode(), method="POST",
+                                     headers={"content-type": "application/json", "x-session-id": "chat-1"})
+        return urllib.request.urlopen(req, timeout=30)
+
+    streams = [open_stream(), open_stream()]
+    assert [s.headers["x-inferrail-replica"] for s in streams] == [home, home]
+    moved = ask("chat-1", "while home is busy")
+    assert moved != home
+    assert fleet.metric("inferrail_set_aside_total", 'policy="cost_model",reason="bounded_load"') >= 1
+    for s in streams:
+        s.close()
+    wait_until(lambda: fleet.metric("inferrail_leases") == 0, "the streams' leases to end")
+    assert ask("chat-1", "home is free again") == moved, "the conversation follows its new replica"
 
