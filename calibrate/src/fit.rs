@@ -45,7 +45,7 @@ impl CostModel {
     /// The router config fragment that sets these parameters.
     pub fn yaml_fragment(&self) -> String {
         format!(
-            "cost_model:\n  prefill_token_us: {}\n  prefill_pair_ns: {}\n  prefill_fixed_ms: {}\n",
+            "prefill:\n  prefill_token_us: {}\n  prefill_pair_ns: {}\n  prefill_fixed_ms: {}\n",
             decimal(self.prefill_token_us),
             decimal(self.prefill_pair_ns),
             decimal(self.prefill_fixed_ms)

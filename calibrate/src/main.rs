@@ -1,5 +1,5 @@
-//! `inferrail-calibrate`: measures an idle engine and prints the router's
-//! `cost_model` config fragment. Flags and output only; the work is in the library.
+//! `inferrail-calibrate`: measures an idle engine and prints the `prefill`
+//! fragment of the router config (for `routing.policies`). Flags and output only; the work is in the library.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -39,6 +39,9 @@ struct Cli {
     /// Times each grid point is probed.
     #[arg(long, default_value_t = 2)]
     repeats: usize,
+    /// Unmeasured requests sent first (an engine's first requests are slow).
+    #[arg(long, default_value_t = 4)]
+    warmup: usize,
     /// Smallest token id probes use.
     #[arg(long, default_value_t = TokenRange::default().lo)]
     min_token_id: u32,
@@ -60,7 +63,7 @@ async fn main() -> anyhow::Result<()> {
     let settle = Duration::try_from_secs_f64(cli.settle_timeout_s).context("--settle-timeout-s")?;
     let engine = Engine::connect(&cli.url, cli.model.as_deref(), timeout).await?;
     let seed = cli.seed.unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0));
-    let grid = Grid { cached: cli.cached.clone(), uncached: cli.uncached.clone(), repeats: cli.repeats };
+    let grid = Grid { cached: cli.cached.clone(), uncached: cli.uncached.clone(), repeats: cli.repeats, warmup: cli.warmup };
     let plan = plan(&grid, engine.max_model_len, TokenRange { lo: cli.min_token_id, hi: cli.max_token_id }, seed)?;
     eprintln!(
         "calibrating {} at {} (max_model_len {}, seed {seed}): {} probes, {} requests",
@@ -79,6 +82,7 @@ async fn main() -> anyhow::Result<()> {
     let measurements = run(&engine, &plan, RunOptions { settle, ..RunOptions::default() }, |step| {
         match step {
             Step::Prefix { tokens } => bar.set_message(format!("cached a {tokens}-token prefix")),
+            Step::Warmup => bar.set_message("warming up"),
             Step::Probe(m) => bar.set_message(format!("c={} u={}: {:.1} ms", m.planned_cached, m.planned_uncached, m.engine_secs * 1e3)),
         }
         bar.inc(1);

@@ -21,11 +21,13 @@ pub struct Grid {
     pub uncached: Vec<usize>,
     /// Times each grid point is probed.
     pub repeats: usize,
+    /// Unmeasured requests sent first: an engine's first requests are slow (allocation, compilation).
+    pub warmup: usize,
 }
 
 impl Default for Grid {
     fn default() -> Self {
-        Self { cached: vec![0, 512, 1024, 2048, 4096], uncached: vec![16, 256, 1024, 2048], repeats: 2 }
+        Self { cached: vec![0, 512, 1024, 2048, 4096], uncached: vec![16, 256, 1024, 2048], repeats: 2, warmup: 4 }
     }
 }
 
@@ -69,6 +71,8 @@ pub struct Group {
 /// Every prompt of a calibration run, in sending order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
+    /// Unmeasured prompts sent first, each fresh and as long as the longest probe that fits.
+    pub warmup: Vec<Vec<u32>>,
     /// Groups in order.
     pub groups: Vec<Group>,
     /// Grid points left out because prompt and one output token exceed the context, as (cached, uncached).
@@ -83,7 +87,7 @@ impl Plan {
 
     /// Requests the plan sends: probes and prefixes.
     pub fn requests(&self) -> usize {
-        self.probes() + self.groups.iter().filter(|g| !g.prefix.is_empty()).count()
+        self.warmup.len() + self.probes() + self.groups.iter().filter(|g| !g.prefix.is_empty()).count()
     }
 }
 
@@ -135,6 +139,8 @@ pub fn plan(grid: &Grid, max_model_len: usize, tokens: TokenRange, seed: u64) ->
     }
     let mut rng = StdRng::seed_from_u64(seed);
     let mut fresh = |n: usize| -> Vec<u32> { (0..n).map(|_| rng.random_range(tokens.lo..tokens.hi)).collect() };
+    let longest = cached.iter().flat_map(|&c| uncached.iter().map(move |&u| (c, u))).filter(|&(c, u)| fits(c, u)).map(|(c, u)| c + u).max();
+    let warmup = (0..grid.warmup).map(|_| fresh(longest.unwrap_or(1))).collect();
     let mut groups = Vec::new();
     for _ in 0..grid.repeats {
         for &c in &cached {
@@ -154,7 +160,7 @@ pub fn plan(grid: &Grid, max_model_len: usize, tokens: TokenRange, seed: u64) ->
             groups.push(Group { prefix, probes });
         }
     }
-    Ok(Plan { groups, skipped })
+    Ok(Plan { warmup, groups, skipped })
 }
 
 #[cfg(test)]
@@ -164,14 +170,15 @@ mod tests {
 
     #[test]
     fn probes_share_their_prefix_and_nothing_else() {
-        let grid = Grid { cached: vec![0, 64], uncached: vec![8, 16], repeats: 2 };
+        let grid = Grid { cached: vec![0, 64], uncached: vec![8, 16], repeats: 2, warmup: 1 };
         let p = match plan(&grid, 1000, TokenRange::default(), 7) {
             Ok(p) => p,
             Err(e) => panic!("{e}"),
         };
         assert_eq!(p.groups.len(), 4);
         assert_eq!(p.probes(), 8);
-        assert_eq!(p.requests(), 10);
+        assert_eq!(p.requests(), 11, "8 probes, 2 prefixes and a warm-up");
+        assert_eq!(p.warmup.iter().map(Vec::len).collect::<Vec<_>>(), [80], "as long as the longest probe");
         for g in &p.groups {
             for probe in &g.probes {
                 assert_eq!(probe.prompt.len(), probe.cached + probe.uncached);

@@ -83,6 +83,8 @@ pub enum Step<'a> {
     },
     /// A probe was measured.
     Probe(&'a Measurement),
+    /// An unmeasured warm-up request was served.
+    Warmup,
 }
 
 /// How the runner waits for the engine.
@@ -134,6 +136,11 @@ pub async fn run(engine: &Engine, plan: &Plan, opts: RunOptions, mut on_step: im
         (None, Some(_)) => TimedBy::TtftHistogram,
         (None, None) => return Err(RunError::NoTiming),
     };
+    for prompt in &plan.warmup {
+        engine.complete(prompt).await?;
+        now = settle(engine, &now, timed_by, opts).await?;
+        on_step(Step::Warmup);
+    }
     let mut out = Vec::with_capacity(plan.probes());
     for group in &plan.groups {
         if !group.prefix.is_empty() {

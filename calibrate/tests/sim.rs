@@ -19,7 +19,7 @@ use inferrail_sim::args::Args;
 
 /// Small enough to finish in a couple of seconds, wide enough to separate a, b and d.
 fn grid() -> Grid {
-    Grid { cached: vec![0, 1024, 4096], uncached: vec![16, 512, 2048], repeats: 1 }
+    Grid { cached: vec![0, 1024, 4096], uncached: vec![16, 512, 2048], repeats: 1, warmup: 1 }
 }
 
 async fn start_sim(a: f64, b: f64, d: f64, extra: &[&str]) -> Sim {
@@ -102,7 +102,7 @@ async fn the_binary_recovers_other_parameters_and_writes_the_fragment() {
     let _ = std::fs::remove_file(&out);
     assert!(stdout.ends_with(&written), "stdout ends with the fragment");
     let yaml: serde_yaml::Value = serde_yaml::from_str(&written).unwrap_or_else(|e| panic!("{e}: {written}"));
-    let key = |k: &str| yaml["cost_model"][k].as_f64().unwrap_or_else(|| panic!("no cost_model.{k} in {written}"));
+    let key = |k: &str| yaml["prefill"][k].as_f64().unwrap_or_else(|| panic!("no prefill.{k} in {written}"));
     let got = CostModel {
         prefill_token_us: key("prefill_token_us"),
         prefill_pair_ns: key("prefill_pair_ns"),

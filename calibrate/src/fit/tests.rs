@@ -72,7 +72,7 @@ fn too_few_shapes_and_bad_times_are_refused() {
 #[test]
 fn the_fragment_uses_the_config_keys() {
     let m = CostModel { prefill_token_us: 100.0, prefill_pair_ns: 3.3, prefill_fixed_ms: 0.0 };
-    assert_eq!(m.yaml_fragment(), "cost_model:\n  prefill_token_us: 100.0\n  prefill_pair_ns: 3.300\n  prefill_fixed_ms: 0.0\n");
+    assert_eq!(m.yaml_fragment(), "prefill:\n  prefill_token_us: 100.0\n  prefill_pair_ns: 3.300\n  prefill_fixed_ms: 0.0\n");
 }
 
 proptest! {
