@@ -33,7 +33,7 @@ setup:
 # Run the whole test suite: lints, Rust tests, the OpenAI SDK against the simulator, and the fleet through a real Envoy.
 test: setup lint
     cargo nextest run --workspace --no-fail-fast
-    cargo build --quiet -p inferrail -p inferrail-sim
+    cargo build --quiet -p inferrail -p inferrail-sim -p inferrail-scraper
     INFERRAIL_SIM=target/debug/inferrail-sim "{{venv}}/bin/pytest" -q sim/tests/sdk
     "{{venv}}/bin/pytest" -q crates/inferrail/tests/e2e
 
