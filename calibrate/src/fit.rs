@@ -11,6 +11,8 @@
 //! probes would drown the fixed cost `d`. Columns are then scaled to unit
 //! length so the solver sees numbers of similar size.
 
+pub use inferrail_policy::Prefill;
+
 use crate::nnls::{NnlsError, nnls};
 
 /// One measured prefill.
@@ -24,33 +26,14 @@ pub struct Observation {
     pub secs: f64,
 }
 
-/// The cost model's parameters, in the units the router's config uses.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct CostModel {
-    /// `a`: microseconds per uncached token.
-    pub prefill_token_us: f64,
-    /// `b`: nanoseconds per attended token pair.
-    pub prefill_pair_ns: f64,
-    /// `d`: milliseconds per prefill.
-    pub prefill_fixed_ms: f64,
-}
-
-impl CostModel {
-    /// Predicted prefill time of `uncached` tokens after `cached`, seconds.
-    pub fn prefill_secs(&self, uncached: usize, cached: usize) -> f64 {
-        let [x1, x2, x3] = columns(uncached, cached);
-        self.prefill_token_us * 1e-6 * x1 + self.prefill_pair_ns * 1e-9 * x2 + self.prefill_fixed_ms * 1e-3 * x3
-    }
-
-    /// The router config fragment that sets these parameters.
-    pub fn yaml_fragment(&self) -> String {
-        format!(
-            "prefill:\n  prefill_token_us: {}\n  prefill_pair_ns: {}\n  prefill_fixed_ms: {}\n",
-            decimal(self.prefill_token_us),
-            decimal(self.prefill_pair_ns),
-            decimal(self.prefill_fixed_ms)
-        )
-    }
+/// The router config fragment that sets `model`, for `routing.policies`.
+pub fn yaml_fragment(model: &Prefill) -> String {
+    format!(
+        "prefill:\n  prefill_token_us: {}\n  prefill_pair_ns: {}\n  prefill_fixed_ms: {}\n",
+        decimal(model.prefill_token_us),
+        decimal(model.prefill_pair_ns),
+        decimal(model.prefill_fixed_ms)
+    )
 }
 
 /// How far one probe lies from the fitted model.
@@ -73,7 +56,7 @@ impl Residual {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fit {
     /// The parameters.
-    pub model: CostModel,
+    pub model: Prefill,
     /// One per observation, in order.
     pub residuals: Vec<Residual>,
 }
@@ -140,9 +123,8 @@ pub fn fit(observations: &[Observation]) -> Result<Fit, FitError> {
     }
     let z = nnls(&rows, &y)?;
     let coef = |j: usize| z.get(j).copied().unwrap_or(0.0) / scale[j];
-    let model = CostModel { prefill_token_us: coef(0) * 1e6, prefill_pair_ns: coef(1) * 1e9, prefill_fixed_ms: coef(2) * 1e3 };
-    let residuals =
-        observations.iter().map(|&o| Residual { observation: o, predicted_secs: model.prefill_secs(o.uncached, o.cached) }).collect();
+    let model = Prefill { prefill_token_us: coef(0) * 1e6, prefill_pair_ns: coef(1) * 1e9, prefill_fixed_ms: coef(2) * 1e3 };
+    let residuals = observations.iter().map(|&o| Residual { observation: o, predicted_secs: model.secs(o.uncached, o.cached) }).collect();
     Ok(Fit { model, residuals })
 }
 

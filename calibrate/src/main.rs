@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use inferrail_calibrate::engine::Engine;
-use inferrail_calibrate::fit::fit;
+use inferrail_calibrate::fit::{fit, yaml_fragment};
 use inferrail_calibrate::plan::{Grid, TokenRange, plan};
 use inferrail_calibrate::report;
 use inferrail_calibrate::run::{RunOptions, Step, run};
@@ -97,7 +97,7 @@ async fn main() -> anyhow::Result<()> {
         eprintln!("timed by {:?}; cached tokens from {:?}", m.timed_by, m.cached_from);
     }
     print!("{}\n{}\n", report::probe_table(&measurements, &fit), report::summary(&measurements, &fit));
-    let fragment = fit.model.yaml_fragment();
+    let fragment = yaml_fragment(&fit.model);
     print!("{fragment}");
     if let Some(path) = &cli.out {
         std::fs::write(path, &fragment).with_context(|| format!("writing {}", path.display()))?;

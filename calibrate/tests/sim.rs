@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use inferrail_calibrate::engine::Engine;
-use inferrail_calibrate::fit::{CostModel, fit};
+use inferrail_calibrate::fit::{Prefill, fit};
 use inferrail_calibrate::plan::{Grid, TokenRange, plan};
 use inferrail_calibrate::run::{CachedFrom, RunOptions, TimedBy, run};
 use inferrail_sim::Sim;
@@ -32,7 +32,7 @@ async fn start_sim(a: f64, b: f64, d: f64, extra: &[&str]) -> Sim {
     }
 }
 
-fn assert_close(got: CostModel, want: CostModel) {
+fn assert_close(got: Prefill, want: Prefill) {
     let pairs = [
         ("a", got.prefill_token_us, want.prefill_token_us),
         ("b", got.prefill_pair_ns, want.prefill_pair_ns),
@@ -75,7 +75,7 @@ async fn the_library_recovers_the_default_parameters() {
         Err(e) => panic!("{e}"),
     };
     eprintln!("defaults: {:?}, rms residual {:.4}%", fit.model, fit.rms_relative() * 100.0);
-    assert_close(fit.model, CostModel { prefill_token_us: 100.0, prefill_pair_ns: 3.3, prefill_fixed_ms: 5.0 });
+    assert_close(fit.model, Prefill { prefill_token_us: 100.0, prefill_pair_ns: 3.3, prefill_fixed_ms: 5.0 });
     if let Err(e) = sim.stop().await {
         panic!("{e:#}");
     }
@@ -103,12 +103,12 @@ async fn the_binary_recovers_other_parameters_and_writes_the_fragment() {
     assert!(stdout.ends_with(&written), "stdout ends with the fragment");
     let yaml: serde_yaml::Value = serde_yaml::from_str(&written).unwrap_or_else(|e| panic!("{e}: {written}"));
     let key = |k: &str| yaml["prefill"][k].as_f64().unwrap_or_else(|| panic!("no prefill.{k} in {written}"));
-    let got = CostModel {
+    let got = Prefill {
         prefill_token_us: key("prefill_token_us"),
         prefill_pair_ns: key("prefill_pair_ns"),
         prefill_fixed_ms: key("prefill_fixed_ms"),
     };
-    assert_close(got, CostModel { prefill_token_us: 40.0, prefill_pair_ns: 1.2, prefill_fixed_ms: 12.0 });
+    assert_close(got, Prefill { prefill_token_us: 40.0, prefill_pair_ns: 1.2, prefill_fixed_ms: 12.0 });
     if let Err(e) = sim.stop().await {
         panic!("{e:#}");
     }

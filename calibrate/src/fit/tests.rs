@@ -14,12 +14,12 @@ fn grid() -> Vec<(usize, usize)> {
     g
 }
 
-fn observe(model: &CostModel, noise: &[f64]) -> Vec<Observation> {
+fn observe(model: &Prefill, noise: &[f64]) -> Vec<Observation> {
     let shapes = grid();
     (0..noise.len())
         .map(|i| {
             let (u, c) = shapes[i % shapes.len()];
-            Observation { uncached: u, cached: c, secs: model.prefill_secs(u, c) * (1.0 + noise[i]) }
+            Observation { uncached: u, cached: c, secs: model.secs(u, c) * (1.0 + noise[i]) }
         })
         .collect()
 }
@@ -30,7 +30,7 @@ fn close(got: f64, want: f64, tol: f64) -> bool {
 
 #[test]
 fn exact_probes_give_exact_parameters() {
-    let truth = CostModel { prefill_token_us: 100.0, prefill_pair_ns: 3.3, prefill_fixed_ms: 5.0 };
+    let truth = Prefill { prefill_token_us: 100.0, prefill_pair_ns: 3.3, prefill_fixed_ms: 5.0 };
     let fit = match fit(&observe(&truth, &[0.0; 20])) {
         Ok(f) => f,
         Err(e) => panic!("{e}"),
@@ -71,8 +71,8 @@ fn too_few_shapes_and_bad_times_are_refused() {
 
 #[test]
 fn the_fragment_uses_the_config_keys() {
-    let m = CostModel { prefill_token_us: 100.0, prefill_pair_ns: 3.3, prefill_fixed_ms: 0.0 };
-    assert_eq!(m.yaml_fragment(), "prefill:\n  prefill_token_us: 100.0\n  prefill_pair_ns: 3.300\n  prefill_fixed_ms: 0.0\n");
+    let m = Prefill { prefill_token_us: 100.0, prefill_pair_ns: 3.3, prefill_fixed_ms: 0.0 };
+    assert_eq!(yaml_fragment(&m), "prefill:\n  prefill_token_us: 100.0\n  prefill_pair_ns: 3.300\n  prefill_fixed_ms: 0.0\n");
 }
 
 proptest! {
@@ -83,7 +83,7 @@ proptest! {
         d in 1.0f64..20.0,
         noise in proptest::collection::vec(-0.01f64..0.01, 40),
     ) {
-        let truth = CostModel { prefill_token_us: a, prefill_pair_ns: b, prefill_fixed_ms: d };
+        let truth = Prefill { prefill_token_us: a, prefill_pair_ns: b, prefill_fixed_ms: d };
         let fit = fit(&observe(&truth, &noise)).map_err(|e| TestCaseError::fail(e.to_string()))?;
         let m = fit.model;
         prop_assert!(close(m.prefill_token_us, a, 0.03), "a {} vs {a}", m.prefill_token_us);
@@ -100,7 +100,7 @@ proptest! {
     ) {
         // No pair cost at all: noise may push the unconstrained b below zero;
         // the fit must clamp it rather than report a negative cost.
-        let truth = CostModel { prefill_token_us: a, prefill_pair_ns: 0.0, prefill_fixed_ms: d };
+        let truth = Prefill { prefill_token_us: a, prefill_pair_ns: 0.0, prefill_fixed_ms: d };
         let m = fit(&observe(&truth, &noise)).map_err(|e| TestCaseError::fail(e.to_string()))?.model;
         prop_assert!(m.prefill_token_us >= 0.0 && m.prefill_pair_ns >= 0.0 && m.prefill_fixed_ms >= 0.0, "{m:?}");
         prop_assert!(close(m.prefill_token_us, a, 0.03), "a {} vs {a}", m.prefill_token_us);

@@ -388,13 +388,9 @@ pub enum ConfigError {
 }
 
 impl Config {
-    /// Model `m`'s policy parameters: `routing.policies` with the model's own laid over them.
-    pub fn params(&self, m: usize) -> Params {
-        self.model_params(m).unwrap_or_else(|_| self.routing.policies.clone())
-    }
-
-    /// The merged parameters, or every problem with its path.
-    fn model_params(&self, m: usize) -> Result<Params, Vec<String>> {
+    /// Model `m`'s policy parameters: `routing.policies` with the model's
+    /// own laid over them, or every problem with its path.
+    pub fn params(&self, m: usize) -> Result<Params, Vec<String>> {
         let over = &self.models[m].policies;
         if over.is_null() {
             return Ok(self.routing.policies.clone());
@@ -463,6 +459,9 @@ impl Config {
         if l.interval_ms == 0 || l.timeout_ms == 0 || l.max_bytes == 0 {
             p.push("load: interval_ms, timeout_ms and max_bytes must be at least 1".into());
         }
+        if l.interval_ms >= 250 {
+            p.push(format!("load.interval_ms: {} would leave most reports older than the 250 ms after which none is used", l.interval_ms));
+        }
         if let Some(s) = &l.sidecar
             && !(s.starts_with("http://") || s.starts_with("https://"))
         {
@@ -478,7 +477,7 @@ impl Config {
                 p.push(format!("models[{i}].name: missing"));
             }
             if !m.policies.is_null() {
-                match self.model_params(i) {
+                match self.params(i) {
                     Ok(params) => p.extend(params.validate(&format!("models[{i}].policies"))),
                     Err(e) => p.extend(e),
                 }

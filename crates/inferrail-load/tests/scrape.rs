@@ -120,3 +120,35 @@ async fn a_real_simulator_is_scraped_fresh() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert!(fresh());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_simulator_under_load_is_reported_fresh_with_its_load() {
+    // The default latency model: 48 streams of 100 tokens at 20 ms a token keep it busy for seconds.
+    let (_sim, addr) = common::start_sim_with(&["--max-num-seqs", "32"]);
+    let table = LoadTable::new();
+    let scraper = Scraper::new(ScrapeConfig::default(), table.clone()).unwrap();
+    scraper.set_targets([("sim".to_string(), addr)]);
+    let http = reqwest::Client::new();
+    let mut streams = Vec::new();
+    for i in 0..48 {
+        let body = format!(r#"{{"model": "tiny-qwen3", "prompt": "load {i}", "max_tokens": 100, "stream": true}}"#);
+        let req = http.post(format!("http://{addr}/v1/completions")).header("content-type", "application/json").body(body);
+        // Read to the end: a dropped response would cancel the request.
+        streams.push(tokio::spawn(async move { req.send().await?.bytes().await }));
+    }
+    let busy = || table.get("sim").is_some_and(|s| s.load.running == 32 && s.load.waiting == 16);
+    assert!(eventually(Duration::from_secs(5), busy).await, "the report shows 32 running and 16 waiting");
+    // Sampled for a second while the engine streams: every sample fresh.
+    let mut stale = Vec::new();
+    for _ in 0..20 {
+        let age = table.get("sim").map(|s| s.age(Instant::now()));
+        if age.is_none_or(|a| a >= FRESH) {
+            stale.push(age);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(stale.is_empty(), "stale samples under load: {stale:?}");
+    for s in streams {
+        s.abort();
+    }
+}

@@ -139,7 +139,8 @@ impl CostModel {
     /// The root prefix of a request and its tokens, when it has one.
     fn root(&self, req: &Request) -> Option<(u128, usize)> {
         let h = &self.config.hot_prefix;
-        (h.enabled && req.blocks.len() >= h.blocks).then(|| (req.blocks[h.blocks - 1], h.blocks * req.block_size))
+        let last = req.blocks.get(h.blocks.checked_sub(1)?)?;
+        h.enabled.then_some((*last, h.blocks * req.block_size))
     }
 
     /// Owners the request's root prefix needs now (1 when it is not hot).

@@ -9,7 +9,8 @@
 //! queued prefill plus the prompt's uncached tokens) over the block size,
 //! and `decode_blocks` the KV blocks it would hold (its active blocks plus
 //! this request's blocks it does not hold). With `router_temperature` 0 the
-//! lowest wins, ties at random; above 0 the winner is sampled from
+//! lowest wins (Dynamo breaks ties uniformly at random; here, as for every
+//! policy, ties go to fewer requests in flight first); above 0 the winner is sampled from
 //! `softmax(-normalized / T)`, costs normalized to 0..1 by min and max
 //! (uniform when all are equal).
 //!
@@ -23,6 +24,11 @@
 //! so `cost = w * (queued + uncached) / bs + (prompt_tokens_in_flight +
 //! uncached) / bs`, divisions in real numbers, `bs` the request's block size
 //! (16, vLLM's, when it has none). Without a prompt the prompt terms are 0.
+//! Where this differs from Dynamo: queued prefill counts the pending
+//! requests' whole prompts (Dynamo counts only their uncached tokens, so a
+//! replica whose queue is mostly cached looks busier here), active blocks
+//! leave out generated tokens (Dynamo's grow with the output), and one block
+//! size serves all replicas.
 //! A sampled winner scores -1 (below every cost) and the others their cost,
 //! so `order` keeps it first.
 //!
@@ -45,7 +51,7 @@ const DEFAULT_BLOCK_SIZE: usize = 16;
 pub struct Config {
     /// Weight of the prefill blocks against the decode blocks.
     pub overlap_score_weight: f64,
-    /// Softmax temperature over normalized costs (0: the lowest, ties at random).
+    /// Softmax temperature over normalized costs (0: the lowest wins).
     pub router_temperature: f64,
 }
 

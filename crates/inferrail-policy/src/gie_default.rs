@@ -6,12 +6,14 @@
 //! on the same traffic as the others.
 //!
 //! Each scorer gives every offered endpoint a value in 0..1, higher better;
-//! the weighted sum ranks them, highest wins (negated into a cost here),
-//! ties at random:
+//! the weighted sum ranks them, highest wins (negated into a cost here; the
+//! picker breaks ties at random, here fewer requests in flight go first):
 //! - queue: `(max - q) / (max - min)` over the offered endpoints' waiting
 //!   requests `q` (the engine's `waiting` while its report is fresh, else the
-//!   router's `pending`), 1 for all when they are equal;
-//! - KV cache: `1 - kv_usage` from the engine's report (usage 0 without one);
+//!   router's `pending`, a fallback the picker does not have), 1 for all
+//!   when they are equal;
+//! - KV cache: `1 - kv_usage` from the engine's report (usage 0 without a
+//!   fresh one, where the picker would have no metrics for the endpoint);
 //! - prefix: the share of the request's block hashes that the endpoint
 //!   holds, counted as the picker's `matchLongestPrefix` does: hashes are
 //!   taken in order until one no endpoint holds, and each endpoint counts the
@@ -153,7 +155,7 @@ impl RoutingPolicy for GieDefault {
                         any = true;
                     }
                 }
-                // The picker stops at a block no endpoint holds (among all it knows; here, among those offered).
+                // The picker stops at a block no endpoint it knows holds (any endpoint, offered or not).
                 if !any && !index.values().any(|l| l.contains(h)) {
                     break;
                 }

@@ -245,11 +245,18 @@ pub enum TextKind {
     Serialized,
 }
 
-/// `offered` ordered by score, then fewer requests in flight, then at random.
-pub fn order(candidates: &[Candidate], offered: &[usize], scores: &[Score], rng: &mut StdRng) -> Vec<usize> {
+/// The best `k` of `offered` (all of them when fewer), best first: by score,
+/// then fewer requests in flight, then at random. Selecting the top `k`
+/// before sorting them keeps a decision over hundreds of replicas linear.
+pub fn order(candidates: &[Candidate], offered: &[usize], scores: &[Score], k: usize, rng: &mut StdRng) -> Vec<usize> {
     let mut keyed: Vec<(f64, u32, u32, usize)> =
         offered.iter().zip(scores).map(|(&i, s)| (s.total, candidates[i].in_flight, rng.next_u32(), i)).collect();
-    keyed.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let cmp = |a: &(f64, u32, u32, usize), b: &(f64, u32, u32, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2));
+    if k < keyed.len() {
+        keyed.select_nth_unstable_by(k, cmp);
+        keyed.truncate(k);
+    }
+    keyed.sort_unstable_by(cmp);
     keyed.into_iter().map(|k| k.3).collect()
 }
 
@@ -392,7 +399,7 @@ pub fn decide(policy: &dyn RoutingPolicy, req: &Request, candidates: &[Candidate
     let offered: Vec<usize> = (0..candidates.len()).filter(|&i| aside[i].is_none()).collect();
     let mut scores = vec![Score::default(); offered.len()];
     policy.score(req, candidates, &offered, rng, &mut scores);
-    Ok(order(candidates, &offered, &scores, rng))
+    Ok(order(candidates, &offered, &scores, usize::MAX, rng))
 }
 
 #[cfg(test)]
@@ -455,7 +462,7 @@ mod tests {
         let mut wins = [0; 3];
         let mut r = rng(5);
         for _ in 0..300 {
-            let o = order(&c, &[0, 1, 2], &scores, &mut r);
+            let o = order(&c, &[0, 1, 2], &scores, 3, &mut r);
             assert_eq!(o[2], 0, "the busiest is last on equal scores");
             wins[o[0]] += 1;
         }
@@ -463,6 +470,20 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn the_best_k_are_the_first_k_of_the_whole_order(
+            totals in proptest::collection::vec((0u8..4, 0u32..3), 1..40),
+            k in 0usize..45,
+            seed in any::<u64>(),
+        ) {
+            let c = fleet(&totals.iter().map(|t| t.1).collect::<Vec<_>>());
+            let scores: Vec<Score> = totals.iter().map(|t| Score::single(f64::from(t.0))).collect();
+            let offered: Vec<usize> = (0..c.len()).collect();
+            let all = order(&c, &offered, &scores, usize::MAX, &mut rng(seed));
+            let best = order(&c, &offered, &scores, k, &mut rng(seed));
+            prop_assert_eq!(&best[..], &all[..k.min(all.len())]);
+        }
+
         #[test]
         fn every_policy_ranks_each_offered_candidate_exactly_once_and_never_an_ineligible_one(
             loads in proptest::collection::vec((0u32..20, any::<bool>(), 0usize..4000, 0.0f64..2.0), 1..12),

@@ -118,13 +118,13 @@ pub fn unix_ms(t: SystemTime) -> i64 {
     }
 }
 
-/// The local instant of a wall-clock time `scraped_unix_ms`, given the wall
-/// clock and the monotonic clock read together: `now - (now_unix - scraped_unix)`.
-/// A time in the future (clock skew) maps to `now`.
-pub fn instant_of(scraped_unix_ms: i64, now: Instant, now_wall: SystemTime) -> Instant {
-    let behind_ms = unix_ms(now_wall).saturating_sub(scraped_unix_ms).max(0);
-    let behind = Duration::from_millis(u64::try_from(behind_ms).unwrap_or(0));
-    now.checked_sub(behind).unwrap_or(now)
+/// When a report received at `received` was scraped, on the receiver's own
+/// clock: its age when the sidecar sent it, counted back from its receipt.
+/// No wall clocks are compared, so a sidecar whose clock is off by seconds
+/// still reports fresh loads as fresh (the time in flight, well under a
+/// millisecond next to the router, is not counted).
+pub fn received_at(report: &pb::LoadReport, received: Instant) -> Instant {
+    received.checked_sub(Duration::from_micros(report.age_at_send_us)).unwrap_or(received)
 }
 
 #[cfg(test)]
@@ -187,10 +187,9 @@ mod tests {
     }
 
     #[test]
-    fn wall_clock_times_become_instants() {
+    fn a_report_is_dated_by_its_age_not_by_wall_clocks() {
         let now = Instant::now();
-        let wall = UNIX_EPOCH + Duration::from_millis(1_000_000);
-        assert_eq!(instant_of(999_950, now, wall), now - Duration::from_millis(50));
-        assert_eq!(instant_of(1_000_500, now, wall), now);
+        let r = pb::LoadReport { age_at_send_us: 50_000, scraped_unix_ms: 1, ..pb::LoadReport::default() };
+        assert_eq!(received_at(&r, now), now - Duration::from_millis(50));
     }
 }

@@ -1,7 +1,7 @@
 //! The router's side of the sidecar: follow its `Watch` stream into a
 //! [`LoadTable`], reconnecting forever.
 
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use inferrail_load::{LoadTable, Snapshot};
 use tonic::transport::Endpoint;
@@ -18,8 +18,9 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(2);
 /// Fills `table` with the snapshots the sidecar at `endpoint` streams; never
 /// returns (spawn it, abort it to stop). When the stream ends or fails, it
 /// reconnects after a backoff of 100 ms doubling to 2 s, reset once a report
-/// arrives. A report's scrape time is wall-clock; it becomes a local instant as
-/// `now - (now_unix - scraped_unix)`.
+/// arrives. A report is dated by its age when sent, counted back from its
+/// receipt ([`convert::received_at`]). Losing the stream, and getting it
+/// back, is logged once each.
 pub async fn follow(endpoint: Endpoint, table: LoadTable) {
     let endpoint = endpoint
         .connect_timeout(Duration::from_secs(1))
@@ -27,10 +28,17 @@ pub async fn follow(endpoint: Endpoint, table: LoadTable) {
         .keep_alive_timeout(Duration::from_secs(2))
         .keep_alive_while_idle(true);
     let mut backoff = MIN_BACKOFF;
+    // Whether reports are coming: a change is logged once. True at the start,
+    // so that a sidecar that is not there is reported.
+    let mut flowing = true;
     loop {
-        let (received, why) = watch_once(&endpoint, &table).await;
+        let (received, why) = watch_once(&endpoint, &table, &mut flowing).await;
         if received > 0 {
             backoff = MIN_BACKOFF;
+        }
+        if flowing {
+            tracing::warn!(endpoint = %endpoint.uri(), %why, "no load reports from the sidecar; routing on the router's own counters until they come");
+            flowing = false;
         }
         tracing::debug!(endpoint = %endpoint.uri(), received, %why, retry_in = ?backoff, "load stream ended");
         tokio::time::sleep(backoff).await;
@@ -41,7 +49,7 @@ pub async fn follow(endpoint: Endpoint, table: LoadTable) {
 }
 
 /// One connection's worth of reports; how many arrived and why it ended.
-async fn watch_once(endpoint: &Endpoint, table: &LoadTable) -> (u64, String) {
+async fn watch_once(endpoint: &Endpoint, table: &LoadTable, flowing: &mut bool) -> (u64, String) {
     let channel = match endpoint.connect().await {
         Ok(c) => c,
         Err(e) => return (0, format!("connect: {e}")),
@@ -58,9 +66,13 @@ async fn watch_once(endpoint: &Endpoint, table: &LoadTable) -> (u64, String) {
             Err(status) => return (received, format!("stream: {status}")),
         };
         received += 1;
+        if !*flowing {
+            tracing::info!(endpoint = %endpoint.uri(), "load reports from the sidecar are coming");
+            *flowing = true;
+        }
         match convert::outcome(&report) {
             Ok(Ok(load)) => {
-                let at = convert::instant_of(report.scraped_unix_ms, Instant::now(), SystemTime::now());
+                let at = convert::received_at(&report, Instant::now());
                 table.insert(&report.replica, Snapshot { at, load });
             }
             // A failed scrape adds nothing; the replica's last snapshot ages out.

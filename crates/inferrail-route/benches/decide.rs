@@ -14,13 +14,13 @@ use inferrail_route::kv::{Place, Prompt};
 use inferrail_route::{Core, Report, View};
 use std::sync::Arc;
 
-fn setup(n: usize) -> (Core, Fleet, Prompt) {
+fn setup(n: usize) -> (Core, Arc<Fleet>, Prompt) {
     let mut yaml = String::from("models:\n  - {name: m, policy: cost_model}\nreplicas:\n");
     for i in 0..n {
         yaml += &format!("  - {{id: r{i}, address: '10.0.{}.{}:8000', models: [m]}}\n", i / 250, i % 250);
     }
     let config = Config::parse(&yaml).expect("config");
-    let core = Core::new(&config);
+    let core = Core::new(&config).expect("core");
     let replicas: Vec<Arc<Replica>> = config
         .replicas
         .iter()
@@ -31,7 +31,7 @@ fn setup(n: usize) -> (Core, Fleet, Prompt) {
     for r in &replicas {
         core.join(r);
     }
-    let fleet = Fleet::new(replicas, 1);
+    let fleet = Arc::new(Fleet::new(replicas, 1));
     let prompt = Prompt { ids: (0..8_000).collect(), max_tokens: Some(64), cache_salt: None };
     let half = core.prepare(0, &Prompt { ids: (0..4_000).collect(), ..prompt.clone() }, &fleet);
     for r in fleet.replicas.iter().step_by(4) {

@@ -154,11 +154,16 @@ impl Replica {
         Duration::from_micros(until.saturating_sub(now.as_micros() as u64))
     }
 
-    /// Queues `prefill` behind what is queued at `now`.
+    /// Queues `prefill` for a request just leased here, behind what is
+    /// queued at `now`; with no other request waiting for its first byte,
+    /// nothing is ahead of it, whatever the last estimate left over.
     pub fn queue_prefill(&self, now: Duration, prefill: Duration) {
         let (now, add) = (now.as_micros() as u64, prefill.as_micros() as u64);
+        let alone = self.pending() <= 1;
         // The closure always gives a value, so the update cannot fail.
-        let _ = self.queue_until_us.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |until| Some(until.max(now) + add));
+        let _ = self
+            .queue_until_us
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |until| Some(if alone { now } else { until.max(now) } + add));
     }
 
     /// What a policy sees of it at `now`, with the prompt's predicted cached
@@ -338,14 +343,21 @@ mod tests {
         let ms = Duration::from_millis;
         let a = Lease::new(r.clone(), 0, 10);
         r.queue_prefill(ms(1_000), ms(300));
+        let b = Lease::new(r.clone(), 0, 10);
         r.queue_prefill(ms(1_100), ms(200));
         assert_eq!(r.queued_prefill(ms(1_100)), ms(400), "the second waits behind the first");
         assert_eq!(r.queued_prefill(ms(1_450)), ms(50));
         assert_eq!(r.queued_prefill(ms(9_000)), Duration::ZERO);
+        b.first_byte();
         r.queue_prefill(ms(10_000), ms(100));
         assert_eq!(r.queued_prefill(ms(10_000)), ms(100), "an idle queue starts from now");
         a.first_byte();
         assert_eq!(r.queued_prefill(ms(10_000)), Duration::ZERO, "every request there has had its first byte");
+        // The first byte came before the estimate ran out: a new request alone
+        // there waits for nothing left over.
+        let _c = Lease::new(r.clone(), 0, 10);
+        r.queue_prefill(ms(10_010), ms(50));
+        assert_eq!(r.queued_prefill(ms(10_010)), ms(50));
     }
 
     #[test]

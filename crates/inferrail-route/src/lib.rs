@@ -11,9 +11,10 @@
 //! generator, and its state moves only on commit. Committing takes the lease
 //! on the winner, queues the prefill it will cost there, advances the
 //! generator, tells the policy its pick and records the prompt in the KV
-//! index. No I/O happens here: the service feeds it Envoy's requests and the
-//! scraper's reports, `Explain` plans without committing, and the fleet
-//! simulation drives it on a virtual clock.
+//! index; [`Core::decide`] plans and commits in one turn per model. No I/O
+//! happens here, so that the service (Envoy's requests, the scraper's
+//! reports), an explaining endpoint (plans only) and a fleet simulation on a
+//! virtual clock can all run the same decision.
 #![forbid(unsafe_code)]
 
 pub mod fleet;
@@ -29,6 +30,11 @@ use rand::rngs::StdRng;
 
 use crate::fleet::{Fleet, Lease, Replica};
 use crate::kv::{Kv, Place, Prediction, Prompt};
+
+/// A model's policy parameters could not be read (a configuration that did not pass validation).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("bad policy parameters: {}", .0.join("; "))]
+pub struct BadParams(pub Vec<String>);
 
 /// Engine reports older than this are never read: routing falls back to the router's own counters.
 pub const FRESH: Duration = Duration::from_millis(250);
@@ -67,22 +73,10 @@ pub struct View<'a> {
     pub text: Option<&'a str>,
 }
 
-/// One replica in a plan.
-#[derive(Debug, Clone)]
-pub struct Planned {
-    /// The replica.
-    pub replica: Arc<Replica>,
-    /// What the policy saw of it.
-    pub candidate: Candidate,
-    /// Its engine's last report and that report's age, fresh or not.
-    pub report: Option<(Report, Duration)>,
-    /// Why it was not offered, or set aside by a guard.
-    pub set_aside: Option<SetAside>,
-    /// Its score, when it was offered.
-    pub score: Option<Score>,
-}
-
-/// What the model's policy would do now, and why.
+/// What the model's policy would do now, and why. Each replica serving the
+/// model has the same position in `candidates`, `reports`, `set_aside` and
+/// `scores` as in [`Plan::replica`].
+#[derive(Debug)]
 pub struct Plan {
     /// The model's index.
     pub model: usize,
@@ -92,9 +86,18 @@ pub struct Plan {
     pub terms: &'static [&'static str],
     /// When it was planned.
     pub now: Duration,
-    /// Every replica serving the model.
-    pub candidates: Vec<Planned>,
-    /// Offered candidates, best first: indices into `candidates`.
+    /// The fleet it was planned over.
+    pub fleet: Arc<Fleet>,
+    /// What the policy saw of each replica serving the model.
+    pub candidates: Vec<Candidate>,
+    /// Each one's engine report and that report's age, fresh or not.
+    pub reports: Vec<Option<(Report, Duration)>>,
+    /// Why each was not offered, or set aside by a guard.
+    pub set_aside: Vec<Option<SetAside>>,
+    /// Each one's score, when it was offered.
+    pub scores: Vec<Option<Score>>,
+    /// The best offered candidates, best first (the winner and the
+    /// fallbacks, or every offered one when asked for all): indices into `candidates`.
     pub order: Vec<usize>,
     /// What steered the decision besides the scores' order.
     pub steer: Option<&'static str>,
@@ -109,9 +112,14 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The `i`th replica serving the model.
+    pub fn replica(&self, i: usize) -> &Arc<Replica> {
+        &self.fleet.serving(self.model)[i]
+    }
+
     /// The winner.
-    pub fn winner(&self) -> &Planned {
-        &self.candidates[self.order[0]]
+    pub fn winner(&self) -> &Arc<Replica> {
+        self.replica(self.order[0])
     }
 
     /// Prompt tokens, when the prompt was tokenized.
@@ -156,24 +164,24 @@ pub struct Core {
 
 impl Core {
     /// From a validated configuration.
-    pub fn new(config: &Config) -> Self {
+    pub fn new(config: &Config) -> Result<Self, BadParams> {
         let seed = config.routing.seed;
         let models = config
             .models
             .iter()
             .enumerate()
             .map(|(i, m)| {
-                let params = config.params(i);
-                ModelRoute {
+                let params = config.params(i).map_err(BadParams)?;
+                Ok(ModelRoute {
                     name: m.name.clone(),
                     aliases: m.aliases.clone(),
                     policy: inferrail_policy::build(m.policy, &params),
                     params,
                     rng: Mutex::new(StdRng::seed_from_u64(seed.wrapping_add(i as u64))),
-                }
+                })
             })
-            .collect();
-        Self { models, kv: Kv::new(config.kv.clone()), fallbacks: config.retry.fallbacks }
+            .collect::<Result<_, _>>()?;
+        Ok(Self { models, kv: Kv::new(config.kv.clone()), fallbacks: config.retry.fallbacks })
     }
 
     /// The model's policy name.
@@ -233,89 +241,146 @@ impl Core {
     }
 
     /// Plans a request over `fleet` at `now`; `reports` gives each replica's
-    /// engine report, if any (stale ones are shown but never used).
-    pub fn plan(&self, view: &View, fleet: &Fleet, reports: &dyn Fn(&Replica) -> Option<Report>, now: Duration) -> Result<Plan, NoReplica> {
+    /// engine report, if any (stale ones are shown but never used). The
+    /// plan's order holds the winner and the fallbacks; [`Core::plan_all`]
+    /// orders every offered replica.
+    pub fn plan(
+        &self,
+        view: &View,
+        fleet: &Arc<Fleet>,
+        reports: &dyn Fn(&Replica) -> Option<Report>,
+        now: Duration,
+    ) -> Result<Plan, NoReplica> {
+        let rng = self.models[view.model].rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        self.plan_best(view, fleet, reports, now, 1 + self.fallbacks, rng)
+    }
+
+    /// [`Core::plan`], with every offered replica in the order.
+    pub fn plan_all(
+        &self,
+        view: &View,
+        fleet: &Arc<Fleet>,
+        reports: &dyn Fn(&Replica) -> Option<Report>,
+        now: Duration,
+    ) -> Result<Plan, NoReplica> {
+        let rng = self.models[view.model].rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        self.plan_best(view, fleet, reports, now, usize::MAX, rng)
+    }
+
+    /// Plans and commits as one step. Decisions for one model take turns
+    /// here, so each sees the leases, counters, policy state and random
+    /// draws of the one before it (planning and committing apart, two
+    /// decisions could both see a replica's last free slot, or the same
+    /// round-robin turn).
+    pub fn decide(
+        &self,
+        view: &View,
+        fleet: &Arc<Fleet>,
+        reports: &dyn Fn(&Replica) -> Option<Report>,
+        now: Duration,
+    ) -> Result<(Plan, Committed), NoReplica> {
+        let mut rng = self.models[view.model].rng.lock().unwrap_or_else(|p| p.into_inner());
+        let plan = self.plan_best(view, fleet, reports, now, 1 + self.fallbacks, rng.clone())?;
+        let committed = self.commit_with(&plan, &mut rng);
+        Ok((plan, committed))
+    }
+
+    fn plan_best(
+        &self,
+        view: &View,
+        fleet: &Arc<Fleet>,
+        reports: &dyn Fn(&Replica) -> Option<Report>,
+        now: Duration,
+        k: usize,
+        rng: StdRng,
+    ) -> Result<Plan, NoReplica> {
         let model = &self.models[view.model];
         let replicas = fleet.serving(view.model);
         let places: Vec<Place> = replicas.iter().map(|r| self.place(r)).collect();
-        let prediction = view.prediction.clone();
-        let cached = match &prediction {
+        let cached = match &view.prediction {
             Some(p) => self.kv.cached(p, &places),
             None => vec![0; replicas.len()],
         };
-        let mut candidates: Vec<Planned> = replicas
+        let reports: Vec<Option<(Report, Duration)>> =
+            replicas.iter().map(|r| reports(r).map(|rep| (rep, now.saturating_sub(rep.at)))).collect();
+        let candidates: Vec<Candidate> = replicas
             .iter()
             .zip(cached)
-            .map(|(r, cached)| {
-                let report = reports(r).map(|rep| (rep, now.saturating_sub(rep.at)));
+            .zip(&reports)
+            .map(|((r, cached), report)| {
                 let fresh = report.filter(|(_, age)| *age <= FRESH).map(|(rep, _)| rep.load);
-                Planned { candidate: r.candidate(now, cached, fresh), replica: r.clone(), report, set_aside: None, score: None }
+                r.candidate(now, cached, fresh)
             })
             .collect();
-        let inputs: Vec<Candidate> = candidates.iter().map(|p| p.candidate.clone()).collect();
-        let mut aside = vec![None; inputs.len()];
-        eligibility(&inputs, &mut aside)?;
+        let mut aside = vec![None; candidates.len()];
+        eligibility(&candidates, &mut aside)?;
         let mut plan = Plan {
             model: view.model,
             policy: model.policy.name(),
             terms: model.policy.terms(),
             now,
-            candidates: Vec::new(),
+            fleet: fleet.clone(),
+            candidates,
+            reports,
+            set_aside: Vec::new(),
+            scores: Vec::new(),
             order: Vec::new(),
             steer: None,
             waived: None,
-            prediction,
+            prediction: view.prediction.clone(),
             session: view.session.map(str::to_owned),
             text: view.text.map(str::to_owned),
-            block_size: places.first().map_or(self.kv.defaults.block_size, |p| p.block_size),
-            rng: model.rng.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            block_size: most_common_block_size(&places).unwrap_or(self.kv.defaults.block_size),
+            rng,
         };
         let req = plan.request();
-        let waived = model.policy.guard(&req, &inputs, &mut aside);
-        let offered: Vec<usize> = (0..inputs.len()).filter(|&i| aside[i].is_none()).collect();
+        let waived = model.policy.guard(&req, &plan.candidates, &mut aside);
+        let offered: Vec<usize> = (0..aside.len()).filter(|&i| aside[i].is_none()).collect();
         let mut scores = vec![Score::default(); offered.len()];
         let mut rng = plan.rng.clone();
-        let steer = model.policy.score(&req, &inputs, &offered, &mut rng, &mut scores);
-        let ranked = order(&inputs, &offered, &scores, &mut rng);
-        for (c, a) in candidates.iter_mut().zip(aside) {
-            c.set_aside = a;
-        }
+        let steer = model.policy.score(&req, &plan.candidates, &offered, &mut rng, &mut scores);
+        let ranked = order(&plan.candidates, &offered, &scores, k, &mut rng);
+        let mut all_scores = vec![None; aside.len()];
         for (&i, s) in offered.iter().zip(scores) {
-            candidates[i].score = Some(s);
+            all_scores[i] = Some(s);
         }
         plan.rng = rng;
-        plan.candidates = candidates;
+        plan.set_aside = aside;
+        plan.scores = all_scores;
         plan.order = ranked;
         plan.steer = steer;
         plan.waived = waived;
         Ok(plan)
     }
 
-    /// Commits a plan: leases the winner and names the fallbacks.
-    pub fn commit(&self, plan: Plan) -> Committed {
+    /// Commits a plan made by [`Core::plan`]: leases the winner and names
+    /// the fallbacks. Anything committed between the two is not seen;
+    /// [`Core::decide`] does both in one turn.
+    pub fn commit(&self, plan: &Plan) -> Committed {
+        let mut rng = self.models[plan.model].rng.lock().unwrap_or_else(|p| p.into_inner());
+        self.commit_with(plan, &mut rng)
+    }
+
+    fn commit_with(&self, plan: &Plan, rng: &mut StdRng) -> Committed {
         let model = &self.models[plan.model];
         let winner = plan.order[0];
-        {
-            let req = plan.request();
-            let inputs: Vec<Candidate> = plan.candidates.iter().map(|p| p.candidate.clone()).collect();
-            model.policy.picked(&req, &inputs, winner);
-        }
-        *model.rng.lock().unwrap_or_else(|p| p.into_inner()) = plan.rng.clone();
-        let won = &plan.candidates[winner];
+        model.policy.picked(&plan.request(), &plan.candidates, winner);
+        rng.clone_from(&plan.rng);
+        let won = plan.winner();
         let prompt_tokens = plan.prompt_tokens();
-        let cached = won.candidate.cached_tokens;
+        let cached = plan.candidates[winner].cached_tokens;
         let prefill =
             prompt_tokens.map_or(model.params.prefill.secs(0, 0), |n| model.params.prefill.secs(n.saturating_sub(cached), cached));
         let prefill = Duration::from_secs_f64(prefill);
-        let lease = Arc::new(Lease::new(won.replica.clone(), plan.model, prompt_tokens.unwrap_or(0) as u64));
-        won.replica.queue_prefill(plan.now, prefill);
-        let picked: Vec<&Planned> = plan.order.iter().take(1 + self.fallbacks).map(|&i| &plan.candidates[i]).collect();
-        let targets: Vec<Arc<Replica>> = picked.iter().map(|p| p.replica.clone()).collect();
+        let lease = Arc::new(Lease::new(won.clone(), plan.model, prompt_tokens.unwrap_or(0) as u64));
+        won.queue_prefill(plan.now, prefill);
+        let picked = &plan.order[..plan.order.len().min(1 + self.fallbacks)];
+        let targets: Vec<Arc<Replica>> = picked.iter().map(|&i| plan.replica(i).clone()).collect();
         let cached_tokens = match &plan.prediction {
             Some(prediction) => {
-                let record = self.kv.record(prediction, self.place(&won.replica));
+                let record = self.kv.record(prediction, self.place(won));
                 *lease.kv.lock().unwrap_or_else(|p| p.into_inner()) = Some((prediction.clone(), record));
-                picked.iter().map(|p| p.candidate.cached_tokens).collect()
+                picked.iter().map(|&i| plan.candidates[i].cached_tokens).collect()
             }
             None => Vec::new(),
         };
@@ -354,6 +419,14 @@ impl Core {
             None => false,
         }
     }
+}
+
+/// The block size most of `places` use (the smallest of the most common):
+/// the one policies that hash the prompt's blocks read.
+fn most_common_block_size(places: &[Place]) -> Option<usize> {
+    let mut sizes: Vec<usize> = places.iter().map(|p| p.block_size).collect();
+    sizes.sort_unstable();
+    sizes.chunk_by(|a, b| a == b).max_by(|a, b| a.len().cmp(&b.len()).then(b[0].cmp(&a[0]))).map(|run| run[0])
 }
 
 #[cfg(test)]

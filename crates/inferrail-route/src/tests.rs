@@ -1,17 +1,18 @@
 //! Plans and commits over in-memory fleets.
 
 use super::*;
+use crate::kv::Place;
 use inferrail_config::Config;
 use proptest::prelude::*;
 
-fn core(policy: &str, n: usize) -> (Core, Fleet) {
+fn core(policy: &str, n: usize) -> (Core, Arc<Fleet>) {
     let mut yaml = format!("retry: {{fallbacks: 1}}\nmodels:\n  - {{name: m, policy: {policy}}}\n  - {{name: other}}\nreplicas:\n");
     for i in 0..n {
         yaml += &format!("  - {{id: r{i}, address: '127.0.0.1:{}', models: [m], max_concurrency: 8}}\n", 8001 + i);
     }
     yaml += "  - {id: o, address: '127.0.0.1:9000', models: [other]}\n";
     let config = Config::parse(&yaml).unwrap();
-    let core = Core::new(&config);
+    let core = Core::new(&config).unwrap();
     let replicas: Vec<Arc<Replica>> = config
         .replicas
         .iter()
@@ -23,7 +24,7 @@ fn core(policy: &str, n: usize) -> (Core, Fleet) {
     for r in &replicas {
         core.join(r);
     }
-    (core, Fleet::new(replicas, 2))
+    (core, Arc::new(Fleet::new(replicas, 2)))
 }
 
 fn prompt(first: u32, n: u32) -> Prompt {
@@ -48,8 +49,8 @@ fn planning_changes_nothing_and_the_next_decision_picks_the_planned_winner() {
             let explained = core.plan(&v, &fleet, NONE, now).unwrap();
             let again = core.plan(&v, &fleet, NONE, now).unwrap();
             assert_eq!(explained.order, again.order, "{policy}: planning twice gives the same plan");
-            let committed = core.commit(core.plan(&v, &fleet, NONE, now).unwrap());
-            assert_eq!(committed.targets[0].id, explained.winner().replica.id, "{policy}: the explained winner is routed");
+            let (_, committed) = core.decide(&v, &fleet, NONE, now).unwrap();
+            assert_eq!(committed.targets[0].id, explained.winner().id, "{policy}: the explained winner is routed");
             assert_eq!(committed.targets.len(), 2, "winner and one fallback");
             assert_ne!(committed.targets[0].id, committed.targets[1].id);
             held.push(committed.lease);
@@ -61,18 +62,18 @@ fn planning_changes_nothing_and_the_next_decision_picks_the_planned_winner() {
 fn a_committed_prompt_is_predicted_cached_and_its_prefill_queued_on_the_winner() {
     let (core, fleet) = core("cost_model", 3);
     let p = prompt(0, 2_000);
-    let first = core.commit(core.plan(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap());
+    let (_, first) = core.decide(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap();
     let winner = first.targets[0].clone();
     let expected = core.models[0].params.prefill.secs(2_000, 0);
     assert!((first.prefill.as_secs_f64() - expected).abs() < 1e-6);
     assert_eq!(winner.queued_prefill(Duration::ZERO), Duration::from_micros(first.prefill.as_micros() as u64));
     assert_eq!(winner.prompt_tokens(), 2_000);
     let plan = core.plan(&view(&core, &fleet, &prompt(0, 2_100)), &fleet, NONE, Duration::ZERO).unwrap();
-    let on = |id: &str| plan.candidates.iter().find(|c| c.replica.id == id).unwrap();
-    assert_eq!(on(&winner.id).candidate.cached_tokens, 2_000);
-    assert!(plan.candidates.iter().filter(|c| c.replica.id != winner.id).all(|c| c.candidate.cached_tokens == 0));
+    let on = |id: &str| (0..3).find(|&i| plan.replica(i).id == id).unwrap();
+    assert_eq!(plan.candidates[on(&winner.id)].cached_tokens, 2_000);
+    assert!((0..3).filter(|&i| plan.replica(i).id != winner.id).all(|i| plan.candidates[i].cached_tokens == 0));
     assert_eq!(plan.terms, ["queue", "decode", "prefill", "hot_credit"]);
-    let score = on(&winner.id).score.unwrap();
+    let score = plan.scores[on(&winner.id)].unwrap();
     assert!((score.terms[0] - first.prefill.as_secs_f64()).abs() < 1e-6, "the queued prefill is the queue term");
     // Its first byte empties the queue; the lease's end the counters.
     first.lease.first_byte();
@@ -88,10 +89,9 @@ fn unhealthy_and_full_replicas_are_set_aside_with_their_reason() {
     a.set_probe(false);
     let _held: Vec<Lease> = (0..8).map(|_| Lease::new(b.clone(), 0, 0)).collect();
     let plan = core.plan(&view(&core, &fleet, &prompt(0, 100)), &fleet, NONE, Duration::ZERO).unwrap();
-    let reasons: Vec<Option<SetAside>> = plan.candidates.iter().map(|c| c.set_aside).collect();
-    assert_eq!(reasons, [Some(SetAside::Unhealthy), Some(SetAside::Full), None]);
+    assert_eq!(plan.set_aside, [Some(SetAside::Unhealthy), Some(SetAside::Full), None]);
     assert_eq!(plan.order, [2]);
-    assert!(plan.candidates.iter().all(|c| c.replica.models.contains(&0)), "only replicas serving the model");
+    assert!((0..plan.candidates.len()).all(|i| plan.replica(i).models.contains(&0)), "only replicas serving the model");
 }
 
 proptest! {
@@ -104,10 +104,10 @@ proptest! {
             Some(Report { at: now - Duration::from_millis(ages[i]), load: EngineReport { running: 7, waiting: 3, kv_usage: usage } })
         };
         let plan = core.plan(&view(&core, &fleet, &prompt(0, 100)), &fleet, &reports, now).unwrap();
-        for (c, &age) in plan.candidates.iter().zip(&ages) {
-            let (_, seen_age) = c.report.unwrap();
+        for ((c, report), &age) in plan.candidates.iter().zip(&plan.reports).zip(&ages) {
+            let (_, seen_age) = report.unwrap();
             prop_assert_eq!(seen_age, Duration::from_millis(age));
-            prop_assert_eq!(c.candidate.engine.is_some(), age <= 250, "a report {}ms old", age);
+            prop_assert_eq!(c.engine.is_some(), age <= 250, "a report {}ms old", age);
         }
     }
 }
@@ -120,11 +120,52 @@ fn new_prompts_spread_over_idle_replicas_rather_than_pile_on_one() {
     for i in 0..30u32 {
         let p = prompt(i * 100_000, 350);
         let plan = core.plan(&view(&core, &fleet, &p), &fleet, NONE, Duration::from_millis(u64::from(i) * 20)).unwrap();
-        assert!(plan.candidates.iter().all(|c| c.score.unwrap().terms[3] == 0.0), "no hot credit for a root nobody holds");
-        let c = core.commit(plan);
+        assert!(plan.scores.iter().all(|s| s.unwrap().terms[3] == 0.0), "no hot credit for a root nobody holds");
+        let c = core.commit(&plan);
         *wins.entry(c.targets[0].id.clone()).or_insert(0) += 1;
         c.lease.first_byte();
         c.lease.release();
     }
     assert!(wins.values().all(|&n| n >= 5) && wins.len() == 3, "{wins:?}");
+}
+
+#[test]
+fn concurrent_decisions_take_turns_so_no_limit_is_exceeded_and_every_turn_is_taken() {
+    let (core, fleet) = core("round_robin", 4);
+    let core = Arc::new(core);
+    let results: Vec<(Vec<String>, Vec<Arc<Lease>>)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..8)
+            .map(|t| {
+                let (core, fleet) = (core.clone(), fleet.clone());
+                s.spawn(move || {
+                    let mut held = Vec::new();
+                    let mut won = Vec::new();
+                    for i in 0..4u32 {
+                        let p = prompt(t * 1_000 + i, 64);
+                        let (_, c) = core.decide(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap();
+                        won.push(c.targets[0].id.clone());
+                        held.push(c.lease);
+                    }
+                    (won, held)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    });
+    // 32 leases held on 4 replicas taking 8 each: round robin's turns were never shared, so all fit exactly.
+    let mut per: std::collections::HashMap<&str, usize> = Default::default();
+    for id in results.iter().flat_map(|r| &r.0) {
+        *per.entry(id).or_default() += 1;
+    }
+    assert_eq!(per.values().copied().collect::<Vec<_>>(), [8, 8, 8, 8], "{per:?}");
+    assert_eq!(core.decide(&view(&core, &fleet, &prompt(0, 64)), &fleet, NONE, Duration::ZERO).unwrap_err(), NoReplica::AllFull);
+}
+
+#[test]
+fn policies_read_the_blocks_of_the_most_common_block_size() {
+    let at = |sizes: &[usize]| sizes.iter().map(|&block_size| Place { slot: 0, block_size }).collect::<Vec<_>>();
+    assert_eq!(most_common_block_size(&at(&[32, 16, 16])), Some(16));
+    assert_eq!(most_common_block_size(&at(&[32, 16, 32, 64])), Some(32));
+    assert_eq!(most_common_block_size(&at(&[64, 16])), Some(16), "a tie goes to the smaller");
+    assert_eq!(most_common_block_size(&[]), None);
 }

@@ -59,7 +59,9 @@ pub async fn learn_loop(router: Arc<Router>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        for r in &router.fleet().replicas {
+        let fleet = router.fleet();
+        seen.retain(|id, _| fleet.replicas.iter().any(|r| &r.id == id));
+        for r in &fleet.replicas {
             let Some(s) = router.loads.get(&r.id) else { continue };
             metrics::gauge!("inferrail_engine_report_age_seconds", "replica" => r.id.clone()).set(s.age(Instant::now()).as_secs_f64());
             if seen.get(&r.id) == Some(&s.at) {

@@ -108,7 +108,7 @@ pub struct Router {
 impl Router {
     /// Builds the router with the configuration's listed replicas, loading every model's tokenizer.
     pub fn new(config: Config) -> anyhow::Result<Self> {
-        let core = Core::new(&config);
+        let core = Core::new(&config)?;
         let mut names = HashMap::new();
         for (i, m) in core.models.iter().enumerate() {
             for n in std::iter::once(&m.name).chain(&m.aliases) {
@@ -174,19 +174,6 @@ impl Router {
         result
     }
 
-    /// Plans a request for `model` with its prompt as tokenized (no state changes).
-    pub fn plan(
-        &self,
-        model: usize,
-        prompt: Option<&inferrail_route::kv::Prompt>,
-        session: Option<&str>,
-        text: Option<&str>,
-    ) -> Result<Plan, NoReplica> {
-        let fleet = self.fleet.load();
-        let view = View { model, prediction: prompt.map(|p| self.core.prepare(model, p, &fleet)), session, text };
-        self.core.plan(&view, &fleet, &|r: &Replica| self.report(&r.id), self.now())
-    }
-
     /// Replica `id`'s latest engine report, however old, on the router's clock.
     pub fn report(&self, id: &str) -> Option<Report> {
         let s = self.loads.get(id)?;
@@ -214,10 +201,12 @@ impl Router {
             _ => Some(request::with_model(body, fields.model_at, &model.name)),
         };
         let session = session.or(fields.user.as_deref());
-        let plan = self.plan(index, prompt.as_ref(), session, text.as_deref())?;
+        let fleet = self.fleet.load_full();
+        let prediction = prompt.as_ref().map(|p| self.core.prepare(index, p, &fleet));
+        let view = View { model: index, prediction, session, text: text.as_deref() };
+        let (plan, committed) = self.core.decide(&view, &fleet, &|r: &Replica| self.report(&r.id), self.now())?;
         record_plan(&plan);
         let (policy, steer, prompt_tokens) = (plan.policy, plan.steer, plan.prompt_tokens());
-        let committed = self.core.commit(plan);
         if let Some(&cached) = committed.cached_tokens.first() {
             metrics::histogram!("inferrail_predicted_cached_tokens").record(cached as f64);
         }
@@ -257,10 +246,22 @@ impl Router {
     /// retried on a fallback), and its prompt's record with it. Returns the new lease.
     pub fn move_lease(&self, request_id: &str, to: &Arc<Replica>) -> Option<Arc<Lease>> {
         let leases = self.leases.pin();
-        let old = leases.get(request_id).filter(|l| !l.released())?;
-        let moved = self.core.move_lease(old, to);
-        leases.insert(request_id.to_string(), moved.clone());
-        Some(moved)
+        let old = leases.get(request_id).filter(|l| !l.released())?.clone();
+        let moved = self.core.move_lease(&old, to);
+        // Replaced only if the request is still known by the same lease: one
+        // forgotten meanwhile must not come back and hold its slot forever.
+        let swap = |entry: Option<(&String, &Arc<Lease>)>| match entry {
+            Some((_, current)) if Arc::ptr_eq(current, &old) => papaya::Operation::Insert(moved.clone()),
+            _ => papaya::Operation::Abort(()),
+        };
+        match leases.compute(request_id.to_string(), swap) {
+            papaya::Compute::Updated { .. } => Some(moved),
+            _ => {
+                self.core.take_back(&moved);
+                moved.release();
+                None
+            }
+        }
     }
 
     /// The request is over and the engine answered it (status below 400):
@@ -284,8 +285,8 @@ impl Router {
 
 /// Counts what set replicas aside and what steered a plan.
 fn record_plan(plan: &Plan) {
-    for c in &plan.candidates {
-        if let Some(why) = c.set_aside {
+    for why in plan.set_aside.iter().flatten() {
+        {
             metrics::counter!("inferrail_set_aside_total", "policy" => plan.policy, "reason" => why.label()).increment(1);
         }
     }
@@ -298,7 +299,7 @@ fn record_plan(plan: &Plan) {
     if plan.prediction.is_none() {
         metrics::counter!("inferrail_decisions_without_prediction_total", "policy" => plan.policy).increment(1);
     }
-    let engine_reports = plan.candidates.iter().filter(|c| c.candidate.engine.is_some()).count();
+    let engine_reports = plan.candidates.iter().filter(|c| c.engine.is_some()).count();
     if engine_reports < plan.candidates.len() {
         // Some replica's engine report is missing or stale: its load is the router's own counters.
         metrics::counter!("inferrail_stale_reports_total", "policy" => plan.policy)

@@ -175,10 +175,16 @@ pub fn sim_binary() -> PathBuf {
     sim
 }
 
-/// Starts a real simulator on a free port; returns it and its address.
+/// Starts a real simulator that takes no time on a free port; returns it and its address.
 pub fn start_sim() -> (Proc, SocketAddr) {
+    start_sim_with(&["--zero-latency"])
+}
+
+/// Starts a real simulator with `flags` on a free port; returns it and its address.
+pub fn start_sim_with(flags: &[&str]) -> (Proc, SocketAddr) {
     let child = Command::new(sim_binary())
-        .args(["--port", "0", "--served-model-name", "tiny-qwen3", "--block-size", "32", "--zero-latency"])
+        .args(["--port", "0", "--served-model-name", "tiny-qwen3", "--block-size", "32"])
+        .args(flags)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
