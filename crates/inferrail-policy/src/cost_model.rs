@@ -170,29 +170,34 @@ impl RoutingPolicy for CostModel {
     }
 
     fn guard(&self, req: &Request, c: &[Candidate], aside: &mut [Option<SetAside>]) -> Option<&'static str> {
-        let offered: Vec<usize> = (0..c.len()).filter(|&i| aside[i].is_none()).collect();
-        if offered.is_empty() {
+        let (n, total) = c
+            .iter()
+            .zip(aside.iter())
+            .filter(|(_, a)| a.is_none())
+            .fold((0u64, 0u64), |(n, t), (x, _)| (n + 1, t + u64::from(x.in_flight)));
+        if n == 0 {
             return None;
         }
-        let total: u64 = offered.iter().map(|&i| u64::from(c[i].in_flight)).sum();
-        let cap = ((1.0 + self.config.epsilon) * (total + 1) as f64 / offered.len() as f64).ceil() as u32;
-        for &i in &offered {
-            if c[i].in_flight + 1 > cap {
-                aside[i] = Some(SetAside::BoundedLoad { cap });
+        let cap = ((1.0 + self.config.epsilon) * (total + 1) as f64 / n as f64).ceil() as u32;
+        for (x, a) in c.iter().zip(aside.iter_mut()) {
+            if a.is_none() && x.in_flight + 1 > cap {
+                *a = Some(SetAside::BoundedLoad { cap });
             }
         }
         let prompt = req.prompt_tokens?;
-        let pressured = |i: usize| {
-            c[i].engine
-                .filter(|e| e.kv_usage > self.config.kappa && prompt.saturating_sub(c[i].cached_tokens) > self.config.short_prompt_tokens)
+        let pressured = |x: &Candidate| {
+            x.engine.filter(|e| e.kv_usage > self.config.kappa && prompt.saturating_sub(x.cached_tokens) > self.config.short_prompt_tokens)
         };
-        let remaining: Vec<usize> = offered.into_iter().filter(|&i| aside[i].is_none()).collect();
-        if remaining.iter().all(|&i| pressured(i).is_some()) {
-            return remaining.iter().any(|&i| pressured(i).is_some()).then_some("kv_waived");
+        let mut remaining = c.iter().zip(aside.iter()).filter(|(_, a)| a.is_none()).map(|(x, _)| x);
+        if remaining.all(|x| pressured(x).is_some()) {
+            let any = c.iter().zip(aside.iter()).any(|(x, a)| a.is_none() && pressured(x).is_some());
+            return any.then_some("kv_waived");
         }
-        for i in remaining {
-            if let Some(e) = pressured(i) {
-                aside[i] = Some(SetAside::KvPressure { usage: e.kv_usage });
+        for (x, a) in c.iter().zip(aside.iter_mut()) {
+            if a.is_none()
+                && let Some(e) = pressured(x)
+            {
+                *a = Some(SetAside::KvPressure { usage: e.kv_usage });
             }
         }
         None

@@ -49,7 +49,8 @@ fn percentiles(name: &str, mut f: impl FnMut()) {
         })
         .collect();
     times.sort_unstable();
-    println!("{name}: p50 {} ns, p99 {} ns", times[times.len() / 2], times[times.len() * 99 / 100]);
+    let at = |q: usize| times[times.len() * q / 1000];
+    println!("{name}: p50 {} ns, p90 {} ns, p99 {} ns, p99.9 {} ns", at(500), at(900), at(990), at(999));
 }
 
 fn decide(c: &mut Criterion) {

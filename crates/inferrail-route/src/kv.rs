@@ -125,10 +125,12 @@ impl Kv {
     /// Predicted cached tokens of the prompt at each place, one index pass per block size.
     pub fn cached(&self, p: &Prediction, places: &[Place]) -> Vec<usize> {
         let mut cached = vec![0; places.len()];
+        let mut slots: Vec<Slot> = Vec::with_capacity(places.len());
         for (bs, hashes) in &p.hashes {
-            let (at, slots): (Vec<usize>, Vec<Slot>) =
-                places.iter().enumerate().filter(|(_, pl)| pl.block_size == *bs).map(|(i, pl)| (i, pl.slot)).unzip();
-            for (i, matched) in at.into_iter().zip(self.index.matched(hashes, &slots)) {
+            slots.clear();
+            slots.extend(places.iter().filter(|pl| pl.block_size == *bs).map(|pl| pl.slot));
+            let at = places.iter().enumerate().filter(|(_, pl)| pl.block_size == *bs).map(|(i, _)| i);
+            for (i, matched) in at.zip(self.index.matched(hashes, &slots)) {
                 cached[i] = predicted_cached_tokens(matched, p.prompt_tokens, *bs);
             }
         }

@@ -1,4 +1,5 @@
-//! The routing path's tokenizer stage: a request body in, its prompt tokens out.
+//! The routing path's tokenizer stage: a request body in, its prompt tokens
+//! out, and the prompt's text for a policy that reads text, from one parse.
 //!
 //! Each model's tokenizer is loaded once. Small bodies are tokenized inline;
 //! larger ones go to a bounded pool of worker threads so a long prompt never
@@ -12,6 +13,7 @@ use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::time::{Duration, Instant};
 
 use inferrail_config::Config;
+use inferrail_policy::TextKind;
 pub use inferrail_route::kv::Prompt;
 use inferrail_tokenize::Tokenizer;
 use inferrail_tokenize::chat::{self, Endpoint, RequestTemplates};
@@ -22,7 +24,19 @@ struct Job {
     model: usize,
     endpoint: Endpoint,
     body: Vec<u8>,
-    reply: oneshot::Sender<Result<Prompt, &'static str>>,
+    text: TextKind,
+    reply: oneshot::Sender<Read>,
+}
+
+/// What the routing path reads of a body, from one parse of it: the
+/// prompt's tokens (or why there are none) and, for a policy that reads it,
+/// the prompt's text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Read {
+    /// The prompt's tokens, or the reason label of why there are none.
+    pub prompt: Result<Prompt, &'static str>,
+    /// The text the model's policy reads.
+    pub text: Option<String>,
 }
 
 /// Tokenizers by model, and the worker pool.
@@ -61,54 +75,62 @@ impl Prompts {
                     if job.reply.is_closed() {
                         continue;
                     }
-                    let result = tokenizers[job.model].as_ref().map_or(Err("no_tokenizer"), |t| prompt(t, job.endpoint, &job.body));
-                    let _ = job.reply.send(result);
+                    let _ = job.reply.send(read(tokenizers[job.model].as_ref(), job.endpoint, &job.body, job.text));
                 }
             })?;
         }
         Ok(Self { tokenizers, jobs, inline_below: t.inline_below_bytes, max_wait: Duration::from_millis(t.max_wait_ms) })
     }
 
-    /// The prompt of a body sent to `model`, or why there is none.
-    pub async fn prompt(&self, model: usize, endpoint: Endpoint, body: &[u8]) -> Option<Prompt> {
+    /// Reads a body sent to `model`: its prompt's tokens and the text of
+    /// kind `text`, parsing it once, inline or on a worker.
+    pub async fn read(&self, model: usize, endpoint: Endpoint, body: &[u8], text: TextKind) -> Read {
         let started = Instant::now();
-        let result = match &self.tokenizers[model] {
-            None => Err("no_tokenizer"),
-            Some(tokenizer) if body.len() < self.inline_below => prompt(tokenizer, endpoint, body),
-            Some(_) => {
-                let (reply, answer) = oneshot::channel();
-                match self.jobs.try_send(Job { model, endpoint, body: body.to_vec(), reply }) {
-                    Err(TrySendError::Full(_)) => Err("queue_full"),
-                    Err(TrySendError::Disconnected(_)) => Err("no_workers"),
-                    Ok(()) => match tokio::time::timeout(self.max_wait, answer).await {
-                        Ok(Ok(result)) => result,
-                        Ok(Err(_)) => Err("no_workers"),
-                        Err(_) => Err("timeout"),
-                    },
-                }
+        let tokenizer = self.tokenizers[model].as_ref();
+        let read = if tokenizer.is_none() && text == TextKind::None {
+            Read { prompt: Err("no_tokenizer"), text: None }
+        } else if body.len() < self.inline_below {
+            read(tokenizer, endpoint, body, text)
+        } else {
+            let (reply, answer) = oneshot::channel();
+            let failed = |reason| Read { prompt: Err(reason), text: None };
+            match self.jobs.try_send(Job { model, endpoint, body: body.to_vec(), text, reply }) {
+                Err(TrySendError::Full(_)) => failed("queue_full"),
+                Err(TrySendError::Disconnected(_)) => failed("no_workers"),
+                Ok(()) => match tokio::time::timeout(self.max_wait, answer).await {
+                    Ok(Ok(read)) => read,
+                    Ok(Err(_)) => failed("no_workers"),
+                    Err(_) => failed("timeout"),
+                },
             }
         };
-        let outcome = match &result {
+        let outcome = match &read.prompt {
             Ok(_) => "ok",
             Err(reason) => reason,
         };
         metrics::counter!("inferrail_tokenize_total", "outcome" => outcome).increment(1);
         metrics::histogram!("inferrail_tokenize_seconds").record(started.elapsed().as_secs_f64());
-        result.ok()
+        read
     }
 }
 
-/// Tokenizes one body; the error is a reason label.
-fn prompt(tokenizer: &Tokenizer, endpoint: Endpoint, body: &[u8]) -> Result<Prompt, &'static str> {
-    let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(body) else { return Err("invalid") };
+/// Parses a body once and reads its prompt (with `tokenizer`) and its text.
+fn read(tokenizer: Option<&Tokenizer>, endpoint: Endpoint, body: &[u8], text: TextKind) -> Read {
+    let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(body) else { return Read { prompt: Err("invalid"), text: None } };
+    let prompt = tokenizer.map_or(Err("no_tokenizer"), |t| prompt(t, endpoint, &body));
+    Read { prompt, text: crate::request::text(&body, text) }
+}
+
+/// Tokenizes one parsed body; the error is a reason label.
+fn prompt(tokenizer: &Tokenizer, endpoint: Endpoint, body: &Map<String, Value>) -> Result<Prompt, &'static str> {
     // The router never compiles a client's template on the routing path.
-    let ids = chat::prompt_ids(tokenizer, endpoint, &body, RequestTemplates::Decline).map_err(|e| e.reason())?;
+    let ids = chat::prompt_ids(tokenizer, endpoint, body, RequestTemplates::Decline).map_err(|e| e.reason())?;
     if ids.is_empty() {
         return Err("empty");
     }
     Ok(Prompt {
         ids,
-        max_tokens: max_tokens(&body, endpoint),
+        max_tokens: max_tokens(body, endpoint),
         cache_salt: body.get("cache_salt").and_then(Value::as_str).map(str::to_owned),
     })
 }
@@ -136,22 +158,30 @@ mod tests {
         Prompts::new(&Config::parse(&yaml).unwrap()).unwrap()
     }
 
-    #[tokio::test]
-    async fn large_bodies_go_to_the_workers_and_come_back_the_same() {
-        let body = br#"{"model": "m", "messages": [{"role": "user", "content": "Hello there, how are you?"}], "max_tokens": 3, "cache_salt": "s"}"#;
-        let inline = prompts(1 << 20).prompt(0, Endpoint::Chat, body).await.unwrap();
-        let pooled = prompts(1).prompt(0, Endpoint::Chat, body).await.unwrap();
-        assert_eq!(inline, pooled);
-        assert_eq!((inline.max_tokens, inline.cache_salt.as_deref()), (Some(3), Some("s")));
-        assert!(!inline.ids.is_empty());
+    async fn tokens(p: &Prompts, model: usize, endpoint: Endpoint, body: &[u8]) -> Result<Prompt, &'static str> {
+        p.read(model, endpoint, body, TextKind::None).await.prompt
     }
 
     #[tokio::test]
-    async fn no_tokenizer_or_a_body_it_cannot_follow_gives_no_prompt() {
+    async fn large_bodies_go_to_the_workers_and_come_back_the_same() {
+        let body = br#"{"model": "m", "messages": [{"role": "user", "content": "Hello there, how are you?"}], "max_tokens": 3, "cache_salt": "s"}"#;
+        let inline = prompts(1 << 20).read(0, Endpoint::Chat, body, TextKind::Serialized).await;
+        let pooled = prompts(1).read(0, Endpoint::Chat, body, TextKind::Serialized).await;
+        assert_eq!(inline, pooled);
+        let prompt = inline.prompt.unwrap();
+        assert_eq!((prompt.max_tokens, prompt.cache_salt.as_deref()), (Some(3), Some("s")));
+        assert!(!prompt.ids.is_empty());
+        assert_eq!(inline.text.as_deref(), Some(r#"[{"role":"user","content":"Hello there, how are you?"}]"#));
+    }
+
+    #[tokio::test]
+    async fn no_tokenizer_or_a_body_it_cannot_follow_gives_no_prompt_but_the_text_is_still_read() {
         let p = prompts(1 << 20);
-        assert_eq!(p.prompt(1, Endpoint::Chat, br#"{"messages": [{"role": "user", "content": "x"}]}"#).await, None);
-        assert_eq!(p.prompt(0, Endpoint::Completions, br#"{"prompt": ["a", "b"]}"#).await, None);
-        assert_eq!(p.prompt(0, Endpoint::Completions, b"not json").await, None);
-        assert_eq!(p.prompt(0, Endpoint::Completions, br#"{"prompt": "a"}"#).await.unwrap().max_tokens, Some(16), "vLLM's default");
+        let chat = br#"{"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "y"}]}]}"#;
+        assert_eq!(tokens(&p, 1, Endpoint::Chat, chat).await, Err("no_tokenizer"));
+        assert_eq!(p.read(1, Endpoint::Chat, chat, TextKind::Contents).await.text.as_deref(), Some("x y"));
+        assert!(tokens(&p, 0, Endpoint::Completions, br#"{"prompt": ["a", "b"]}"#).await.is_err());
+        assert_eq!(tokens(&p, 0, Endpoint::Completions, b"not json").await, Err("invalid"));
+        assert_eq!(tokens(&p, 0, Endpoint::Completions, br#"{"prompt": "a"}"#).await.unwrap().max_tokens, Some(16), "vLLM's default");
     }
 }

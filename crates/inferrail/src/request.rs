@@ -139,15 +139,14 @@ pub fn fields(body: &[u8]) -> Result<Fields, BodyError> {
 /// messages' contents joined by single spaces, or the messages serialized as
 /// JSON; a completion's prompt as it is. `None` when the policy reads none
 /// or the body has neither.
-pub fn text(body: &[u8], kind: TextKind) -> Option<String> {
+pub fn text(body: &serde_json::Map<String, serde_json::Value>, kind: TextKind) -> Option<String> {
     if kind == TextKind::None {
         return None;
     }
-    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
-    if let Some(prompt) = v.get("prompt").and_then(|p| p.as_str()) {
+    if let Some(prompt) = body.get("prompt").and_then(|p| p.as_str()) {
         return Some(prompt.to_owned());
     }
-    let messages = v.get("messages")?.as_array()?;
+    let messages = body.get("messages")?.as_array()?;
     Some(match kind {
         TextKind::Serialized => serde_json::to_string(messages).ok()?,
         _ => {

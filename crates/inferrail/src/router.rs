@@ -194,8 +194,8 @@ impl Router {
         };
         let model = &self.core.models[index];
         // The model's name does not change the prompt: tokenize the body as sent.
-        let prompt = self.prompts.prompt(index, endpoint, body).await;
-        let text = request::text(body, self.core.wants_text(index));
+        let read = self.prompts.read(index, endpoint, body, self.core.wants_text(index)).await;
+        let (prompt, text) = (read.prompt.ok(), read.text);
         let body = match fields.model {
             Some(name) if name == model.name => None,
             _ => Some(request::with_model(body, fields.model_at, &model.name)),
