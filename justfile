@@ -72,7 +72,7 @@ bench-sim:
     target/release/inferrail-bench throughput --engine "inferrail-sim --zero-latency ($commit)" --out "$out/throughput-zero-latency.json"
     stop_sim
 
-# Bring up the local fleet: three simulators (8001-8003), inferrail (ext_proc 9002, admin 9090) and Envoy (8080, admin 9901); `just up sidecar` reads engine load through the inferrail-scraper sidecar (9095) instead of in the router.
+# Bring up the local fleet: three simulators (8001-8003), inferrail (ext_proc 9002, admin 9090, admin gRPC 9091) and Envoy (8080, admin 9901); `just up sidecar` reads engine load through the inferrail-scraper sidecar (9095) instead of in the router.
 up LOAD="embedded": setup
     #!/usr/bin/env bash
     set -euo pipefail
@@ -99,6 +99,7 @@ up LOAD="embedded": setup
         if curl -sf -o /dev/null localhost:8080/v1/chat/completions -H 'content-type: application/json' -d "$body"; then
             echo "The fleet is up: Envoy on :8080, inferrail admin on :9090, logs in $run. Try:"
             echo "  curl -si localhost:8080/v1/chat/completions -H 'content-type: application/json' -d '$body'"
+            echo "Ask why a request would go where it goes: see the README (grpcurl is in .venv/bin, the admin gRPC API on :9091)."
             echo "Stop it with: just down"
             exit 0
         fi
@@ -126,7 +127,7 @@ bench-overhead out="bench/results/overhead/added-latency.json" *args: setup
     cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
     run="{{cache}}/bench-overhead"
     mkdir -p "$run" bench/results/overhead
-    for port in 8001 8002 8003 8080 8081 9002 9090; do
+    for port in 8001 8002 8003 8080 8081 9002 9090 9091; do
         if (echo > "/dev/tcp/127.0.0.1/$port") 2> /dev/null; then echo "port $port is in use (just down?)" >&2; exit 1; fi
     done
     pids=()

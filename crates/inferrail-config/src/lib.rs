@@ -60,17 +60,20 @@ impl Default for Server {
     }
 }
 
-/// The admin HTTP listener: `/metrics`, `/healthz`, `/readyz`.
+/// The admin listeners: HTTP (`/metrics`, `/healthz`, `/readyz`) and gRPC
+/// (`inferrail.admin.v1`: Explain, Replicas, with server reflection).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Admin {
-    /// Address of the admin listener.
+    /// Address of the admin HTTP listener.
     pub listen: String,
+    /// Address of the admin gRPC listener; keep it off public interfaces.
+    pub grpc_listen: String,
 }
 
 impl Default for Admin {
     fn default() -> Self {
-        Self { listen: "127.0.0.1:9090".into() }
+        Self { listen: "127.0.0.1:9090".into(), grpc_listen: "127.0.0.1:9091".into() }
     }
 }
 
@@ -424,7 +427,7 @@ impl Config {
     /// Every range and cross-reference problem, each with its path.
     pub fn validate(&self) -> Vec<String> {
         let mut p = Vec::new();
-        for (path, addr) in [("server.listen", &self.server.listen), ("admin.listen", &self.admin.listen)] {
+        for (path, addr) in [("server.listen", &self.server.listen), ("admin.listen", &self.admin.listen), ("admin.grpc_listen", &self.admin.grpc_listen)] {
             if addr.parse::<SocketAddr>().is_err() {
                 p.push(format!("{path}: {addr:?} is not ip:port"));
             }

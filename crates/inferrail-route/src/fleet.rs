@@ -234,6 +234,8 @@ pub struct Lease {
     pub start: Instant,
     /// Prompt tokens it counts in flight on its replica.
     pub prompt_tokens: u64,
+    /// The router's estimate of its time to first token, microseconds (0: none).
+    estimate_us: AtomicU64,
     state: AtomicU8,
     status: AtomicU32,
     /// What the decision recorded in the KV index, to take back if the engine refuses the request.
@@ -250,7 +252,17 @@ impl Lease {
     pub fn since(replica: Arc<Replica>, model: usize, start: Instant, prompt_tokens: u64) -> Self {
         replica.acquire(prompt_tokens);
         let (state, status, kv) = (AtomicU8::new(PENDING), AtomicU32::new(0), Mutex::new(None));
-        Self { replica, model, start, prompt_tokens, state, status, kv }
+        Self { replica, model, start, prompt_tokens, estimate_us: AtomicU64::new(0), state, status, kv }
+    }
+
+    /// Records the router's estimate of its time to first token.
+    pub fn set_estimate(&self, estimate: Duration) {
+        self.estimate_us.store(estimate.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// The router's estimate of its time to first token, if one was made.
+    pub fn estimate(&self) -> Option<Duration> {
+        Some(self.estimate_us.load(Ordering::Relaxed)).filter(|&us| us > 0).map(Duration::from_micros)
     }
 
     /// Records the upstream's response status.

@@ -122,17 +122,26 @@ impl Plan {
         self.replica(self.order[0])
     }
 
+    /// The block size policies read the prompt's blocks at.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The prompt's full blocks at [`Plan::block_size`] (empty without a prediction).
+    pub fn blocks(&self) -> &[inferrail_kv::hash::BlockHash] {
+        self.prediction.as_ref().and_then(|p| p.blocks(self.block_size)).unwrap_or_default()
+    }
+
     /// Prompt tokens, when the prompt was tokenized.
     pub fn prompt_tokens(&self) -> Option<usize> {
         self.prediction.as_ref().map(|p| p.prompt_tokens)
     }
 
     fn request(&self) -> Request<'_> {
-        let blocks = self.prediction.as_ref().and_then(|p| p.blocks(self.block_size)).unwrap_or_default();
         Request {
             now: self.now,
             prompt_tokens: self.prompt_tokens(),
-            blocks,
+            blocks: self.blocks(),
             block_size: self.block_size,
             session: self.session.as_deref(),
             text: self.text.as_deref(),
@@ -374,6 +383,8 @@ impl Core {
         let prefill = Duration::from_secs_f64(prefill);
         let lease = Arc::new(Lease::new(won.clone(), plan.model, prompt_tokens.unwrap_or(0) as u64));
         won.queue_prefill(plan.now, prefill);
+        // The first byte can come once the prefill queued ahead and this one's are done.
+        lease.set_estimate(won.queued_prefill(plan.now));
         let picked = &plan.order[..plan.order.len().min(1 + self.fallbacks)];
         let targets: Vec<Arc<Replica>> = picked.iter().map(|&i| plan.replica(i).clone()).collect();
         let cached_tokens = match &plan.prediction {

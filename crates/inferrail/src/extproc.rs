@@ -234,6 +234,12 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
 
 fn first_byte(lease: &Lease) {
     if lease.first_byte() {
-        metrics::histogram!("inferrail_ttft_seconds", "replica" => lease.replica.id.clone()).record(lease.start.elapsed().as_secs_f64());
+        let ttft = lease.start.elapsed().as_secs_f64();
+        metrics::histogram!("inferrail_ttft_seconds", "replica" => lease.replica.id.clone()).record(ttft);
+        if let Some(estimate) = lease.estimate() {
+            // Above 1: slower than the router expected; far from 1, the cost model needs calibrating.
+            metrics::histogram!("inferrail_ttft_over_estimate", "replica" => lease.replica.id.clone()).record(ttft / estimate.as_secs_f64());
+            metrics::histogram!("inferrail_estimated_ttft_seconds", "replica" => lease.replica.id.clone()).record(estimate.as_secs_f64());
+        }
     }
 }

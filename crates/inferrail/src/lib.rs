@@ -17,6 +17,7 @@
 
 pub mod admin;
 pub mod discovery;
+pub mod explain;
 pub mod extproc;
 pub mod health;
 pub mod load;

@@ -17,6 +17,7 @@ use inferrail_config::Config;
 use inferrail_load::table::LoadTable;
 use inferrail_policy::{EngineReport, NoReplica};
 use inferrail_route::fleet::{Fleet, Lease, Replica};
+use inferrail_route::kv::Prediction;
 use inferrail_route::{Core, Plan, Report, View};
 use inferrail_tokenize::chat::Endpoint;
 
@@ -43,6 +44,40 @@ pub struct Decision {
     pub cached_tokens: Vec<usize>,
     /// What steered the decision besides the scores, if anything.
     pub steer: Option<&'static str>,
+}
+
+/// A request read up to the decision.
+struct Read {
+    model: usize,
+    fleet: Arc<Fleet>,
+    prediction: Option<Arc<Prediction>>,
+    session: Option<String>,
+    text: Option<String>,
+    /// Why the prompt has no tokens, when it has none.
+    no_prediction: Option<&'static str>,
+    /// The name the client asked for, when it was not the engines' own.
+    requested: Option<String>,
+    /// The body to forward, when the model had to be rewritten.
+    body: Option<Vec<u8>>,
+}
+
+impl Read {
+    fn view(&self) -> View<'_> {
+        View { model: self.model, prediction: self.prediction.clone(), session: self.session.as_deref(), text: self.text.as_deref() }
+    }
+}
+
+/// What the model's policy would do with a request, and why.
+#[derive(Debug)]
+pub struct Explained {
+    /// The model's index.
+    pub model: usize,
+    /// The name the client asked for, when it was an alias.
+    pub requested: Option<String>,
+    /// Why the prompt has no tokens, when it has none.
+    pub no_prediction: Option<&'static str>,
+    /// The plan, every offered replica in its order; or why none can take it.
+    pub plan: Result<Plan, NoReplica>,
 }
 
 /// Why the router answered a request itself.
@@ -182,29 +217,9 @@ impl Router {
     }
 
     async fn decide_inner(&self, body: &[u8], endpoint: Endpoint, request_id: &str, session: Option<&str>) -> Result<Decision, RouteError> {
-        let max = self.config.server.max_body_bytes;
-        if body.len() > max {
-            return Err(RouteError::TooLarge(max));
-        }
-        let fields = request::fields(body)?;
-        let index = match &fields.model {
-            Some(name) => self.names.get(name).copied().ok_or_else(|| RouteError::UnknownModel(name.clone()))?,
-            None if self.core.models.len() == 1 => 0,
-            None => return Err(RouteError::MissingModel),
-        };
-        let model = &self.core.models[index];
-        // The model's name does not change the prompt: tokenize the body as sent.
-        let read = self.prompts.read(index, endpoint, body, self.core.wants_text(index)).await;
-        let (prompt, text) = (read.prompt.ok(), read.text);
-        let body = match fields.model {
-            Some(name) if name == model.name => None,
-            _ => Some(request::with_model(body, fields.model_at, &model.name)),
-        };
-        let session = session.or(fields.user.as_deref());
-        let fleet = self.fleet.load_full();
-        let prediction = prompt.as_ref().map(|p| self.core.prepare(index, p, &fleet));
-        let view = View { model: index, prediction, session, text: text.as_deref() };
-        let (plan, committed) = self.core.decide(&view, &fleet, &|r: &Replica| self.report(&r.id), self.now())?;
+        let read = self.read(body, endpoint, session).await?;
+        let model = &self.core.models[read.model];
+        let (plan, committed) = self.core.decide(&read.view(), &read.fleet, &|r: &Replica| self.report(&r.id), self.now())?;
         record_plan(&plan);
         let (policy, steer, prompt_tokens) = (plan.policy, plan.steer, plan.prompt_tokens());
         if let Some(&cached) = committed.cached_tokens.first() {
@@ -223,11 +238,48 @@ impl Router {
             model: model.name.clone(),
             targets: committed.targets,
             policy,
-            body,
+            body: read.body,
             prompt_tokens,
             cached_tokens: committed.cached_tokens,
             steer,
         })
+    }
+
+    /// What the model's policy would do with a request now, and why,
+    /// changing nothing: every offered replica is in the plan's order.
+    pub async fn explain(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>) -> Result<Explained, RouteError> {
+        let read = self.read(body, endpoint, session).await?;
+        let plan = self.core.plan_all(&read.view(), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
+        Ok(Explained { model: read.model, requested: read.requested, no_prediction: read.no_prediction, plan })
+    }
+
+    /// Reads a request up to the decision: its model, its prompt's blocks and text, the body to forward.
+    async fn read(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>) -> Result<Read, RouteError> {
+        let max = self.config.server.max_body_bytes;
+        if body.len() > max {
+            return Err(RouteError::TooLarge(max));
+        }
+        let fields = request::fields(body)?;
+        let index = match &fields.model {
+            Some(name) => self.names.get(name).copied().ok_or_else(|| RouteError::UnknownModel(name.clone()))?,
+            None if self.core.models.len() == 1 => 0,
+            None => return Err(RouteError::MissingModel),
+        };
+        let model = &self.core.models[index];
+        // The model's name does not change the prompt: tokenize the body as sent.
+        let read = self.prompts.read(index, endpoint, body, self.core.wants_text(index)).await;
+        let fleet = self.fleet.load_full();
+        let (prediction, no_prediction) = match &read.prompt {
+            Ok(p) => (Some(self.core.prepare(index, p, &fleet)), None),
+            Err(reason) => (None, Some(*reason)),
+        };
+        let requested = fields.model.clone().filter(|name| *name != model.name);
+        let forward = match fields.model {
+            Some(name) if name == model.name => None,
+            _ => Some(request::with_model(body, fields.model_at, &model.name)),
+        };
+        let session = session.map(str::to_owned).or(fields.user);
+        Ok(Read { model: index, fleet, prediction, session, text: read.text, no_prediction, requested, body: forward })
     }
 
     /// The lease a request holds.

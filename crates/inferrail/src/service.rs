@@ -16,7 +16,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::extproc::ExtProc;
 use crate::router::Router;
-use crate::{admin, discovery, health, load};
+use crate::{admin, discovery, explain, health, load};
 
 /// A started service.
 pub struct Running {
@@ -24,6 +24,8 @@ pub struct Running {
     pub grpc: SocketAddr,
     /// Where the admin listener listens.
     pub admin: SocketAddr,
+    /// Where the admin gRPC listener (Explain, Replicas) listens.
+    pub admin_grpc: SocketAddr,
     /// The router, for tests that look inside.
     pub router: Arc<Router>,
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
@@ -62,7 +64,9 @@ pub fn metrics_handle() -> PrometheusHandle {
 pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<Running> {
     let grpc_listener = TcpListener::bind(&config.server.listen).await.with_context(|| format!("binding {}", config.server.listen))?;
     let admin_listener = TcpListener::bind(&config.admin.listen).await.with_context(|| format!("binding {}", config.admin.listen))?;
-    let (grpc, admin) = (grpc_listener.local_addr()?, admin_listener.local_addr()?);
+    let admin_grpc_listener =
+        TcpListener::bind(&config.admin.grpc_listen).await.with_context(|| format!("binding {}", config.admin.grpc_listen))?;
+    let (grpc, admin, admin_grpc) = (grpc_listener.local_addr()?, admin_listener.local_addr()?, admin_grpc_listener.local_addr()?);
     let grace = Duration::from_millis(config.server.shutdown_grace_ms);
     let (stop_tx, stopping) = tokio::sync::oneshot::channel();
     let router = Arc::new(Router::new(config)?);
@@ -81,7 +85,15 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         },
     );
     let server = tokio::spawn(server);
+    let admin_grpc_server = tonic::transport::Server::builder()
+        .add_routes(explain::services(router.clone())?)
+        .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(admin_grpc_listener));
     let background = vec![
+        tokio::spawn(async move {
+            if let Err(e) = admin_grpc_server.await {
+                tracing::error!(error = %e, "the admin gRPC listener stopped");
+            }
+        }),
         tokio::spawn(admin::serve(admin_listener, router.clone(), metrics_handle())),
         tokio::spawn(health::probe_loop(router.clone())),
         tokio::spawn(load::run(router.clone())),
@@ -89,7 +101,7 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         tokio::spawn(health::cards_loop(router.clone(), models)),
         tokio::spawn(discovery::run(router.clone())),
     ];
-    Ok(Running { grpc, admin, router, server, stopping, grace, background })
+    Ok(Running { grpc, admin, admin_grpc, router, server, stopping, grace, background })
 }
 
 impl Running {

@@ -21,17 +21,17 @@ class Fleet:
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
-        ports = free_ports(7)
+        ports = free_ports(8)
         self.sim_ports = ports[:3]
         self.sim_flags = ["--tokenizer", tokenizer, *sim_flags]
-        self.grpc, self.admin, self.listen, self.envoy_admin = ports[3:]
+        self.grpc, self.admin, self.listen, self.envoy_admin, self.admin_grpc = ports[3:]
         self.url = f"http://127.0.0.1:{self.listen}"
         replicas = "\n".join(
             f"  - {{id: sim-{i + 1}, address: 127.0.0.1:{p}, models: [{MODEL}]{replica_extra}}}" for i, p in enumerate(self.sim_ports))
         self.config = tmp / "inferrail.yaml"
         self.config.write_text(
             f"server: {{listen: 127.0.0.1:{self.grpc}, max_body_bytes: 1048576, shutdown_grace_ms: 2000}}\n"
-            f"admin: {{listen: 127.0.0.1:{self.admin}}}\n"
+            f"admin: {{listen: 127.0.0.1:{self.admin}, grpc_listen: 127.0.0.1:{self.admin_grpc}}}\n"
             f"routing: {{seed: 7{routing}}}\n"
             f"health: {{probe_interval_ms: 100, probe_timeout_ms: 300}}\n"
             f"{config_extra}"

@@ -204,13 +204,13 @@ class Front:
         if not (Path(tokenizer) / "tokenizer.json").is_file():
             pytest.fail(f"no tokenizer in {tokenizer}: run `just setup`")
         self.tmp = tmp
-        self.listen, self.envoy_admin, self.grpc, self.admin = free_ports(4)
+        self.listen, self.envoy_admin, self.grpc, self.admin, self.admin_grpc = free_ports(5)
         self.url = f"http://127.0.0.1:{self.listen}"
         self.upstream = f"127.0.0.1:{upstream_port}"
         self.config = tmp / "inferrail.yaml"
         self.config.write_text(
             f"server: {{listen: 127.0.0.1:{self.grpc}}}\n"
-            f"admin: {{listen: 127.0.0.1:{self.admin}}}\n"
+            f"admin: {{listen: 127.0.0.1:{self.admin}, grpc_listen: 127.0.0.1:{self.admin_grpc}}}\n"
             f"models:\n  - {{name: {served}, tokenizer: {Path(tokenizer).resolve()}}}\n"
             f"replicas:\n  - {{id: vllm, address: {self.upstream}, models: [{served}]}}\n")
         self.envoy_config = tmp / "envoy.yaml"

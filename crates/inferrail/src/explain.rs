@@ -1,0 +1,229 @@
+//! The admin gRPC API (`inferrail.admin.v1`, on `admin.grpc_listen`, with
+//! server reflection): `Explain` plans a request as a client would send it
+//! with the same code that routes it and commits nothing; `Replicas` and
+//! `WatchReplicas` show the fleet as the router sees it. This module is the
+//! boundary: router types in, protobuf messages out.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use inferrail_policy::NoReplica;
+use inferrail_proto::admin::v1 as pb;
+use inferrail_proto::admin::v1::admin_server::{Admin, AdminServer};
+use inferrail_route::fleet::Replica;
+use inferrail_route::{FRESH, Plan, Report};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::request::{self, Endpoint};
+use crate::router::{Explained, RouteError, Router};
+
+/// How often `WatchReplicas` looks for changes.
+const WATCH_EVERY: Duration = Duration::from_millis(200);
+
+/// The service, over the router.
+pub struct AdminApi {
+    router: Arc<Router>,
+}
+
+/// The admin service and the reflection service that describes it.
+pub fn services(router: Arc<Router>) -> anyhow::Result<tonic::service::Routes> {
+    let builder = || tonic_reflection::server::Builder::configure().register_encoded_file_descriptor_set(inferrail_proto::ADMIN_DESCRIPTORS);
+    // Both versions of the reflection API: grpcurl before 1.9 speaks only v1alpha.
+    Ok(tonic::service::Routes::new(AdminServer::new(AdminApi { router }))
+        .add_service(builder().build_v1()?)
+        .add_service(builder().build_v1alpha()?))
+}
+
+/// A router error as a gRPC status a person can act on.
+fn status(e: &RouteError) -> Status {
+    match e {
+        RouteError::UnknownModel(_) => Status::not_found(e.to_string()),
+        RouteError::NoReplica(_) => Status::unavailable(e.to_string()),
+        RouteError::Body(_) | RouteError::MissingModel | RouteError::TooLarge(_) => Status::invalid_argument(e.to_string()),
+    }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<pb::ReplicasResponse, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl Admin for AdminApi {
+    async fn explain(&self, request: Request<pb::ExplainRequest>) -> Result<Response<pb::ExplainResponse>, Status> {
+        let r = request.into_inner();
+        let Endpoint::Generate(endpoint) = request::endpoint("POST", &r.path) else {
+            return Err(Status::invalid_argument(format!("path {:?}: explain /v1/chat/completions or /v1/completions", r.path)));
+        };
+        let session = r.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case("x-session-id")).map(|(_, v)| v.as_str());
+        let explained = self.router.explain(r.body.as_bytes(), endpoint, session).await.map_err(|e| status(&e))?;
+        Ok(Response::new(explanation(&self.router, &explained)))
+    }
+
+    async fn replicas(&self, _request: Request<pb::ReplicasRequest>) -> Result<Response<pb::ReplicasResponse>, Status> {
+        Ok(Response::new(fleet(&self.router)))
+    }
+
+    type WatchReplicasStream = WatchStream;
+
+    async fn watch_replicas(&self, _request: Request<pb::ReplicasRequest>) -> Result<Response<WatchStream>, Status> {
+        let router = self.router.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            let mut last: Option<Vec<(String, bool, bool, bool)>> = None;
+            let mut tick = tokio::time::interval(WATCH_EVERY);
+            loop {
+                tick.tick().await;
+                let now = fleet(&router);
+                // Membership, health, ejection and report freshness; counters change too often to stream.
+                let shape: Vec<(String, bool, bool, bool)> =
+                    now.replicas.iter().map(|r| (r.id.clone(), r.healthy, r.ejected, r.engine.as_ref().is_some_and(|e| e.fresh))).collect();
+                if last.as_ref() != Some(&shape) {
+                    last = Some(shape);
+                    if tx.send(Ok(now)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+}
+
+fn engine(report: Option<(Report, Duration)>) -> Option<pb::EngineReport> {
+    report.map(|(r, age)| pb::EngineReport {
+        running: r.load.running,
+        waiting: r.load.waiting,
+        kv_usage: r.load.kv_usage,
+        age_ms: age.as_secs_f64() * 1e3,
+        fresh: age <= FRESH,
+    })
+}
+
+/// The explanation of a plan.
+fn explanation(router: &Router, e: &Explained) -> pb::ExplainResponse {
+    let model = &router.core.models[e.model];
+    let mut out = pb::ExplainResponse {
+        model: model.name.clone(),
+        requested_model: e.requested.clone().unwrap_or_default(),
+        policy: router.core.policy(e.model).to_string(),
+        no_prediction: e.no_prediction.unwrap_or_default().to_string(),
+        ..pb::ExplainResponse::default()
+    };
+    let plan = match &e.plan {
+        Ok(plan) => plan,
+        Err(why) => {
+            out.no_replica = why.label().to_string();
+            out.candidates = no_plan(router, e.model, *why);
+            return out;
+        }
+    };
+    out.prompt_tokens = plan.prompt_tokens().unwrap_or(0) as u64;
+    out.block_size = plan.block_size() as u64;
+    out.prompt_blocks = plan.blocks().len() as u64;
+    out.steer = plan.steer.unwrap_or_default().to_string();
+    out.waived = plan.waived.unwrap_or_default().to_string();
+    out.winner = plan.winner().id.clone();
+    out.fallbacks = plan.order.iter().skip(1).take(router.config.retry.fallbacks).map(|&i| plan.replica(i).id.clone()).collect();
+    out.deciding_term = deciding_term(plan).to_string();
+    out.candidates = (0..plan.candidates.len())
+        .map(|i| {
+            let (c, r) = (&plan.candidates[i], plan.replica(i));
+            let score = plan.scores[i];
+            pb::Candidate {
+                id: r.id.clone(),
+                address: r.addr.to_string(),
+                healthy: c.healthy,
+                ejected: r.ejected(plan.now.as_millis() as u64),
+                has_room: c.has_room(),
+                in_flight: c.in_flight,
+                pending: c.pending,
+                max_concurrency: c.max_concurrency,
+                max_pending: c.max_pending,
+                prompt_tokens_in_flight: c.prompt_tokens_in_flight,
+                queued_prefill_ms: c.queued_prefill_secs * 1e3,
+                engine: engine(plan.reports[i]),
+                predicted_cached_tokens: c.cached_tokens as u64,
+                set_aside: plan.set_aside[i].map(|a| a.label().to_string()).unwrap_or_default(),
+                score: score.map(|s| s.total),
+                terms: score.map_or_else(Vec::new, |s| {
+                    plan.terms.iter().zip(s.terms).map(|(name, value)| pb::Term { name: name.to_string(), value }).collect()
+                }),
+                rank: plan.order.iter().position(|&o| o == i).map_or(0, |p| p as u32 + 1),
+            }
+        })
+        .collect();
+    out
+}
+
+/// The term that put the winner furthest ahead of the runner-up: what a
+/// steer decided, `only_candidate` alone, else the term whose difference is largest.
+fn deciding_term(plan: &Plan) -> &'static str {
+    if let Some(steer) = plan.steer {
+        return steer;
+    }
+    let (Some(&w), Some(&r)) = (plan.order.first(), plan.order.get(1)) else { return "only_candidate" };
+    let (Some(w), Some(r)) = (plan.scores[w], plan.scores[r]) else { return "" };
+    let ahead = plan.terms.iter().zip(w.terms.iter().zip(r.terms)).map(|(name, (w, r))| (name, r - w));
+    match ahead.max_by(|a, b| a.1.total_cmp(&b.1)) {
+        Some((name, d)) if d > 0.0 => name,
+        // No term ahead: the tie-break (fewer in flight, then chance) decided.
+        _ => "tie_break",
+    }
+}
+
+/// Candidates when none could be planned: who serves the model and in what state.
+fn no_plan(router: &Router, model: usize, _why: NoReplica) -> Vec<pb::Candidate> {
+    let fleet = router.fleet();
+    let now = router.now();
+    fleet
+        .serving(model)
+        .iter()
+        .map(|r| {
+            let c = r.candidate(now, 0, None);
+            pb::Candidate {
+                id: r.id.clone(),
+                address: r.addr.to_string(),
+                healthy: c.healthy,
+                ejected: r.ejected(now.as_millis() as u64),
+                has_room: c.has_room(),
+                in_flight: c.in_flight,
+                pending: c.pending,
+                max_concurrency: c.max_concurrency,
+                max_pending: c.max_pending,
+                set_aside: if c.healthy { "full" } else { "unhealthy" }.into(),
+                ..pb::Candidate::default()
+            }
+        })
+        .collect()
+}
+
+/// The fleet as the router sees it now.
+fn fleet(router: &Router) -> pb::ReplicasResponse {
+    let now = router.now();
+    let replicas = router
+        .fleet()
+        .replicas
+        .iter()
+        .map(|r: &Arc<Replica>| {
+            let c = r.candidate(now, 0, None);
+            let defaults = &router.config.kv;
+            pb::Replica {
+                id: r.id.clone(),
+                address: r.addr.to_string(),
+                models: r.models.iter().map(|&m| router.core.models[m].name.clone()).collect(),
+                healthy: c.healthy,
+                ejected: r.ejected(now.as_millis() as u64),
+                in_flight: c.in_flight,
+                pending: c.pending,
+                max_concurrency: c.max_concurrency,
+                max_pending: c.max_pending,
+                prompt_tokens_in_flight: c.prompt_tokens_in_flight,
+                queued_prefill_ms: c.queued_prefill_secs * 1e3,
+                engine: engine(router.report(&r.id).map(|rep| (rep, now.saturating_sub(rep.at)))),
+                block_size: r.block_size(defaults.block_size) as u64,
+                kv_blocks: r.blocks(defaults.blocks) as u64,
+            }
+        })
+        .collect();
+    pb::ReplicasResponse { replicas }
+}
