@@ -34,6 +34,8 @@ pub struct Config {
     pub kv: Kv,
     /// Engine load: the replicas' `/metrics` pages, read here or by the sidecar.
     pub load: Load,
+    /// The decision log.
+    pub observability: Observability,
     /// Models clients may ask for.
     pub models: Vec<Model>,
     /// Replicas listed by address.
@@ -176,6 +178,32 @@ pub struct Kv {
 impl Default for Kv {
     fn default() -> Self {
         Self { block_size: 16, blocks: 8192, expected_output_tokens: 256 }
+    }
+}
+
+/// What the router records of its decisions.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Observability {
+    /// One JSON line per sampled decision, then one per its outcome.
+    pub decision_log: DecisionLog,
+}
+
+/// The decision log: off unless a path and a sample rate are set.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DecisionLog {
+    /// The file lines are appended to.
+    pub path: Option<String>,
+    /// Share of requests logged, 0 to 1 (sampled by request id, so a decision and its outcome go together).
+    pub sample_rate: f64,
+    /// Lines waiting for the writer; when full, lines are dropped and counted, never waited for.
+    pub queue: usize,
+}
+
+impl Default for DecisionLog {
+    fn default() -> Self {
+        Self { path: None, sample_rate: 0.0, queue: 4096 }
     }
 }
 
@@ -427,7 +455,9 @@ impl Config {
     /// Every range and cross-reference problem, each with its path.
     pub fn validate(&self) -> Vec<String> {
         let mut p = Vec::new();
-        for (path, addr) in [("server.listen", &self.server.listen), ("admin.listen", &self.admin.listen), ("admin.grpc_listen", &self.admin.grpc_listen)] {
+        for (path, addr) in
+            [("server.listen", &self.server.listen), ("admin.listen", &self.admin.listen), ("admin.grpc_listen", &self.admin.grpc_listen)]
+        {
             if addr.parse::<SocketAddr>().is_err() {
                 p.push(format!("{path}: {addr:?} is not ip:port"));
             }
@@ -464,6 +494,16 @@ impl Config {
         }
         if l.interval_ms >= 250 {
             p.push(format!("load.interval_ms: {} would leave most reports older than the 250 ms after which none is used", l.interval_ms));
+        }
+        let d = &self.observability.decision_log;
+        if !(0.0..=1.0).contains(&d.sample_rate) {
+            p.push(format!("observability.decision_log.sample_rate: {} is not between 0 and 1", d.sample_rate));
+        }
+        if d.queue == 0 {
+            p.push("observability.decision_log.queue: must be at least 1".into());
+        }
+        if d.sample_rate > 0.0 && d.path.is_none() {
+            p.push("observability.decision_log.path: needed when sample_rate is above 0".into());
         }
         if let Some(s) = &l.sidecar
             && !(s.starts_with("http://") || s.starts_with("https://"))

@@ -236,6 +236,8 @@ pub struct Lease {
     pub prompt_tokens: u64,
     /// The router's estimate of its time to first token, microseconds (0: none).
     estimate_us: AtomicU64,
+    /// Its time to first byte, microseconds since `start` (0: not yet).
+    ttft_us: AtomicU64,
     state: AtomicU8,
     status: AtomicU32,
     /// What the decision recorded in the KV index, to take back if the engine refuses the request.
@@ -252,7 +254,8 @@ impl Lease {
     pub fn since(replica: Arc<Replica>, model: usize, start: Instant, prompt_tokens: u64) -> Self {
         replica.acquire(prompt_tokens);
         let (state, status, kv) = (AtomicU8::new(PENDING), AtomicU32::new(0), Mutex::new(None));
-        Self { replica, model, start, prompt_tokens, estimate_us: AtomicU64::new(0), state, status, kv }
+        let (estimate_us, ttft_us) = (AtomicU64::new(0), AtomicU64::new(0));
+        Self { replica, model, start, prompt_tokens, estimate_us, ttft_us, state, status, kv }
     }
 
     /// Records the router's estimate of its time to first token.
@@ -299,8 +302,14 @@ impl Lease {
         let first = self.state.compare_exchange(PENDING, STREAMING, Ordering::AcqRel, Ordering::Relaxed).is_ok();
         if first {
             self.replica.pending.fetch_sub(1, Ordering::Relaxed);
+            self.ttft_us.store((self.start.elapsed().as_micros() as u64).max(1), Ordering::Relaxed);
         }
         first
+    }
+
+    /// Time from the decision to the first byte, once it came.
+    pub fn ttft(&self) -> Option<Duration> {
+        Some(self.ttft_us.load(Ordering::Relaxed)).filter(|&us| us > 0).map(Duration::from_micros)
     }
 }
 

@@ -100,7 +100,8 @@ async fn main() -> anyhow::Result<()> {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     // Reflection (both versions; grpcurl before 1.9 speaks only v1alpha), so
     // `grpcurl -plaintext <listen> list` works without the proto.
-    let reflection = || tonic_reflection::server::Builder::configure().register_encoded_file_descriptor_set(inferrail_proto::LOAD_DESCRIPTORS);
+    let reflection =
+        || tonic_reflection::server::Builder::configure().register_encoded_file_descriptor_set(inferrail_proto::LOAD_DESCRIPTORS);
     let server = tonic::transport::Server::builder()
         .add_service(LoadReportsService::new(scraper.sender()).into_server())
         .add_service(reflection().build_v1()?)

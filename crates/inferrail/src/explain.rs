@@ -29,7 +29,8 @@ pub struct AdminApi {
 
 /// The admin service and the reflection service that describes it.
 pub fn services(router: Arc<Router>) -> anyhow::Result<tonic::service::Routes> {
-    let builder = || tonic_reflection::server::Builder::configure().register_encoded_file_descriptor_set(inferrail_proto::ADMIN_DESCRIPTORS);
+    let builder =
+        || tonic_reflection::server::Builder::configure().register_encoded_file_descriptor_set(inferrail_proto::ADMIN_DESCRIPTORS);
     // Both versions of the reflection API: grpcurl before 1.9 speaks only v1alpha.
     Ok(tonic::service::Routes::new(AdminServer::new(AdminApi { router }))
         .add_service(builder().build_v1()?)

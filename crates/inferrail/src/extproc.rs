@@ -154,6 +154,9 @@ impl ExtProc {
             Some(s) if s < 400 => self.router.complete(&held),
             Some(_) => {}
         }
+        if let Some(log) = &self.router.decision_log {
+            log.outcome(request_id, &held.replica.id, held.ttft().map(|d| d.as_secs_f64() * 1e3), held.status(), outcome);
+        }
         let model = self.router.core.models[held.model].name.clone();
         metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => outcome)
             .increment(1);
@@ -234,11 +237,12 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
 
 fn first_byte(lease: &Lease) {
     if lease.first_byte() {
-        let ttft = lease.start.elapsed().as_secs_f64();
+        let ttft = lease.ttft().unwrap_or_default().as_secs_f64();
         metrics::histogram!("inferrail_ttft_seconds", "replica" => lease.replica.id.clone()).record(ttft);
         if let Some(estimate) = lease.estimate() {
             // Above 1: slower than the router expected; far from 1, the cost model needs calibrating.
-            metrics::histogram!("inferrail_ttft_over_estimate", "replica" => lease.replica.id.clone()).record(ttft / estimate.as_secs_f64());
+            metrics::histogram!("inferrail_ttft_over_estimate", "replica" => lease.replica.id.clone())
+                .record(ttft / estimate.as_secs_f64());
             metrics::histogram!("inferrail_estimated_ttft_seconds", "replica" => lease.replica.id.clone()).record(estimate.as_secs_f64());
         }
     }

@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod decision_log;
 pub mod discovery;
 pub mod explain;
 pub mod extproc;

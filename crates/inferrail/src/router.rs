@@ -21,6 +21,7 @@ use inferrail_route::kv::Prediction;
 use inferrail_route::{Core, Plan, Report, View};
 use inferrail_tokenize::chat::Endpoint;
 
+use crate::decision_log::DecisionLog;
 use crate::prompt::Prompts;
 use crate::request::{self, BodyError};
 
@@ -138,6 +139,8 @@ pub struct Router {
     clock: Instant,
     /// Tokenizers and their workers.
     pub prompts: Prompts,
+    /// The decision log, when one is configured.
+    pub decision_log: Option<DecisionLog>,
 }
 
 impl Router {
@@ -164,8 +167,9 @@ impl Router {
         }
         let fleet = ArcSwap::from_pointee(Fleet::new(replicas, core.models.len()));
         let prompts = Prompts::new(&config)?;
+        let decision_log = DecisionLog::start(&config.observability.decision_log)?;
         let (leases, loads) = (papaya::HashMap::new(), LoadTable::new());
-        Ok(Self { config, core, names, fleet, leases, loads, clock: Instant::now(), prompts })
+        Ok(Self { config, core, names, fleet, leases, loads, clock: Instant::now(), prompts, decision_log })
     }
 
     /// Time since the router started: the clock decisions, reports and health use.
@@ -232,6 +236,9 @@ impl Router {
         while leases.try_insert(key.clone(), committed.lease.clone()).is_err() {
             n += 1;
             key = format!("{request_id}.{n}");
+        }
+        if let Some(log) = &self.decision_log {
+            log.decision(&key, &model.name, &plan, self.config.retry.fallbacks);
         }
         Ok(Decision {
             request_id: key,
