@@ -2,9 +2,15 @@
 //! the router end to end. Results are written as JSON, to be committed with
 //! the commit that produced them.
 
+mod arrivals;
+mod engines;
+mod harness;
 mod open_loop;
 mod report;
+mod run;
 mod sim_load;
+mod summary;
+mod workload;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +29,8 @@ enum Command {
     Throughput(sim_load::ThroughputArgs),
     /// Latency inferrail adds: open loop through Envoy with and without it.
     Overhead(open_loop::OverheadArgs),
+    /// One workload, open loop, streaming, summarized against an SLO.
+    Run(run::RunArgs),
 }
 
 #[tokio::main]
@@ -31,5 +39,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Streams(args) => sim_load::streams(args).await,
         Command::Throughput(args) => sim_load::throughput(args).await,
         Command::Overhead(args) => open_loop::overhead(args).await,
+        Command::Run(args) => run::run(args).await,
     }
 }

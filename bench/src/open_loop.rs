@@ -6,12 +6,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+use rand::SeedableRng;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use serde_json::json;
 use tokio::time::Instant;
 
+use crate::arrivals;
 use crate::report::{self, Latency};
 
 /// Flags of `overhead`.
@@ -123,21 +124,6 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Poisson send times (offsets from the start) for `rate` over `secs`.
-pub fn schedule(rate: f64, secs: f64, seed: u64) -> Vec<Duration> {
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut t = 0.0;
-    let mut out = Vec::with_capacity((rate * secs * 1.1) as usize);
-    loop {
-        let u: f64 = rng.random_range(f64::EPSILON..1.0);
-        t += -u.ln() / rate;
-        if t >= secs {
-            return out;
-        }
-        out.push(Duration::from_secs_f64(t));
-    }
-}
-
 /// What the rounds measured through one Envoy.
 #[derive(Default)]
 struct Samples {
@@ -164,7 +150,7 @@ async fn run(http: &reqwest::Client, base: &str, rate: f64, round: u64, args: &O
     let url = format!("{base}/v1/{}", if chat { "chat/completions" } else { "completions" });
     let system = "lantern ".repeat(args.system_prompt_tokens);
     let secs = args.duration_s / f64::from(args.rounds.max(1));
-    let offsets = schedule(rate, args.warmup_s + secs, args.seed.wrapping_add(round));
+    let offsets = arrivals::poisson(&mut StdRng::seed_from_u64(args.seed.wrapping_add(round)), rate, args.warmup_s + secs);
     let start = Instant::now() + Duration::from_millis(50);
     let warmup = Duration::from_secs_f64(args.warmup_s);
     let tasks: Vec<_> = offsets
@@ -203,19 +189,5 @@ async fn run(http: &reqwest::Client, base: &str, rate: f64, round: u64, args: &O
         } else {
             out.errors += 1;
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_schedule_has_the_asked_rate_and_replays_from_its_seed() {
-        let s = schedule(1000.0, 10.0, 3);
-        assert!((9_700..10_300).contains(&s.len()), "{}", s.len());
-        assert!(s.windows(2).all(|w| w[0] <= w[1]));
-        assert_eq!(s, schedule(1000.0, 10.0, 3));
-        assert_ne!(s, schedule(1000.0, 10.0, 4));
     }
 }

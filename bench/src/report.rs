@@ -18,6 +18,8 @@ pub struct Latency {
     pub p99_ms: f64,
     /// Largest.
     pub max_ms: f64,
+    /// Arithmetic mean.
+    pub mean_ms: f64,
 }
 
 /// Summarizes a sample (nearest-rank percentiles).
@@ -30,7 +32,8 @@ pub fn latency(mut sample: Vec<Duration>) -> Latency {
         let rank = ((q * sample.len() as f64).ceil() as usize).clamp(1, sample.len());
         sample[rank - 1].as_secs_f64() * 1e3
     };
-    Latency { count: sample.len(), p50_ms: at(0.50), p90_ms: at(0.90), p99_ms: at(0.99), max_ms: at(1.0) }
+    let mean_ms = if sample.is_empty() { 0.0 } else { sample.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e3 / sample.len() as f64 };
+    Latency { count: sample.len(), p50_ms: at(0.50), p90_ms: at(0.90), p99_ms: at(0.99), max_ms: at(1.0), mean_ms }
 }
 
 /// Writes `result` as pretty JSON to `out` (creating its folder) and prints it.
@@ -53,6 +56,7 @@ mod tests {
         let s: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
         let l = latency(s);
         assert_eq!((l.p50_ms, l.p99_ms, l.max_ms), (50.0, 99.0, 100.0));
+        assert!((l.mean_ms - 50.5).abs() < 1e-9);
         assert_eq!(latency(Vec::new()).count, 0);
     }
 }

@@ -1,0 +1,161 @@
+//! The open-loop sender: every request leaves at its scheduled time, in its
+//! own task, whatever the earlier ones are doing (nothing bounds how many are
+//! in flight), and streams its answer. Latencies count from the scheduled
+//! time, so a sender or server that falls behind shows as latency, and the
+//! gap between schedule and actual send is recorded as the send lag.
+
+#[cfg(test)]
+mod tests;
+
+use std::time::Duration;
+
+use anyhow::Context;
+use eventsource_stream::Eventsource;
+use futures_util::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::Value;
+use tokio::time::Instant;
+
+use crate::workload::Request;
+
+/// The router's response header naming the replica it picked.
+pub const REPLICA_HEADER: &str = "x-inferrail-replica";
+/// The router's response header with the cached tokens it predicted.
+pub const PREDICTED_HEADER: &str = "x-inferrail-cached-tokens";
+
+/// What one request measured.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// Scheduled send time, from the start of the run.
+    pub at: Duration,
+    /// Actual send minus scheduled send.
+    pub send_lag: Duration,
+    /// HTTP status, when one came.
+    pub status: Option<u16>,
+    /// Why the request failed; `None` when it streamed to `[DONE]`.
+    pub error: Option<String>,
+    /// Scheduled send to the first content chunk.
+    pub ttft: Option<Duration>,
+    /// Scheduled send to `[DONE]`.
+    pub e2e: Option<Duration>,
+    /// Gaps between consecutive content chunks.
+    pub itl: Vec<Duration>,
+    /// Output tokens: `usage.completion_tokens`, else the content chunks.
+    pub output_tokens: usize,
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: Option<u64>,
+    /// The replica the router named (`x-inferrail-replica`).
+    pub replica: Option<String>,
+    /// The cached tokens the router predicted (`x-inferrail-cached-tokens`).
+    pub predicted_cached_tokens: Option<u64>,
+    /// Prompt tokens the workload knows earlier requests share.
+    pub shared_prefix_tokens: usize,
+}
+
+impl Outcome {
+    /// Whether the request streamed to its end.
+    pub fn ok(&self) -> bool {
+        self.error.is_none()
+    }
+
+    /// Time per output token after the first: `(e2e - ttft) / (tokens - 1)`.
+    pub fn tpot(&self) -> Option<Duration> {
+        let (ttft, e2e) = (self.ttft?, self.e2e?);
+        let n = u32::try_from(self.output_tokens).ok()?;
+        (n >= 2).then(|| e2e.saturating_sub(ttft) / (n - 1))
+    }
+}
+
+/// Sends `requests` to `base` on their schedule, starting shortly after the
+/// call, and returns their outcomes in the same order.
+pub async fn send_all(http: &reqwest::Client, base: &str, requests: &[Request], progress: bool) -> anyhow::Result<Vec<Outcome>> {
+    let bodies = requests.iter().map(|r| streaming_body(&r.body)).collect::<anyhow::Result<Vec<_>>>()?;
+    let bar = if progress { ProgressBar::new(requests.len() as u64) } else { ProgressBar::hidden() };
+    bar.set_style(ProgressStyle::with_template("{elapsed_precise} [{wide_bar}] {pos}/{len} done")?);
+    let start = Instant::now() + Duration::from_millis(100);
+    let mut tasks = Vec::with_capacity(requests.len());
+    for (r, body) in requests.iter().zip(bodies) {
+        let at = start + r.at;
+        tokio::time::sleep_until(at).await;
+        let request = http.post(format!("{base}{}", r.api.path())).header("content-type", "application/json").body(body);
+        let request = match &r.session {
+            Some(s) => request.header("x-session-id", s),
+            None => request,
+        };
+        let mut outcome = Outcome { at: r.at, shared_prefix_tokens: r.shared_prefix_tokens, ..Outcome::default() };
+        let bar = bar.clone();
+        tasks.push(tokio::spawn(async move {
+            outcome.send_lag = at.elapsed();
+            if let Err(e) = stream(request, at, &mut outcome).await {
+                outcome.error = Some(format!("{e:#}"));
+            }
+            bar.inc(1);
+            outcome
+        }));
+    }
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        out.push(t.await.context("request task")?);
+    }
+    bar.finish_and_clear();
+    Ok(out)
+}
+
+/// The body with `stream: true` and usage in the last chunk.
+fn streaming_body(body: &Value) -> anyhow::Result<Vec<u8>> {
+    let mut body = body.clone();
+    let map = body.as_object_mut().context("a request body must be a JSON object")?;
+    map.insert("stream".into(), Value::Bool(true));
+    map.insert("stream_options".into(), serde_json::json!({"include_usage": true}));
+    Ok(serde_json::to_vec(&body)?)
+}
+
+/// Sends one request and reads its stream into `o`, timing from `at`.
+async fn stream(request: reqwest::RequestBuilder, at: Instant, o: &mut Outcome) -> anyhow::Result<()> {
+    let r = request.send().await?;
+    o.status = Some(r.status().as_u16());
+    let header = |name: &str| r.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+    o.replica = header(REPLICA_HEADER);
+    o.predicted_cached_tokens = header(PREDICTED_HEADER).and_then(|v| v.trim().parse().ok());
+    if !r.status().is_success() {
+        let status = r.status();
+        let text = r.text().await.unwrap_or_else(|e| format!("(body unreadable: {e})"));
+        anyhow::bail!("HTTP {status}: {}", text.chars().take(200).collect::<String>());
+    }
+    let mut events = r.bytes_stream().eventsource();
+    let (mut last, mut chunks, mut completion_tokens, mut done) = (None, 0usize, None, false);
+    while let Some(event) = events.next().await {
+        let data = event?.data;
+        if data == "[DONE]" {
+            done = true;
+            break;
+        }
+        let v: Value = serde_json::from_str(&data).context("a stream chunk is not JSON")?;
+        if let Some(e) = v.get("error") {
+            anyhow::bail!("error in the stream: {e}");
+        }
+        let choice = &v["choices"][0];
+        let content = choice["delta"]["content"].as_str().or_else(|| choice["text"].as_str());
+        if content.is_some_and(|c| !c.is_empty()) {
+            let now = Instant::now();
+            match last {
+                Some(prev) => o.itl.push(now - prev),
+                None => o.ttft = Some(now - at),
+            }
+            last = Some(now);
+            chunks += 1;
+        }
+        let usage = &v["usage"];
+        if usage.is_object() {
+            o.prompt_tokens = usage["prompt_tokens"].as_u64();
+            o.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+            completion_tokens = usage["completion_tokens"].as_u64();
+        }
+    }
+    anyhow::ensure!(done, "the stream ended before [DONE]");
+    o.e2e = Some(at.elapsed());
+    o.output_tokens = completion_tokens.and_then(|n| usize::try_from(n).ok()).unwrap_or(chunks);
+    Ok(())
+}

@@ -1,0 +1,167 @@
+//! The sender against tiny in-test servers with known timing.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::{Instant, sleep};
+
+use super::*;
+use crate::workload::{Api, Request};
+
+/// How a test server answers.
+#[derive(Clone, Copy)]
+struct Plan {
+    /// Status line's code.
+    status: u16,
+    /// Wait before the first content chunk (after the headers).
+    first: Duration,
+    /// Wait between content chunks.
+    every: Duration,
+    /// Content chunks.
+    chunks: usize,
+    /// Serve one request at a time, each taking `first` before any byte.
+    serial: bool,
+}
+
+/// Starts a server; returns its address and when each request arrived.
+async fn server(plan: Plan) -> (SocketAddr, Arc<Mutex<Vec<Instant>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
+    let addr = listener.local_addr().expect("address");
+    let arrivals = Arc::new(Mutex::new(Vec::new()));
+    let (seen, one_at_a_time) = (arrivals.clone(), Arc::new(tokio::sync::Mutex::new(())));
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let (seen, one_at_a_time) = (seen.clone(), one_at_a_time.clone());
+            tokio::spawn(async move { answer(socket, plan, &seen, &one_at_a_time).await });
+        }
+    });
+    (addr, arrivals)
+}
+
+async fn answer(mut socket: TcpStream, plan: Plan, seen: &Mutex<Vec<Instant>>, one_at_a_time: &tokio::sync::Mutex<()>) {
+    socket.set_nodelay(true).expect("nodelay");
+    // Read the head and the body it announces.
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        let Ok(n) = socket.read(&mut chunk).await else { return };
+        if n == 0 {
+            return;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&buf).to_string();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length = text[..end]
+                .lines()
+                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse::<usize>().unwrap_or(0)))
+                .unwrap_or(0);
+            if buf.len() >= end + 4 + length {
+                break;
+            }
+        }
+    }
+    seen.lock().expect("lock").push(Instant::now());
+    let head = format!(
+        "HTTP/1.1 {} X\r\ncontent-type: text/event-stream\r\n{REPLICA_HEADER}: r1\r\n{PREDICTED_HEADER}: 7\r\nconnection: close\r\n\r\n",
+        plan.status
+    );
+    let content = |i: usize| format!("data: {}\n\n", json!({"choices": [{"index": 0, "delta": {"content": format!("w{i} ")}}]}));
+    let usage = json!({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": plan.chunks, "prompt_tokens_details": {"cached_tokens": 6}}});
+    let tail = format!("data: {usage}\n\ndata: [DONE]\n\n");
+    if plan.status != 200 {
+        socket.write_all(format!("{head}overloaded").as_bytes()).await.ok();
+    } else if plan.serial {
+        let _turn = one_at_a_time.lock().await;
+        sleep(plan.first).await;
+        let body: String = (0..plan.chunks).map(content).collect();
+        socket.write_all(format!("{head}{body}{tail}").as_bytes()).await.ok();
+    } else {
+        socket.write_all(head.as_bytes()).await.ok();
+        sleep(plan.first).await;
+        for i in 0..plan.chunks {
+            if i > 0 {
+                sleep(plan.every).await;
+            }
+            socket.write_all(content(i).as_bytes()).await.ok();
+        }
+        socket.write_all(tail.as_bytes()).await.ok();
+    }
+    socket.shutdown().await.ok();
+}
+
+fn requests(n: usize, every: Duration) -> Vec<Request> {
+    (0..n)
+        .map(|i| Request {
+            at: every * i as u32,
+            api: Api::Chat,
+            body: json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}),
+            session: Some(format!("s{i}")),
+            prompt_tokens: 0,
+            shared_prefix_tokens: 3,
+        })
+        .collect()
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttft_itl_and_tpot_match_a_server_with_known_timing() {
+    let plan = Plan { status: 200, first: Duration::from_millis(100), every: Duration::from_millis(20), chunks: 10, serial: false };
+    let (addr, _) = server(plan).await;
+    let http = reqwest::Client::new();
+    let out = send_all(&http, &format!("http://{addr}"), &requests(3, Duration::from_millis(30)), false).await.expect("runs");
+    for o in &out {
+        assert!(o.ok(), "{:?}", o.error);
+        let ttft = ms(o.ttft.expect("ttft"));
+        assert!((100.0..300.0).contains(&ttft), "ttft {ttft}");
+        let tpot = ms(o.tpot().expect("tpot"));
+        assert!((15.0..60.0).contains(&tpot), "tpot {tpot}");
+        assert_eq!(o.itl.len(), 9);
+        let mut itl: Vec<f64> = o.itl.iter().copied().map(ms).collect();
+        itl.sort_by(f64::total_cmp);
+        assert!((15.0..60.0).contains(&itl[4]), "median itl {itl:?}");
+        assert!(ms(o.e2e.expect("e2e")) >= 100.0 + 9.0 * 20.0);
+        assert_eq!((o.output_tokens, o.prompt_tokens, o.cached_tokens), (10, Some(10), Some(6)));
+        assert_eq!((o.replica.as_deref(), o.predicted_cached_tokens, o.status), (Some("r1"), Some(7), Some(200)));
+        assert_eq!(o.shared_prefix_tokens, 3);
+    }
+    assert_eq!(out.iter().map(|o| o.at).collect::<Vec<_>>(), [0, 30, 60].map(Duration::from_millis));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_falls_behind_shows_as_latency_not_as_late_sends() {
+    // One request at a time, 200 ms each, while one is scheduled every 50 ms:
+    // request i finishes near 200 (i + 1) ms, 200 + 150 i ms after its schedule.
+    let plan = Plan { status: 200, first: Duration::from_millis(200), every: Duration::ZERO, chunks: 3, serial: true };
+    let (addr, arrived) = server(plan).await;
+    let http = reqwest::Client::new();
+    let out = send_all(&http, &format!("http://{addr}"), &requests(10, Duration::from_millis(50)), false).await.expect("runs");
+    assert!(out.iter().all(Outcome::ok));
+    let ttft: Vec<f64> = out.iter().map(|o| ms(o.ttft.expect("ttft"))).collect();
+    assert!(ttft[0] >= 200.0, "{ttft:?}");
+    assert!(ttft[9] >= 1200.0, "the last request waited behind nine others: {ttft:?}");
+    assert!(ttft[9] > ttft[0] + 1000.0, "{ttft:?}");
+    assert!(ttft[5..].iter().all(|&t| t > 800.0), "{ttft:?}");
+    // Sends kept to their schedule: all ten reached the server within about
+    // 450 ms, long before the server had answered the third.
+    let lag: Vec<f64> = out.iter().map(|o| ms(o.send_lag)).collect();
+    assert!(lag.iter().all(|&l| l < 100.0), "send lag {lag:?}");
+    let arrived = arrived.lock().expect("lock").clone();
+    assert_eq!(arrived.len(), 10);
+    let spread = ms(arrived.iter().max().copied().expect("some") - arrived.iter().min().copied().expect("some"));
+    assert!(spread < 600.0, "requests reached the server over {spread} ms");
+}
+
+#[tokio::test]
+async fn failures_are_recorded_with_their_status() {
+    let plan = Plan { status: 503, first: Duration::ZERO, every: Duration::ZERO, chunks: 0, serial: false };
+    let (addr, _) = server(plan).await;
+    let out = send_all(&reqwest::Client::new(), &format!("http://{addr}"), &requests(2, Duration::ZERO), false).await.expect("runs");
+    assert!(out.iter().all(|o| o.status == Some(503) && o.error.as_deref().is_some_and(|e| e.contains("overloaded"))), "{out:?}");
+}

@@ -1,0 +1,166 @@
+//! `run`: one workload, open loop, against one URL (the router, or an engine
+//! directly); warmup requests are sent but left out of the summary. The
+//! result is stamped with the commit and the exact command line.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use serde::Serialize;
+
+use crate::engines::{self, FleetHits};
+use crate::summary::{self, Prefix, Slo, Summary};
+use crate::workload::{self, Spec};
+use crate::{harness, report};
+
+/// Flags of `run`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// Base URL requests go to.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    pub url: String,
+    /// What to send.
+    #[command(flatten)]
+    pub spec: Spec,
+    /// Arrivals per second (Poisson).
+    #[arg(long, default_value_t = 5.0)]
+    pub rate: f64,
+    /// Measured seconds of arrivals, after the warmup.
+    #[arg(long, default_value_t = 60.0)]
+    pub duration_s: f64,
+    /// Seconds of arrivals sent first and left out of the summary.
+    #[arg(long, default_value_t = 10.0)]
+    pub warmup_s: f64,
+    /// Seed of the workload and its schedule.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Engine base URLs whose `/metrics` prefix cache counters are scraped
+    /// before and after the run.
+    #[arg(long, value_delimiter = ',')]
+    pub engines: Vec<String>,
+    /// SLO on time to first token, milliseconds.
+    #[arg(long, default_value_t = 2000.0)]
+    pub slo_ttft_ms: f64,
+    /// SLO on time per output token, milliseconds.
+    #[arg(long, default_value_t = 100.0)]
+    pub slo_tpot_ms: f64,
+    /// Seconds one request may take before it counts as failed.
+    #[arg(long, default_value_t = 600.0)]
+    pub request_timeout_s: f64,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+    /// Where to write the JSON result.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+#[derive(Debug, Serialize)]
+struct RunResult {
+    benchmark: &'static str,
+    commit: String,
+    command: String,
+    url: String,
+    workload: Spec,
+    rate: f64,
+    duration_s: f64,
+    warmup_s: f64,
+    seed: u64,
+    /// Requests sent, warmup included.
+    sent: usize,
+    summary: Summary,
+    /// Hit rate from usage over every request, warmup included: what the
+    /// engines' counters cover.
+    prefix_all: Prefix,
+    engines: Option<FleetHits>,
+}
+
+/// Generates the workload, sends it, and summarizes.
+pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.rate > 0.0 && args.duration_s > 0.0 && args.warmup_s >= 0.0, "--rate and --duration-s must be positive");
+    let requests = workload::generate(&args.spec, args.rate, args.warmup_s + args.duration_s, args.seed)?;
+    anyhow::ensure!(!requests.is_empty(), "the workload has no requests");
+    eprintln!(
+        "{} requests of {:?} over {} s ({} s warmup)",
+        requests.len(),
+        args.spec.workload,
+        args.warmup_s + args.duration_s,
+        args.warmup_s
+    );
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(1024)
+        .tcp_nodelay(true)
+        .timeout(Duration::from_secs_f64(args.request_timeout_s))
+        .build()?;
+    let before = engines::scrape(&http, &args.engines).await?;
+    let outcomes = harness::send_all(&http, args.url.trim_end_matches('/'), &requests, !args.quiet).await?;
+    let after = engines::scrape(&http, &args.engines).await?;
+    let slo = Slo { ttft_ms: args.slo_ttft_ms, tpot_ms: args.slo_tpot_ms };
+    let summary = summary::summarize(&outcomes, Duration::from_secs_f64(args.warmup_s), slo);
+    let prefix_all = summary::prefix(outcomes.iter().filter(|o| o.ok()));
+    let engines = (!args.engines.is_empty()).then(|| engines::over_run(&args.engines, &before, &after));
+    eprint!("{}", summary.text());
+    if let Some(e) = &engines {
+        eprintln!(
+            "engines' hit rate over the run {} (usage, warmup included: {})",
+            e.hit_rate.map_or("n/a".into(), |r| format!("{:.1}%", r * 100.0)),
+            prefix_all.hit_rate.map_or("n/a".into(), |r| format!("{:.1}%", r * 100.0))
+        );
+    }
+    let result = RunResult {
+        benchmark: "open-loop-run",
+        commit: commit(),
+        command: command_line(),
+        url: args.url.clone(),
+        workload: args.spec.clone(),
+        rate: args.rate,
+        duration_s: args.duration_s,
+        warmup_s: args.warmup_s,
+        seed: args.seed,
+        sent: requests.len(),
+        summary,
+        prefix_all,
+        engines,
+    };
+    if let Some(out) = &args.out {
+        report::write(out, &result)?;
+    }
+    Ok(())
+}
+
+/// `INFERRAIL_COMMIT`, else `git rev-parse --short HEAD` with `-dirty` when
+/// tracked files changed, else `unknown`.
+fn commit() -> String {
+    if let Ok(c) = std::env::var("INFERRAIL_COMMIT") {
+        return c;
+    }
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match git(&["rev-parse", "--short", "HEAD"]) {
+        Some(head) => match git(&["status", "--porcelain", "--untracked-files=no"]) {
+            Some(changes) if !changes.is_empty() => format!("{head}-dirty"),
+            _ => head,
+        },
+        None => "unknown".into(),
+    }
+}
+
+/// The command line, each argument quoted when it needs it.
+fn command_line() -> String {
+    std::env::args()
+        .map(|a| {
+            if !a.is_empty() && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_./:=,@+".contains(c)) {
+                a
+            } else {
+                format!("'{}'", a.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}

@@ -1,0 +1,291 @@
+//! Seeded, deterministic workloads: the requests a run sends, each with its
+//! scheduled arrival, body, session and the prompt tokens it is known to share
+//! with earlier requests (counted with the simulator's `builtin:sim`
+//! tokenizer, one token per word), for hit-rate accounting.
+//!
+//! - `w1`: a handful of long system prompts shared by all users, short unique
+//!   questions, uniform choice of prompt.
+//! - `hot`: `w1` with the prompt drawn by Zipf weight (`--zipf-exponent`).
+//! - `w6`: nothing shared: every prompt starts with its own marker, with
+//!   the length of a `w1` prompt.
+//! - `mix`: each request `w1` or `w6` with even odds.
+//! - `w2`: multi-turn chats resending their history, in `sessions`.
+//! - `replay`: a JSONL trace, in `replay`.
+//!
+//! Same seed, same requests. Arrivals are Poisson at `rate` (for `w2`,
+//! conversations arrive at `rate` divided by the mean turn count).
+
+mod replay;
+mod sessions;
+#[cfg(test)]
+mod tests;
+mod text;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use inferrail_tokenize::Tokenizer;
+use inferrail_tokenize::chat::{self, Endpoint, RequestTemplates};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::arrivals;
+pub use text::Span;
+
+/// One request of a workload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// Scheduled send time, from the start of the run.
+    pub at: Duration,
+    /// Chat or completions.
+    pub api: Api,
+    /// The OpenAI body, without the streaming fields the sender adds.
+    pub body: Value,
+    /// The conversation, sent as `x-session-id`.
+    pub session: Option<String>,
+    /// Prompt tokens (`builtin:sim`).
+    pub prompt_tokens: usize,
+    /// Leading prompt tokens the workload knows earlier requests share
+    /// (a `w1` system prompt, a `w2` conversation's previous turn).
+    pub shared_prefix_tokens: usize,
+}
+
+/// Which OpenAI endpoint a request goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Api {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Completions,
+}
+
+impl Api {
+    /// The path under the base URL.
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+        }
+    }
+}
+
+/// The workloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    /// Shared system prompts, unique questions.
+    W1,
+    /// Multi-turn chats resending their history.
+    W2,
+    /// Nothing shared.
+    W6,
+    /// W1 and W6 half each.
+    Mix,
+    /// W1 with prompts drawn by Zipf weight.
+    Hot,
+    /// A JSONL trace (`--trace`).
+    Replay,
+}
+
+/// What to generate; the flags of every command that sends a workload.
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct Spec {
+    /// Workload.
+    #[arg(long, value_enum, default_value = "w1")]
+    pub workload: Kind,
+    /// Model to ask for.
+    #[arg(long, default_value = "inferrail/sim-8b")]
+    pub model: String,
+    /// Shared system prompts (w1, hot, mix).
+    #[arg(long, default_value_t = 6)]
+    pub system_prompts: usize,
+    /// Tokens of each system prompt, and of a w6 prompt's body.
+    #[arg(long, default_value = "2000-8000")]
+    #[serde(serialize_with = "display")]
+    pub system_tokens: Span,
+    /// Tokens of each question (a w2 turn's user message).
+    #[arg(long, default_value = "50-500")]
+    #[serde(serialize_with = "display")]
+    pub question_tokens: Span,
+    /// `max_tokens` of each request.
+    #[arg(long, default_value = "50-300")]
+    #[serde(serialize_with = "display")]
+    pub output_tokens: Span,
+    /// Zipf exponent of `hot`.
+    #[arg(long, default_value_t = 1.1)]
+    pub zipf_exponent: f64,
+    /// Turns per w2 conversation.
+    #[arg(long, default_value = "2-6")]
+    #[serde(serialize_with = "display")]
+    pub turns: Span,
+    /// Seconds a w2 user thinks between turns (from one turn's scheduled
+    /// send to the next).
+    #[arg(long, default_value = "10-20")]
+    #[serde(serialize_with = "display")]
+    pub think_s: Span,
+    /// W2 conversations from a ShareGPT JSON file instead of generated ones.
+    #[arg(long)]
+    pub sharegpt: Option<PathBuf>,
+    /// The JSONL trace of `replay`.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+}
+
+fn display<S: serde::Serializer>(v: &Span, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+impl Spec {
+    /// Defaults for `workload`, as the command line has them.
+    #[cfg(test)]
+    pub fn new(workload: Kind) -> Self {
+        Spec {
+            workload,
+            model: "inferrail/sim-8b".into(),
+            system_prompts: 6,
+            system_tokens: Span { min: 2000, max: 8000 },
+            question_tokens: Span { min: 50, max: 500 },
+            output_tokens: Span { min: 50, max: 300 },
+            zipf_exponent: 1.1,
+            turns: Span { min: 2, max: 6 },
+            think_s: Span { min: 10, max: 20 },
+            sharegpt: None,
+            trace: None,
+        }
+    }
+}
+
+/// The requests of `spec` arriving at `rate` per second over `secs` seconds,
+/// from `seed`, ordered by arrival.
+pub fn generate(spec: &Spec, rate: f64, secs: f64, seed: u64) -> anyhow::Result<Vec<Request>> {
+    let counter = Counter::new()?;
+    let mut out = match spec.workload {
+        Kind::W1 | Kind::W6 | Kind::Mix | Kind::Hot => single_turn(spec, rate, secs, seed, &counter)?,
+        Kind::W2 => sessions::generate(spec, rate, secs, seed, &counter)?,
+        Kind::Replay => {
+            let path = spec.trace.as_ref().context("replay needs --trace")?;
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            replay::parse(&text, &spec.model, secs, &counter)?
+        }
+    };
+    out.sort_by_key(|r| r.at);
+    Ok(out)
+}
+
+/// W1, W6, mix and hot.
+fn single_turn(spec: &Spec, rate: f64, secs: f64, seed: u64, counter: &Counter) -> anyhow::Result<Vec<Request>> {
+    anyhow::ensure!(spec.system_prompts > 0, "--system-prompts must be at least 1");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let prompts: Vec<String> = (0..spec.system_prompts)
+        .map(|k| {
+            let tokens = spec.system_tokens.draw(&mut rng) as usize;
+            text::unique(&mut rng, &format!("sys{k}"), tokens)
+        })
+        .collect();
+    // What each system prompt shares: the prompt up to where the question starts.
+    let shared = prompts
+        .iter()
+        .map(|p| {
+            let a = counter.ids(Api::Chat, &chat_body(&spec.model, Some(p), "a", 1))?;
+            let b = counter.ids(Api::Chat, &chat_body(&spec.model, Some(p), "b", 1))?;
+            Ok(common_prefix(&a, &b))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let zipf = Zipf::new(spec.system_prompts, spec.zipf_exponent);
+    let times = arrivals::poisson(&mut StdRng::seed_from_u64(seed ^ 0x5eed_a77e), rate, secs);
+    let mut out = Vec::with_capacity(times.len());
+    for (i, at) in times.into_iter().enumerate() {
+        let max_tokens = spec.output_tokens.draw(&mut rng);
+        let shares = match spec.workload {
+            Kind::W6 => false,
+            Kind::Mix => rng.random_bool(0.5),
+            _ => true,
+        };
+        let (body, shared_prefix_tokens) = if shares {
+            let k = if spec.workload == Kind::Hot { zipf.draw(&mut rng) } else { rng.random_range(0..prompts.len()) };
+            let tokens = spec.question_tokens.draw(&mut rng) as usize;
+            let question = text::unique(&mut rng, &format!("q{i}"), tokens);
+            (chat_body(&spec.model, Some(&prompts[k]), &question, max_tokens), shared[k])
+        } else {
+            let tokens = spec.system_tokens.draw(&mut rng) + spec.question_tokens.draw(&mut rng);
+            (chat_body(&spec.model, None, &text::unique(&mut rng, &format!("u{i}"), tokens as usize), max_tokens), 0)
+        };
+        let prompt_tokens = counter.ids(Api::Chat, &body)?.len();
+        out.push(Request { at, api: Api::Chat, body, session: None, prompt_tokens, shared_prefix_tokens });
+    }
+    Ok(out)
+}
+
+/// A chat body: an optional system message and one user message.
+fn chat_body(model: &str, system: Option<&str>, user: &str, max_tokens: u64) -> Value {
+    let mut messages = Vec::new();
+    if let Some(s) = system {
+        messages.push(json!({"role": "system", "content": s}));
+    }
+    messages.push(json!({"role": "user", "content": user}));
+    json!({"model": model, "messages": messages, "max_tokens": max_tokens})
+}
+
+/// How many leading tokens two prompts share.
+pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// Counts prompt tokens as the simulator does (`builtin:sim`, its chat template).
+pub struct Counter(Tokenizer);
+
+impl Counter {
+    /// The `builtin:sim` tokenizer.
+    pub fn new() -> anyhow::Result<Self> {
+        Ok(Counter(Tokenizer::load("builtin:sim", 0)?))
+    }
+
+    /// The prompt's token ids.
+    pub fn ids(&self, api: Api, body: &Value) -> anyhow::Result<Vec<u32>> {
+        let map = body.as_object().context("a request body must be a JSON object")?;
+        let endpoint = match api {
+            Api::Chat => Endpoint::Chat,
+            Api::Completions => Endpoint::Completions,
+        };
+        Ok(chat::prompt_ids(&self.0, endpoint, map, RequestTemplates::Render)?)
+    }
+}
+
+/// Draws ranks `0..n` with weight `1 / (rank + 1)^s`.
+pub struct Zipf {
+    cumulative: Vec<f64>,
+}
+
+impl Zipf {
+    /// Weights for `n` ranks with exponent `s`.
+    pub fn new(n: usize, s: f64) -> Self {
+        let mut total = 0.0;
+        let cumulative = (1..=n)
+            .map(|k| {
+                total += (k as f64).powf(-s);
+                total
+            })
+            .collect();
+        Zipf { cumulative }
+    }
+
+    /// One rank.
+    pub fn draw(&self, rng: &mut StdRng) -> usize {
+        let total = self.cumulative.last().copied().unwrap_or(0.0);
+        let u = rng.random_range(0.0..1.0) * total;
+        self.cumulative.partition_point(|&c| c <= u).min(self.cumulative.len().saturating_sub(1))
+    }
+
+    /// The expected share of rank 0.
+    #[cfg(test)]
+    pub fn top_share(&self) -> f64 {
+        match (self.cumulative.first(), self.cumulative.last()) {
+            (Some(first), Some(total)) => first / total,
+            _ => 0.0,
+        }
+    }
+}
