@@ -182,11 +182,23 @@ impl Default for Kv {
 }
 
 /// What the router records of its decisions.
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Observability {
     /// One JSON line per sampled decision, then one per its outcome.
     pub decision_log: DecisionLog,
+    /// The OpenTelemetry collector's OTLP/HTTP address (`http://host:4318`,
+    /// to which `/v1/traces` is added, or a full URL); unset: no traces.
+    pub otlp_endpoint: Option<String>,
+    /// Share of new traces kept, 0 to 1; a client's `traceparent` that says
+    /// sampled (or not) decides for its own trace.
+    pub trace_sample_ratio: f64,
+}
+
+impl Default for Observability {
+    fn default() -> Self {
+        Self { decision_log: DecisionLog::default(), otlp_endpoint: None, trace_sample_ratio: 1.0 }
+    }
 }
 
 /// The decision log: off unless a path and a sample rate are set.
@@ -504,6 +516,17 @@ impl Config {
         }
         if d.sample_rate > 0.0 && d.path.is_none() {
             p.push("observability.decision_log.path: needed when sample_rate is above 0".into());
+        }
+        let o = &self.observability;
+        if !(0.0..=1.0).contains(&o.trace_sample_ratio) {
+            p.push(format!("observability.trace_sample_ratio: {} is not between 0 and 1", o.trace_sample_ratio));
+        }
+        if let Some(e) = &o.otlp_endpoint
+            && !e.starts_with("http://")
+        {
+            p.push(format!(
+                "observability.otlp_endpoint: {e:?} is not an http:// address (traces are sent without TLS: use a local collector)"
+            ));
         }
         if let Some(s) = &l.sidecar
             && !(s.starts_with("http://") || s.starts_with("https://"))

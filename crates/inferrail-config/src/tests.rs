@@ -130,3 +130,16 @@ replicas:
     }
     assert_eq!(problems.len(), expected.len(), "an override with unknown keys is not validated further: {problems:#?}");
 }
+
+#[test]
+fn traces_are_off_by_default_and_bad_trace_settings_are_named_by_path() {
+    let c = Config::parse(MINIMAL).unwrap();
+    assert_eq!((c.observability.otlp_endpoint.as_deref(), c.observability.trace_sample_ratio), (None, 1.0));
+    let text = format!("{MINIMAL}observability: {{otlp_endpoint: 'https://collector:4318', trace_sample_ratio: 1.5}}\n");
+    let Err(ConfigError::Invalid(problems)) = Config::parse(&text) else { panic!("accepted") };
+    assert!(problems.iter().any(|p| p.starts_with("observability.trace_sample_ratio: 1.5")), "{problems:#?}");
+    assert!(problems.iter().any(|p| p.starts_with("observability.otlp_endpoint: \"https://collector:4318\"")), "{problems:#?}");
+    assert_eq!(problems.len(), 2, "{problems:#?}");
+    let ok = format!("{MINIMAL}observability: {{otlp_endpoint: 'http://127.0.0.1:4318', trace_sample_ratio: 0.1}}\n");
+    assert_eq!(Config::parse(&ok).unwrap().observability.otlp_endpoint.as_deref(), Some("http://127.0.0.1:4318"));
+}

@@ -1,8 +1,9 @@
 //! The ext_proc gRPC service: one stream per HTTP request and filter.
 //!
 //! Envoy's route filter sends headers, then the buffered body, and gets the
-//! decision; Envoy keeps that stream open until the HTTP request ends, however
-//! it ends, so its closing releases the request's lease. The observe filter
+//! decision (traced as a span continuing the client's `traceparent`, when
+//! traces are on); Envoy keeps that stream open until the HTTP request ends,
+//! however it ends, so its closing releases the request's lease. The observe filter
 //! (observability mode, asynchronous, no added latency) reports the upstream
 //! response: status, the replica that really served after retries, and the
 //! first body byte. A stream's first message says which filter it comes from.
@@ -109,16 +110,25 @@ impl ExtProc {
                         Ok(None) | Err(_) => return,
                     }
                 }
+                let started = std::time::SystemTime::now();
+                let traces = self.router.traces.as_ref();
                 match self.router.decide(&body, generation, &request_id, head.session.as_deref()).await {
                     Ok(d) => {
-                        let answer = reply::decision(&d, d.request_id != request_id);
+                        // The engine's work continues the decision's trace.
+                        let traceparent = traces.map(|t| t.decision(head.traceparent.as_deref(), started, &d));
+                        let answer = reply::decision(&d, d.request_id != request_id, traceparent.as_deref());
                         // If Envoy is gone it no longer needs the answer.
                         let _ = tx.send(Ok(answer)).await;
                         while let Ok(Some(_)) = inbound.message().await {}
                         self.request_over(&d.request_id).await;
                         return;
                     }
-                    Err(e) => reply::route_error(&e),
+                    Err(e) => {
+                        if let Some(t) = traces {
+                            t.refused(head.traceparent.as_deref(), started, &e);
+                        }
+                        reply::route_error(&e)
+                    }
                 }
             }
         };

@@ -12,7 +12,10 @@
 //! The route stream's closing, in [`extproc`], ends the lease; the observe
 //! filter's stream reports the upstream status, retries and first byte. [`health`] probes replicas and ejects failing
 //! ones; [`load`] keeps the engines' load reports current; [`discovery`] keeps DNS groups' members current; [`admin`] serves
-//! metrics and health; [`service`] wires it together.
+//! metrics and health; [`explain`] answers why a request would go where it
+//! goes; [`decision_log`] writes sampled decisions and [`traces`] exports a
+//! span per decision, whose `traceparent` [`reply`] passes on to the engine;
+//! [`service`] wires it together.
 #![forbid(unsafe_code)]
 
 pub mod admin;
@@ -27,3 +30,4 @@ pub mod reply;
 pub mod request;
 pub mod router;
 pub mod service;
+pub mod traces;

@@ -1,7 +1,8 @@
 //! The protobuf boundary: what the router tells Envoy, as ext_proc messages.
 //!
 //! A decision becomes header mutations (`x-gateway-destination-endpoint`
-//! with `raw_value`, as Envoy requires), dynamic metadata in namespaces
+//! with `raw_value`, as Envoy requires, and the decision span's
+//! `traceparent` when traces are on), dynamic metadata in namespaces
 //! `envoy.lb` (read by the override_host load balancer) and `inferrail` (read
 //! by the route to add response headers), and, when the model was rewritten,
 //! the new body. Answers the router gives itself are ImmediateResponses in
@@ -79,13 +80,17 @@ pub fn continue_headers(set: &[(&str, &str)]) -> ProcessingResponse {
 }
 
 /// The decision, as the body-phase answer; `renamed` when the request's id
-/// was already in flight and the request now goes by `d.request_id`.
-pub fn decision(d: &Decision, renamed: bool) -> ProcessingResponse {
+/// was already in flight and the request now goes by `d.request_id`;
+/// `traceparent`, the decision span's context, goes on to the engine.
+pub fn decision(d: &Decision, renamed: bool, traceparent: Option<&str>) -> ProcessingResponse {
     let targets: Vec<String> = d.targets.iter().map(|r| r.addr.to_string()).collect();
     let targets = targets.join(",");
     let mut set = vec![header(DESTINATION, &targets)];
     if renamed {
         set.push(header("x-request-id", &d.request_id));
+    }
+    if let Some(tp) = traceparent {
+        set.push(header("traceparent", tp));
     }
     let body_mutation = d.body.as_ref().map(|b| {
         set.push(header("content-length", &b.len().to_string()));

@@ -1,5 +1,5 @@
-//! What the router reads of a request: method, path and request id from the
-//! headers, then the few body fields routing needs. The body is otherwise
+//! What the router reads of a request: method, path, request id, session
+//! and trace context from the headers, then the few body fields routing needs. The body is otherwise
 //! left byte for byte as the client sent it; only the model name may be
 //! rewritten, in place, when the client used an alias or none.
 
@@ -21,6 +21,8 @@ pub struct Head {
     pub request_id: Option<String>,
     /// `x-session-id`: the conversation the request belongs to.
     pub session: Option<String>,
+    /// `traceparent`: the client's W3C trace context, continued by the decision's span.
+    pub traceparent: Option<String>,
 }
 
 /// A header's value: Envoy sends it in `raw_value`, older versions in `value`.
@@ -43,6 +45,7 @@ pub fn head(headers: Option<&HeaderMap>) -> Head {
             ":path" => h.path = value.split('?').next().unwrap_or_default().to_string(),
             "x-request-id" => h.request_id = Some(value),
             "x-session-id" => h.session = Some(value),
+            "traceparent" => h.traceparent = Some(value),
             _ => {}
         }
     }

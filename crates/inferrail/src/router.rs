@@ -24,6 +24,7 @@ use inferrail_tokenize::chat::Endpoint;
 use crate::decision_log::DecisionLog;
 use crate::prompt::Prompts;
 use crate::request::{self, BodyError};
+use crate::traces::Traces;
 
 /// A routing decision.
 #[derive(Debug)]
@@ -45,6 +46,10 @@ pub struct Decision {
     pub cached_tokens: Vec<usize>,
     /// What steered the decision besides the scores, if anything.
     pub steer: Option<&'static str>,
+    /// Replicas the policy weighed.
+    pub candidates: usize,
+    /// The winner's estimated time to first token, when the policy estimates one.
+    pub estimate: Option<Duration>,
 }
 
 /// A request read up to the decision.
@@ -141,6 +146,8 @@ pub struct Router {
     pub prompts: Prompts,
     /// The decision log, when one is configured.
     pub decision_log: Option<DecisionLog>,
+    /// OpenTelemetry traces, when a collector is configured.
+    pub traces: Option<Traces>,
 }
 
 impl Router {
@@ -168,8 +175,9 @@ impl Router {
         let fleet = ArcSwap::from_pointee(Fleet::new(replicas, core.models.len()));
         let prompts = Prompts::new(&config)?;
         let decision_log = DecisionLog::start(&config.observability.decision_log)?;
+        let traces = Traces::start(&config.observability)?;
         let (leases, loads) = (papaya::HashMap::new(), LoadTable::new());
-        Ok(Self { config, core, names, fleet, leases, loads, clock: Instant::now(), prompts, decision_log })
+        Ok(Self { config, core, names, fleet, leases, loads, clock: Instant::now(), prompts, decision_log, traces })
     }
 
     /// Time since the router started: the clock decisions, reports and health use.
@@ -249,6 +257,8 @@ impl Router {
             prompt_tokens,
             cached_tokens: committed.cached_tokens,
             steer,
+            candidates: plan.candidates.len(),
+            estimate: committed.lease.estimate(),
         })
     }
 

@@ -116,6 +116,12 @@ impl Running {
         for task in self.background {
             task.abort();
         }
+        let router = self.router.clone();
+        // Spans still queued go out now (bounded by the exporter's timeout).
+        let flushed = tokio::task::spawn_blocking(move || router.traces.as_ref().map(|t| t.shutdown())).await;
+        if let Ok(Some(Err(e))) = flushed {
+            tracing::warn!(error = %e, "the last traces were not exported");
+        }
         match outcome {
             Ok(joined) => Ok(joined??),
             Err(_) => {

@@ -102,3 +102,31 @@ def test_replicas_shows_a_killed_simulator_as_unhealthy(fleet):
         return code == 0 and not {r["id"]: r for r in json.loads(out)["replicas"]}["sim-2"].get("healthy", False)
 
     wait_until(sim2_down, "Replicas to show sim-2 unhealthy")
+
+
+def test_watch_replicas_streams_the_fleet_then_each_change(fleet):
+    assert GRPCURL.exists(), "run `just setup` for grpcurl"
+    watch = subprocess.Popen([str(GRPCURL), "-plaintext", "-emit-defaults", "-max-time", "20", f"127.0.0.1:{fleet.admin_grpc}",
+                              f"{SERVICE}/WatchReplicas"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = read_message(watch)
+        assert all(r["healthy"] for r in first["replicas"]) and len(first["replicas"]) == 3, first
+        fleet.kill("sim-3")
+        while True:
+            message = read_message(watch)
+            sim3 = next(r for r in message["replicas"] if r["id"] == "sim-3")
+            if not sim3["healthy"]:
+                break
+    finally:
+        watch.kill()
+        watch.wait()
+
+
+def read_message(proc):
+    """Reads one JSON message from grpcurl's stream of pretty-printed messages."""
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.rstrip() == "}":
+            return json.loads("".join(lines))
+    raise AssertionError("the stream ended: " + "".join(lines))
