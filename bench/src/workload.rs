@@ -19,7 +19,7 @@ mod replay;
 mod sessions;
 #[cfg(test)]
 mod tests;
-mod text;
+pub mod text;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -221,7 +221,7 @@ fn single_turn(spec: &Spec, rate: f64, secs: f64, seed: u64, counter: &Counter) 
 }
 
 /// A chat body: an optional system message and one user message.
-fn chat_body(model: &str, system: Option<&str>, user: &str, max_tokens: u64) -> Value {
+pub fn chat_body(model: &str, system: Option<&str>, user: &str, max_tokens: u64) -> Value {
     let mut messages = Vec::new();
     if let Some(s) = system {
         messages.push(json!({"role": "system", "content": s}));

@@ -5,7 +5,7 @@ use rand::Rng;
 use rand::rngs::StdRng;
 
 /// Words the filler is drawn from.
-const WORDS: [&str; 64] = [
+pub const WORDS: [&str; 64] = [
     "about", "above", "after", "again", "air", "all", "animal", "answer", "area", "back", "bank", "become", "begin", "best", "bird",
     "black", "blue", "boat", "body", "book", "bring", "build", "call", "carry", "cause", "center", "change", "city", "class", "close",
     "cold", "color", "common", "course", "cover", "cross", "dark", "deep", "direct", "door", "draw", "early", "earth", "east", "energy",

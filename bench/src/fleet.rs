@@ -1,0 +1,243 @@
+//! `fleet`: the router's own decision core over simulated replicas, on a
+//! virtual clock, to see what happens beyond one machine.
+//!
+//! `traffic` turns the harness's workloads into token ids, `sim` runs the
+//! discrete-event simulation (the route crate's `Core`, policies and KV
+//! index, unchanged, over engines with the simulator's latency model and
+//! prefix cache), `capacity` searches for the highest rate each policy
+//! serves within the TTFT SLO and the replicas it needs for a fixed rate.
+//! Results are JSON stamped with the commit and the command, as `run`'s.
+
+pub mod capacity;
+pub mod sim;
+#[cfg(test)]
+mod tests;
+pub mod traffic;
+
+use std::path::PathBuf;
+
+use clap::Args;
+use inferrail_config::Limits;
+use inferrail_policy::PolicyKind;
+use serde::Serialize;
+
+use self::capacity::{Capacity, Search};
+use self::sim::{Outcome, Setup};
+use self::traffic::Traffic;
+use crate::report;
+use crate::run::{command_line, commit};
+use crate::workload::Spec;
+
+/// Flags of `fleet`.
+#[derive(Debug, Clone, Args)]
+pub struct FleetArgs {
+    /// Policies to compare, comma separated (`cost_model,round_robin,...`).
+    #[arg(long, value_delimiter = ',', default_value = "cost_model,round_robin", value_parser = policy_kind)]
+    pub policy: Vec<PolicyKind>,
+    /// Replicas, comma separated: one simulation (or capacity search) per count.
+    #[arg(long, value_delimiter = ',', default_value = "3")]
+    pub replicas: Vec<usize>,
+    /// What arrives.
+    #[command(flatten)]
+    pub spec: Spec,
+    /// Arrivals per second (Poisson).
+    #[arg(long, default_value_t = 10.0)]
+    pub rate: f64,
+    /// Requests per simulation (per probe with `--capacity`).
+    #[arg(long, default_value_t = 100_000)]
+    pub requests: usize,
+    /// Seed of the workload, its schedule and the router.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// KV blocks per replica; default: a third of the shared system prompts'
+    /// blocks, and at least the largest request's.
+    #[arg(long)]
+    pub kv_blocks: Option<usize>,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Most requests in flight the router sends one replica.
+    #[arg(long, default_value_t = Limits::default().max_concurrency)]
+    pub max_concurrency: u32,
+    /// Search each policy's capacity at the SLO instead of one simulation.
+    #[arg(long)]
+    pub capacity: bool,
+    /// SLO on p99 time to first token, milliseconds.
+    #[arg(long, default_value_t = 2000.0)]
+    pub slo_ttft_ms: f64,
+    /// The rate the replicas-needed search serves; default: round robin's
+    /// (else the first policy's) capacity on the largest `--replicas`.
+    #[arg(long)]
+    pub fixed_rate: Option<f64>,
+    /// Bisection stops once the bracket is this fraction of the rate.
+    #[arg(long, default_value_t = 0.02)]
+    pub tolerance: f64,
+    /// Where to write the JSON result.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+fn policy_kind(s: &str) -> Result<PolicyKind, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_owned())).map_err(|e| format!("{s:?}: {e}"))
+}
+
+/// The simulated fleet for `args` with `replicas` replicas.
+fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> {
+    let kv_blocks = match args.kv_blocks {
+        Some(b) => b,
+        None => default_kv_blocks(&args.spec, args.seed, args.block_size)?,
+    };
+    Ok(Setup {
+        replicas,
+        kv_blocks,
+        block_size: args.block_size,
+        latency: inferrail_sim::cost::DEFAULT,
+        limits: Limits { max_concurrency: args.max_concurrency, max_pending: args.max_concurrency },
+        seed: args.seed,
+        model: args.spec.model.clone(),
+    })
+}
+
+/// A third of the shared system prompts' blocks, and room for the largest request.
+pub fn default_kv_blocks(spec: &Spec, seed: u64, block_size: usize) -> anyhow::Result<usize> {
+    let shared: usize = Traffic::new(spec, 1.0, 0, seed, inferrail_policy::TextKind::None)?.shared_prompt_tokens().iter().sum();
+    let largest = spec.system_tokens.max + spec.question_tokens.max + spec.output_tokens.max + 64;
+    Ok((shared / 3).max(largest as usize).div_ceil(block_size))
+}
+
+/// One simulation of `policy` at `rate` on `setup`.
+pub fn simulate(args: &FleetArgs, setup: &Setup, policy: PolicyKind, rate: f64) -> anyhow::Result<Outcome> {
+    let text = inferrail_route::Core::new(&sim::config(setup, policy))?.wants_text(0);
+    let traffic = Traffic::new(&args.spec, rate, args.requests, args.seed, text)?;
+    sim::simulate(setup, policy, traffic)
+}
+
+#[derive(Debug, Serialize)]
+struct FleetResult<T> {
+    benchmark: &'static str,
+    commit: String,
+    command: String,
+    workload: Spec,
+    requests: usize,
+    seed: u64,
+    kv_blocks: usize,
+    block_size: usize,
+    #[serde(flatten)]
+    result: T,
+}
+
+#[derive(Debug, Serialize)]
+struct Runs {
+    rate: f64,
+    runs: Vec<Outcome>,
+}
+
+#[derive(Debug, Serialize)]
+struct Capacities {
+    slo_ttft_ms: f64,
+    /// Per policy, its capacity at each fleet size.
+    capacity: Vec<(String, Vec<Capacity>)>,
+    /// The rate the replicas-needed search serves.
+    fixed_rate: f64,
+    /// Per policy, the fewest replicas that serve `fixed_rate` (none: not within 4x the largest fleet).
+    replicas_needed: Vec<(String, Option<usize>)>,
+}
+
+/// Runs the simulations (or the capacity searches) and writes the result.
+pub fn fleet(args: FleetArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!args.policy.is_empty() && !args.replicas.is_empty(), "--policy and --replicas need at least one value");
+    anyhow::ensure!(args.requests > 0, "--requests must be positive");
+    let largest = args.replicas.iter().copied().max().unwrap_or(1);
+    let shape = setup(&args, largest)?;
+    let value = if args.capacity {
+        serde_json::to_value(stamp(&args, &shape, capacities(&args)?))?
+    } else {
+        let mut runs = Vec::new();
+        for &n in &args.replicas {
+            let setup = setup(&args, n)?;
+            for &p in &args.policy {
+                let o = simulate(&args, &setup, p, args.rate)?;
+                eprintln!("{}", line(&o));
+                runs.push(o);
+            }
+        }
+        serde_json::to_value(stamp(&args, &shape, Runs { rate: args.rate, runs }))?
+    };
+    match &args.out {
+        Some(out) => report::write(out, &value)?,
+        None => println!("{}", serde_json::to_string_pretty(&value)?),
+    }
+    Ok(())
+}
+
+fn stamp<T>(args: &FleetArgs, shape: &Setup, result: T) -> FleetResult<T> {
+    FleetResult {
+        benchmark: "fleet-simulation",
+        commit: commit(),
+        command: command_line(),
+        workload: args.spec.clone(),
+        requests: args.requests,
+        seed: args.seed,
+        kv_blocks: shape.kv_blocks,
+        block_size: shape.block_size,
+        result,
+    }
+}
+
+fn capacities(args: &FleetArgs) -> anyhow::Result<Capacities> {
+    let search = Search { slo_s: args.slo_ttft_ms / 1e3, tolerance: args.tolerance, guess_per_replica: 2.0 };
+    let mut capacity = Vec::new();
+    for &p in &args.policy {
+        let mut per = Vec::new();
+        for &n in &args.replicas {
+            let s = setup(args, n)?;
+            let c = capacity::rate(n, search, |rate| simulate(args, &s, p, rate))?;
+            eprintln!("{p:?} on {n} replicas: {:.2} req/s within p99 TTFT {} ms ({} probes)", c.rate, args.slo_ttft_ms, c.probes);
+            per.push(c);
+        }
+        capacity.push((name(p), per));
+    }
+    let fixed_rate = match args.fixed_rate {
+        Some(r) => r,
+        None => capacity
+            .iter()
+            .find(|(p, _)| p == "round_robin")
+            .or(capacity.first())
+            .and_then(|(_, per)| per.iter().max_by_key(|c| c.replicas))
+            .map_or(0.0, |c| c.rate),
+    };
+    let largest = args.replicas.iter().copied().max().unwrap_or(1);
+    let mut replicas_needed = Vec::new();
+    if fixed_rate > 0.0 {
+        for &p in &args.policy {
+            let needed = capacity::replicas(largest * 4, search.slo_s, |n| simulate(args, &setup(args, n)?, p, fixed_rate))?;
+            eprintln!("{p:?} needs {needed:?} replicas for {fixed_rate:.2} req/s");
+            replicas_needed.push((name(p), needed));
+        }
+    }
+    Ok(Capacities { slo_ttft_ms: args.slo_ttft_ms, capacity, fixed_rate, replicas_needed })
+}
+
+fn name(p: PolicyKind) -> String {
+    serde_json::to_value(p).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_else(|| format!("{p:?}"))
+}
+
+/// One line per simulation, for the terminal.
+pub fn line(o: &Outcome) -> String {
+    format!(
+        "{:<20} {:>4} replicas: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms, {} refused, predicted exactly {:.1}%, {:.1} virtual s in {:.2} s",
+        o.policy,
+        o.replicas,
+        o.hit_rate * 100.0,
+        o.replica_hit_rate.0 * 100.0,
+        o.replica_hit_rate.1 * 100.0,
+        o.busiest_share * 100.0,
+        o.ttft.p50_ms,
+        o.ttft.p90_ms,
+        o.ttft.p99_ms,
+        o.rejected,
+        o.prediction_exact * 100.0,
+        o.virtual_s,
+        o.wall_s
+    )
+}

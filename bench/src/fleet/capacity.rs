@@ -1,0 +1,102 @@
+//! Capacity at an SLO: the highest arrival rate a fleet serves with p99 TTFT
+//! within the SLO and no request refused, found by bisection; and the fewest
+//! replicas that serve a given rate so (the GPUs-saved figure).
+//!
+//! A probe simulates the same seeded requests at a new rate (the arrival
+//! gaps scale with the rate; the prompts stay the same), so probes differ
+//! only in load. The rate search doubles from a guess until a probe fails,
+//! then halves the bracket until it is within [`Search::tolerance`].
+
+use serde::Serialize;
+
+use super::sim::Outcome;
+
+/// How finely to search.
+#[derive(Debug, Clone, Copy)]
+pub struct Search {
+    /// p99 TTFT the fleet must keep, seconds.
+    pub slo_s: f64,
+    /// Stop once the bracket is this fraction of its top.
+    pub tolerance: f64,
+    /// First rate tried per replica, requests per second.
+    pub guess_per_replica: f64,
+}
+
+/// Whether a probe met the SLO.
+pub fn met(o: &Outcome, slo_s: f64) -> bool {
+    o.rejected == 0 && o.ttft.p99_ms <= slo_s * 1e3
+}
+
+/// One policy's capacity on one fleet size.
+#[derive(Debug, Clone, Serialize)]
+pub struct Capacity {
+    /// Replicas.
+    pub replicas: usize,
+    /// Highest rate that met the SLO, requests per second (0 when none did).
+    pub rate: f64,
+    /// The lowest rate found to miss it.
+    pub missed_at: f64,
+    /// The probe at `rate`, if one met the SLO.
+    pub at_capacity: Option<Outcome>,
+    /// Probes run.
+    pub probes: usize,
+}
+
+/// The highest rate at which `probe(rate)` meets the SLO on `replicas`.
+pub fn rate(replicas: usize, search: Search, mut probe: impl FnMut(f64) -> anyhow::Result<Outcome>) -> anyhow::Result<Capacity> {
+    let mut probes = 0;
+    let mut run = |rate: f64| {
+        probes += 1;
+        probe(rate)
+    };
+    let (mut lo, mut best) = (0.0, None);
+    let mut hi = search.guess_per_replica * replicas as f64;
+    // Double until a probe misses (or the rate is absurd).
+    loop {
+        let o = run(hi)?;
+        if !met(&o, search.slo_s) {
+            break;
+        }
+        lo = hi;
+        best = Some(o);
+        hi *= 2.0;
+        anyhow::ensure!(hi < 1e9, "every rate up to {lo} met the SLO");
+    }
+    while hi - lo > search.tolerance * hi {
+        let mid = (lo + hi) / 2.0;
+        let o = run(mid)?;
+        if met(&o, search.slo_s) {
+            lo = mid;
+            best = Some(o);
+        } else {
+            hi = mid;
+        }
+    }
+    Ok(Capacity { replicas, rate: lo, missed_at: hi, at_capacity: best, probes })
+}
+
+/// The fewest replicas for which `probe(replicas)` meets the SLO, at most
+/// `max`; `None` when even `max` does not.
+pub fn replicas(max: usize, slo_s: f64, mut probe: impl FnMut(usize) -> anyhow::Result<Outcome>) -> anyhow::Result<Option<usize>> {
+    let mut hi = 1;
+    loop {
+        if met(&probe(hi)?, slo_s) {
+            break;
+        }
+        if hi >= max {
+            return Ok(None);
+        }
+        hi = (hi * 2).min(max);
+    }
+    // hi meets it; every count at or below lo is known (or assumed) to miss.
+    let mut lo = hi / 2;
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if met(&probe(mid)?, slo_s) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Ok(Some(hi))
+}

@@ -1,0 +1,358 @@
+//! The discrete-event simulation: the router's decision core
+//! (`inferrail_route::Core`, its policy and KV index, unchanged) over N
+//! simulated replicas on a virtual clock. Nothing sleeps; the `now` each
+//! decision sees is the virtual time.
+//!
+//! A simulated replica is a FIFO prefill queue in front of one prefill at a
+//! time, priced by the simulator's latency model (`inferrail_sim::cost`:
+//! `a*u + b*u*(c + u/2) + d` for `u` uncached tokens after `c` cached), and a
+//! real block pool with a prefix cache and LRU eviction (`inferrail_sim::cache`).
+//! When a request reaches the head of the queue its cached tokens are looked
+//! up in that pool (the truth, not the router's prediction); it takes blocks
+//! for its prompt and output and waits there, holding up the queue, while
+//! they are not free. Its first token comes when its prefill ends; it then
+//! decodes `max_tokens` at the decode step time for the sequences running
+//! when it started, and frees its blocks, last block first. Decode does not
+//! slow prefill (TTFT is what is measured).
+//!
+//! Events: an arrival is tokenized ([`super::traffic`]), cut into blocks by
+//! `Core::prepare` and decided by `Core::decide` at the virtual now; a first
+//! token marks the lease's first byte; a completion completes the lease in
+//! the core and releases it. No engine reports: the core reads its own counters.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use inferrail_config::{CacheShape, Config, Limits, Model};
+use inferrail_policy::{PolicyKind, Prefill};
+use inferrail_route::fleet::{Fleet, Lease, Replica};
+use inferrail_route::kv::{Prediction, Prompt};
+use inferrail_route::{Core, View};
+use inferrail_sim::cache::{BlockId, BlockPool};
+use inferrail_sim::cost::LatencyModel;
+use serde::Serialize;
+
+use super::traffic::Arrival;
+use crate::report::{self, Latency};
+
+/// The simulated fleet.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// Replicas.
+    pub replicas: usize,
+    /// KV blocks per replica (the engine's pool, and the router's shadow of it).
+    pub kv_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// The engines' latency; the router's prefill cost is set to the same.
+    pub latency: LatencyModel,
+    /// Each replica's limits as the router holds them.
+    pub limits: Limits,
+    /// The router's seed.
+    pub seed: u64,
+    /// The model the requests ask for.
+    pub model: String,
+}
+
+/// What one simulation measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Outcome {
+    /// The policy.
+    pub policy: String,
+    /// Replicas.
+    pub replicas: usize,
+    /// Requests that arrived.
+    pub requests: usize,
+    /// Requests the router refused (every replica full).
+    pub rejected: usize,
+    /// Cached prompt tokens over prompt tokens, every replica.
+    pub hit_rate: f64,
+    /// Lowest and highest hit rate of one replica (of those that served any).
+    pub replica_hit_rate: (f64, f64),
+    /// The busiest replica's share of requests.
+    pub busiest_share: f64,
+    /// The idlest replica's share of requests.
+    pub idlest_share: f64,
+    /// Time to first token from arrival.
+    pub ttft: Latency,
+    /// Share of requests whose predicted cached tokens were the engine's.
+    pub prediction_exact: f64,
+    /// Virtual seconds from the first arrival to the last completion.
+    pub virtual_s: f64,
+    /// Wall seconds the simulation took.
+    pub wall_s: f64,
+}
+
+/// A request on its replica.
+struct Job {
+    arrival_ns: u64,
+    replica: usize,
+    lease: Arc<Lease>,
+    prediction: Arc<Prediction>,
+    prompt_tokens: usize,
+    max_tokens: usize,
+    predicted: usize,
+    /// Blocks it holds, and how many of them were cache hits.
+    blocks: Vec<BlockId>,
+    hit: usize,
+}
+
+/// One simulated engine.
+struct Engine {
+    pool: BlockPool,
+    queue: VecDeque<usize>,
+    prefilling: Option<usize>,
+    running: usize,
+    requests: u64,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    PrefillDone(usize),
+    Complete(usize),
+}
+
+/// The simulation's state.
+struct World<'a> {
+    setup: &'a Setup,
+    core: Core,
+    fleet: Arc<Fleet>,
+    engines: Vec<Engine>,
+    by_slot: HashMap<u64, usize>,
+    jobs: HashMap<usize, Job>,
+    events: BinaryHeap<Reverse<(u64, u64, Event)>>,
+    seq: u64,
+    ttft: Vec<Duration>,
+    exact: usize,
+    measured: usize,
+}
+
+/// Runs `arrivals` through a cold fleet routed by `policy`.
+pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item = anyhow::Result<Arrival>>) -> anyhow::Result<Outcome> {
+    let wall = std::time::Instant::now();
+    let mut world = World::new(setup, policy)?;
+    let mut requests = 0;
+    let mut rejected = 0;
+    let mut first_ns = None;
+    for arrival in arrivals {
+        let arrival = arrival?;
+        let at = arrival.at.as_nanos() as u64;
+        first_ns.get_or_insert(at);
+        world.run_until(at);
+        requests += 1;
+        if !world.arrive(arrival, at, requests - 1) {
+            rejected += 1;
+        }
+    }
+    let end = world.run_until(u64::MAX);
+    let replica_hits: Vec<f64> =
+        world.engines.iter().filter(|e| e.prompt_tokens > 0).map(|e| e.cached_tokens as f64 / e.prompt_tokens as f64).collect();
+    let shares: Vec<f64> = world.engines.iter().map(|e| e.requests as f64 / (requests - rejected).max(1) as f64).collect();
+    let (prompt, cached) = world.engines.iter().fold((0u64, 0u64), |(p, c), e| (p + e.prompt_tokens, c + e.cached_tokens));
+    let min = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    Ok(Outcome {
+        policy: world.core.policy(0).to_owned(),
+        replicas: setup.replicas,
+        requests,
+        rejected,
+        hit_rate: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
+        replica_hit_rate: if replica_hits.is_empty() { (0.0, 0.0) } else { (min(&replica_hits), max(&replica_hits)) },
+        busiest_share: max(&shares),
+        idlest_share: if shares.is_empty() { 0.0 } else { min(&shares) },
+        ttft: report::latency(std::mem::take(&mut world.ttft)),
+        prediction_exact: if world.measured == 0 { 0.0 } else { world.exact as f64 / world.measured as f64 },
+        virtual_s: end.saturating_sub(first_ns.unwrap_or(0)) as f64 * 1e-9,
+        wall_s: wall.elapsed().as_secs_f64(),
+    })
+}
+
+/// The router's configuration for one model routed by `policy` over `setup`.
+pub fn config(setup: &Setup, policy: PolicyKind) -> Config {
+    let mut config = Config::default();
+    config.routing.seed = setup.seed;
+    let l = setup.latency;
+    config.routing.policies.prefill =
+        Prefill { prefill_token_us: l.prefill_token_us, prefill_pair_ns: l.prefill_pair_ns, prefill_fixed_ms: l.prefill_fixed_ms };
+    config.kv.block_size = setup.block_size;
+    config.kv.blocks = setup.kv_blocks;
+    config.models = vec![Model { name: setup.model.clone(), policy, tokenizer: Some("builtin:sim".into()), ..Model::default() }];
+    config
+}
+
+impl<'a> World<'a> {
+    fn new(setup: &'a Setup, policy: PolicyKind) -> anyhow::Result<Self> {
+        anyhow::ensure!(
+            setup.replicas > 0 && setup.block_size > 0 && setup.kv_blocks > 0,
+            "replicas, block size and KV blocks must be positive"
+        );
+        let core = Core::new(&config(setup, policy))?;
+        let cache = CacheShape { block_size: Some(setup.block_size), blocks: Some(setup.kv_blocks) };
+        let mut by_slot = HashMap::new();
+        let replicas: Vec<Arc<Replica>> = (0..setup.replicas)
+            .map(|i| {
+                let id = format!("sim-{i}");
+                let addr = SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8000));
+                let r = Arc::new(Replica::new(id.clone(), addr, vec![0], setup.limits, cache, core.kv.slot(&id)));
+                core.join(&r);
+                by_slot.insert(u64::from(r.slot), i);
+                r
+            })
+            .collect();
+        let engines = (0..setup.replicas)
+            .map(|_| Engine {
+                pool: BlockPool::new(setup.kv_blocks),
+                queue: VecDeque::new(),
+                prefilling: None,
+                running: 0,
+                requests: 0,
+                prompt_tokens: 0,
+                cached_tokens: 0,
+            })
+            .collect();
+        Ok(Self {
+            setup,
+            core,
+            fleet: Arc::new(Fleet::new(replicas, 1)),
+            engines,
+            by_slot,
+            jobs: HashMap::new(),
+            events: BinaryHeap::new(),
+            seq: 0,
+            ttft: Vec::new(),
+            exact: 0,
+            measured: 0,
+        })
+    }
+
+    fn at(&mut self, ns: u64, event: Event) {
+        self.seq += 1;
+        self.events.push(Reverse((ns, self.seq, event)));
+    }
+
+    /// Handles every event up to and including `until`; returns the time of the last one.
+    fn run_until(&mut self, until: u64) -> u64 {
+        let mut last = 0;
+        while let Some(&Reverse((ns, _, event))) = self.events.peek() {
+            if ns > until {
+                break;
+            }
+            self.events.pop();
+            last = ns;
+            match event {
+                Event::PrefillDone(r) => self.prefill_done(r, ns),
+                Event::Complete(j) => self.complete(j, ns),
+            }
+        }
+        last
+    }
+
+    /// Routes one arrival; false when the router refused it.
+    fn arrive(&mut self, a: Arrival, now: u64, id: usize) -> bool {
+        let prompt = Prompt { ids: a.ids, max_tokens: Some(a.max_tokens), cache_salt: None };
+        let prediction = self.core.prepare(0, &prompt, &self.fleet);
+        let view = View { model: 0, prediction: Some(prediction.clone()), session: a.session.as_deref(), text: a.text.as_deref() };
+        let Ok((_, committed)) = self.core.decide(&view, &self.fleet, &|_| None, Duration::from_nanos(now)) else {
+            return false;
+        };
+        let Some(&replica) = self.by_slot.get(&u64::from(committed.lease.replica.slot)) else {
+            return false;
+        };
+        let job = Job {
+            arrival_ns: now,
+            replica,
+            lease: committed.lease,
+            prediction,
+            prompt_tokens: prompt.ids.len(),
+            max_tokens: a.max_tokens.max(1),
+            predicted: committed.cached_tokens.first().copied().unwrap_or(0),
+            blocks: Vec::new(),
+            hit: 0,
+        };
+        self.jobs.insert(id, job);
+        self.engines[replica].queue.push_back(id);
+        self.start_prefill(replica, now);
+        true
+    }
+
+    /// Starts the next prefill on replica `r` if it is idle and the head of its queue has room.
+    fn start_prefill(&mut self, r: usize, now: u64) {
+        let bs = self.setup.block_size;
+        let engine = &mut self.engines[r];
+        if engine.prefilling.is_some() {
+            return;
+        }
+        let Some(&j) = engine.queue.front() else { return };
+        let Some(job) = self.jobs.get_mut(&j) else {
+            engine.queue.pop_front();
+            return;
+        };
+        let hashes = job.prediction.blocks(bs).unwrap_or_default();
+        let len = job.prompt_tokens.max(1);
+        // The last prompt token is always computed.
+        let limit = ((len - 1) / bs).min(hashes.len());
+        let hit = engine.pool.lookup(&hashes[..limit]);
+        // Every prompt token and all but the last generated one are held.
+        let total = (len + job.max_tokens - 1).div_ceil(bs);
+        let cached = if total > self.setup.kv_blocks {
+            // It can never fit: computed from scratch, cached nowhere.
+            0
+        } else {
+            let need = total - hit.len();
+            if need + engine.pool.count_free(&hit) > engine.pool.num_free() {
+                return; // waits for a completion to free blocks
+            }
+            engine.pool.touch(&hit);
+            let Some(fresh) = engine.pool.allocate(need) else { return };
+            job.hit = hit.len();
+            job.blocks = hit;
+            job.blocks.extend(fresh);
+            job.hit * bs
+        };
+        engine.queue.pop_front();
+        engine.prefilling = Some(j);
+        engine.requests += 1;
+        engine.prompt_tokens += len as u64;
+        engine.cached_tokens += cached as u64;
+        self.measured += 1;
+        self.exact += usize::from(job.predicted == cached);
+        let secs = self.setup.latency.prefill_secs(len - cached, cached);
+        self.at(now + (secs * 1e9) as u64, Event::PrefillDone(r));
+    }
+
+    fn prefill_done(&mut self, r: usize, now: u64) {
+        let bs = self.setup.block_size;
+        let engine = &mut self.engines[r];
+        let Some(j) = engine.prefilling.take() else { return };
+        if let Some(job) = self.jobs.get_mut(&j) {
+            // The prompt's full blocks are now computed: cache them.
+            if let Some(hashes) = job.prediction.blocks(bs) {
+                let full = (job.prompt_tokens / bs).min(job.blocks.len()).min(hashes.len());
+                for (&block, &hash) in job.blocks[job.hit..full].iter().zip(&hashes[job.hit..full]) {
+                    engine.pool.register(block, hash);
+                }
+            }
+            job.lease.first_byte();
+            self.ttft.push(Duration::from_nanos(now - job.arrival_ns));
+            engine.running += 1;
+            let decode = job.max_tokens as f64 * self.setup.latency.decode_secs(engine.running);
+            self.at(now + (decode * 1e9) as u64, Event::Complete(j));
+        }
+        self.start_prefill(r, now);
+    }
+
+    fn complete(&mut self, j: usize, now: u64) {
+        let Some(job) = self.jobs.remove(&j) else { return };
+        let engine = &mut self.engines[job.replica];
+        engine.pool.release(job.blocks.iter().rev().copied());
+        engine.running -= 1;
+        self.core.complete(&job.lease);
+        job.lease.release();
+        self.start_prefill(job.replica, now);
+    }
+}

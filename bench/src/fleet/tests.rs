@@ -1,0 +1,128 @@
+//! Tests of the fleet simulation: its requests are the harness's, it replays
+//! from its seed, cache-aware routing keeps the caches warm where
+//! cache-blind routing does not, hot traffic still spreads, and capacity
+//! searches end and grow with the fleet.
+
+use inferrail_config::Limits;
+use inferrail_policy::{PolicyKind, TextKind};
+
+use super::capacity::{self, Search};
+use super::sim::{self, Outcome, Setup};
+use super::traffic::{Arrival, Traffic};
+use super::{default_kv_blocks, line};
+use crate::workload::{self, Counter, Kind, Span, Spec};
+
+/// A small W-something: short prompts so tests run in debug builds.
+fn small(kind: Kind) -> Spec {
+    Spec {
+        system_tokens: Span { min: 200, max: 800 },
+        question_tokens: Span { min: 10, max: 60 },
+        output_tokens: Span { min: 10, max: 40 },
+        ..Spec::new(kind)
+    }
+}
+
+fn setup(spec: &Spec, replicas: usize) -> Setup {
+    Setup {
+        replicas,
+        kv_blocks: default_kv_blocks(spec, 1, 16).expect("kv blocks"),
+        block_size: 16,
+        latency: inferrail_sim::cost::DEFAULT,
+        limits: Limits::default(),
+        seed: 1,
+        model: spec.model.clone(),
+    }
+}
+
+fn run(spec: &Spec, replicas: usize, policy: PolicyKind, rate: f64, requests: usize) -> Outcome {
+    let s = setup(spec, replicas);
+    let text = inferrail_route::Core::new(&sim::config(&s, policy)).expect("core").wants_text(0);
+    let o = sim::simulate(&s, policy, Traffic::new(spec, rate, requests, 1, text).expect("traffic")).expect("simulate");
+    eprintln!("{}", line(&o));
+    o
+}
+
+#[test]
+fn same_requests_as_the_harness() {
+    let counter = Counter::new().expect("tokenizer");
+    for (spec, n) in
+        [(small(Kind::W1), 300), (small(Kind::Mix), 300), (small(Kind::Hot), 300), (small(Kind::W6), 100), (Spec::new(Kind::W1), 30)]
+    {
+        let secs = (n as f64 * 1.2 + 100.0) / 5.0;
+        let mut harness = workload::generate(&spec, 5.0, secs, 7).expect("harness");
+        harness.truncate(n);
+        let fast: Vec<Arrival> =
+            Traffic::new(&spec, 5.0, n, 7, TextKind::Contents).expect("traffic").collect::<anyhow::Result<_>>().expect("arrivals");
+        assert_eq!(fast.len(), n);
+        for (h, f) in harness.iter().zip(&fast) {
+            assert_eq!(h.at, f.at);
+            assert_eq!(counter.ids(h.api, &h.body).expect("ids"), f.ids, "{:?}", spec.workload);
+            assert_eq!(h.body["max_tokens"].as_u64(), Some(f.max_tokens as u64));
+            let contents: Vec<&str> =
+                h.body["messages"].as_array().expect("messages").iter().filter_map(|m| m["content"].as_str()).collect();
+            assert_eq!(f.text.as_deref(), Some(contents.join(" ").as_str()));
+        }
+    }
+}
+
+#[test]
+fn a_seed_replays_the_same_simulation() {
+    let spec = small(Kind::Mix);
+    let strip = |o: Outcome| {
+        let mut v = serde_json::to_value(o).expect("json");
+        v.as_object_mut().expect("object").remove("wall_s");
+        v
+    };
+    for policy in [PolicyKind::CostModel, PolicyKind::Random, PolicyKind::SglangCacheAware] {
+        let a = strip(run(&spec, 3, policy, 3.0, 2_000));
+        let b = strip(run(&spec, 3, policy, 3.0, 2_000));
+        assert_eq!(a, b, "{policy:?}");
+    }
+}
+
+#[test]
+fn cost_model_keeps_w1_cached_where_round_robin_cannot() {
+    let spec = small(Kind::W1);
+    // Measured at seed 1: cost_model 69.8%, round robin 25.9%, 90% of predictions exact.
+    let cost = run(&spec, 3, PolicyKind::CostModel, 2.0, 4_000);
+    let rr = run(&spec, 3, PolicyKind::RoundRobin, 2.0, 4_000);
+    assert!(cost.hit_rate >= 0.6, "cost_model {:.3}", cost.hit_rate);
+    assert!(rr.hit_rate < 0.35, "round_robin {:.3}", rr.hit_rate);
+    assert!(cost.rejected == 0 && rr.rejected == 0);
+    assert!(cost.ttft.p50_ms < rr.ttft.p50_ms);
+    assert!(cost.prediction_exact > 0.8, "the router's shadow follows the engines: {:.3}", cost.prediction_exact);
+}
+
+#[test]
+fn hot_traffic_still_spreads() {
+    let spec = small(Kind::Hot);
+    // Measured at seed 1: 33.6%; prefix_hash, which pins each prompt to one replica, 61.9%.
+    let cost = run(&spec, 3, PolicyKind::CostModel, 2.0, 4_000);
+    let pinned = run(&spec, 3, PolicyKind::PrefixHash, 2.0, 4_000);
+    assert_eq!(cost.rejected, 0);
+    assert!(cost.busiest_share <= 0.40, "busiest {:.3}", cost.busiest_share);
+    assert!(pinned.busiest_share > 0.5, "the traffic is hot: {:.3}", pinned.busiest_share);
+}
+
+#[test]
+fn capacity_search_ends_and_grows_with_the_fleet() {
+    let spec = small(Kind::W1);
+    let search = Search { slo_s: 2.0, tolerance: 0.1, guess_per_replica: 2.0 };
+    let capacity = |n: usize| {
+        let s = setup(&spec, n);
+        let c = capacity::rate(n, search, |rate| {
+            sim::simulate(&s, PolicyKind::CostModel, Traffic::new(&spec, rate, 1_500, 1, TextKind::None)?)
+        })
+        .expect("search");
+        eprintln!("{n} replicas: {:.1} req/s after {} probes", c.rate, c.probes);
+        assert!(c.rate > 0.0 && c.probes < 40);
+        c.rate
+    };
+    let (one, two, four) = (capacity(1), capacity(2), capacity(4));
+    assert!(one <= two && two <= four, "{one} {two} {four}");
+    let needed = capacity::replicas(16, 2.0, |n| {
+        sim::simulate(&setup(&spec, n), PolicyKind::CostModel, Traffic::new(&spec, two, 1_500, 1, TextKind::None)?)
+    })
+    .expect("replicas");
+    assert!(needed.is_some_and(|n| n <= 2), "{needed:?}");
+}
