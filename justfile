@@ -147,6 +147,35 @@ bench-overhead out="bench/results/overhead/added-latency.json" *args: setup
     target/release/inferrail-bench overhead --setup "2-core machine shared by client, Envoy 1.40 (1 worker each), inferrail (release, Qwen3 tokenizer) and 3 zero-latency simulators; least_request; commit $commit" \
         --out {{out}} {{args}}
 
+# Install SGLang's router (PyPI sglang-router 0.3.2, the comparison's real peer) into the gitignored .venv-sglang; idempotent.
+setup-sglang:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    venv="{{justfile_directory()}}/.venv-sglang"
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    "$venv/bin/python" -c 'import sglang_router' 2>/dev/null && [ "$("$venv/bin/pip" show sglang-router 2>/dev/null | sed -n 's/^Version: //p')" = 0.3.2 ] ||
+        "$venv/bin/pip" install --quiet --disable-pip-version-check sglang-router==0.3.2
+
+# Every policy and SGLang's router on the same requests, each on a cold fleet of three simulators whose caches hold about a third of W1's shared prompts; `--quick` gives a first answer (W1 and mix, a few contenders, short runs). Other flags go to `inferrail-bench compare`. Results: bench/results/routing/.
+bench-routing *args: setup setup-sglang
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
+    for port in 18101 18102 18103 18180 19002 19090 19091 19901 19290; do
+        if (echo > "/dev/tcp/127.0.0.1/$port") 2> /dev/null; then echo "port $port is in use" >&2; exit 1; fi
+    done
+    # 640 blocks of 16 tokens: about a third of six system prompts of 2,000-8,000 tokens.
+    sim="--block-size 16 --num-gpu-blocks-override 640 --max-model-len 10240"
+    set -- {{args}}
+    if [ "${1:-}" = "--quick" ]; then
+        shift
+        target/release/inferrail-bench compare --sim-flags "$sim" --workloads w1,mix --reps 1 --rate 2 --duration-s 40 --warmup-s 10 \
+            --contenders round_robin,least_request,kv_aware,cost_model,sglang:cache_aware --out-dir bench/results/routing/quick "$@"
+    else
+        target/release/inferrail-bench compare --sim-flags "$sim" --workloads w1,mix --reps 3 "$@"
+        target/release/inferrail-bench compare --sim-flags "$sim" --workloads w2,w6,hot --reps 1 --out-dir bench/results/routing/runs-once "$@"
+    fi
+
 # Prediction accuracy of the KV index as users overlap (1, 4 and 16 at once, on 64- and 256-block caches, by default); the result goes to bench/results/prediction/.
 bench-accuracy out="bench/results/prediction/accuracy.json" *args: setup
     cargo build --quiet -p inferrail -p inferrail-sim

@@ -1,12 +1,15 @@
-//! The engines' own prefix cache counters: each engine's `/metrics` scraped
-//! before and after a run, `vllm:prefix_cache_hits_total` and
-//! `vllm:prefix_cache_queries_total` summed over their lines.
+//! The engines' own counters: each engine's `/metrics` scraped before and
+//! after a run, `vllm:prefix_cache_hits_total`,
+//! `vllm:prefix_cache_queries_total` and `vllm:request_success_total`
+//! summed over their lines. The requests each engine served give every
+//! router's replica shares the same way, whether or not it names the replica.
 
 use anyhow::Context;
 use serde::Serialize;
 
 const HITS: &str = "vllm:prefix_cache_hits_total";
 const QUERIES: &str = "vllm:prefix_cache_queries_total";
+const REQUESTS: &str = "vllm:request_success_total";
 
 /// Prefix cache counters of one engine at one moment, tokens.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -15,6 +18,8 @@ pub struct Counters {
     pub hits: f64,
     /// Prompt tokens looked up.
     pub queries: f64,
+    /// Requests finished.
+    pub requests: f64,
 }
 
 /// One engine's counters over a run.
@@ -37,6 +42,8 @@ pub struct FleetHits {
     pub total: Counters,
     /// `hits / queries` summed over the engines.
     pub hit_rate: Option<f64>,
+    /// The share of the requests finished by the engine that finished most.
+    pub busiest_share: Option<f64>,
 }
 
 /// Sums the counters in a Prometheus text page.
@@ -49,6 +56,8 @@ pub fn parse(page: &str) -> Counters {
             c.hits += value();
         } else if named(QUERIES) {
             c.queries += value();
+        } else if named(REQUESTS) {
+            c.requests += value();
         }
     }
     c
@@ -79,13 +88,16 @@ pub fn over_run(urls: &[String], before: &[Counters], after: &[Counters]) -> Fle
         .iter()
         .zip(before.iter().zip(after))
         .map(|(url, (b, a))| {
-            let delta = Counters { hits: a.hits - b.hits, queries: a.queries - b.queries };
+            let delta = Counters { hits: a.hits - b.hits, queries: a.queries - b.queries, requests: a.requests - b.requests };
             total.hits += delta.hits;
             total.queries += delta.queries;
+            total.requests += delta.requests;
             EngineHits { url: url.clone(), delta, hit_rate: rate(delta) }
         })
-        .collect();
-    FleetHits { engines, total, hit_rate: rate(total) }
+        .collect::<Vec<_>>();
+    let most = engines.iter().map(|e| e.delta.requests).fold(0.0, f64::max);
+    let busiest_share = (total.requests > 0.0).then(|| most / total.requests);
+    FleetHits { engines, total, hit_rate: rate(total), busiest_share }
 }
 
 #[cfg(test)]
@@ -98,10 +110,14 @@ mod tests {
             vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 20.0\n\
             vllm:prefix_cache_hits_total{engine=\"1\",model_name=\"m\"} 5\n\
             vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 39.0\n\
+            vllm:request_success_total{engine=\"0\",finished_reason=\"length\"} 4\n\
+            vllm:request_success_total{engine=\"0\",finished_reason=\"stop\"} 2\n\
             vllm:external_prefix_cache_hits_total 7\n\
             vllm:prefix_cache_hits_created 1.7e9\n";
-        assert_eq!(parse(page), Counters { hits: 25.0, queries: 39.0 });
-        let run = over_run(&["a".into()], &[Counters { hits: 5.0, queries: 9.0 }], &[parse(page)]);
+        assert_eq!(parse(page), Counters { hits: 25.0, queries: 39.0, requests: 6.0 });
+        let before = Counters { hits: 5.0, queries: 9.0, requests: 0.0 };
+        let run = over_run(&["a".into(), "b".into()], &[before, before], &[parse(page), Counters { requests: 2.0, ..before }]);
         assert_eq!(run.hit_rate, Some(20.0 / 30.0));
+        assert_eq!(run.busiest_share, Some(6.0 / 8.0));
     }
 }

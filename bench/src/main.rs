@@ -3,7 +3,9 @@
 //! the commit that produced them.
 
 mod arrivals;
+mod compare;
 mod engines;
+mod fleet;
 mod harness;
 mod open_loop;
 mod report;
@@ -31,6 +33,10 @@ enum Command {
     Overhead(open_loop::OverheadArgs),
     /// One workload, open loop, streaming, summarized against an SLO.
     Run(run::RunArgs),
+    /// Every policy and SGLang's router on the same requests, each on a cold fleet.
+    Compare(compare::CompareArgs),
+    /// The router's decision core over simulated replicas on a virtual clock; capacity at the SLO.
+    Fleet(fleet::FleetArgs),
 }
 
 #[tokio::main]
@@ -40,5 +46,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Throughput(args) => sim_load::throughput(args).await,
         Command::Overhead(args) => open_loop::overhead(args).await,
         Command::Run(args) => run::run(args).await,
+        Command::Compare(args) => compare::compare(args).await,
+        Command::Fleet(args) => fleet::fleet(args),
     }
 }

@@ -38,13 +38,18 @@ pub fn latency(mut sample: Vec<Duration>) -> Latency {
 
 /// Writes `result` as pretty JSON to `out` (creating its folder) and prints it.
 pub fn write(out: &Path, result: &impl Serialize) -> anyhow::Result<()> {
+    println!("{}", save(out, result)?);
+    Ok(())
+}
+
+/// Writes `result` as pretty JSON to `out` (creating its folder); returns the text.
+pub fn save(out: &Path, result: &impl Serialize) -> anyhow::Result<String> {
     let text = serde_json::to_string_pretty(result)?;
     if let Some(dir) = out.parent() {
         std::fs::create_dir_all(dir)?;
     }
     std::fs::write(out, format!("{text}\n"))?;
-    println!("{text}");
-    Ok(())
+    Ok(text)
 }
 
 #[cfg(test)]

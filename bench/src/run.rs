@@ -55,6 +55,49 @@ pub struct RunArgs {
     pub out: Option<PathBuf>,
 }
 
+/// What one run measured.
+#[derive(Debug, Serialize)]
+pub struct Measured {
+    /// Requests sent, warmup included.
+    pub sent: usize,
+    /// The summary after the warmup.
+    pub summary: Summary,
+    /// Hit rate from usage over every request, warmup included: what the
+    /// engines' counters cover.
+    pub prefix_all: Prefix,
+    /// The engines' own counters over the run.
+    pub engines: Option<FleetHits>,
+}
+
+/// An HTTP client for open-loop runs.
+pub fn client(request_timeout_s: f64) -> anyhow::Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
+        .pool_max_idle_per_host(1024)
+        .tcp_nodelay(true)
+        .timeout(Duration::from_secs_f64(request_timeout_s))
+        .build()?)
+}
+
+/// Sends `requests` open loop to `url` and summarizes them, the engines'
+/// counters scraped before and after.
+pub async fn measure(
+    http: &reqwest::Client,
+    url: &str,
+    requests: &[workload::Request],
+    engine_urls: &[String],
+    warmup: Duration,
+    slo: Slo,
+    progress: bool,
+) -> anyhow::Result<Measured> {
+    let before = engines::scrape(http, engine_urls).await?;
+    let outcomes = harness::send_all(http, url.trim_end_matches('/'), requests, progress).await?;
+    let after = engines::scrape(http, engine_urls).await?;
+    let summary = summary::summarize(&outcomes, warmup, slo);
+    let prefix_all = summary::prefix(outcomes.iter().filter(|o| o.ok()));
+    let engines = (!engine_urls.is_empty()).then(|| engines::over_run(engine_urls, &before, &after));
+    Ok(Measured { sent: requests.len(), summary, prefix_all, engines })
+}
+
 #[derive(Debug, Serialize)]
 struct RunResult {
     benchmark: &'static str,
@@ -66,13 +109,8 @@ struct RunResult {
     duration_s: f64,
     warmup_s: f64,
     seed: u64,
-    /// Requests sent, warmup included.
-    sent: usize,
-    summary: Summary,
-    /// Hit rate from usage over every request, warmup included: what the
-    /// engines' counters cover.
-    prefix_all: Prefix,
-    engines: Option<FleetHits>,
+    #[serde(flatten)]
+    measured: Measured,
 }
 
 /// Generates the workload, sends it, and summarizes.
@@ -87,24 +125,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         args.warmup_s + args.duration_s,
         args.warmup_s
     );
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(1024)
-        .tcp_nodelay(true)
-        .timeout(Duration::from_secs_f64(args.request_timeout_s))
-        .build()?;
-    let before = engines::scrape(&http, &args.engines).await?;
-    let outcomes = harness::send_all(&http, args.url.trim_end_matches('/'), &requests, !args.quiet).await?;
-    let after = engines::scrape(&http, &args.engines).await?;
+    let http = client(args.request_timeout_s)?;
     let slo = Slo { ttft_ms: args.slo_ttft_ms, tpot_ms: args.slo_tpot_ms };
-    let summary = summary::summarize(&outcomes, Duration::from_secs_f64(args.warmup_s), slo);
-    let prefix_all = summary::prefix(outcomes.iter().filter(|o| o.ok()));
-    let engines = (!args.engines.is_empty()).then(|| engines::over_run(&args.engines, &before, &after));
-    eprint!("{}", summary.text());
-    if let Some(e) = &engines {
+    let warmup = Duration::from_secs_f64(args.warmup_s);
+    let measured = measure(&http, &args.url, &requests, &args.engines, warmup, slo, !args.quiet).await?;
+    eprint!("{}", measured.summary.text());
+    if let Some(e) = &measured.engines {
         eprintln!(
             "engines' hit rate over the run {} (usage, warmup included: {})",
             e.hit_rate.map_or("n/a".into(), |r| format!("{:.1}%", r * 100.0)),
-            prefix_all.hit_rate.map_or("n/a".into(), |r| format!("{:.1}%", r * 100.0))
+            measured.prefix_all.hit_rate.map_or("n/a".into(), |r| format!("{:.1}%", r * 100.0))
         );
     }
     let result = RunResult {
@@ -117,10 +147,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         duration_s: args.duration_s,
         warmup_s: args.warmup_s,
         seed: args.seed,
-        sent: requests.len(),
-        summary,
-        prefix_all,
-        engines,
+        measured,
     };
     if let Some(out) = &args.out {
         report::write(out, &result)?;
@@ -130,7 +157,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
 /// `INFERRAIL_COMMIT`, else `git rev-parse --short HEAD` with `-dirty` when
 /// tracked files changed, else `unknown`.
-fn commit() -> String {
+pub fn commit() -> String {
     if let Ok(c) = std::env::var("INFERRAIL_COMMIT") {
         return c;
     }
@@ -152,7 +179,7 @@ fn commit() -> String {
 }
 
 /// The command line, each argument quoted when it needs it.
-fn command_line() -> String {
+pub fn command_line() -> String {
     std::env::args()
         .map(|a| {
             if !a.is_empty() && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_./:=,@+".contains(c)) {
