@@ -169,7 +169,7 @@ bench-routing *args: setup setup-sglang
     set -- {{args}}
     if [ "${1:-}" = "--quick" ]; then
         shift
-        target/release/inferrail-bench compare --sim-flags "$sim" --workloads w1,mix --reps 1 --rate 2 --duration-s 40 --warmup-s 10 \
+        target/release/inferrail-bench compare --sim-flags "$sim" --workloads w1,mix --reps 1 --rate 0.5 --duration-s 40 --warmup-s 10 \
             --contenders round_robin,least_request,kv_aware,cost_model,sglang:cache_aware --out-dir bench/results/routing/quick "$@"
     else
         target/release/inferrail-bench compare --sim-flags "$sim" --workloads w1,mix --reps 3 "$@"
