@@ -91,6 +91,8 @@ const ENVOY_ADMIN: u16 = 19901;
 const EXT_PROC: u16 = 19002;
 const ADMIN: u16 = 19090;
 const ADMIN_GRPC: u16 = 19091;
+/// A readiness probe that takes longer has failed (the run's client waits up to 600 s).
+const PROBE: Duration = Duration::from_secs(2);
 
 /// One contender's run on one workload and repetition.
 #[derive(Debug, Serialize)]
@@ -220,7 +222,7 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
     }
     for port in SIMS {
         until(&mut fleet, Duration::from_secs(30), "a simulator", async || {
-            http.get(format!("http://127.0.0.1:{port}/health")).send().await.is_ok_and(|r| r.status().is_success())
+            http.get(format!("http://127.0.0.1:{port}/health")).timeout(PROBE).send().await.is_ok_and(|r| r.status().is_success())
         })
         .await?;
     }
@@ -248,7 +250,12 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
     }
     let hello = serde_json::json!({"model": "inferrail/sim-8b", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1});
     until(&mut fleet, Duration::from_secs(60), "a first request through the router", async || {
-        http.post(format!("http://127.0.0.1:{ENTRY}/v1/chat/completions")).json(&hello).send().await.is_ok_and(|r| r.status().is_success())
+        http.post(format!("http://127.0.0.1:{ENTRY}/v1/chat/completions"))
+            .json(&hello)
+            .timeout(PROBE)
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
     })
     .await?;
     Ok(fleet)
@@ -256,7 +263,10 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
 
 /// Runs every contender on every workload and repetition.
 pub async fn compare(args: CompareArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.rate > 0.0 && args.duration_s > 0.0, "--rate and --duration-s must be positive");
+    anyhow::ensure!(
+        args.rate > 0.0 && args.duration_s > 0.0 && args.warmup_s >= 0.0,
+        "--rate and --duration-s must be positive, --warmup-s at least 0"
+    );
     let http = run::client(600.0)?;
     let slo = Slo { ttft_ms: args.slo_ttft_ms, tpot_ms: args.slo_tpot_ms };
     let engines: Vec<String> = SIMS.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
@@ -313,7 +323,8 @@ pub async fn compare(args: CompareArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-const HEADER: &str = "| contender | workload | ok / sent | TTFT p50 ms | TTFT p99 ms | cached (usage) | cached (engines) | busiest share | goodput |\n|---|---|---|---|---|---|---|---|---|";
+/// The engines' columns count the warmup too; the others only the measured requests.
+const HEADER: &str = "| contender | workload | ok / measured | TTFT p50 ms | TTFT p99 ms | cached (usage) | cached (engines, with warmup) | busiest share (engines, with warmup) | goodput |\n|---|---|---|---|---|---|---|---|---|";
 
 /// One run as a Markdown table row.
 fn row(contender: &str, kind: Kind, m: &Measured) -> String {

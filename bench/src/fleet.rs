@@ -83,6 +83,7 @@ fn policy_kind(s: &str) -> Result<PolicyKind, String> {
 
 /// The simulated fleet for `args` with `replicas` replicas.
 fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> {
+    anyhow::ensure!(args.block_size > 0 && args.tolerance > 0.0, "--block-size and --tolerance must be positive");
     let kv_blocks = match args.kv_blocks {
         Some(b) => b,
         None => default_kv_blocks(&args.spec, args.seed, args.block_size)?,

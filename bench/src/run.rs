@@ -91,10 +91,17 @@ pub async fn measure(
 ) -> anyhow::Result<Measured> {
     let before = engines::scrape(http, engine_urls).await?;
     let outcomes = harness::send_all(http, url.trim_end_matches('/'), requests, progress).await?;
-    let after = engines::scrape(http, engine_urls).await?;
+    // An engine that died under load costs its counters, not the run's results.
+    let after = match engines::scrape(http, engine_urls).await {
+        Ok(after) => Some(after),
+        Err(e) => {
+            eprintln!("the engines' counters after the run are lost: {e:#}");
+            None
+        }
+    };
     let summary = summary::summarize(&outcomes, warmup, slo);
     let prefix_all = summary::prefix(outcomes.iter().filter(|o| o.ok()));
-    let engines = (!engine_urls.is_empty()).then(|| engines::over_run(engine_urls, &before, &after));
+    let engines = after.filter(|_| !engine_urls.is_empty()).map(|after| engines::over_run(engine_urls, &before, &after));
     Ok(Measured { sent: requests.len(), summary, prefix_all, engines })
 }
 
@@ -115,7 +122,10 @@ struct RunResult {
 
 /// Generates the workload, sends it, and summarizes.
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(args.rate > 0.0 && args.duration_s > 0.0 && args.warmup_s >= 0.0, "--rate and --duration-s must be positive");
+    anyhow::ensure!(
+        args.rate > 0.0 && args.duration_s > 0.0 && args.warmup_s >= 0.0 && args.request_timeout_s > 0.0,
+        "--rate, --duration-s and --request-timeout-s must be positive, --warmup-s at least 0"
+    );
     let requests = workload::generate(&args.spec, args.rate, args.warmup_s + args.duration_s, args.seed)?;
     anyhow::ensure!(!requests.is_empty(), "the workload has no requests");
     eprintln!(

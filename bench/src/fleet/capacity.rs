@@ -62,7 +62,9 @@ pub fn rate(replicas: usize, search: Search, mut probe: impl FnMut(f64) -> anyho
         hi *= 2.0;
         anyhow::ensure!(hi < 1e9, "every rate up to {lo} met the SLO");
     }
-    while hi - lo > search.tolerance * hi {
+    // Below a tolerance's share of the first guess with nothing met, no rate meets it: capacity 0.
+    let floor = search.guess_per_replica * replicas as f64 * search.tolerance;
+    while hi - lo > search.tolerance * hi && !(best.is_none() && hi < floor) {
         let mid = (lo + hi) / 2.0;
         let o = run(mid)?;
         if met(&o, search.slo_s) {

@@ -27,11 +27,18 @@ pub struct DecisionLog {
 }
 
 impl DecisionLog {
-    /// Opens the log's file on a writer thread; `None` when logging is off.
+    /// Opens the log's file for appending (a file that cannot be opened
+    /// stops the router from starting) and starts its writer thread; `None`
+    /// when logging is off.
     pub fn start(config: &Config) -> anyhow::Result<Option<Self>> {
         let Some(path) = config.path.clone().filter(|_| config.sample_rate > 0.0) else { return Ok(None) };
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .map_err(|e| anyhow::anyhow!("opening the decision log {path}: {e}"))?;
         let (lines, queue) = sync_channel(config.queue);
-        std::thread::Builder::new().name("decision-log".into()).spawn(move || write(&path, queue))?;
+        std::thread::Builder::new().name("decision-log".into()).spawn(move || write(&path, file, queue))?;
         let threshold = (config.sample_rate.clamp(0.0, 1.0) * u64::MAX as f64) as u64;
         Ok(Some(Self { lines, threshold, dropped: AtomicU64::new(0) }))
     }
@@ -126,14 +133,7 @@ pub fn decision_line(request_id: &str, model: &str, plan: &Plan, fallbacks: usiz
 }
 
 /// The writer thread: appends every line, flushing when the queue runs dry.
-fn write(path: &str, queue: Receiver<String>) {
-    let file = match std::fs::OpenOptions::new().create(true).append(true).open(path) {
-        Ok(f) => f,
-        Err(e) => {
-            tracing::error!(path, error = %e, "cannot open the decision log; decisions are not logged");
-            return;
-        }
-    };
+fn write(path: &str, file: std::fs::File, queue: Receiver<String>) {
     let mut out = std::io::BufWriter::new(file);
     let mut failing = false;
     while let Ok(line) = queue.recv() {

@@ -73,7 +73,11 @@ impl Admin for AdminApi {
             let mut last: Option<Vec<(String, bool, bool, bool)>> = None;
             let mut tick = tokio::time::interval(WATCH_EVERY);
             loop {
-                tick.tick().await;
+                // A client gone ends the watch, even while nothing changes.
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = tx.closed() => return,
+                }
                 let now = fleet(&router);
                 // Membership, health, ejection and report freshness; counters change too often to stream.
                 let shape: Vec<(String, bool, bool, bool)> =

@@ -48,7 +48,8 @@ pub struct Decision {
     pub steer: Option<&'static str>,
     /// Replicas the policy weighed.
     pub candidates: usize,
-    /// The winner's estimated time to first token, when the policy estimates one.
+    /// The winner's estimated time to first token (the prefill queued there
+    /// and its own, from the model's prefill cost, whatever the policy).
     pub estimate: Option<Duration>,
 }
 
@@ -257,7 +258,7 @@ impl Router {
             prompt_tokens,
             cached_tokens: committed.cached_tokens,
             steer,
-            candidates: plan.candidates.len(),
+            candidates: plan.set_aside.iter().filter(|a| a.is_none()).count(),
             estimate: committed.lease.estimate(),
         })
     }

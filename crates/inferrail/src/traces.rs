@@ -136,7 +136,7 @@ impl Traces {
 }
 
 /// The traces URL for a configured endpoint: a bare `http://host:port` (or
-/// one ending in `/`) gets the OTLP path `/v1/traces`; a full URL is kept.
+/// `http://host:port/`) gets the OTLP path `/v1/traces`; any URL with a path is kept.
 pub fn traces_url(endpoint: &str) -> String {
     let after_scheme = endpoint.split_once("://").map_or(endpoint, |(_, rest)| rest);
     match after_scheme.find('/') {

@@ -71,17 +71,35 @@ async fn sampling_keeps_about_its_share_by_request_id() {
 
 #[tokio::test]
 async fn a_writer_that_cannot_keep_up_costs_lines_counted_never_a_wait() {
-    // A FIFO nobody reads: the writer thread blocks opening it, the queue of 8 fills.
+    // A FIFO whose reader never reads: once the pipe's buffer is full the
+    // writer thread blocks, and the queue of 8 fills behind it.
     let dir = std::env::temp_dir().join(format!("inferrail-dlog-fifo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let fifo = dir.join("stuck");
     assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::File::open(fifo).unwrap())
+    };
     let r = router(&fifo, 1.0, 8);
-    for i in 0..100 {
+    let _unread = reader.join().unwrap();
+    for i in 0..2_000 {
         let d = r.decide(BODY, Endpoint::Chat, &format!("req-{i}"), None).await.unwrap();
         r.forget(&d.request_id);
     }
     // Had a decision waited for the writer, this test would never get here.
-    assert_eq!(r.decision_log.as_ref().unwrap().dropped(), 92, "8 queued, the rest dropped and counted");
+    let dropped = r.decision_log.as_ref().unwrap().dropped();
+    assert!(dropped > 1_000, "{dropped} of 2,000 lines dropped and counted (a pipe holds 64 KiB, the queue 8)");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_log_that_cannot_be_opened_stops_the_router_from_starting() {
+    let missing = std::path::Path::new("/nonexistent-inferrail-dir/decisions.jsonl");
+    let yaml = format!(
+        "observability: {{decision_log: {{path: '{}', sample_rate: 1.0}}}}\nmodels: [{{name: m}}]\nreplicas: [{{id: a, address: 127.0.0.1:1, models: [m]}}]\n",
+        missing.display()
+    );
+    let e = Router::new(Config::parse(&yaml).unwrap()).err().expect("started without its log");
+    assert!(e.to_string().contains("opening the decision log"), "{e}");
 }
