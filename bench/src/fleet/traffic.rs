@@ -113,7 +113,7 @@ impl Iterator for Traffic {
 fn slow(counter: &Counter, r: workload::Request, kind: TextKind) -> anyhow::Result<Arrival> {
     let ids = counter.ids(r.api, &r.body)?;
     let max_tokens = r.body.get("max_tokens").and_then(Value::as_u64).unwrap_or(256) as usize;
-    Ok(Arrival { at: r.at, ids, max_tokens, session: r.session, text: text(&r.body, kind) })
+    Ok(Arrival { at: r.at, ids, max_tokens, session: r.session, text: r.body.as_object().and_then(|b| kind.read(b)) })
 }
 
 /// The harness's filler: a marker, then `tokens - 1` words (indices into [`WORDS`]).
@@ -206,34 +206,8 @@ impl Fast {
         }
         let text = (kind != TextKind::None).then(|| {
             let body = chat_body(&self.model, system.map(|k| self.systems[k].0.as_str()), &words_text(&marker, &words), max_tokens);
-            text(&body, kind)
+            body.as_object().and_then(|b| kind.read(b))
         });
         Some(Ok(Arrival { at, ids, max_tokens: max_tokens as usize, session: None, text: text.flatten() }))
     }
-}
-
-/// The prompt as text of the kind a policy reads, as the service gives it
-/// (`inferrail::request::text`): the messages' contents joined by single
-/// spaces, or the messages serialized as JSON; a completion's prompt as it is.
-fn text(body: &Value, kind: TextKind) -> Option<String> {
-    if kind == TextKind::None {
-        return None;
-    }
-    if let Some(prompt) = body.get("prompt").and_then(Value::as_str) {
-        return Some(prompt.to_owned());
-    }
-    let messages = body.get("messages")?.as_array()?;
-    Some(match kind {
-        TextKind::Serialized => serde_json::to_string(messages).ok()?,
-        _ => {
-            let content = |m: &Value| match m.get("content") {
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => {
-                    parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join(" ")
-                }
-                _ => String::new(),
-            };
-            messages.iter().map(content).collect::<Vec<_>>().join(" ")
-        }
-    })
 }

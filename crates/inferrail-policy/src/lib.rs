@@ -245,6 +245,32 @@ pub enum TextKind {
     Serialized,
 }
 
+impl TextKind {
+    /// This kind of text of an OpenAI request body: a completion's prompt as
+    /// it is; a chat's messages' contents (text parts included) joined by
+    /// single spaces, or its messages serialized as JSON. `None` for
+    /// [`TextKind::None`] or a body with neither.
+    pub fn read(self, body: &serde_json::Map<String, serde_json::Value>) -> Option<String> {
+        use serde_json::Value;
+        if self == Self::None {
+            return None;
+        }
+        if let Some(prompt) = body.get("prompt").and_then(Value::as_str) {
+            return Some(prompt.to_owned());
+        }
+        let messages = body.get("messages")?.as_array()?;
+        if self == Self::Serialized {
+            return serde_json::to_string(messages).ok();
+        }
+        let content = |m: &Value| match m.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join(" "),
+            _ => String::new(),
+        };
+        Some(messages.iter().map(content).collect::<Vec<_>>().join(" "))
+    }
+}
+
 /// The best `k` of `offered` (all of them when fewer), best first: by score,
 /// then fewer requests in flight, then at random. Selecting the top `k`
 /// before sorting them keeps a decision over hundreds of replicas linear.

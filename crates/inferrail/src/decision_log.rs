@@ -11,8 +11,10 @@
 //! waited for, so logging cannot slow a decision.
 
 use std::io::Write;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::thread::JoinHandle;
 
 use inferrail_config::DecisionLog as Config;
 use inferrail_route::Plan;
@@ -20,10 +22,19 @@ use serde_json::{Value, json};
 
 /// Where sampled decisions go.
 pub struct DecisionLog {
-    lines: SyncSender<String>,
+    lines: SyncSender<Line>,
     /// Requests whose id hashes below this are logged.
     threshold: u64,
     dropped: AtomicU64,
+    writer: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// What the writer thread is sent.
+enum Line {
+    /// A line to append.
+    Text(String),
+    /// Write what came before, then stop.
+    Close,
 }
 
 impl DecisionLog {
@@ -38,9 +49,18 @@ impl DecisionLog {
             .open(&path)
             .map_err(|e| anyhow::anyhow!("opening the decision log {path}: {e}"))?;
         let (lines, queue) = sync_channel(config.queue);
-        std::thread::Builder::new().name("decision-log".into()).spawn(move || write(&path, file, queue))?;
+        let writer = std::thread::Builder::new().name("decision-log".into()).spawn(move || write(&path, file, queue))?;
         let threshold = (config.sample_rate.clamp(0.0, 1.0) * u64::MAX as f64) as u64;
-        Ok(Some(Self { lines, threshold, dropped: AtomicU64::new(0) }))
+        Ok(Some(Self { lines, threshold, dropped: AtomicU64::new(0), writer: Mutex::new(Some(writer)) }))
+    }
+
+    /// Writes every line still queued and stops the writer (at shutdown; the
+    /// only call that waits for the disk). Lines sent afterwards are dropped.
+    pub fn close(&self) {
+        let Some(writer) = self.writer.lock().unwrap_or_else(|p| p.into_inner()).take() else { return };
+        if self.lines.send(Line::Close).is_ok() && writer.join().is_err() {
+            tracing::warn!("the decision log's writer panicked");
+        }
     }
 
     /// Whether the request with this id is sampled.
@@ -49,7 +69,7 @@ impl DecisionLog {
     }
 
     fn send(&self, line: Value) {
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.lines.try_send(line.to_string()) {
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.lines.try_send(Line::Text(line.to_string())) {
             self.dropped.fetch_add(1, Ordering::Relaxed);
             metrics::counter!("inferrail_decision_log_dropped_total").increment(1);
         }
@@ -133,13 +153,20 @@ pub fn decision_line(request_id: &str, model: &str, plan: &Plan, fallbacks: usiz
 }
 
 /// The writer thread: appends every line, flushing when the queue runs dry.
-fn write(path: &str, file: std::fs::File, queue: Receiver<String>) {
+fn write(path: &str, file: std::fs::File, queue: Receiver<Line>) {
     let mut out = std::io::BufWriter::new(file);
     let mut failing = false;
-    while let Ok(line) = queue.recv() {
-        let mut result = writeln!(out, "{line}");
-        while let Ok(line) = queue.try_recv() {
-            result = result.and_then(|()| writeln!(out, "{line}"));
+    let mut open = true;
+    while open && let Ok(first) = queue.recv() {
+        let mut result = Ok(());
+        for line in std::iter::once(first).chain(std::iter::from_fn(|| queue.try_recv().ok())) {
+            match line {
+                Line::Text(text) => result = result.and_then(|()| writeln!(out, "{text}")),
+                Line::Close => {
+                    open = false;
+                    break;
+                }
+            }
         }
         match result.and_then(|()| out.flush()) {
             Ok(()) if failing => {

@@ -118,7 +118,7 @@ impl Prompts {
 fn read(tokenizer: Option<&Tokenizer>, endpoint: Endpoint, body: &[u8], text: TextKind) -> Read {
     let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(body) else { return Read { prompt: Err("invalid"), text: None } };
     let prompt = tokenizer.map_or(Err("no_tokenizer"), |t| prompt(t, endpoint, &body));
-    Read { prompt, text: crate::request::text(&body, text) }
+    Read { prompt, text: text.read(&body) }
 }
 
 /// Tokenizes one parsed body; the error is a reason label.

@@ -6,7 +6,6 @@
 use std::ops::Range;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use inferrail_policy::TextKind;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -136,33 +135,6 @@ pub fn fields(body: &[u8]) -> Result<Fields, BodyError> {
         text => Some(serde_json::from_str::<String>(text).map_err(|_| BodyError::ModelNotString)?),
     };
     Ok(Fields { model, model_at, user })
-}
-
-/// The prompt as text of the kind a policy reads ([`TextKind`]): the
-/// messages' contents joined by single spaces, or the messages serialized as
-/// JSON; a completion's prompt as it is. `None` when the policy reads none
-/// or the body has neither.
-pub fn text(body: &serde_json::Map<String, serde_json::Value>, kind: TextKind) -> Option<String> {
-    if kind == TextKind::None {
-        return None;
-    }
-    if let Some(prompt) = body.get("prompt").and_then(|p| p.as_str()) {
-        return Some(prompt.to_owned());
-    }
-    let messages = body.get("messages")?.as_array()?;
-    Some(match kind {
-        TextKind::Serialized => serde_json::to_string(messages).ok()?,
-        _ => {
-            let content = |m: &serde_json::Value| match m.get("content") {
-                Some(serde_json::Value::String(s)) => s.clone(),
-                Some(serde_json::Value::Array(parts)) => {
-                    parts.iter().filter_map(|p| p.get("text").and_then(|t| t.as_str())).collect::<Vec<_>>().join(" ")
-                }
-                _ => String::new(),
-            };
-            messages.iter().map(content).collect::<Vec<_>>().join(" ")
-        }
-    })
 }
 
 /// The body with the model set to `name`: the old value replaced in place,

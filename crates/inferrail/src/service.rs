@@ -117,8 +117,14 @@ impl Running {
             task.abort();
         }
         let router = self.router.clone();
-        // Spans still queued go out now (bounded by the exporter's timeout).
-        let flushed = tokio::task::spawn_blocking(move || router.traces.as_ref().map(|t| t.shutdown())).await;
+        // Decision-log lines and spans still queued go out now (spans bounded by the exporter's timeout).
+        let flushed = tokio::task::spawn_blocking(move || {
+            if let Some(log) = &router.decision_log {
+                log.close();
+            }
+            router.traces.as_ref().map(|t| t.shutdown())
+        })
+        .await;
         if let Ok(Some(Err(e))) = flushed {
             tracing::warn!(error = %e, "the last traces were not exported");
         }
