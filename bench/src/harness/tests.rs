@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::time::{Instant, sleep};
+use tokio::time::sleep;
 
 use super::*;
 use crate::workload::{Api, Request};
@@ -27,11 +27,22 @@ struct Plan {
     serial: bool,
 }
 
-/// Starts a server; returns its address and when each request arrived.
-async fn server(plan: Plan) -> (SocketAddr, Arc<Mutex<Vec<Instant>>>) {
+/// What a test server saw.
+#[derive(Default)]
+struct Seen {
+    /// Requests read in full.
+    arrived: usize,
+    /// Of those, the ones a serial server has not started answering.
+    waiting: usize,
+    /// The most that were waiting at once.
+    most_waiting: usize,
+}
+
+/// Starts a server; returns its address and what it saw.
+async fn server(plan: Plan) -> (SocketAddr, Arc<Mutex<Seen>>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
     let addr = listener.local_addr().expect("address");
-    let arrivals = Arc::new(Mutex::new(Vec::new()));
+    let arrivals = Arc::new(Mutex::new(Seen::default()));
     let (seen, one_at_a_time) = (arrivals.clone(), Arc::new(tokio::sync::Mutex::new(())));
     tokio::spawn(async move {
         while let Ok((socket, _)) = listener.accept().await {
@@ -42,7 +53,7 @@ async fn server(plan: Plan) -> (SocketAddr, Arc<Mutex<Vec<Instant>>>) {
     (addr, arrivals)
 }
 
-async fn answer(mut socket: TcpStream, plan: Plan, seen: &Mutex<Vec<Instant>>, one_at_a_time: &tokio::sync::Mutex<()>) {
+async fn answer(mut socket: TcpStream, plan: Plan, seen: &Mutex<Seen>, one_at_a_time: &tokio::sync::Mutex<()>) {
     socket.set_nodelay(true).expect("nodelay");
     // Read the head and the body it announces.
     let mut buf = Vec::new();
@@ -64,7 +75,12 @@ async fn answer(mut socket: TcpStream, plan: Plan, seen: &Mutex<Vec<Instant>>, o
             }
         }
     }
-    seen.lock().expect("lock").push(Instant::now());
+    {
+        let mut s = seen.lock().expect("lock");
+        s.arrived += 1;
+        s.waiting += 1;
+        s.most_waiting = s.most_waiting.max(s.waiting);
+    }
     let head = format!(
         "HTTP/1.1 {} X\r\ncontent-type: text/event-stream\r\n{REPLICA_HEADER}: r1\r\n{PREDICTED_HEADER}: 7\r\nconnection: close\r\n\r\n",
         plan.status
@@ -76,6 +92,7 @@ async fn answer(mut socket: TcpStream, plan: Plan, seen: &Mutex<Vec<Instant>>, o
         socket.write_all(format!("{head}overloaded").as_bytes()).await.ok();
     } else if plan.serial {
         let _turn = one_at_a_time.lock().await;
+        seen.lock().expect("lock").waiting -= 1;
         sleep(plan.first).await;
         let body: String = (0..plan.chunks).map(content).collect();
         socket.write_all(format!("{head}{body}{tail}").as_bytes()).await.ok();
@@ -116,17 +133,19 @@ async fn ttft_itl_and_tpot_match_a_server_with_known_timing() {
     let (addr, _) = server(plan).await;
     let http = reqwest::Client::new();
     let out = send_all(&http, &format!("http://{addr}"), &requests(3, Duration::from_millis(30)), false).await.expect("runs");
+    // The server cannot answer faster than its plan, so the plan bounds each
+    // measure from below; how they relate bounds them from above. No bound
+    // depends on how busy the machine is.
     for o in &out {
         assert!(o.ok(), "{:?}", o.error);
-        let ttft = ms(o.ttft.expect("ttft"));
-        assert!((100.0..300.0).contains(&ttft), "ttft {ttft}");
+        let (ttft, e2e) = (ms(o.ttft.expect("ttft")), ms(o.e2e.expect("e2e")));
+        assert!(ttft >= 100.0, "ttft {ttft}: the first chunk comes 100 ms after the headers");
+        assert!(e2e >= 100.0 + 9.0 * 20.0, "e2e {e2e}");
+        assert_eq!(o.itl.len(), 9, "one gap between each two of the ten chunks");
+        let gaps: f64 = o.itl.iter().copied().map(ms).sum();
+        assert!(gaps <= e2e - ttft + 1e-6, "the gaps {gaps} lie between the first chunk and the end");
         let tpot = ms(o.tpot().expect("tpot"));
-        assert!((15.0..60.0).contains(&tpot), "tpot {tpot}");
-        assert_eq!(o.itl.len(), 9);
-        let mut itl: Vec<f64> = o.itl.iter().copied().map(ms).collect();
-        itl.sort_by(f64::total_cmp);
-        assert!((15.0..60.0).contains(&itl[4]), "median itl {itl:?}");
-        assert!(ms(o.e2e.expect("e2e")) >= 100.0 + 9.0 * 20.0);
+        assert!((tpot - (e2e - ttft) / 9.0).abs() < 1e-6, "tpot {tpot} is (e2e - ttft) over the nine tokens after the first");
         assert_eq!((o.output_tokens, o.prompt_tokens, o.cached_tokens), (10, Some(10), Some(6)));
         assert_eq!((o.replica.as_deref(), o.predicted_cached_tokens, o.status), (Some("r1"), Some(7), Some(200)));
         assert_eq!(o.shared_prefix_tokens, 3);
@@ -139,7 +158,7 @@ async fn a_server_that_falls_behind_shows_as_latency_not_as_late_sends() {
     // One request at a time, 200 ms each, while one is scheduled every 50 ms:
     // request i finishes near 200 (i + 1) ms, 200 + 150 i ms after its schedule.
     let plan = Plan { status: 200, first: Duration::from_millis(200), every: Duration::ZERO, chunks: 3, serial: true };
-    let (addr, arrived) = server(plan).await;
+    let (addr, seen) = server(plan).await;
     let http = reqwest::Client::new();
     let out = send_all(&http, &format!("http://{addr}"), &requests(10, Duration::from_millis(50)), false).await.expect("runs");
     assert!(out.iter().all(Outcome::ok));
@@ -148,14 +167,12 @@ async fn a_server_that_falls_behind_shows_as_latency_not_as_late_sends() {
     assert!(ttft[9] >= 1200.0, "the last request waited behind nine others: {ttft:?}");
     assert!(ttft[9] > ttft[0] + 1000.0, "{ttft:?}");
     assert!(ttft[5..].iter().all(|&t| t > 800.0), "{ttft:?}");
-    // Sends kept to their schedule: all ten reached the server within about
-    // 450 ms, long before the server had answered the third.
-    let lag: Vec<f64> = out.iter().map(|o| ms(o.send_lag)).collect();
-    assert!(lag.iter().all(|&l| l < 100.0), "send lag {lag:?}");
-    let arrived = arrived.lock().expect("lock").clone();
-    assert_eq!(arrived.len(), 10);
-    let spread = ms(arrived.iter().max().copied().expect("some") - arrived.iter().min().copied().expect("some"));
-    assert!(spread < 600.0, "requests reached the server over {spread} ms");
+    // Sends kept to their schedule, not to the answers: requests queued up at
+    // the server while it served one (a sender that waited for each answer
+    // would never have more than one there).
+    let seen = seen.lock().expect("lock");
+    assert_eq!(seen.arrived, 10);
+    assert!(seen.most_waiting >= 5, "at most {} requests waited at the server at once", seen.most_waiting);
 }
 
 #[tokio::test]

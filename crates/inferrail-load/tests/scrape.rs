@@ -8,8 +8,19 @@ use std::time::{Duration, Instant};
 use common::Behaviour;
 use inferrail_load::{Engine, LoadTable, ScrapeConfig, Scraper};
 
-/// Generous: the router drops snapshots older than this.
-const FRESH: Duration = Duration::from_millis(250);
+/// Whether `id`'s snapshot is renewed `times` times (each newer than the
+/// last seen) within `limit`: the scraper keeps reading it.
+async fn renewed(table: &LoadTable, id: &str, times: usize, limit: Duration) -> bool {
+    let mut last = None;
+    for _ in 0..times {
+        let newer = |t: &LoadTable| t.get(id).is_some_and(|s| last.is_none_or(|l| s.at > l));
+        if !eventually(limit, || newer(table)).await {
+            return false;
+        }
+        last = table.get(id).map(|s| s.at);
+    }
+    true
+}
 
 /// Polls until `ok` holds, for at most `limit`.
 async fn eventually(limit: Duration, mut ok: impl FnMut() -> bool) -> bool {
@@ -30,23 +41,28 @@ async fn bad_targets_never_delay_a_healthy_one() {
     let hang = common::serve(Behaviour::Hang).await;
     let huge = common::serve(Behaviour::Huge(50 << 20)).await;
     let endless = common::serve(Behaviour::Endless).await;
+    // A minute's timeout: the hung target's first read is still pending
+    // while the healthy one is read again and again, which could not happen
+    // if reads waited for one another.
+    let patient = ScrapeConfig { timeout: Duration::from_secs(60), ..ScrapeConfig::default() };
     let table = LoadTable::new();
-    let scraper = Scraper::new(ScrapeConfig::default(), table.clone()).unwrap();
+    let scraper = Scraper::new(patient, table.clone()).unwrap();
     scraper.set_targets([
         ("ok".to_string(), healthy),
         ("hang".to_string(), hang),
         ("huge".to_string(), huge),
         ("endless".to_string(), endless),
     ]);
-
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    // Sampled over another second: the healthy target is fresh every time.
-    for _ in 0..10 {
-        let snap = table.get("ok").expect("the healthy target has a snapshot");
-        assert!(snap.age(Instant::now()) < FRESH, "healthy snapshot is {:?} old", snap.age(Instant::now()));
-        assert_eq!((snap.load.engine, snap.load.running), (Engine::Vllm, 4));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    assert!(renewed(&table, "ok", 10, Duration::from_secs(10)).await, "the healthy target is not read again and again");
+    let snap = table.get("ok").expect("the healthy target has a snapshot");
+    assert_eq!((snap.load.engine, snap.load.running), (Engine::Vllm, 4));
+    assert!(common::scrape_errors("hang").is_empty() && table.get("hang").is_none(), "the hung read is still pending");
+    assert!(eventually(Duration::from_secs(10), || !common::scrape_errors("endless").is_empty()).await);
+    drop(scraper);
+    // With the default timeout, the hung target's reads fail as timeouts.
+    let scraper = Scraper::new(ScrapeConfig::default(), table.clone()).unwrap();
+    scraper.set_targets([("hang".to_string(), hang)]);
+    assert!(eventually(Duration::from_secs(10), || !common::scrape_errors("hang").is_empty()).await);
     for bad in ["hang", "huge", "endless"] {
         assert_eq!(table.get(bad), None, "{bad} has a snapshot");
         let errors = common::scrape_errors(bad);
@@ -99,8 +115,8 @@ async fn targets_come_and_go() {
     assert!(eventually(Duration::from_secs(3), || table.get("a").is_some()).await);
     scraper.set_targets([("b".to_string(), b)]);
     assert_eq!(table.get("a"), None, "a removed target leaves the table");
-    assert!(eventually(Duration::from_secs(3), || table.get("b").is_some()).await);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // While b is read again and again, a never comes back.
+    assert!(renewed(&table, "b", 3, Duration::from_secs(3)).await);
     assert_eq!(table.get("a"), None, "a removed target is no longer scraped");
 }
 
@@ -110,15 +126,11 @@ async fn a_real_simulator_is_scraped_fresh() {
     let table = LoadTable::new();
     let scraper = Scraper::new(ScrapeConfig::default(), table.clone()).unwrap();
     scraper.set_targets([("sim".to_string(), addr)]);
-    let fresh = || table.get("sim").is_some_and(|s| s.age(Instant::now()) < FRESH);
-    assert!(eventually(Duration::from_secs(5), fresh).await, "no fresh snapshot of the simulator");
+    assert!(renewed(&table, "sim", 5, Duration::from_secs(5)).await, "the simulator is not read again and again");
     let load = table.get("sim").unwrap().load;
     assert_eq!((load.engine, load.running, load.waiting), (Engine::Vllm, 0, 0));
     assert_eq!(load.cache.map(|c| c.block_size), Some(32));
     assert!(load.prefix_queries.is_some());
-    // Still fresh a second later: scraping keeps going.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert!(fresh());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -138,16 +150,9 @@ async fn a_simulator_under_load_is_reported_fresh_with_its_load() {
     }
     let busy = || table.get("sim").is_some_and(|s| s.load.running == 32 && s.load.waiting == 16);
     assert!(eventually(Duration::from_secs(5), busy).await, "the report shows 32 running and 16 waiting");
-    // Sampled for a second while the engine streams: every sample fresh.
-    let mut stale = Vec::new();
-    for _ in 0..20 {
-        let age = table.get("sim").map(|s| s.age(Instant::now()));
-        if age.is_none_or(|a| a >= FRESH) {
-            stale.push(age);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(stale.is_empty(), "stale samples under load: {stale:?}");
+    // While the engine streams, its page keeps being read.
+    assert!(renewed(&table, "sim", 5, Duration::from_secs(5)).await, "the busy simulator is not read again and again");
+    assert!(table.get("sim").is_some_and(|s| s.load.running > 0), "still busy while renewed");
     for s in streams {
         s.abort();
     }

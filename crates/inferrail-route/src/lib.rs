@@ -1,6 +1,6 @@
 //! The decision core: from a request view, a fleet snapshot and the time,
 //! [`Core::plan`] says what the model's policy would do and why;
-//! [`Core::commit`] makes it so.
+//! [`Core::decide`] plans and commits it in one turn.
 //!
 //! A plan holds every replica serving the model: its predicted cached tokens
 //! (the prompt cut once per block size, the index asked for all candidates
@@ -103,6 +103,9 @@ pub struct Plan {
     pub steer: Option<&'static str>,
     /// A guard waived because it would have refused every replica.
     pub waived: Option<&'static str>,
+    /// Why no replica can take the request (then the order is empty and
+    /// nothing was scored; `set_aside` says what each replica lacks).
+    pub unavailable: Option<NoReplica>,
     /// The prompt's blocks, when it was tokenized.
     pub prediction: Option<Arc<Prediction>>,
     session: Option<String>,
@@ -261,17 +264,13 @@ impl Core {
         now: Duration,
     ) -> Result<Plan, NoReplica> {
         let rng = self.models[view.model].rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        self.plan_best(view, fleet, reports, now, 1 + self.fallbacks, rng)
+        available(self.plan_best(view, fleet, reports, now, 1 + self.fallbacks, rng))
     }
 
-    /// [`Core::plan`], with every offered replica in the order.
-    pub fn plan_all(
-        &self,
-        view: &View,
-        fleet: &Arc<Fleet>,
-        reports: &dyn Fn(&Replica) -> Option<Report>,
-        now: Duration,
-    ) -> Result<Plan, NoReplica> {
+    /// [`Core::plan`], with every offered replica in the order, and a plan
+    /// (saying why) even when no replica can take the request: what an
+    /// explanation shows.
+    pub fn plan_all(&self, view: &View, fleet: &Arc<Fleet>, reports: &dyn Fn(&Replica) -> Option<Report>, now: Duration) -> Plan {
         let rng = self.models[view.model].rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
         self.plan_best(view, fleet, reports, now, usize::MAX, rng)
     }
@@ -289,8 +288,8 @@ impl Core {
         now: Duration,
     ) -> Result<(Plan, Committed), NoReplica> {
         let mut rng = self.models[view.model].rng.lock().unwrap_or_else(|p| p.into_inner());
-        let plan = self.plan_best(view, fleet, reports, now, 1 + self.fallbacks, rng.clone())?;
-        let committed = self.commit_with(&plan, &mut rng);
+        let plan = available(self.plan_best(view, fleet, reports, now, 1 + self.fallbacks, rng.clone()))?;
+        let committed = self.commit(&plan, &mut rng);
         Ok((plan, committed))
     }
 
@@ -302,7 +301,7 @@ impl Core {
         now: Duration,
         k: usize,
         rng: StdRng,
-    ) -> Result<Plan, NoReplica> {
+    ) -> Plan {
         let model = &self.models[view.model];
         let replicas = fleet.serving(view.model);
         let places: Vec<Place> = replicas.iter().map(|r| self.place(r)).collect();
@@ -322,7 +321,7 @@ impl Core {
             })
             .collect();
         let mut aside = vec![None; candidates.len()];
-        eligibility(&candidates, &mut aside)?;
+        let unavailable = eligibility(&candidates, &mut aside).err();
         let mut plan = Plan {
             model: view.model,
             policy: model.policy.name(),
@@ -336,12 +335,18 @@ impl Core {
             order: Vec::new(),
             steer: None,
             waived: None,
+            unavailable,
             prediction: view.prediction.clone(),
             session: view.session.map(str::to_owned),
             text: view.text.map(str::to_owned),
             block_size: most_common_block_size(&places).unwrap_or(self.kv.defaults.block_size),
             rng,
         };
+        if plan.unavailable.is_some() {
+            plan.scores = vec![None; aside.len()];
+            plan.set_aside = aside;
+            return plan;
+        }
         let req = plan.request();
         let waived = model.policy.guard(&req, &plan.candidates, &mut aside);
         let offered: Vec<usize> = (0..aside.len()).filter(|&i| aside[i].is_none()).collect();
@@ -359,18 +364,11 @@ impl Core {
         plan.order = ranked;
         plan.steer = steer;
         plan.waived = waived;
-        Ok(plan)
+        plan
     }
 
-    /// Commits a plan made by [`Core::plan`]: leases the winner and names
-    /// the fallbacks. Anything committed between the two is not seen;
-    /// [`Core::decide`] does both in one turn.
-    pub fn commit(&self, plan: &Plan) -> Committed {
-        let mut rng = self.models[plan.model].rng.lock().unwrap_or_else(|p| p.into_inner());
-        self.commit_with(plan, &mut rng)
-    }
-
-    fn commit_with(&self, plan: &Plan, rng: &mut StdRng) -> Committed {
+    /// Commits a plan made under the model's generator lock (see [`Core::decide`]).
+    fn commit(&self, plan: &Plan, rng: &mut StdRng) -> Committed {
         let model = &self.models[plan.model];
         let winner = plan.order[0];
         model.policy.picked(&plan.request(), &plan.candidates, winner);
@@ -429,6 +427,14 @@ impl Core {
             }
             None => false,
         }
+    }
+}
+
+/// A plan that some replica can take, or why none can.
+fn available(plan: Plan) -> Result<Plan, NoReplica> {
+    match plan.unavailable {
+        Some(why) => Err(why),
+        None => Ok(plan),
     }
 }
 

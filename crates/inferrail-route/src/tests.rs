@@ -94,6 +94,20 @@ fn unhealthy_and_full_replicas_are_set_aside_with_their_reason() {
     assert!((0..plan.candidates.len()).all(|i| plan.replica(i).models.contains(&0)), "only replicas serving the model");
 }
 
+#[test]
+fn when_no_replica_can_take_a_request_the_plan_still_says_what_each_lacks() {
+    let (core, fleet) = core("cost_model", 2);
+    let v = view(&core, &fleet, &prompt(0, 100));
+    fleet.serving(0)[0].set_probe(false);
+    let _held: Vec<Lease> = (0..8).map(|_| Lease::new(fleet.serving(0)[1].clone(), 0, 0)).collect();
+    assert_eq!(core.plan(&v, &fleet, NONE, Duration::ZERO).unwrap_err(), NoReplica::AllFull);
+    assert_eq!(core.decide(&v, &fleet, NONE, Duration::ZERO).unwrap_err(), NoReplica::AllFull);
+    let plan = core.plan_all(&v, &fleet, NONE, Duration::ZERO);
+    assert_eq!(plan.unavailable, Some(NoReplica::AllFull));
+    assert_eq!(plan.set_aside, [Some(SetAside::Unhealthy), Some(SetAside::Full)]);
+    assert!(plan.order.is_empty() && plan.scores.iter().all(Option::is_none));
+}
+
 proptest! {
     #[test]
     fn a_stale_report_is_never_read(ages in proptest::collection::vec(0u64..600, 3), usage in 0.0f64..1.0) {
@@ -119,9 +133,8 @@ fn new_prompts_spread_over_idle_replicas_rather_than_pile_on_one() {
     let mut wins = std::collections::HashMap::new();
     for i in 0..30u32 {
         let p = prompt(i * 100_000, 350);
-        let plan = core.plan(&view(&core, &fleet, &p), &fleet, NONE, Duration::from_millis(u64::from(i) * 20)).unwrap();
+        let (plan, c) = core.decide(&view(&core, &fleet, &p), &fleet, NONE, Duration::from_millis(u64::from(i) * 20)).unwrap();
         assert!(plan.scores.iter().all(|s| s.unwrap().terms[3] == 0.0), "no hot credit for a root nobody holds");
-        let c = core.commit(&plan);
         *wins.entry(c.targets[0].id.clone()).or_insert(0) += 1;
         c.lease.first_byte();
         c.lease.release();

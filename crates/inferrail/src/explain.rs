@@ -8,7 +8,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inferrail_policy::NoReplica;
 use inferrail_proto::admin::v1 as pb;
 use inferrail_proto::admin::v1::admin_server::{Admin, AdminServer};
 use inferrail_route::fleet::Replica;
@@ -106,28 +105,21 @@ fn engine(report: Option<(Report, Duration)>) -> Option<pb::EngineReport> {
 
 /// The explanation of a plan.
 fn explanation(router: &Router, e: &Explained) -> pb::ExplainResponse {
-    let model = &router.core.models[e.model];
+    let plan = &e.plan;
     let mut out = pb::ExplainResponse {
-        model: model.name.clone(),
+        model: router.core.models[plan.model].name.clone(),
         requested_model: e.requested.clone().unwrap_or_default(),
-        policy: router.core.policy(e.model).to_string(),
+        policy: plan.policy.to_string(),
         no_prediction: e.no_prediction.unwrap_or_default().to_string(),
+        no_replica: plan.unavailable.map(|why| why.label().to_string()).unwrap_or_default(),
         ..pb::ExplainResponse::default()
-    };
-    let plan = match &e.plan {
-        Ok(plan) => plan,
-        Err(why) => {
-            out.no_replica = why.label().to_string();
-            out.candidates = no_plan(router, e.model, *why);
-            return out;
-        }
     };
     out.prompt_tokens = plan.prompt_tokens().unwrap_or(0) as u64;
     out.block_size = plan.block_size() as u64;
     out.prompt_blocks = plan.blocks().len() as u64;
     out.steer = plan.steer.unwrap_or_default().to_string();
     out.waived = plan.waived.unwrap_or_default().to_string();
-    out.winner = plan.winner().id.clone();
+    out.winner = plan.order.first().map(|&w| plan.replica(w).id.clone()).unwrap_or_default();
     out.fallbacks = plan.order.iter().skip(1).take(router.config.retry.fallbacks).map(|&i| plan.replica(i).id.clone()).collect();
     out.deciding_term = deciding_term(plan).to_string();
     out.candidates = (0..plan.candidates.len())
@@ -166,7 +158,11 @@ fn deciding_term(plan: &Plan) -> &'static str {
     if let Some(steer) = plan.steer {
         return steer;
     }
-    let (Some(&w), Some(&r)) = (plan.order.first(), plan.order.get(1)) else { return "only_candidate" };
+    let (w, r) = match (plan.order.first(), plan.order.get(1)) {
+        (None, _) => return "",
+        (Some(_), None) => return "only_candidate",
+        (Some(&w), Some(&r)) => (w, r),
+    };
     let (Some(w), Some(r)) = (plan.scores[w], plan.scores[r]) else { return "" };
     let ahead = plan.terms.iter().zip(w.terms.iter().zip(r.terms)).map(|(name, (w, r))| (name, r - w));
     match ahead.max_by(|a, b| a.1.total_cmp(&b.1)) {
@@ -174,32 +170,6 @@ fn deciding_term(plan: &Plan) -> &'static str {
         // No term ahead: the tie-break (fewer in flight, then chance) decided.
         _ => "tie_break",
     }
-}
-
-/// Candidates when none could be planned: who serves the model and in what state.
-fn no_plan(router: &Router, model: usize, _why: NoReplica) -> Vec<pb::Candidate> {
-    let fleet = router.fleet();
-    let now = router.now();
-    fleet
-        .serving(model)
-        .iter()
-        .map(|r| {
-            let c = r.candidate(now, 0, None);
-            pb::Candidate {
-                id: r.id.clone(),
-                address: r.addr.to_string(),
-                healthy: c.healthy,
-                ejected: r.ejected(now.as_millis() as u64),
-                has_room: c.has_room(),
-                in_flight: c.in_flight,
-                pending: c.pending,
-                max_concurrency: c.max_concurrency,
-                max_pending: c.max_pending,
-                set_aside: if c.healthy { "full" } else { "unhealthy" }.into(),
-                ..pb::Candidate::default()
-            }
-        })
-        .collect()
 }
 
 /// The fleet as the router sees it now.

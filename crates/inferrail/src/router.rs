@@ -77,14 +77,13 @@ impl Read {
 /// What the model's policy would do with a request, and why.
 #[derive(Debug)]
 pub struct Explained {
-    /// The model's index.
-    pub model: usize,
     /// The name the client asked for, when it was an alias.
     pub requested: Option<String>,
     /// Why the prompt has no tokens, when it has none.
     pub no_prediction: Option<&'static str>,
-    /// The plan, every offered replica in its order; or why none can take it.
-    pub plan: Result<Plan, NoReplica>,
+    /// The plan, every offered replica in its order (or, when none can take
+    /// the request, why not and what each lacks).
+    pub plan: Plan,
 }
 
 /// Why the router answered a request itself.
@@ -268,7 +267,7 @@ impl Router {
     pub async fn explain(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>) -> Result<Explained, RouteError> {
         let read = self.read(body, endpoint, session).await?;
         let plan = self.core.plan_all(&read.view(), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
-        Ok(Explained { model: read.model, requested: read.requested, no_prediction: read.no_prediction, plan })
+        Ok(Explained { requested: read.requested, no_prediction: read.no_prediction, plan })
     }
 
     /// Reads a request up to the decision: its model, its prompt's blocks and text, the body to forward.
