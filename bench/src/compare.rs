@@ -114,11 +114,11 @@ pub struct CompareRun {
 }
 
 /// Processes that are stopped when dropped.
-struct Fleet {
+struct Processes {
     children: Vec<(String, Child)>,
 }
 
-impl Drop for Fleet {
+impl Drop for Processes {
     fn drop(&mut self) {
         for (_, c) in &mut self.children {
             // Already gone is fine: the point is that nothing outlives the run.
@@ -128,7 +128,7 @@ impl Drop for Fleet {
     }
 }
 
-impl Fleet {
+impl Processes {
     fn spawn(&mut self, name: &str, logs: &Path, program: &Path, args: &[String]) -> anyhow::Result<()> {
         let log = std::fs::File::create(logs.join(format!("{name}.log")))?;
         let child = Command::new(program)
@@ -153,7 +153,7 @@ impl Fleet {
 }
 
 /// Polls `ok` until it holds or `limit` passes, failing if a process died.
-async fn until(fleet: &mut Fleet, limit: Duration, what: &str, mut ok: impl AsyncFnMut() -> bool) -> anyhow::Result<()> {
+async fn until(fleet: &mut Processes, limit: Duration, what: &str, mut ok: impl AsyncFnMut() -> bool) -> anyhow::Result<()> {
     let start = Instant::now();
     while start.elapsed() < limit {
         fleet.check_alive()?;
@@ -200,9 +200,9 @@ fn envoy_config() -> anyhow::Result<String> {
 }
 
 /// Starts the simulators and the contender in front of them; returns when a request is served.
-async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http: &reqwest::Client) -> anyhow::Result<Fleet> {
+async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http: &reqwest::Client) -> anyhow::Result<Processes> {
     std::fs::create_dir_all(logs)?;
-    let mut fleet = Fleet { children: Vec::new() };
+    let mut fleet = Processes { children: Vec::new() };
     let sim = args.bin_dir.join("inferrail-sim");
     for (i, port) in SIMS.iter().enumerate() {
         let mut flags: Vec<String> = [

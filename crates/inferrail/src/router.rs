@@ -54,7 +54,7 @@ pub struct Decision {
 }
 
 /// A request read up to the decision.
-struct Read {
+struct Prepared {
     model: usize,
     fleet: Arc<Fleet>,
     prediction: Option<Arc<Prediction>>,
@@ -68,7 +68,7 @@ struct Read {
     body: Option<Vec<u8>>,
 }
 
-impl Read {
+impl Prepared {
     fn view(&self) -> View<'_> {
         View { model: self.model, prediction: self.prediction.clone(), session: self.session.as_deref(), text: self.text.as_deref() }
     }
@@ -229,7 +229,7 @@ impl Router {
     }
 
     async fn decide_inner(&self, body: &[u8], endpoint: Endpoint, request_id: &str, session: Option<&str>) -> Result<Decision, RouteError> {
-        let read = self.read(body, endpoint, session).await?;
+        let read = self.prepare(body, endpoint, session).await?;
         let model = &self.core.models[read.model];
         let (plan, committed) = self.core.decide(&read.view(), &read.fleet, &|r: &Replica| self.report(&r.id), self.now())?;
         record_plan(&plan);
@@ -265,13 +265,13 @@ impl Router {
     /// What the model's policy would do with a request now, and why,
     /// changing nothing: every offered replica is in the plan's order.
     pub async fn explain(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>) -> Result<Explained, RouteError> {
-        let read = self.read(body, endpoint, session).await?;
+        let read = self.prepare(body, endpoint, session).await?;
         let plan = self.core.plan_all(&read.view(), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
         Ok(Explained { requested: read.requested, no_prediction: read.no_prediction, plan })
     }
 
     /// Reads a request up to the decision: its model, its prompt's blocks and text, the body to forward.
-    async fn read(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>) -> Result<Read, RouteError> {
+    async fn prepare(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>) -> Result<Prepared, RouteError> {
         let max = self.config.server.max_body_bytes;
         if body.len() > max {
             return Err(RouteError::TooLarge(max));
@@ -296,7 +296,7 @@ impl Router {
             _ => Some(request::with_model(body, fields.model_at, &model.name)),
         };
         let session = session.map(str::to_owned).or(fields.user);
-        Ok(Read { model: index, fleet, prediction, session, text: read.text, no_prediction, requested, body: forward })
+        Ok(Prepared { model: index, fleet, prediction, session, text: read.text, no_prediction, requested, body: forward })
     }
 
     /// The lease a request holds.
