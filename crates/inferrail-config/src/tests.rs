@@ -104,7 +104,7 @@ replicas:
     let c = Config::parse(text).unwrap();
     let (m, n) = (c.params(0).unwrap(), c.params(1).unwrap());
     assert_eq!((m.cost_model.epsilon, m.cost_model.kappa, m.cost_model.hot_prefix.blocks), (0.5, 0.8, 8));
-    assert_eq!(m.cost_model.hot_prefix.window_secs, 10.0, "fields not given keep the global value");
+    assert_eq!(m.cost_model.hot_prefix.window_secs, 60.0, "fields not given keep the global value");
     assert_eq!((m.prefill.prefill_token_us, n.prefill.prefill_token_us), (80.0, 80.0));
     assert_eq!((n.cost_model.epsilon, n.cost_model.kappa), (0.5, 0.92));
 

@@ -4,8 +4,13 @@
 //! router has queued there plus `decode_interference_ms` per running request
 //! (the engine's count while its report is fresh), and `P(u, c) = a*u +
 //! b*u*(c + u/2) + d` ([`crate::Prefill`]) prices the `u` prompt tokens it
-//! would compute after the `c` it holds. Lowest wins; ties go to fewer
-//! requests in flight, then to chance.
+//! would compute after the `c` it holds. To that is added `share_ms` per
+//! fair share (`1 / n`) of the recent requests the replica took (counted in
+//! a decaying sketch over `hot_prefix.window_secs`): small against a miss,
+//! decisive among replicas that hold the prefix or that all miss it, so a
+//! replica's part of the requests, and of the decoding they bring, stays
+//! near its fair one and new prefixes go where there is room. Lowest wins;
+//! ties go to fewer requests in flight, then to chance.
 //!
 //! Guards, before scoring:
 //! - bounded load: never a replica that would hold more than
@@ -16,13 +21,13 @@
 //!   its KV cache in use, for a prompt with more than `short_prompt_tokens`
 //!   to compute there, unless every remaining replica is in that state.
 //!
-//! Hot prefixes: the prefill demand of each root prefix (its first
-//! `hot_prefix.blocks` blocks), in seconds of prefill per second on a replica
-//! that holds the root (the rest of each prompt after it), is counted in a
-//! decaying count-min sketch ([`crate::sketch`]). A root needing more
-//! than `hot_prefix.utilization` of a replica gets `ceil(demand /
-//! utilization)` owners: when fewer replicas hold it, the least queued
-//! others are priced as if they held it too, so its load spreads by queue.
+//! Hot prefixes: the requests for each root prefix (its first
+//! `hot_prefix.blocks` blocks) and for all of them are counted in a decaying
+//! count-min sketch ([`crate::sketch`]). A root asked for by more than
+//! `hot_prefix.fair_shares` times one replica's share of the requests (`1 /
+//! n`) gets `ceil(share * n / fair_shares)` owners: when fewer replicas hold
+//! it, the least queued others are priced as if they held it too, so its
+//! load spreads by queue and share.
 //!
 //! Session affinity (off by default): a request naming its conversation goes
 //! back to the conversation's last replica while the guards allow it.
@@ -46,6 +51,8 @@ pub struct Config {
     pub decode_interference_ms: f64,
     /// Bounded load: a replica holds at most `1 + epsilon` times its share.
     pub epsilon: f64,
+    /// Charged per fair share (`1 / n`) of the recent requests a replica took, milliseconds.
+    pub share_ms: f64,
     /// KV pressure: reported KV usage above which long uncached prompts go elsewhere.
     pub kappa: f64,
     /// KV pressure spares prompts with at most this many tokens to compute.
@@ -68,15 +75,16 @@ pub struct HotPrefix {
     pub blocks: usize,
     /// Seconds over which demand is averaged (the sketch's decay).
     pub window_secs: f64,
-    /// Share of one replica's time a root's prefill may take before it gets another owner.
-    pub utilization: f64,
+    /// Fair shares of the requests (one replica's, `1 / n`) a root may take before it gets another owner.
+    pub fair_shares: f64,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Self {
             decode_interference_ms: 0.06,
-            epsilon: 1.0,
+            epsilon: 1.5,
+            share_ms: 500.0,
             kappa: 0.92,
             short_prompt_tokens: 256,
             session_affinity: false,
@@ -88,14 +96,15 @@ impl Default for Config {
 
 impl Default for HotPrefix {
     fn default() -> Self {
-        Self { enabled: true, blocks: 16, window_secs: 10.0, utilization: 0.5 }
+        Self { enabled: true, blocks: 16, window_secs: 60.0, fair_shares: 1.0 }
     }
 }
 
 impl Config {
     pub(crate) fn validate(&self, at: &str, p: &mut Vec<String>) {
         let h = &self.hot_prefix;
-        let non_negative = [("decode_interference_ms", self.decode_interference_ms), ("epsilon", self.epsilon)];
+        let non_negative =
+            [("decode_interference_ms", self.decode_interference_ms), ("epsilon", self.epsilon), ("share_ms", self.share_ms)];
         for (name, v) in non_negative {
             if !(v.is_finite() && v >= 0.0) {
                 p.push(format!("{at}.{name}: {v} is not a non-negative number"));
@@ -113,8 +122,8 @@ impl Config {
         if !(h.window_secs.is_finite() && h.window_secs > 0.0) {
             p.push(format!("{at}.hot_prefix.window_secs: {} is not a positive number", h.window_secs));
         }
-        if !(h.utilization.is_finite() && h.utilization > 0.0) {
-            p.push(format!("{at}.hot_prefix.utilization: {} is not a positive number", h.utilization));
+        if !(h.fair_shares.is_finite() && h.fair_shares > 0.0) {
+            p.push(format!("{at}.hot_prefix.fair_shares: {} is not a positive number", h.fair_shares));
         }
     }
 }
@@ -125,6 +134,8 @@ pub struct CostModel {
     config: Config,
     prefill: Prefill,
     demand: Mutex<Sketch>,
+    /// Requests each replica took recently, by key.
+    taken: Mutex<Sketch>,
     sessions: Mutex<LruCache<String, u64>>,
 }
 
@@ -133,7 +144,13 @@ impl CostModel {
     pub fn new(config: Config, prefill: Prefill) -> Self {
         let half_life = Duration::from_secs_f64(config.hot_prefix.window_secs * std::f64::consts::LN_2);
         let sessions = NonZeroUsize::new(config.sessions).unwrap_or(NonZeroUsize::MIN);
-        Self { config, prefill, demand: Mutex::new(Sketch::new(half_life)), sessions: Mutex::new(LruCache::new(sessions)) }
+        Self {
+            config,
+            prefill,
+            demand: Mutex::new(Sketch::new(half_life)),
+            taken: Mutex::new(Sketch::new(half_life)),
+            sessions: Mutex::new(LruCache::new(sessions)),
+        }
     }
 
     /// The root prefix of a request and its tokens, when it has one.
@@ -143,12 +160,13 @@ impl CostModel {
         h.enabled.then_some((*last, h.blocks * req.block_size))
     }
 
-    /// Owners the request's root prefix needs now (1 when it is not hot).
-    fn owners(&self, root: u128) -> usize {
+    /// Owners the request's root prefix needs now among `n` replicas (1 when it is not hot).
+    fn owners(&self, root: u128, n: usize) -> usize {
         let h = &self.config.hot_prefix;
         let sketch = self.demand.lock().unwrap_or_else(|p| p.into_inner());
-        let demand = sketch.estimate(root) / sketch.window_secs();
-        if demand > h.utilization { (demand / h.utilization).ceil() as usize } else { 1 }
+        let total = sketch.total();
+        let shares = if total > 0.0 { sketch.estimate(root) / total * n as f64 } else { 0.0 };
+        if shares > h.fair_shares { (shares / h.fair_shares).ceil() as usize } else { 1 }
     }
 
     /// The estimated time to first token of a prompt on `c`, as if it held `cached` tokens.
@@ -156,7 +174,7 @@ impl CostModel {
         let queue = c.queued_prefill_secs;
         let decode = self.config.decode_interference_ms * 1e-3 * f64::from(c.running());
         let prefill = prompt.map_or(0.0, |n| self.prefill.secs(n.saturating_sub(cached), cached.min(n)));
-        Score { total: queue + decode + prefill, terms: [queue, decode, prefill, 0.0] }
+        Score { total: queue + decode + prefill, terms: [queue, decode, prefill, 0.0, 0.0] }
     }
 }
 
@@ -166,7 +184,7 @@ impl RoutingPolicy for CostModel {
     }
 
     fn terms(&self) -> &'static [&'static str] {
-        &["queue", "decode", "prefill", "hot_credit"]
+        &["queue", "decode", "prefill", "hot_credit", "share"]
     }
 
     fn guard(&self, req: &Request, c: &[Candidate], aside: &mut [Option<SetAside>]) -> Option<&'static str> {
@@ -208,21 +226,36 @@ impl RoutingPolicy for CostModel {
             *s = self.estimate(&c[i], req.prompt_tokens, c[i].cached_tokens);
         }
         if let Some((root, root_tokens)) = self.root(req) {
-            let owners = self.owners(root).min(offered.len());
+            let owners = self.owners(root, offered.len()).min(offered.len());
             let holders = offered.iter().filter(|&&i| c[i].cached_tokens >= root_tokens).count();
             // A hot root held somewhere: the least queued replicas without it
             // are priced as if they held it too, up to its owners. A root
             // nobody holds, or one that is not hot, is priced as it is.
             if owners > 1 && holders >= 1 && owners > holders {
+                // Priced as holding what the best holder holds: the others
+                // would cache the whole shared prefix after one miss.
+                let held = offered.iter().map(|&i| c[i].cached_tokens).max().unwrap_or(root_tokens);
                 let mut others: Vec<usize> = (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens < root_tokens).collect();
                 others.sort_by(|&a, &b| (out[a].terms[0] + out[a].terms[1]).total_cmp(&(out[b].terms[0] + out[b].terms[1])));
                 for k in others.into_iter().take(owners - holders) {
-                    let credited = self.estimate(&c[offered[k]], req.prompt_tokens, root_tokens);
+                    let credited = self.estimate(&c[offered[k]], req.prompt_tokens, held);
                     let saved = out[k].total - credited.total;
-                    out[k] = Score { terms: [credited.terms[0], credited.terms[1], credited.terms[2], saved], ..credited };
+                    out[k] = Score { terms: [credited.terms[0], credited.terms[1], credited.terms[2], saved, 0.0], ..credited };
                 }
             }
         }
+        // The share term: what keeps each replica's part of the requests,
+        // and of the decoding they bring, near its fair one.
+        let taken = self.taken.lock().unwrap_or_else(|p| p.into_inner());
+        let total = taken.total();
+        if total > 0.0 {
+            for (s, &i) in out.iter_mut().zip(offered) {
+                let shares = taken.estimate(u128::from(c[i].key)) / total * offered.len() as f64;
+                s.terms[4] = self.config.share_ms * 1e-3 * shares;
+                s.total += s.terms[4];
+            }
+        }
+        drop(taken);
         if self.config.session_affinity
             && let Some(session) = req.session
             && let Some(&home) = self.sessions.lock().unwrap_or_else(|p| p.into_inner()).peek(session)
@@ -235,11 +268,9 @@ impl RoutingPolicy for CostModel {
     }
 
     fn picked(&self, req: &Request, c: &[Candidate], winner: usize) {
-        if let Some((root, root_tokens)) = self.root(req) {
-            // The work the request brings to a replica that holds its root.
-            let n = req.prompt_tokens.unwrap_or(root_tokens);
-            let work = self.prefill.secs(n.saturating_sub(root_tokens), root_tokens.min(n));
-            self.demand.lock().unwrap_or_else(|p| p.into_inner()).add(root, work, req.now);
+        self.taken.lock().unwrap_or_else(|p| p.into_inner()).add(u128::from(c[winner].key), 1.0, req.now);
+        if let Some((root, _)) = self.root(req) {
+            self.demand.lock().unwrap_or_else(|p| p.into_inner()).add(root, 1.0, req.now);
         }
         if self.config.session_affinity
             && let Some(session) = req.session

@@ -1,5 +1,5 @@
-//! A decaying count-min sketch: how much of something (here, prefill
-//! seconds of a root prefix) was asked for recently.
+//! A decaying count-min sketch: how much of something (here, requests for
+//! a root prefix) was asked for recently, and of everything together.
 //!
 //! `DEPTH` rows of `WIDTH` counters; an item adds its amount to one counter
 //! per row, chosen by an independent hash, and its estimate is the smallest
@@ -22,6 +22,8 @@ pub struct Sketch {
     half_life: f64,
     /// When the table last decayed, seconds.
     decayed_at: f64,
+    /// The decayed sum of every amount added, as of the last decay (exact: one row's sum).
+    total: f64,
 }
 
 fn slot(item: u128, row: usize) -> usize {
@@ -35,7 +37,7 @@ fn slot(item: u128, row: usize) -> usize {
 impl Sketch {
     /// An empty sketch whose counts halve every `half_life`.
     pub fn new(half_life: Duration) -> Self {
-        Self { rows: vec![[0.0; WIDTH]; DEPTH], half_life: half_life.as_secs_f64().max(1e-3), decayed_at: 0.0 }
+        Self { rows: vec![[0.0; WIDTH]; DEPTH], half_life: half_life.as_secs_f64().max(1e-3), decayed_at: 0.0, total: 0.0 }
     }
 
     fn decay_to(&mut self, now: Duration) {
@@ -50,6 +52,7 @@ impl Sketch {
                 *v *= factor;
             }
         }
+        self.total *= factor;
         self.decayed_at = now;
     }
 
@@ -62,17 +65,17 @@ impl Sketch {
         for (r, row) in self.rows.iter_mut().enumerate() {
             row[slot(item, r)] += amount;
         }
+        self.total += amount;
+    }
+
+    /// The decayed sum of every item as of the last decay.
+    pub fn total(&self) -> f64 {
+        self.total
     }
 
     /// The decayed amount of `item` as of the last decay, never below the truth.
     pub fn estimate(&self, item: u128) -> f64 {
         self.rows.iter().enumerate().map(|(r, row)| row[slot(item, r)]).fold(f64::INFINITY, f64::min)
-    }
-
-    /// Seconds over which the decayed sum of a steady rate equals the rate
-    /// times this window: the half-life over ln 2.
-    pub fn window_secs(&self) -> f64 {
-        self.half_life / std::f64::consts::LN_2
     }
 }
 

@@ -66,7 +66,7 @@ fn a_session_goes_back_to_its_replica_while_the_guards_allow_then_follows_the_ne
     c[first].queued_prefill_secs = 0.5;
     assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], first);
     // Overloaded beyond the bounded-load cap: it moves, and the session follows.
-    c[first].in_flight = 9;
+    c[first].in_flight = 20;
     let moved = decide(&p, &req, &c, &mut r).unwrap()[0];
     assert_ne!(moved, first);
     p.picked(&req, &c, moved);
@@ -77,33 +77,35 @@ fn a_session_goes_back_to_its_replica_while_the_guards_allow_then_follows_the_ne
 #[test]
 fn a_hot_root_prefix_gets_more_owners_and_a_cold_one_stays_on_its_holder() {
     let p = policy(Config::default());
-    let blocks: Vec<u128> = (1..=40).collect();
+    let hot: Vec<u128> = (1..=40).collect();
+    let cold: Vec<u128> = (101..=140).collect();
     let mut c = fleet(&[0, 0, 0, 0]);
     c[0].cached_tokens = 640;
     let mut r = rng(3);
-    let at = |t_ms: u64| Request {
+    let at = |t_ms: u64, blocks: &'static [u128]| Request {
         now: Duration::from_millis(t_ms),
         prompt_tokens: Some(700),
-        blocks: &blocks,
+        blocks,
         block_size: 16,
         ..Request::default()
     };
-    let req = at(0);
-    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 0, "not hot yet: the holder wins");
-    // The 444 tokens after the 256-token root cost about 0.05 s where the root is cached; 100 requests a second need several replicas.
+    let (hot, cold): (&'static [u128], &'static [u128]) = (hot.leak(), cold.leak());
+    assert_eq!(decide(&p, &at(0, hot), &c, &mut r).unwrap()[0], 0, "not hot yet: the holder wins");
+    // Four requests in five ask for the hot root: 3.2 replicas' fair shares of 4; the cold one asks for 0.8.
     for t in 0..500 {
-        let req = at(t * 10);
+        let req = at(t * 10, if t % 5 == 4 { cold } else { hot });
         let w = decide(&p, &req, &c, &mut r).unwrap()[0];
         p.picked(&req, &c, w);
     }
-    let owners = p.owners(blocks[15]);
-    assert!(owners >= 2, "demand needs {owners} owners");
-    let req = at(5_000);
+    let owners = p.owners(hot[15], 4);
+    assert_eq!(owners, 4, "the hot root needs every replica");
+    assert_eq!(p.owners(cold[15], 4), 1, "the cold root keeps one owner");
+    let req = at(5_000, hot);
     let mut scores = vec![Score::default(); 4];
     c[0].queued_prefill_secs = 0.2;
     p.score(&req, &c, &[0, 1, 2, 3], &mut r, &mut scores);
     let credited = scores.iter().filter(|s| s.terms[3] > 0.0).count();
-    assert_eq!(credited, (owners - 1).min(3), "{scores:?}");
+    assert_eq!(credited, 3, "{scores:?}");
     assert_ne!(decide(&p, &req, &c, &mut r).unwrap()[0], 0, "the queued holder shares its hot prefix");
 }
 
@@ -143,4 +145,31 @@ proptest! {
         c.queued_prefill_secs = queue;
         prop_assert!(p.estimate(&c, Some(prompt), hi).total <= p.estimate(&c, Some(prompt), lo).total + 1e-12);
     }
+}
+
+#[test]
+fn a_replica_over_its_share_of_recent_requests_loses_to_an_equal_holder_but_not_to_a_miss() {
+    let p = policy(Config::default());
+    let mut r = rng(5);
+    let mut c = fleet(&[0, 0, 0]);
+    c[0].cached_tokens = 4_000;
+    c[1].cached_tokens = 4_000;
+    let req = Request { prompt_tokens: Some(4_200), ..Request::default() };
+    // Replica 0 took the last ten requests.
+    for _ in 0..10 {
+        p.picked(&req, &c, 0);
+    }
+    let mut scores = vec![Score::default(); 3];
+    p.score(&req, &c, &[0, 1, 2], &mut r, &mut scores);
+    assert!((scores[0].terms[4] - 1.5).abs() < 1e-9, "three fair shares at 500 ms each: {scores:?}");
+    assert_eq!(scores[1].terms[4], 0.0);
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 1, "the other holder wins");
+    // Without another holder, the miss still costs more than the share.
+    c[1].cached_tokens = 0;
+    let q = Request { prompt_tokens: Some(40_000), ..req };
+    c[0].cached_tokens = 39_000;
+    assert_eq!(decide(&p, &q, &c, &mut r).unwrap()[0], 0, "{:?}", {
+        p.score(&q, &c, &[0, 1, 2], &mut r, &mut scores);
+        scores
+    });
 }
