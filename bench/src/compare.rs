@@ -58,13 +58,18 @@ pub struct CompareArgs {
     /// Seed of the first repetition.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// SLO on time to first token, milliseconds.
+    /// SLO on time to first token, milliseconds, at time scale 1.
     #[arg(long, default_value_t = 2000.0)]
     pub slo_ttft_ms: f64,
-    /// SLO on time per output token, milliseconds.
+    /// SLO on time per output token, milliseconds, at time scale 1.
     #[arg(long, default_value_t = 100.0)]
     pub slo_tpot_ms: f64,
-    /// Extra flags of every simulator (cache size, latency model), space separated.
+    /// Scales the simulators' latency model, the router's matching costs and
+    /// the SLO ([`crate::timescale`]; 0.1: ten times faster engines, a 200 ms
+    /// TTFT SLO); rates and durations are as given.
+    #[arg(long, default_value_t = 1.0, value_parser = crate::timescale::parse)]
+    pub time_scale: f64,
+    /// Extra flags of every simulator (cache size), space separated; they come after the time scale's.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub sim_flags: String,
     /// Where the inferrail, inferrail-sim binaries are.
@@ -107,7 +112,9 @@ pub struct CompareRun {
     rate: f64,
     duration_s: f64,
     warmup_s: f64,
+    time_scale: f64,
     sim_flags: String,
+    slo: Slo,
     spec: Spec,
     #[serde(flatten)]
     measured: Measured,
@@ -166,19 +173,21 @@ async fn until(fleet: &mut Processes, limit: Duration, what: &str, mut ok: impl 
 }
 
 /// The router's configuration for one policy over the simulators.
-fn router_config(policy: &str, tokenizer: &str, seed: u64) -> String {
+fn router_config(policy: &str, tokenizer: &str, seed: u64, time_scale: f64) -> anyhow::Result<String> {
     let replicas: String = SIMS
         .iter()
         .enumerate()
         .map(|(i, p)| format!("  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]}}\n", i + 1))
         .collect();
-    format!(
+    // JSON is YAML: the policies' parameters as the time scale sets them.
+    let policies = serde_json::to_string(&crate::timescale::params(time_scale))?;
+    Ok(format!(
         "server: {{listen: 127.0.0.1:{EXT_PROC}}}\n\
          admin: {{listen: 127.0.0.1:{ADMIN}, grpc_listen: 127.0.0.1:{ADMIN_GRPC}}}\n\
-         routing: {{seed: {seed}}}\n\
+         routing: {{seed: {seed}, policies: {policies}}}\n\
          models:\n  - {{name: inferrail/sim-8b, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}}}\n\
          replicas:\n{replicas}"
-    )
+    ))
 }
 
 /// The shipped local Envoy bootstrap on the ports of the fleet under test.
@@ -217,6 +226,7 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
         .iter()
         .map(|s| s.to_string())
         .collect();
+        flags.extend(crate::timescale::sim_flags(args.time_scale));
         flags.extend(args.sim_flags.split_whitespace().map(str::to_string));
         fleet.spawn(&format!("sim-{}", i + 1), logs, &sim, &flags)?;
     }
@@ -240,7 +250,7 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
         }
         None => {
             let config = logs.join("inferrail.yaml");
-            std::fs::write(&config, router_config(contender, &args.tokenizer, seed))?;
+            std::fs::write(&config, router_config(contender, &args.tokenizer, seed, args.time_scale)?)?;
             fleet.spawn("inferrail", logs, &args.bin_dir.join("inferrail"), &["--config".into(), config.display().to_string()])?;
             let envoy = logs.join("envoy.yaml");
             std::fs::write(&envoy, envoy_config()?)?;
@@ -268,7 +278,7 @@ pub async fn compare(args: CompareArgs) -> anyhow::Result<()> {
         "--rate and --duration-s must be positive, --warmup-s at least 0"
     );
     let http = run::client(600.0)?;
-    let slo = Slo { ttft_ms: args.slo_ttft_ms, tpot_ms: args.slo_tpot_ms };
+    let slo = Slo { ttft_ms: args.slo_ttft_ms * args.time_scale, tpot_ms: args.slo_tpot_ms * args.time_scale };
     let engines: Vec<String> = SIMS.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
     let (commit, command) = (run::commit(), run::command_line());
     let mut runs = Vec::new();
@@ -305,7 +315,9 @@ pub async fn compare(args: CompareArgs) -> anyhow::Result<()> {
                     rate: args.rate,
                     duration_s: args.duration_s,
                     warmup_s: args.warmup_s,
+                    time_scale: args.time_scale,
                     sim_flags: args.sim_flags.clone(),
+                    slo,
                     spec: spec.clone(),
                     measured,
                 };

@@ -49,8 +49,9 @@ pub struct FleetArgs {
     /// Seed of the workload, its schedule and the router.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// KV blocks per replica; default: a third of the shared system prompts'
-    /// blocks, and at least the largest request's.
+    /// KV blocks per replica; default: half the shared system prompts'
+    /// blocks (a third of them, and room for the requests running), and at
+    /// least the largest request's.
     #[arg(long)]
     pub kv_blocks: Option<usize>,
     /// Tokens per KV block.
@@ -59,6 +60,10 @@ pub struct FleetArgs {
     /// Most requests in flight the router sends one replica.
     #[arg(long, default_value_t = Limits::default().max_concurrency)]
     pub max_concurrency: u32,
+    /// Scales the engines' latency model and the router's matching costs
+    /// (0.1: ten times faster engines); rates and the SLO are as given.
+    #[arg(long, default_value_t = 1.0, value_parser = crate::timescale::parse)]
+    pub time_scale: f64,
     /// Search each policy's capacity at the SLO instead of one simulation.
     #[arg(long)]
     pub capacity: bool,
@@ -92,18 +97,19 @@ fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> {
         replicas,
         kv_blocks,
         block_size: args.block_size,
-        latency: inferrail_sim::cost::DEFAULT,
+        time_scale: args.time_scale,
         limits: Limits { max_concurrency: args.max_concurrency, max_pending: args.max_concurrency },
         seed: args.seed,
         model: args.spec.model.clone(),
     })
 }
 
-/// A third of the shared system prompts' blocks, and room for the largest request.
+/// Half the shared system prompts' blocks (a replica holds a third of them
+/// and has room for the requests it runs), and room for the largest request.
 pub fn default_kv_blocks(spec: &Spec, seed: u64, block_size: usize) -> anyhow::Result<usize> {
     let shared: usize = Traffic::new(spec, 1.0, 0, seed, inferrail_policy::TextKind::None)?.shared_prompt_tokens().iter().sum();
     let largest = spec.system_tokens.max + spec.question_tokens.max + spec.output_tokens.max + 64;
-    Ok((shared / 3).max(largest as usize).div_ceil(block_size))
+    Ok((shared / 2).max(largest as usize).div_ceil(block_size))
 }
 
 /// One simulation of `policy` at `rate` on `setup`.

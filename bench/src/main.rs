@@ -12,6 +12,7 @@ mod report;
 mod run;
 mod sim_load;
 mod summary;
+mod timescale;
 mod workload;
 
 use clap::{Parser, Subcommand};

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inferrail_config::{CacheShape, Config, Limits, Model};
-use inferrail_policy::{PolicyKind, Prefill};
+use inferrail_policy::PolicyKind;
 use inferrail_route::fleet::{Fleet, Lease, Replica};
 use inferrail_route::kv::{Prediction, Prompt};
 use inferrail_route::{Core, View};
@@ -37,6 +37,7 @@ use serde::Serialize;
 
 use super::traffic::Arrival;
 use crate::report::{self, Latency};
+use crate::timescale;
 
 /// The simulated fleet.
 #[derive(Debug, Clone)]
@@ -47,14 +48,22 @@ pub struct Setup {
     pub kv_blocks: usize,
     /// Tokens per block.
     pub block_size: usize,
-    /// The engines' latency; the router's prefill cost is set to the same.
-    pub latency: LatencyModel,
+    /// The engines' latency model is the simulator's default times this
+    /// ([`crate::timescale`]); the router's costs are set to match.
+    pub time_scale: f64,
     /// Each replica's limits as the router holds them.
     pub limits: Limits,
     /// The router's seed.
     pub seed: u64,
     /// The model the requests ask for.
     pub model: String,
+}
+
+impl Setup {
+    /// The engines' latency model.
+    fn latency(&self) -> LatencyModel {
+        timescale::latency(self.time_scale)
+    }
 }
 
 /// What one simulation measured.
@@ -176,9 +185,7 @@ pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item 
 pub fn config(setup: &Setup, policy: PolicyKind) -> Config {
     let mut config = Config::default();
     config.routing.seed = setup.seed;
-    let l = setup.latency;
-    config.routing.policies.prefill =
-        Prefill { prefill_token_us: l.prefill_token_us, prefill_pair_ns: l.prefill_pair_ns, prefill_fixed_ms: l.prefill_fixed_ms };
+    config.routing.policies = timescale::params(setup.time_scale);
     config.kv.block_size = setup.block_size;
     config.kv.blocks = setup.kv_blocks;
     config.models = vec![Model { name: setup.model.clone(), policy, tokenizer: Some("builtin:sim".into()), ..Model::default() }];
@@ -321,7 +328,7 @@ impl<'a> World<'a> {
         engine.cached_tokens += cached as u64;
         self.measured += 1;
         self.exact += usize::from(job.predicted == cached);
-        let secs = self.setup.latency.prefill_secs(len - cached, cached);
+        let secs = self.setup.latency().prefill_secs(len - cached, cached);
         self.at(now + (secs * 1e9) as u64, Event::PrefillDone(r));
     }
 
@@ -340,7 +347,7 @@ impl<'a> World<'a> {
             job.lease.first_byte();
             self.ttft.push(Duration::from_nanos(now - job.arrival_ns));
             engine.running += 1;
-            let decode = job.max_tokens as f64 * self.setup.latency.decode_secs(engine.running);
+            let decode = job.max_tokens as f64 * self.setup.latency().decode_secs(engine.running);
             self.at(now + (decode * 1e9) as u64, Event::Complete(j));
         }
         self.start_prefill(r, now);

@@ -27,7 +27,7 @@ fn setup(spec: &Spec, replicas: usize) -> Setup {
         replicas,
         kv_blocks: default_kv_blocks(spec, 1, 16).expect("kv blocks"),
         block_size: 16,
-        latency: inferrail_sim::cost::DEFAULT,
+        time_scale: 1.0,
         limits: Limits::default(),
         seed: 1,
         model: spec.model.clone(),
