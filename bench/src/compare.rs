@@ -13,13 +13,13 @@
 //! request counters, so the peer, which names no replica, is measured alike.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
 
+use crate::processes::{self, Processes, Programs, until};
 use crate::run::{self, Measured};
 use crate::summary::Slo;
 use crate::workload::{self, Kind, Spec};
@@ -72,15 +72,9 @@ pub struct CompareArgs {
     /// Extra flags of every simulator (cache size), space separated; they come after the time scale's.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub sim_flags: String,
-    /// Where the inferrail, inferrail-sim binaries are.
-    #[arg(long, default_value = "target/release")]
-    pub bin_dir: PathBuf,
-    /// The Envoy binary.
-    #[arg(long, default_value = ".venv/bin/envoy")]
-    pub envoy: PathBuf,
-    /// The Python that has `sglang_router` installed.
-    #[arg(long, default_value = ".venv-sglang/bin/python")]
-    pub sglang_python: PathBuf,
+    /// The programs it starts.
+    #[command(flatten)]
+    pub programs: Programs,
     /// The router's tokenizer for the simulators' model.
     #[arg(long, default_value = "builtin:sim")]
     pub tokenizer: String,
@@ -120,99 +114,11 @@ pub struct CompareRun {
     measured: Measured,
 }
 
-/// Processes that are stopped when dropped.
-struct Processes {
-    children: Vec<(String, Child)>,
-}
-
-impl Drop for Processes {
-    fn drop(&mut self) {
-        for (_, c) in &mut self.children {
-            // Already gone is fine: the point is that nothing outlives the run.
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Processes {
-    fn spawn(&mut self, name: &str, logs: &Path, program: &Path, args: &[String]) -> anyhow::Result<()> {
-        let log = std::fs::File::create(logs.join(format!("{name}.log")))?;
-        let child = Command::new(program)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("starting {}", program.display()))?;
-        self.children.push((name.to_string(), child));
-        Ok(())
-    }
-
-    fn check_alive(&mut self) -> anyhow::Result<()> {
-        for (name, c) in &mut self.children {
-            if let Some(status) = c.try_wait()? {
-                anyhow::bail!("{name} exited with {status}");
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Polls `ok` until it holds or `limit` passes, failing if a process died.
-async fn until(fleet: &mut Processes, limit: Duration, what: &str, mut ok: impl AsyncFnMut() -> bool) -> anyhow::Result<()> {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        fleet.check_alive()?;
-        if ok().await {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    anyhow::bail!("timed out waiting for {what}")
-}
-
-/// The router's configuration for one policy over the simulators.
-fn router_config(policy: &str, tokenizer: &str, seed: u64, time_scale: f64) -> anyhow::Result<String> {
-    let replicas: String = SIMS
-        .iter()
-        .enumerate()
-        .map(|(i, p)| format!("  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]}}\n", i + 1))
-        .collect();
-    // JSON is YAML: the policies' parameters as the time scale sets them.
-    let policies = serde_json::to_string(&crate::timescale::params(time_scale))?;
-    Ok(format!(
-        "server: {{listen: 127.0.0.1:{EXT_PROC}}}\n\
-         admin: {{listen: 127.0.0.1:{ADMIN}, grpc_listen: 127.0.0.1:{ADMIN_GRPC}}}\n\
-         routing: {{seed: {seed}, policies: {policies}}}\n\
-         models:\n  - {{name: inferrail/sim-8b, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}}}\n\
-         replicas:\n{replicas}"
-    ))
-}
-
-/// The shipped local Envoy bootstrap on the ports of the fleet under test.
-fn envoy_config() -> anyhow::Result<String> {
-    let mut text = std::fs::read_to_string("envoy/local.yaml").context("reading envoy/local.yaml (run from the repository root)")?;
-    let moves = [(8080, ENTRY), (9901, ENVOY_ADMIN), (9002, EXT_PROC), (8001, SIMS[0]), (8002, SIMS[1]), (8003, SIMS[2])];
-    for (from, to) in moves {
-        let old = format!("port_value: {from}");
-        // The port as a whole number: 8001 must not match 80010.
-        let at: Vec<usize> = text
-            .match_indices(&old)
-            .map(|(i, _)| i)
-            .filter(|&i| !text[i + old.len()..].starts_with(|c: char| c.is_ascii_digit()))
-            .collect();
-        anyhow::ensure!(at.len() == 1, "envoy/local.yaml should name port {from} once");
-        text.replace_range(at[0]..at[0] + old.len(), &format!("port_value: {to}"));
-    }
-    Ok(text)
-}
-
 /// Starts the simulators and the contender in front of them; returns when a request is served.
 async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http: &reqwest::Client) -> anyhow::Result<Processes> {
     std::fs::create_dir_all(logs)?;
-    let mut fleet = Processes { children: Vec::new() };
-    let sim = args.bin_dir.join("inferrail-sim");
+    let mut fleet = Processes::default();
+    let sim = args.programs.bin_dir.join("inferrail-sim");
     for (i, port) in SIMS.iter().enumerate() {
         let mut flags: Vec<String> = [
             "--port",
@@ -238,24 +144,19 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
     }
     match contender.strip_prefix("sglang:") {
         Some(policy) => {
-            let mut flags: Vec<String> =
-                ["-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", &ENTRY.to_string(), "--policy", policy]
-                    .iter()
-                    .map(|s| s.to_string())
-                    .collect();
-            flags.push("--worker-urls".into());
-            flags.extend(SIMS.iter().map(|p| format!("http://127.0.0.1:{p}")));
-            flags.extend(["--log-level", "warn", "--prometheus-port", "19290"].map(str::to_string));
-            fleet.spawn("sglang-router", logs, &args.sglang_python, &flags)?;
+            let flags = processes::sglang_flags(ENTRY, policy, &SIMS, 19290);
+            fleet.spawn("sglang-router", logs, &args.programs.sglang_python, &flags)?;
         }
         None => {
             let config = logs.join("inferrail.yaml");
-            std::fs::write(&config, router_config(contender, &args.tokenizer, seed, args.time_scale)?)?;
-            fleet.spawn("inferrail", logs, &args.bin_dir.join("inferrail"), &["--config".into(), config.display().to_string()])?;
+            let ports = processes::RouterPorts { ext_proc: EXT_PROC, admin: ADMIN, admin_grpc: ADMIN_GRPC };
+            std::fs::write(&config, processes::router_config(contender, &args.tokenizer, seed, ports, &SIMS, args.time_scale)?)?;
+            fleet.spawn("inferrail", logs, &args.programs.bin_dir.join("inferrail"), &["--config".into(), config.display().to_string()])?;
             let envoy = logs.join("envoy.yaml");
-            std::fs::write(&envoy, envoy_config()?)?;
+            let moves = [(8080, ENTRY), (9901, ENVOY_ADMIN), (9002, EXT_PROC), (8001, SIMS[0]), (8002, SIMS[1]), (8003, SIMS[2])];
+            std::fs::write(&envoy, processes::envoy_config("envoy/local.yaml", &moves)?)?;
             let flags = ["-c", &envoy.display().to_string(), "--disable-hot-restart", "--log-level", "warn", "--concurrency", "1"];
-            fleet.spawn("envoy", logs, &args.envoy, &flags.map(str::to_string))?;
+            fleet.spawn("envoy", logs, &args.programs.envoy, &flags.map(str::to_string))?;
         }
     }
     let hello = serde_json::json!({"model": "inferrail/sim-8b", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1});

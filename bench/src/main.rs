@@ -4,16 +4,20 @@
 
 mod arrivals;
 mod compare;
+mod cpu;
 mod engines;
 mod fleet;
 mod harness;
-mod open_loop;
+mod noop;
+mod overhead;
+mod processes;
 mod report;
 mod run;
 mod sim_load;
 mod summary;
 mod timescale;
 mod workload;
+mod writeup;
 
 use clap::{Parser, Subcommand};
 
@@ -30,12 +34,16 @@ enum Command {
     Streams(sim_load::StreamsArgs),
     /// Closed-loop requests per second against one engine.
     Throughput(sim_load::ThroughputArgs),
-    /// Latency inferrail adds: open loop through Envoy with and without it.
-    Overhead(open_loop::OverheadArgs),
+    /// The overhead ladder: latency and CPU per request added by Envoy, a no-op ext_proc processor, inferrail and SGLang's router.
+    Overhead(overhead::OverheadArgs),
+    /// An ext_proc processor that answers CONTINUE to everything: the ladder's no-op rung.
+    NoopExtproc(noop::NoopArgs),
     /// One workload, open loop, streaming, summarized against an SLO.
     Run(run::RunArgs),
     /// Every policy and SGLang's router on the same requests, each on a cold fleet.
     Compare(compare::CompareArgs),
+    /// The Markdown report with PNG charts, from the committed results.
+    Report(writeup::ReportArgs),
     /// The router's decision core over simulated replicas on a virtual clock; capacity at the SLO.
     Fleet(fleet::FleetArgs),
 }
@@ -45,9 +53,11 @@ async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Streams(args) => sim_load::streams(args).await,
         Command::Throughput(args) => sim_load::throughput(args).await,
-        Command::Overhead(args) => open_loop::overhead(args).await,
+        Command::Overhead(args) => overhead::overhead(args).await,
+        Command::NoopExtproc(args) => noop::noop_extproc(args).await,
         Command::Run(args) => run::run(args).await,
         Command::Compare(args) => compare::compare(args).await,
         Command::Fleet(args) => fleet::fleet(args),
+        Command::Report(args) => writeup::report(args),
     }
 }

@@ -67,6 +67,9 @@ pub struct Measured {
     pub prefix_all: Prefix,
     /// The engines' own counters over the run.
     pub engines: Option<FleetHits>,
+    /// Every measured request's time to first token, milliseconds, in
+    /// scheduled order: the distribution the report draws.
+    pub ttft_ms: Vec<f64>,
 }
 
 /// An HTTP client for open-loop runs.
@@ -102,7 +105,8 @@ pub async fn measure(
     let summary = summary::summarize(&outcomes, warmup, slo);
     let prefix_all = summary::prefix(outcomes.iter().filter(|o| o.ok()));
     let engines = after.filter(|_| !engine_urls.is_empty()).map(|after| engines::over_run(engine_urls, &before, &after));
-    Ok(Measured { sent: requests.len(), summary, prefix_all, engines })
+    let ttft_ms = outcomes.iter().filter(|o| o.at >= warmup && o.ok()).filter_map(|o| o.ttft).map(|t| t.as_secs_f64() * 1e3).collect();
+    Ok(Measured { sent: requests.len(), summary, prefix_all, engines, ttft_ms })
 }
 
 #[derive(Debug, Serialize)]

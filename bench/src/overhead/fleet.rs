@@ -1,0 +1,166 @@
+//! The processes of the overhead ladder, all started once and kept for the
+//! whole run: three near-instant simulators, and in front of them a plain
+//! Envoy, an Envoy with the no-op processor, an Envoy with inferrail (the
+//! same filters as `envoy/local.yaml`) and SGLang's router. Each rung has
+//! its own entry URL; the ones not being measured sit idle.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::Serialize;
+
+use super::{OverheadArgs, Rung};
+use crate::processes::{self, Processes, RouterPorts};
+
+/// Ports of the ladder: clear of the local fleet's and of `compare`'s.
+const SIMS: [u16; 3] = [18201, 18202, 18203];
+const PLAIN: u16 = 18281;
+const NOOP_ENVOY: u16 = 18282;
+const INFERRAIL_ENVOY: u16 = 18283;
+const SGLANG: u16 = 18284;
+const NOOP: u16 = 19202;
+const ROUTER: RouterPorts = RouterPorts { ext_proc: 19203, admin: 19204, admin_grpc: 19205 };
+const ENVOY_ADMINS: [u16; 3] = [19211, 19212, 19213];
+const SGLANG_PROMETHEUS: u16 = 19214;
+
+/// Simulator flags: no time per step, room for 150 prompts of 220 KB at once.
+const SIM_FLAGS: [&str; 9] = [
+    "--zero-latency",
+    "--max-model-len",
+    "262144",
+    "--num-gpu-blocks-override",
+    "1048576",
+    "--max-num-seqs",
+    "1024",
+    "--served-model-name",
+    "inferrail/sim-8b",
+];
+
+/// A process whose CPU time is read, under the name the results use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// This benchmark's own process, which sends the requests.
+    Client,
+    /// The three simulators together.
+    Simulators,
+    /// Envoy without ext_proc filters.
+    EnvoyPlain,
+    /// Envoy in front of the no-op processor.
+    EnvoyNoop,
+    /// The no-op ext_proc processor.
+    NoopProcessor,
+    /// Envoy in front of inferrail.
+    EnvoyInferrail,
+    /// Inferrail.
+    Inferrail,
+    /// SGLang's router (its Python launcher and everything it started).
+    SglangRouter,
+}
+
+impl Rung {
+    /// The processes a request of this rung goes through.
+    pub fn roles(self) -> &'static [Role] {
+        match self {
+            Rung::Direct => &[Role::Client, Role::Simulators],
+            Rung::Envoy => &[Role::Client, Role::EnvoyPlain, Role::Simulators],
+            Rung::Noop => &[Role::Client, Role::EnvoyNoop, Role::NoopProcessor, Role::Simulators],
+            Rung::Inferrail => &[Role::Client, Role::EnvoyInferrail, Role::Inferrail, Role::Simulators],
+            Rung::Sglang => &[Role::Client, Role::SglangRouter, Role::Simulators],
+        }
+    }
+
+    /// Base URLs a request of this rung goes to (in turn, when several).
+    pub fn urls(self) -> Vec<String> {
+        let one = |port: u16| vec![format!("http://127.0.0.1:{port}")];
+        match self {
+            Rung::Direct => SIMS.iter().flat_map(|&p| one(p)).collect(),
+            Rung::Envoy => one(PLAIN),
+            Rung::Noop => one(NOOP_ENVOY),
+            Rung::Inferrail => one(INFERRAIL_ENVOY),
+            Rung::Sglang => one(SGLANG),
+        }
+    }
+}
+
+/// The started processes and whose CPU is whose.
+pub struct Fleet {
+    /// Stopped when dropped.
+    _processes: Processes,
+    /// Process ids of each role.
+    pub pids: Vec<(Role, u32)>,
+}
+
+/// Starts what `rungs` need and returns when each rung answers a request.
+pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqwest::Client) -> anyhow::Result<Fleet> {
+    std::fs::create_dir_all(logs)?;
+    let mut fleet = Processes::default();
+    let mut pids = vec![(Role::Client, std::process::id())];
+    for (i, port) in SIMS.iter().enumerate() {
+        let mut flags: Vec<String> = SIM_FLAGS.map(str::to_string).to_vec();
+        flags.extend(["--port".into(), port.to_string(), "--seed".into(), (i + 1).to_string()]);
+        pids.push((Role::Simulators, fleet.spawn(&format!("sim-{}", i + 1), logs, &args.programs.bin_dir.join("inferrail-sim"), &flags)?));
+    }
+    let sims = [(8001, SIMS[0]), (8002, SIMS[1]), (8003, SIMS[2])];
+    let envoy = |fleet: &mut Processes, name: &str, config: String, base_id: u16| -> anyhow::Result<u32> {
+        let path = logs.join(format!("{name}.yaml"));
+        std::fs::write(&path, config)?;
+        let flags = ["-c", &path.display().to_string(), "--disable-hot-restart", "--log-level", "error", "--concurrency", "1"];
+        let mut flags = flags.map(str::to_string).to_vec();
+        flags.extend(["--base-id".into(), base_id.to_string()]);
+        fleet.spawn(name, logs, &args.programs.envoy, &flags)
+    };
+    for &rung in rungs {
+        match rung {
+            Rung::Direct => {}
+            Rung::Envoy => {
+                let moves = [[(8081, PLAIN), (9911, ENVOY_ADMINS[0])].as_slice(), &sims].concat();
+                let config = processes::envoy_config("bench/envoy/plain.yaml", &moves)?;
+                pids.push((Role::EnvoyPlain, envoy(&mut fleet, "envoy-plain", config, 11)?));
+            }
+            Rung::Noop => {
+                let exe = std::env::current_exe().context("finding this benchmark's own binary")?;
+                let flags = ["noop-extproc".into(), "--listen".into(), format!("127.0.0.1:{NOOP}")];
+                pids.push((Role::NoopProcessor, fleet.spawn("noop-extproc", logs, &exe, &flags)?));
+                let moves = [[(8080, NOOP_ENVOY), (9901, ENVOY_ADMINS[1]), (9002, NOOP)].as_slice(), &sims].concat();
+                let config = processes::envoy_config("envoy/local.yaml", &moves)?;
+                pids.push((Role::EnvoyNoop, envoy(&mut fleet, "envoy-noop", config, 12)?));
+            }
+            Rung::Inferrail => {
+                let path = logs.join("inferrail.yaml");
+                // Zero-latency simulators: the default time scale prices nothing they do.
+                std::fs::write(&path, processes::router_config(&args.policy, &args.tokenizer, args.seed, ROUTER, &SIMS, 1.0)?)?;
+                let flags = ["--config".into(), path.display().to_string()];
+                pids.push((Role::Inferrail, fleet.spawn("inferrail", logs, &args.programs.bin_dir.join("inferrail"), &flags)?));
+                let moves = [[(8080, INFERRAIL_ENVOY), (9901, ENVOY_ADMINS[2]), (9002, ROUTER.ext_proc)].as_slice(), &sims].concat();
+                let config = processes::envoy_config("envoy/local.yaml", &moves)?;
+                pids.push((Role::EnvoyInferrail, envoy(&mut fleet, "envoy-inferrail", config, 13)?));
+            }
+            Rung::Sglang => {
+                anyhow::ensure!(
+                    args.programs.sglang_python.exists(),
+                    "{} is missing: run `just setup-sglang`",
+                    args.programs.sglang_python.display()
+                );
+                let flags = processes::sglang_flags(SGLANG, &args.sglang_policy, &SIMS, SGLANG_PROMETHEUS);
+                pids.push((Role::SglangRouter, fleet.spawn("sglang-router", logs, &args.programs.sglang_python, &flags)?));
+            }
+        }
+    }
+    let hello = serde_json::json!({"model": "inferrail/sim-8b", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1});
+    for &rung in rungs {
+        for url in rung.urls() {
+            processes::until(&mut fleet, Duration::from_secs(60), &format!("a first request through {rung:?}"), async || {
+                http.post(format!("{url}/v1/chat/completions"))
+                    .json(&hello)
+                    .timeout(Duration::from_secs(2))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success())
+            })
+            .await?;
+        }
+    }
+    Ok(Fleet { _processes: fleet, pids })
+}

@@ -1,0 +1,165 @@
+//! The two ways the ladder sends: open loop (requests leave on a Poisson
+//! schedule whatever earlier ones are doing; latency counts from the
+//! scheduled time) and closed loop (each of N clients sends its next
+//! request when the last one's answer is over; TTFT counts from the send).
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::time::Instant;
+
+use crate::harness::REPLICA_HEADER;
+
+/// The router's response header with the prompt tokens it counted.
+const PROMPT_TOKENS_HEADER: &str = "x-inferrail-prompt-tokens";
+
+/// What requests through one rung measured.
+#[derive(Debug, Default)]
+pub struct Sample {
+    /// Measured latencies: to the last byte (open loop) or first byte (closed loop).
+    pub latency: Vec<Duration>,
+    /// How late open-loop requests left against their schedule.
+    pub lag: Vec<Duration>,
+    /// Measured requests that failed or were not 2xx.
+    pub errors: usize,
+    /// Every request sent, warmup included: what the CPU time is divided by.
+    pub sent: usize,
+    /// Measured requests answered with a replica named by inferrail.
+    pub named: usize,
+    /// Prompt tokens inferrail counted, per answered request that says.
+    pub prompt_tokens: Vec<u64>,
+}
+
+impl Sample {
+    /// Adds `other`'s requests to these.
+    pub fn merge(&mut self, other: Sample) {
+        self.latency.extend(other.latency);
+        self.lag.extend(other.lag);
+        self.prompt_tokens.extend(other.prompt_tokens);
+        (self.errors, self.sent, self.named) = (self.errors + other.errors, self.sent + other.sent, self.named + other.named);
+    }
+}
+
+/// One response's headers that the ladder reads.
+fn read_headers(r: &reqwest::Response, sample: &mut Sample) {
+    if r.headers().contains_key(REPLICA_HEADER) {
+        sample.named += 1;
+    }
+    if let Some(n) = r.headers().get(PROMPT_TOKENS_HEADER).and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse().ok()) {
+        sample.prompt_tokens.push(n);
+    }
+}
+
+/// Sends `bodies[i]` at `offsets[i]` from now to `urls[i % urls.len()]`
+/// (`/v1/chat/completions`); those at or after `warmup` are measured.
+pub async fn open_loop(
+    http: &reqwest::Client,
+    urls: &[String],
+    bodies: &[Vec<u8>],
+    offsets: &[Duration],
+    warmup: Duration,
+    out: &mut Sample,
+) -> anyhow::Result<()> {
+    anyhow::ensure!(!urls.is_empty() && bodies.len() == offsets.len(), "one body per send time, and somewhere to send them");
+    let start = Instant::now() + Duration::from_millis(50);
+    let tasks: Vec<_> = offsets
+        .iter()
+        .zip(bodies)
+        .enumerate()
+        .map(|(i, (&offset, body))| {
+            let request = http.post(format!("{}/v1/chat/completions", urls[i % urls.len()])).header("content-type", "application/json");
+            let request = request.body(body.clone());
+            let at = start + offset;
+            tokio::spawn(async move {
+                tokio::time::sleep_until(at).await;
+                let lag = at.elapsed();
+                let answer = match request.send().await {
+                    Ok(r) if r.status().is_success() => {
+                        let mut headers = Sample::default();
+                        read_headers(&r, &mut headers);
+                        r.bytes().await.ok().map(|_| headers)
+                    }
+                    _ => None,
+                };
+                (offset >= warmup, answer, at.elapsed(), lag)
+            })
+        })
+        .collect();
+    out.sent += tasks.len();
+    for t in tasks {
+        let (measured, answer, took, lag) = t.await?;
+        if !measured {
+            continue;
+        }
+        match answer {
+            Some(headers) => {
+                out.latency.push(took);
+                out.lag.push(lag);
+                out.named += headers.named;
+                out.prompt_tokens.extend(headers.prompt_tokens);
+            }
+            None => out.errors += 1,
+        }
+    }
+    Ok(())
+}
+
+/// `clients` clients, each sending streaming requests to `url` one after
+/// another for `secs` seconds: request `n` of client `c` is `body(c, n)`.
+/// Time to the first body byte is measured for every request.
+pub async fn closed_loop(
+    http: &reqwest::Client,
+    url: &str,
+    clients: usize,
+    secs: f64,
+    body: std::sync::Arc<dyn Fn(usize, usize) -> Vec<u8> + Send + Sync>,
+    out: &mut Sample,
+) -> anyhow::Result<()> {
+    let end = Instant::now() + Duration::from_secs_f64(secs);
+    let url = format!("{url}/v1/chat/completions");
+    let tasks: Vec<_> = (0..clients)
+        .map(|c| {
+            let (http, url, body) = (http.clone(), url.clone(), body.clone());
+            tokio::spawn(async move {
+                let mut sample = Sample::default();
+                for n in 0.. {
+                    if Instant::now() >= end {
+                        break;
+                    }
+                    // Made before the clock starts: the client's own work is not the router's.
+                    let request = http.post(&url).header("content-type", "application/json").body(body(c, n));
+                    let sent = Instant::now();
+                    sample.sent += 1;
+                    match first_byte(request, &mut sample).await {
+                        Some(ttft) => sample.latency.push(ttft - sent),
+                        None => sample.errors += 1,
+                    }
+                }
+                sample
+            })
+        })
+        .collect();
+    for t in tasks {
+        out.merge(t.await?);
+    }
+    Ok(())
+}
+
+/// Sends `request`, returns when its first body byte came, and reads the
+/// rest; `None` when it failed anywhere.
+async fn first_byte(request: reqwest::RequestBuilder, sample: &mut Sample) -> Option<Instant> {
+    let r = request.send().await.ok().filter(|r| r.status().is_success())?;
+    read_headers(&r, sample);
+    let mut body = r.bytes_stream();
+    let first = loop {
+        match body.next().await {
+            Some(Ok(chunk)) if chunk.is_empty() => continue,
+            Some(Ok(_)) => break Instant::now(),
+            _ => return None,
+        }
+    };
+    while let Some(chunk) = body.next().await {
+        chunk.ok()?;
+    }
+    Some(first)
+}

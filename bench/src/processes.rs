@@ -1,0 +1,161 @@
+//! Child processes of a benchmark (simulators, routers, Envoys), stopped
+//! when dropped, and the readiness wait that fails as soon as one dies.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+
+/// Where the programs a benchmark starts are.
+#[derive(Debug, Clone, Args)]
+pub struct Programs {
+    /// Where the inferrail, inferrail-sim binaries are.
+    #[arg(long, default_value = "target/release")]
+    pub bin_dir: PathBuf,
+    /// The Envoy binary.
+    #[arg(long, default_value = ".venv/bin/envoy")]
+    pub envoy: PathBuf,
+    /// The Python that has `sglang_router` installed.
+    #[arg(long, default_value = ".venv-sglang/bin/python")]
+    pub sglang_python: PathBuf,
+}
+
+/// Processes that are stopped when dropped.
+#[derive(Default)]
+pub struct Processes {
+    children: Vec<(String, Child)>,
+}
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.children {
+            // Already gone is fine: the point is that nothing outlives the run.
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Processes {
+    /// Starts `program` as `name`, its output to `logs/<name>.log`; returns its pid.
+    pub fn spawn(&mut self, name: &str, logs: &Path, program: &Path, args: &[String]) -> anyhow::Result<u32> {
+        let log = std::fs::File::create(logs.join(format!("{name}.log")))?;
+        let child = Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", program.display()))?;
+        let pid = child.id();
+        self.children.push((name.to_string(), child));
+        Ok(pid)
+    }
+
+    /// Fails if any process has exited.
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        for (name, c) in &mut self.children {
+            if let Some(status) = c.try_wait()? {
+                anyhow::bail!("{name} exited with {status}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Polls `ok` until it holds or `limit` passes, failing if a process died.
+pub async fn until(fleet: &mut Processes, limit: Duration, what: &str, mut ok: impl AsyncFnMut() -> bool) -> anyhow::Result<()> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        fleet.check_alive()?;
+        if ok().await {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("timed out waiting for {what}")
+}
+
+/// An Envoy bootstrap read from `path` with each `port_value: from` moved to
+/// `to`; every port named must stand in it exactly once.
+pub fn envoy_config(path: &str, moves: &[(u16, u16)]) -> anyhow::Result<String> {
+    let mut text = std::fs::read_to_string(path).with_context(|| format!("reading {path} (run from the repository root)"))?;
+    for &(from, to) in moves {
+        let old = format!("port_value: {from}");
+        // The port as a whole number: 8001 must not match 80010.
+        let at: Vec<usize> = text
+            .match_indices(&old)
+            .map(|(i, _)| i)
+            .filter(|&i| !text[i + old.len()..].starts_with(|c: char| c.is_ascii_digit()))
+            .collect();
+        anyhow::ensure!(at.len() == 1, "{path} should name port {from} once");
+        text.replace_range(at[0]..at[0] + old.len(), &format!("port_value: {to}"));
+    }
+    Ok(text)
+}
+
+/// The ports inferrail listens on.
+#[derive(Debug, Clone, Copy)]
+pub struct RouterPorts {
+    /// Envoy's ext_proc filters call it here.
+    pub ext_proc: u16,
+    /// Health, metrics.
+    pub admin: u16,
+    /// Explain, Replicas.
+    pub admin_grpc: u16,
+}
+
+/// Inferrail's configuration for one policy over simulators on `sims`.
+pub fn router_config(
+    policy: &str,
+    tokenizer: &str,
+    seed: u64,
+    ports: RouterPorts,
+    sims: &[u16],
+    time_scale: f64,
+) -> anyhow::Result<String> {
+    let replicas: String = sims
+        .iter()
+        .enumerate()
+        .map(|(i, p)| format!("  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]}}\n", i + 1))
+        .collect();
+    let RouterPorts { ext_proc, admin, admin_grpc } = ports;
+    // JSON is YAML: the policies' parameters as the time scale sets them.
+    let policies = serde_json::to_string(&crate::timescale::params(time_scale))?;
+    Ok(format!(
+        "server: {{listen: 127.0.0.1:{ext_proc}}}\n\
+         admin: {{listen: 127.0.0.1:{admin}, grpc_listen: 127.0.0.1:{admin_grpc}}}\n\
+         routing: {{seed: {seed}, policies: {policies}}}\n\
+         models:\n  - {{name: inferrail/sim-8b, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}}}\n\
+         replicas:\n{replicas}"
+    ))
+}
+
+/// The arguments of `python` for SGLang's router with `policy` on `port`
+/// in front of simulators on `sims`.
+pub fn sglang_flags(port: u16, policy: &str, sims: &[u16], prometheus_port: u16) -> Vec<String> {
+    let mut flags: Vec<String> =
+        ["-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    flags.push("--worker-urls".into());
+    flags.extend(sims.iter().map(|p| format!("http://127.0.0.1:{p}")));
+    flags.extend(["--log-level", "warn", "--prometheus-port", &prometheus_port.to_string()].map(str::to_string));
+    flags
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn envoy_ports_move_as_whole_numbers() -> anyhow::Result<()> {
+        let text = envoy_config("../envoy/local.yaml", &[(8001, 18001), (9002, 19002)])?;
+        assert!(text.contains("port_value: 18001") && text.contains("port_value: 19002") && text.contains("port_value: 8002"));
+        assert!(envoy_config("../envoy/local.yaml", &[(8004, 1)]).is_err(), "a port that is not there is an error");
+        Ok(())
+    }
+}

@@ -1,0 +1,534 @@
+//! `report`: the committed Markdown report with PNG charts, made from the
+//! committed JSON results alone: the routing comparison (TTFT distributions,
+//! p50 and p99, prefix hit rates, replica shares, prediction), prediction
+//! accuracy under concurrency, the overhead ladder and the fleet
+//! simulation's capacity. The must-show checks of issue 11 are computed
+//! from the same data and a failing one says so. Every table and chart
+//! names the files and commits it came from; repeated runs show their mean
+//! and the spread (lowest to highest) across repetitions.
+
+mod charts;
+mod checks;
+mod inputs;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+
+use charts::{Bar, Bars, Cdf};
+use checks::Verdict;
+use inputs::{Accuracy, CompareRun, FleetCapacity, Ladder, Loaded};
+
+/// Flags of `report`.
+#[derive(Debug, Clone, Args)]
+pub struct ReportArgs {
+    /// Folders of `compare` results (every `routing-compare` JSON in them).
+    #[arg(long, value_delimiter = ',', default_value = "bench/results/routing/quick")]
+    pub routing: Vec<PathBuf>,
+    /// Folder of fleet-simulation results (capacity searches are `capacity-*.json`).
+    #[arg(long, default_value = "bench/results/fleet")]
+    pub fleet: PathBuf,
+    /// Prediction accuracy under concurrency.
+    #[arg(long, default_value = "bench/results/prediction/accuracy.json")]
+    pub prediction: PathBuf,
+    /// The overhead ladder.
+    #[arg(long, default_value = "bench/results/overhead/ladder.json")]
+    pub overhead: PathBuf,
+    /// The TTF font charts are drawn with.
+    #[arg(long, default_value = ".cache/fonts/DejaVuSans.ttf")]
+    pub font: PathBuf,
+    /// Where the report and its charts go.
+    #[arg(long, default_value = "bench/report/routing")]
+    pub out_dir: PathBuf,
+}
+
+/// Compare runs by workload and contender, repetitions together.
+pub struct Contenders {
+    runs: BTreeMap<(String, String), Vec<CompareRun>>,
+    /// Contenders in the order they were first seen.
+    order: Vec<String>,
+}
+
+impl Contenders {
+    fn new(files: &[Loaded<CompareRun>]) -> Self {
+        let mut runs: BTreeMap<(String, String), Vec<CompareRun>> = BTreeMap::new();
+        let mut order: Vec<String> = Vec::new();
+        for f in files {
+            let r = &f.value;
+            if !order.contains(&r.contender) {
+                order.push(r.contender.clone());
+            }
+            runs.entry((r.workload.clone(), r.contender.clone())).or_default().push(r.clone());
+        }
+        for reps in runs.values_mut() {
+            reps.sort_by_key(|r| r.rep);
+        }
+        // The issue's order of contenders where known: cache-blind first, the product, then the peer.
+        let rank =
+            |c: &str| ["round_robin", "least_request", "prefix_hash", "kv_aware", "cost_model"].iter().position(|k| *k == c).unwrap_or(5);
+        order.sort_by_key(|c| rank(c));
+        Self { runs, order }
+    }
+
+    /// The repetitions of `contender` on `workload`.
+    pub fn get(&self, workload: &str, contender: &str) -> Option<&[CompareRun]> {
+        self.runs.get(&(workload.to_string(), contender.to_string())).map(Vec::as_slice)
+    }
+
+    /// Workloads, in the issue's order.
+    pub fn workloads(&self) -> Vec<String> {
+        let set: BTreeSet<&String> = self.runs.keys().map(|(w, _)| w).collect();
+        let rank = |w: &str| ["w1", "mix", "hot", "w6", "w2"].iter().position(|k| *k == w).unwrap_or(5);
+        let mut out: Vec<String> = set.into_iter().cloned().collect();
+        out.sort_by_key(|w| (rank(w), w.clone()));
+        out
+    }
+
+    /// Contenders that ran `workload`.
+    pub fn contenders(&self, workload: &str) -> Vec<String> {
+        self.order.iter().filter(|c| self.get(workload, c).is_some()).cloned().collect()
+    }
+}
+
+/// Arithmetic mean (0 for nothing).
+pub fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
+    if n == 0 { 0.0 } else { sum / n as f64 }
+}
+
+/// The mean of a metric over repetitions, with the spread when there are several.
+fn bar(values: &[f64]) -> Bar {
+    let spread = (values.len() > 1)
+        .then(|| (values.iter().copied().fold(f64::INFINITY, f64::min), values.iter().copied().fold(f64::NEG_INFINITY, f64::max)));
+    Bar { value: mean(values.iter().copied()), spread }
+}
+
+/// `mean` or `mean (lo–hi)`.
+fn cell(b: Bar, unit: impl Fn(f64) -> String) -> String {
+    match b.spread {
+        Some((lo, hi)) => format!("{} ({}–{})", unit(b.value), unit(lo), unit(hi)),
+        None => unit(b.value),
+    }
+}
+
+fn ms(x: f64) -> String {
+    format!("{x:.0}")
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.1}%", x * 100.0)
+}
+
+/// `path (commit c)` lines for a set of files.
+fn sources<'a>(files: impl Iterator<Item = (&'a Path, &'a str)>) -> String {
+    let mut by_commit: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+    for (path, commit) in files {
+        by_commit.entry(commit).or_default().push(path.display().to_string());
+    }
+    by_commit
+        .iter()
+        .map(|(c, paths)| format!("commit `{c}`: {}", paths.iter().map(|p| format!("`{p}`")).collect::<Vec<_>>().join(", ")))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Writes the report; returns the checks that failed.
+pub fn report(args: ReportArgs) -> anyhow::Result<()> {
+    let failed = render(&args)?;
+    println!("wrote {}", args.out_dir.join("report.md").display());
+    if !failed.is_empty() {
+        eprintln!("must-show checks that fail: {}", failed.join("; "));
+    }
+    Ok(())
+}
+
+/// Renders the report into `args.out_dir`; returns the names of failing checks.
+pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
+    charts::register_font(&args.font)?;
+    std::fs::create_dir_all(&args.out_dir)?;
+    let mut compare_files = Vec::new();
+    for dir in &args.routing {
+        compare_files.extend(inputs::load_dir::<CompareRun>(dir, "routing-compare")?);
+    }
+    anyhow::ensure!(!compare_files.is_empty(), "no routing-compare results in {:?}", args.routing);
+    let routing = Contenders::new(&compare_files);
+    let capacity: Vec<Loaded<FleetCapacity>> = inputs::load_dir::<serde_json::Value>(&args.fleet, "fleet-simulation")?
+        .into_iter()
+        .filter(|f| f.value.get("capacity").is_some())
+        .map(|f| {
+            Ok(Loaded {
+                value: serde_json::from_value(f.value).map_err(|e| anyhow::anyhow!("reading {}: {e}", f.path.display()))?,
+                path: f.path,
+            })
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let accuracy = args.prediction.exists().then(|| inputs::load::<Accuracy>(&args.prediction)).transpose()?;
+    let ladder = args.overhead.exists().then(|| inputs::load::<Ladder>(&args.overhead)).transpose()?;
+
+    let checks = checks::all(&routing, &capacity, ladder.as_ref());
+    let mut md = String::new();
+    writeln!(md, "# Inferrail benchmark report\n")?;
+    writeln!(
+        md,
+        "Made by `inferrail-bench report` from the committed JSON results alone (regenerate: `just bench-report`). Every section names the result files and the commits that produced them; where a workload was repeated with new seeds, values are the mean over repetitions with the lowest and highest in parentheses, and bars carry a whisker over that spread.\n"
+    )?;
+    writeln!(md, "## Must-show checks (issue 11)\n")?;
+    writeln!(md, "Computed from the results below; a check whose data is not in them says \"not measured\".\n")?;
+    writeln!(md, "| check | target | measured | result |\n|---|---|---|---|")?;
+    for c in &checks {
+        let verdict = match c.verdict {
+            Verdict::Pass => "pass",
+            Verdict::Fail => "**FAIL**",
+            Verdict::NotMeasured => "not measured",
+        };
+        writeln!(md, "| {} | {} | {} | {verdict} |", c.name, c.target, c.measured)?;
+    }
+    let failed: Vec<String> = checks.iter().filter(|c| c.verdict == Verdict::Fail).map(|c| c.name.clone()).collect();
+    writeln!(
+        md,
+        "\n{} of {} checks pass, {} fail, {} not measured.\n",
+        checks.iter().filter(|c| c.verdict == Verdict::Pass).count(),
+        checks.len(),
+        failed.len(),
+        checks.iter().filter(|c| c.verdict == Verdict::NotMeasured).count()
+    )?;
+
+    routing_section(&mut md, &args.out_dir, &routing, &compare_files)?;
+    if let Some(a) = &accuracy {
+        accuracy_section(&mut md, &args.out_dir, a, &routing)?;
+    }
+    if let Some(l) = &ladder {
+        ladder_section(&mut md, &args.out_dir, l)?;
+    }
+    if !capacity.is_empty() {
+        capacity_section(&mut md, &args.out_dir, &capacity)?;
+    }
+    std::fs::write(args.out_dir.join("report.md"), md)?;
+    Ok(failed)
+}
+
+fn routing_section(md: &mut String, out: &Path, routing: &Contenders, files: &[Loaded<CompareRun>]) -> anyhow::Result<()> {
+    writeln!(md, "## Routing comparison\n")?;
+    writeln!(md, "Source: {}.\n", sources(files.iter().map(|f| (f.path.as_path(), f.value.commit.as_str()))))?;
+    let commands: BTreeSet<&str> = files.iter().map(|f| f.value.command.as_str()).collect();
+    for c in commands {
+        writeln!(md, "Command: `{c}`\n")?;
+    }
+    writeln!(
+        md,
+        "| workload | contender | reps | req/s | ok / measured | TTFT p50 ms | TTFT p99 ms | cached (usage) | cached (engines) | busiest share (engines) | goodput | prediction exact |"
+    )?;
+    writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+    let workloads = routing.workloads();
+    for w in &workloads {
+        for c in routing.contenders(w) {
+            let runs = routing.get(w, &c).unwrap_or_default();
+            let metric = |f: &dyn Fn(&CompareRun) -> Option<f64>| runs.iter().map(f).collect::<Option<Vec<f64>>>().map(|v| bar(&v));
+            let opt = |b: Option<Bar>, unit: fn(f64) -> String| b.map_or("n/a".into(), |b| cell(b, unit));
+            let (ok, n): (usize, usize) = runs.iter().fold((0, 0), |(o, n), r| (o + r.summary.ok, n + r.summary.requests));
+            let (exact, compared): (usize, usize) =
+                runs.iter().fold((0, 0), |(e, n), r| (e + r.summary.prediction.exact, n + r.summary.prediction.compared));
+            writeln!(
+                md,
+                "| {w} | {c} | {} | {} | {ok} / {n} | {} | {} | {} | {} | {} | {} | {} |",
+                runs.len(),
+                runs.first().map_or(0.0, |r| r.rate),
+                opt(metric(&|r| Some(r.summary.ttft.p50_ms)), ms),
+                opt(metric(&|r| Some(r.summary.ttft.p99_ms)), ms),
+                opt(metric(&|r| r.summary.prefix.hit_rate), pct),
+                opt(metric(&|r| r.engines.as_ref().and_then(|e| e.hit_rate)), pct),
+                opt(metric(&|r| r.engines.as_ref().and_then(|e| e.busiest_share)), pct),
+                opt(metric(&|r| Some(r.summary.goodput.share)), pct),
+                if compared > 0 { format!("{} of {compared}", exact) } else { "n/a".into() },
+            )?;
+        }
+    }
+    writeln!(md, "\nThe engines' columns count the warmup as well (their counters cover the whole run).\n")?;
+    for w in &workloads {
+        let lines = routing
+            .contenders(w)
+            .into_iter()
+            .map(|c| {
+                let runs = routing.get(w, &c).unwrap_or_default();
+                let mut all: Vec<f64> = runs.iter().flat_map(|r| r.ttft_ms.iter().copied()).collect();
+                let points = if all.is_empty() {
+                    // Older results hold percentiles only: the distribution through them.
+                    let l = runs.iter().map(|r| &r.summary.ttft);
+                    let q = |f: &dyn Fn(&inputs::Latency) -> f64| mean(l.clone().map(f));
+                    vec![(q(&|l| l.p50_ms), 0.5), (q(&|l| l.p90_ms), 0.9), (q(&|l| l.p99_ms), 0.99), (q(&|l| l.max_ms), 1.0)]
+                } else {
+                    all.sort_by(f64::total_cmp);
+                    let n = all.len() as f64;
+                    all.iter().enumerate().map(|(i, &x)| (x, (i + 1) as f64 / n)).collect()
+                };
+                (c, points)
+            })
+            .collect();
+        let file = format!("ttft-cdf-{w}.png");
+        charts::cdf(
+            &out.join(&file),
+            &Cdf { title: &format!("TTFT distribution, {w} (all repetitions)"), x_label: "time to first token, ms (log)", lines },
+        )?;
+        let sampled = routing.contenders(w).iter().all(|c| routing.get(w, c).unwrap_or_default().iter().all(|r| !r.ttft_ms.is_empty()));
+        let how = if sampled {
+            "every measured request"
+        } else {
+            "drawn through p50, p90, p99 and max (these results hold no per-request TTFTs)"
+        };
+        writeln!(md, "![TTFT distribution on {w}]({file})\n\n*TTFT distribution on {w}, {how}.*\n")?;
+    }
+    let grouped = |title: &str, y: &str, file: &str, f: &dyn Fn(&CompareRun) -> Option<f64>, md: &mut String| -> anyhow::Result<()> {
+        let series = routing.order.clone();
+        let values = workloads
+            .iter()
+            .map(|w| {
+                series
+                    .iter()
+                    .map(|c| routing.get(w, c).and_then(|runs| runs.iter().map(f).collect::<Option<Vec<_>>>()).map(|v| bar(&v)))
+                    .collect()
+            })
+            .collect();
+        charts::bars(&out.join(file), &Bars { title, y_label: y, groups: workloads.clone(), series, values })?;
+        writeln!(md, "![{title}]({file})\n")?;
+        Ok(())
+    };
+    grouped("TTFT p50 per workload and contender", "ms", "ttft-p50.png", &|r| Some(r.summary.ttft.p50_ms), md)?;
+    grouped("TTFT p99 per workload and contender", "ms", "ttft-p99.png", &|r| Some(r.summary.ttft.p99_ms), md)?;
+    grouped("Prompt tokens cached, from usage (measured requests)", "share", "hit-rate-usage.png", &|r| r.summary.prefix.hit_rate, md)?;
+    grouped(
+        "Prompt tokens cached, engines' counters (whole run)",
+        "share",
+        "hit-rate-engines.png",
+        &|r| r.engines.as_ref().and_then(|e| e.hit_rate),
+        md,
+    )?;
+    grouped(
+        "Busiest replica's share of requests (engines' counters)",
+        "share",
+        "busiest-share.png",
+        &|r| r.engines.as_ref().and_then(|e| e.busiest_share),
+        md,
+    )?;
+    Ok(())
+}
+
+fn accuracy_section(md: &mut String, out: &Path, a: &Loaded<Accuracy>, routing: &Contenders) -> anyhow::Result<()> {
+    writeln!(md, "## Prediction accuracy\n")?;
+    writeln!(
+        md,
+        "Source: `{}` ({}), and the routing runs above (predicted `x-inferrail-cached-tokens` against usage).\n",
+        a.path.display(),
+        a.value.setup
+    )?;
+    writeln!(md, "| setting | requests | exact | over | under |\n|---|---|---|---|---|")?;
+    let mut groups = Vec::new();
+    let mut values = Vec::new();
+    let share = |k: usize, n: usize| Some(Bar { value: if n > 0 { k as f64 / n as f64 } else { 0.0 }, spread: None });
+    for p in &a.value.points {
+        let name = format!("{} users, {} blocks", p.users, p.blocks);
+        writeln!(md, "| {name} | {} | {} | {} | {} |", p.requests, p.exact, p.over_predicted, p.under_predicted)?;
+        values.push(vec![share(p.exact, p.requests), share(p.over_predicted, p.requests), share(p.under_predicted, p.requests)]);
+        groups.push(format!("{}u/{}b", p.users, p.blocks));
+    }
+    for w in routing.workloads() {
+        for c in routing.contenders(&w) {
+            let runs = routing.get(&w, &c).unwrap_or_default();
+            let (e, o, u, n) = runs
+                .iter()
+                .map(|r| &r.summary.prediction)
+                .fold((0, 0, 0, 0), |(e, o, u, n), p| (e + p.exact, o + p.over, u + p.under, n + p.compared));
+            if n == 0 {
+                continue;
+            }
+            writeln!(md, "| routing {w}, {c} | {n} | {e} | {o} | {u} |")?;
+            values.push(vec![share(e, n), share(o, n), share(u, n)]);
+            groups.push(format!("{w} {c}"));
+        }
+    }
+    let series = ["exact", "over", "under"].map(str::to_string).to_vec();
+    charts::bars(
+        &out.join("prediction.png"),
+        &Bars { title: "Predicted cached tokens against the engines'", y_label: "share of requests", groups, series, values },
+    )?;
+    writeln!(md, "\n![Prediction accuracy](prediction.png)\n")?;
+    Ok(())
+}
+
+fn ladder_section(md: &mut String, out: &Path, l: &Loaded<Ladder>) -> anyhow::Result<()> {
+    let v = &l.value;
+    writeln!(md, "## Overhead ladder\n")?;
+    writeln!(md, "Source: `{}` (commit `{}`), `{}`. {} req/s open loop; {}.\n", l.path.display(), v.commit, v.command, v.rate, v.setup)?;
+    writeln!(
+        md,
+        "| rung | ok | errors | p50 ms | p99 ms | added p50 ms | added p99 ms | CPU µs per request, by process |\n|---|---|---|---|---|---|---|---|"
+    )?;
+    let cpu = |r: &inputs::RungResult| r.cpu_us_per_request.iter().map(|(k, v)| format!("{k} {v:.0}")).collect::<Vec<_>>().join(", ");
+    for r in &v.rungs {
+        writeln!(
+            md,
+            "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
+            r.rung,
+            r.ok,
+            r.errors,
+            r.latency.p50_ms,
+            r.latency.p99_ms,
+            r.added_p50_ms,
+            r.added_p99_ms,
+            cpu(r)
+        )?;
+    }
+    let groups: Vec<String> = v.rungs.iter().map(|r| r.rung.clone()).collect();
+    let one = |x: f64| Some(Bar { value: x, spread: None });
+    let values = v.rungs.iter().map(|r| vec![one(r.added_p50_ms), one(r.added_p99_ms)]).collect();
+    charts::bars(
+        &out.join("overhead-latency.png"),
+        &Bars {
+            title: "Latency added over straight to the simulators",
+            y_label: "ms",
+            groups: groups.clone(),
+            series: vec!["added p50".into(), "added p99".into()],
+            values,
+        },
+    )?;
+    // In the chart each rung's Envoy is "Envoy" and its processor or router "router", so the bars line up.
+    let kind = |role: &str| match role {
+        "client" | "simulators" => role.to_string(),
+        r if r.starts_with("envoy") => "Envoy".into(),
+        _ => "processor or router".into(),
+    };
+    let roles: Vec<String> = ["client", "Envoy", "processor or router", "simulators"].map(str::to_string).to_vec();
+    let values = v
+        .rungs
+        .iter()
+        .map(|r| {
+            roles.iter().map(|k| r.cpu_us_per_request.iter().find(|(role, _)| kind(role) == *k).and_then(|(_, us)| one(*us))).collect()
+        })
+        .collect();
+    charts::bars(
+        &out.join("overhead-cpu.png"),
+        &Bars { title: "CPU time per request, by process", y_label: "µs", groups, series: roles, values },
+    )?;
+    writeln!(md, "\n![Latency added per rung](overhead-latency.png)\n\n![CPU per request per rung](overhead-cpu.png)\n")?;
+    if let Some(lp) = &v.long_prompt {
+        writeln!(md, "### Long prompts ({} KB), closed loop\n", lp.prompt_bytes / 1024)?;
+        writeln!(
+            md,
+            "| clients | rung | ok | errors | TTFT mean ms | TTFT p99 ms | added mean ms | added p99 ms |\n|---|---|---|---|---|---|---|---|"
+        )?;
+        for level in &lp.levels {
+            for r in &level.rungs {
+                writeln!(
+                    md,
+                    "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                    level.clients, r.rung, r.ok, r.errors, r.latency.mean_ms, r.latency.p99_ms, r.added_mean_ms, r.added_p99_ms
+                )?;
+            }
+        }
+        let series: Vec<String> = lp.levels.first().map(|l| l.rungs.iter().map(|r| r.rung.clone()).collect()).unwrap_or_default();
+        let groups = lp.levels.iter().map(|l| format!("{} clients", l.clients)).collect();
+        let values = lp
+            .levels
+            .iter()
+            .map(|l| series.iter().map(|s| l.rungs.iter().find(|r| &r.rung == s).and_then(|r| one(r.added_mean_ms))).collect())
+            .collect();
+        charts::bars(
+            &out.join("overhead-long-prompt.png"),
+            &Bars { title: "Mean TTFT added over straight to the simulators, long prompts", y_label: "ms", groups, series, values },
+        )?;
+        writeln!(md, "\n![Long prompts](overhead-long-prompt.png)\n")?;
+    }
+    Ok(())
+}
+
+fn capacity_section(md: &mut String, out: &Path, capacity: &[Loaded<FleetCapacity>]) -> anyhow::Result<()> {
+    writeln!(md, "## Fleet simulation: capacity at the SLO\n")?;
+    writeln!(md, "Source: {}.\n", sources(capacity.iter().map(|f| (f.path.as_path(), f.value.commit.as_str()))))?;
+    let mut groups = Vec::new();
+    let mut rows: Vec<BTreeMap<String, f64>> = Vec::new();
+    let mut policies: Vec<String> = Vec::new();
+    for f in capacity {
+        let v = &f.value;
+        writeln!(md, "Command: `{}`\n", v.command)?;
+        writeln!(
+            md,
+            "**{}**, p99 TTFT within {} ms: highest arrival rate (req/s) per policy and replica count\n",
+            v.workload.workload, v.slo_ttft_ms
+        )?;
+        let sizes: BTreeSet<usize> = v.capacity.iter().flat_map(|(_, c)| c.iter().map(|c| c.replicas)).collect();
+        writeln!(
+            md,
+            "| policy | {} |\n|---|{}",
+            sizes.iter().map(|n| format!("{n} replicas")).collect::<Vec<_>>().join(" | "),
+            "---|".repeat(sizes.len())
+        )?;
+        let rr: BTreeMap<usize, f64> = v
+            .capacity
+            .iter()
+            .find(|(p, _)| p == "round_robin")
+            .map(|(_, c)| c.iter().map(|c| (c.replicas, c.rate)).collect())
+            .unwrap_or_default();
+        for (policy, caps) in &v.capacity {
+            if !policies.contains(policy) {
+                policies.push(policy.clone());
+            }
+            let cells: Vec<String> = sizes
+                .iter()
+                .map(|n| match (caps.iter().find(|c| c.replicas == *n), rr.get(n)) {
+                    (Some(c), Some(r)) if *r > 0.0 => format!("{:.2} ({:.2}x rr)", c.rate, c.rate / r),
+                    (Some(c), _) => format!("{:.2}", c.rate),
+                    (None, _) => "n/a".into(),
+                })
+                .collect();
+            writeln!(md, "| {policy} | {} |", cells.join(" | "))?;
+        }
+        for n in &sizes {
+            groups.push(format!("{} x{n}", v.workload.workload));
+            rows.push(
+                v.capacity
+                    .iter()
+                    .filter_map(|(p, c)| c.iter().find(|c| c.replicas == *n).map(|c| (p.clone(), c.rate / *n as f64)))
+                    .collect(),
+            );
+        }
+        if let Some(rate) = v.fixed_rate {
+            let needed: Vec<String> = v
+                .replicas_needed
+                .iter()
+                .map(|(p, n)| format!("{p} {}", n.map_or("more than searched".into(), |n| n.to_string())))
+                .collect();
+            let saved = v
+                .replicas_needed
+                .iter()
+                .find(|(p, _)| p == "cost_model")
+                .and_then(|(_, n)| *n)
+                .zip(v.replicas_needed.iter().find(|(p, _)| p == "round_robin").and_then(|(_, n)| *n));
+            writeln!(
+                md,
+                "\nReplicas needed for {rate} req/s within the SLO: {}.{}\n",
+                needed.join(", "),
+                saved.map_or(String::new(), |(c, r)| format!(
+                    " GPUs saved by cost_model against round_robin: {} of {r} ({}).",
+                    r as i64 - c as i64,
+                    pct(1.0 - c as f64 / r as f64)
+                ))
+            )?;
+        }
+    }
+    let values = rows.iter().map(|row| policies.iter().map(|p| row.get(p).map(|&v| Bar { value: v, spread: None })).collect()).collect();
+    charts::bars(
+        &out.join("fleet-capacity.png"),
+        &Bars {
+            title: "Capacity at the SLO per replica (fleet simulation)",
+            y_label: "req/s per replica",
+            groups,
+            series: policies,
+            values,
+        },
+    )?;
+    writeln!(md, "![Fleet capacity](fleet-capacity.png)\n")?;
+    Ok(())
+}

@@ -1,0 +1,175 @@
+//! The must-show checks of issue 11, each computed from the results with
+//! its target, the measured value, and whether it passed; a check whose data
+//! is not in the results says so instead of passing.
+
+use super::{Contenders, mean};
+use crate::writeup::inputs::{FleetCapacity, Ladder, Loaded};
+
+/// One check's outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    Pass,
+    Fail,
+    /// The results hold no data for it.
+    NotMeasured,
+}
+
+/// A computed check.
+#[derive(Debug, Clone)]
+pub struct Check {
+    pub name: String,
+    pub target: String,
+    pub measured: String,
+    pub verdict: Verdict,
+}
+
+fn check(name: impl Into<String>, target: &str, measured: String, pass: Option<bool>) -> Check {
+    let verdict = match pass {
+        Some(true) => Verdict::Pass,
+        Some(false) => Verdict::Fail,
+        None => Verdict::NotMeasured,
+    };
+    Check { name: name.into(), target: target.into(), measured, verdict }
+}
+
+/// The policy the checks are about.
+const HERO: &str = "cost_model";
+/// The cache-blind policies W1's hit rate is compared with.
+const BLIND: [&str; 2] = ["round_robin", "least_request"];
+
+fn pct(x: f64) -> String {
+    format!("{:.1}%", x * 100.0)
+}
+
+/// Every check, in the issue's order.
+pub fn all(routing: &Contenders, capacity: &[Loaded<FleetCapacity>], ladder: Option<&Loaded<Ladder>>) -> Vec<Check> {
+    let mut out = Vec::new();
+    let p99 = |w: &str, c: &str| routing.get(w, c).map(|runs| mean(runs.iter().map(|r| r.summary.ttft.p99_ms)));
+    for w in ["w1", "mix", "hot", "w6"] {
+        let name = format!("{HERO} has the lowest p99 TTFT of all contenders on {w}");
+        let others: Vec<(String, f64)> =
+            routing.contenders(w).into_iter().filter(|c| c != HERO).filter_map(|c| p99(w, &c).map(|v| (c, v))).collect();
+        match (p99(w, HERO), others.iter().min_by(|a, b| a.1.total_cmp(&b.1))) {
+            (Some(hero), Some((best, other))) => {
+                out.push(check(name, "lowest", format!("{hero:.0} ms; best other: {best} {other:.0} ms"), Some(hero <= *other)))
+            }
+            _ => out.push(check(name, "lowest", format!("{w} not in the routing results with {HERO} and another contender"), None)),
+        }
+    }
+    let workloads = routing.workloads();
+    let pairs: Vec<(String, f64, f64)> =
+        workloads.iter().filter_map(|w| Some((w.clone(), p99(w, HERO)?, p99(w, "least_request")?))).collect();
+    let worse: Vec<String> = pairs.iter().filter(|(_, h, l)| h > l).map(|(w, h, l)| format!("{w}: {h:.0} > {l:.0} ms")).collect();
+    out.push(check(
+        format!("{HERO} never has a worse p99 TTFT than least_request"),
+        "nowhere worse",
+        if pairs.is_empty() {
+            "no workload with both".into()
+        } else if worse.is_empty() {
+            format!("not worse on {}", pairs.iter().map(|p| p.0.as_str()).collect::<Vec<_>>().join(", "))
+        } else {
+            format!("worse on {}", worse.join("; "))
+        },
+        (!pairs.is_empty()).then_some(worse.is_empty()),
+    ));
+    let hit = |c: &str| {
+        routing
+            .get("w1", c)
+            .and_then(|runs| runs.iter().map(|r| r.summary.prefix.hit_rate).collect::<Option<Vec<_>>>())
+            .map(|v| mean(v.into_iter()))
+    };
+    let blind: Vec<String> = BLIND.iter().filter_map(|c| hit(c).map(|h| format!("{c} {}", pct(h)))).collect();
+    out.push(check(
+        format!("{HERO} keeps at least 88% of W1's prompt tokens cached (usage)"),
+        ">= 88%",
+        match hit(HERO) {
+            Some(h) => format!("{}; cache-blind: {}", pct(h), if blind.is_empty() { "not measured".into() } else { blind.join(", ") }),
+            None => "not measured".into(),
+        },
+        hit(HERO).map(|h| h >= 0.88),
+    ));
+    let cut = p99("w1", HERO).zip(p99("w1", "round_robin")).map(|(h, rr)| 1.0 - h / rr);
+    out.push(check(
+        format!("{HERO} cuts round_robin's p99 TTFT on W1 by at least 55%"),
+        ">= 55%",
+        cut.map_or("not measured".into(), pct),
+        cut.map(|c| c >= 0.55),
+    ));
+    let busiest = routing
+        .get("hot", HERO)
+        .and_then(|runs| runs.iter().map(|r| r.engines.as_ref().and_then(|e| e.busiest_share)).collect::<Option<Vec<_>>>())
+        .map(|v| mean(v.into_iter()));
+    out.push(check(
+        format!("under hot traffic {HERO}'s busiest replica takes at most 37% of requests (engines' counters, 3 replicas)"),
+        "<= 37%",
+        busiest.map_or("not measured (no hot run)".into(), pct),
+        busiest.map(|b| b <= 0.37),
+    ));
+    for w in ["w1", "mix"] {
+        let Some(file) = capacity.iter().find(|f| f.value.workload.workload == w) else {
+            out.push(check(
+                format!("fleet simulation: {HERO}'s capacity at the SLO on {w} is at least 1.33x round_robin's"),
+                ">= 1.33x",
+                "not measured".into(),
+                None,
+            ));
+            continue;
+        };
+        let rates = |p: &str| file.value.capacity.iter().find(|(name, _)| name == p).map(|(_, c)| c.clone());
+        let (Some(hero), Some(rr)) = (rates(HERO), rates("round_robin")) else {
+            out.push(check(
+                format!("fleet simulation: {HERO}'s capacity at the SLO on {w} is at least 1.33x round_robin's"),
+                ">= 1.33x",
+                "a policy is missing".into(),
+                None,
+            ));
+            continue;
+        };
+        let ratios: Vec<(usize, f64)> = hero
+            .iter()
+            .filter_map(|h| {
+                rr.iter()
+                    .find(|r| r.replicas == h.replicas)
+                    .map(|r| (h.replicas, if r.rate > 0.0 { h.rate / r.rate } else { f64::INFINITY }))
+            })
+            .collect();
+        out.push(check(
+            format!("fleet simulation: {HERO}'s capacity at the SLO on {w} is at least 1.33x round_robin's"),
+            ">= 1.33x at every size",
+            ratios.iter().map(|(n, r)| format!("{r:.2}x at {n}")).collect::<Vec<_>>().join(", "),
+            (!ratios.is_empty()).then(|| ratios.iter().all(|(_, r)| *r >= 1.33)),
+        ));
+    }
+    out.push(check(
+        format!("{HERO}'s capacity at the SLO on three real simulator processes is at least 1.33x round_robin's"),
+        ">= 1.33x",
+        "not measured: no capacity search over real simulators in the results".into(),
+        None,
+    ));
+    let (mut compared, mut exact) = (0, 0);
+    for w in &workloads {
+        for r in routing.get(w, HERO).unwrap_or_default() {
+            compared += r.summary.prediction.compared;
+            exact += r.summary.prediction.exact;
+        }
+    }
+    out.push(check(
+        format!("predicted cached tokens equal the engines' on at least 99.9% of requests ({HERO}, every routing run)"),
+        ">= 99.9%",
+        if compared > 0 { format!("{} ({exact} of {compared})", pct(exact as f64 / compared as f64)) } else { "not measured".into() },
+        (compared > 0).then(|| exact as f64 / compared as f64 >= 0.999),
+    ));
+    let level = ladder.and_then(|l| l.value.long_prompt.as_ref()).and_then(|lp| lp.levels.iter().find(|l| l.clients == 20));
+    let rung = |name: &str| level.and_then(|l| l.rungs.iter().find(|r| r.rung == name));
+    // Inferrail's own share: over the same Envoy without it; over the floor as well, for the record.
+    let added = rung("inferrail").zip(rung("envoy")).map(|(i, e)| (i.latency.mean_ms - e.latency.mean_ms, i.added_mean_ms));
+    out.push(check(
+        "inferrail adds under 10 ms mean TTFT over plain Envoy with 220 KB prompts from 20 clients",
+        "< 10 ms",
+        added.map_or("not measured".into(), |(over_envoy, over_floor)| {
+            format!("{over_envoy:.1} ms ({over_floor:.1} ms over straight to the simulators)")
+        }),
+        added.map(|(over_envoy, _)| over_envoy < 10.0),
+    ));
+    out
+}

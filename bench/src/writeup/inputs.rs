@@ -1,0 +1,182 @@
+//! The committed results the report reads, as the fields it needs: compare
+//! runs, fleet simulations, prediction accuracy and the overhead ladder.
+//! Unknown fields are ignored; a missing or mistyped needed one is an error
+//! that names the file.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+/// Percentiles as `report::Latency` writes them.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Latency {
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+    pub mean_ms: f64,
+}
+
+/// One `compare` run (`bench/results/routing/<dir>/<workload>-<contender>-rep<n>.json`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompareRun {
+    pub commit: String,
+    pub command: String,
+    pub contender: String,
+    pub workload: String,
+    pub rep: u64,
+    pub rate: f64,
+    pub summary: Summary,
+    pub engines: Option<Engines>,
+    /// Every measured TTFT (results written before it was recorded lack it).
+    #[serde(default)]
+    pub ttft_ms: Vec<f64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Summary {
+    pub requests: usize,
+    pub ok: usize,
+    pub ttft: Latency,
+    pub goodput: Goodput,
+    pub prefix: Prefix,
+    pub prediction: Prediction,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Goodput {
+    pub share: f64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Prefix {
+    pub hit_rate: Option<f64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Prediction {
+    pub compared: usize,
+    pub exact: usize,
+    pub over: usize,
+    pub under: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Engines {
+    pub hit_rate: Option<f64>,
+    pub busiest_share: Option<f64>,
+}
+
+/// A fleet-simulation capacity search (`bench/results/fleet/capacity-*.json`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct FleetCapacity {
+    pub commit: String,
+    pub command: String,
+    pub workload: Workload,
+    pub slo_ttft_ms: f64,
+    /// Per policy, the highest rate within the SLO at each replica count.
+    pub capacity: Vec<(String, Vec<Capacity>)>,
+    pub fixed_rate: Option<f64>,
+    /// Per policy, the replicas needed for `fixed_rate` (none found: `null`).
+    #[serde(default)]
+    pub replicas_needed: Vec<(String, Option<usize>)>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Workload {
+    pub workload: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Capacity {
+    pub replicas: usize,
+    pub rate: f64,
+}
+
+/// `bench/results/prediction/accuracy.json`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Accuracy {
+    pub setup: String,
+    pub points: Vec<AccuracyPoint>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct AccuracyPoint {
+    pub users: usize,
+    pub blocks: usize,
+    pub requests: usize,
+    pub exact: usize,
+    pub over_predicted: usize,
+    pub under_predicted: usize,
+}
+
+/// `bench/results/overhead/ladder.json`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Ladder {
+    pub commit: String,
+    pub command: String,
+    pub setup: String,
+    pub rate: f64,
+    pub rungs: Vec<RungResult>,
+    pub long_prompt: Option<LongPrompt>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RungResult {
+    pub rung: String,
+    pub ok: usize,
+    pub errors: usize,
+    pub latency: Latency,
+    pub added_p50_ms: f64,
+    pub added_p99_ms: f64,
+    pub added_mean_ms: f64,
+    pub cpu_us_per_request: BTreeMap<String, f64>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct LongPrompt {
+    pub prompt_bytes: usize,
+    pub levels: Vec<LongLevel>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct LongLevel {
+    pub clients: usize,
+    pub rungs: Vec<RungResult>,
+}
+
+/// A parsed file and where it came from.
+#[derive(Debug, Clone)]
+pub struct Loaded<T> {
+    pub path: PathBuf,
+    pub value: T,
+}
+
+/// Reads and parses one JSON file.
+pub fn load<T: DeserializeOwned>(path: &Path) -> anyhow::Result<Loaded<T>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    Ok(Loaded { path: path.to_path_buf(), value })
+}
+
+/// The JSON files of `dir` whose first field says `"benchmark": <benchmark>`, sorted by name.
+pub fn load_dir<T: DeserializeOwned>(dir: &Path, benchmark: &str) -> anyhow::Result<Vec<Loaded<T>>> {
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<Result<_, _>>()?;
+    paths.sort();
+    let mut out = Vec::new();
+    for path in paths.into_iter().filter(|p| p.extension().is_some_and(|e| e == "json")) {
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let head: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        if head.get("benchmark").and_then(|b| b.as_str()) != Some(benchmark) {
+            continue;
+        }
+        out.push(Loaded { value: serde_json::from_value(head).with_context(|| format!("reading {}", path.display()))?, path });
+    }
+    Ok(out)
+}

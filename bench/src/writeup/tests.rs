@@ -1,0 +1,158 @@
+//! The report rendered from small fixture results in a temporary folder:
+//! the Markdown names every chart, every chart is a PNG of the chart size,
+//! and a failing must-show check is reported as failing.
+
+use serde_json::{Value, json};
+
+use super::*;
+
+fn latency(p50: f64, p99: f64) -> Value {
+    json!({"count": 10, "p50_ms": p50, "p90_ms": (p50 + p99) / 2.0, "p99_ms": p99, "max_ms": p99 * 1.1, "mean_ms": p50 * 1.2})
+}
+
+fn compare_run(workload: &str, contender: &str, rep: u64, p99: f64, hit: f64, busiest: f64) -> Value {
+    json!({
+        "benchmark": "routing-compare", "commit": "abc1234", "command": "inferrail-bench compare --fixture",
+        "contender": contender, "workload": workload, "rep": rep, "seed": 1 + rep, "rate": 0.5,
+        "summary": {
+            "requests": 10, "ok": 10, "ttft": latency(p99 / 4.0, p99), "goodput": {"share": 0.9},
+            "prefix": {"hit_rate": hit}, "prediction": {"compared": 10, "exact": 10, "over": 0, "under": 0}
+        },
+        "engines": {"hit_rate": hit, "busiest_share": busiest},
+        "ttft_ms": (1..=10).map(|i| f64::from(i) * p99 / 10.0).collect::<Vec<_>>()
+    })
+}
+
+fn write(path: &Path, value: &Value) -> anyhow::Result<()> {
+    std::fs::create_dir_all(path.parent().unwrap_or(Path::new(".")))?;
+    std::fs::write(path, serde_json::to_string(value)?)?;
+    Ok(())
+}
+
+/// Width and height from a PNG's IHDR chunk, after checking the signature and the end chunk.
+fn png_size(bytes: &[u8]) -> anyhow::Result<(u32, u32)> {
+    anyhow::ensure!(bytes.len() > 1000, "only {} bytes", bytes.len());
+    anyhow::ensure!(bytes.starts_with(b"\x89PNG\r\n\x1a\n") && &bytes[12..16] == b"IHDR", "not a PNG");
+    anyhow::ensure!(bytes.ends_with(b"IEND\xaeB`\x82"), "the PNG does not end");
+    let be = |at: usize| u32::from_be_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+    Ok((be(16), be(20)))
+}
+
+/// Fixtures in a fresh folder; `cost_model_p99_w1` decides whether the p99 check passes.
+fn fixtures(name: &str, cost_model_p99_w1: f64) -> anyhow::Result<ReportArgs> {
+    let dir = std::env::temp_dir().join(format!("inferrail-report-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let routing = dir.join("routing");
+    for rep in 0..2 {
+        let jitter = rep as f64 * 10.0;
+        write(&routing.join(format!("w1-round_robin-rep{rep}.json")), &compare_run("w1", "round_robin", rep, 4000.0 + jitter, 0.4, 0.34))?;
+        write(
+            &routing.join(format!("w1-least_request-rep{rep}.json")),
+            &compare_run("w1", "least_request", rep, 3000.0 + jitter, 0.41, 0.34),
+        )?;
+        write(
+            &routing.join(format!("w1-cost_model-rep{rep}.json")),
+            &compare_run("w1", "cost_model", rep, cost_model_p99_w1 + jitter, 0.9, 0.35),
+        )?;
+        write(
+            &routing.join(format!("w1-sglang-cache_aware-rep{rep}.json")),
+            &compare_run("w1", "sglang:cache_aware", rep, 2500.0, 0.8, 0.5),
+        )?;
+    }
+    write(&routing.join("hot-cost_model-rep0.json"), &compare_run("hot", "cost_model", 0, 900.0, 0.9, 0.36))?;
+    write(&routing.join("hot-round_robin-rep0.json"), &compare_run("hot", "round_robin", 0, 3000.0, 0.4, 0.34))?;
+    write(&routing.join("table.json"), &json!({"not": "a run"}))?;
+    let capacity = |p: &str, rate: f64| json!([p, [{"replicas": 4, "rate": rate}, {"replicas": 16, "rate": rate * 5.0}]]);
+    write(
+        &dir.join("fleet/capacity-w1.json"),
+        &json!({
+            "benchmark": "fleet-simulation", "commit": "def5678", "command": "inferrail-bench fleet --capacity", "workload": {"workload": "w1"},
+            "slo_ttft_ms": 2000.0, "capacity": [capacity("cost_model", 2.0), capacity("round_robin", 1.0)],
+            "fixed_rate": 10.0, "replicas_needed": [["cost_model", 17], ["round_robin", 63]]
+        }),
+    )?;
+    write(&dir.join("fleet/w1-3-replicas.json"), &json!({"benchmark": "fleet-simulation", "commit": "def5678", "runs": []}))?;
+    write(
+        &dir.join("prediction/accuracy.json"),
+        &json!({"benchmark": "prediction-accuracy-under-concurrency", "setup": "fixture", "points": [
+            {"users": 1, "blocks": 64, "requests": 100, "exact": 100, "over_predicted": 0, "under_predicted": 0},
+            {"users": 16, "blocks": 64, "requests": 100, "exact": 80, "over_predicted": 12, "under_predicted": 8}]}),
+    )?;
+    let rung = |name: &str, p50: f64, added: f64| {
+        json!({"rung": name, "ok": 100, "errors": 0, "latency": latency(p50, p50 * 3.0), "added_p50_ms": added, "added_p99_ms": added * 3.0,
+               "added_mean_ms": added, "cpu_us_per_request": {"client": 300.0, "simulators": 800.0}})
+    };
+    write(
+        &dir.join("overhead/ladder.json"),
+        &json!({"benchmark": "overhead-ladder", "commit": "aaa1111", "command": "inferrail-bench overhead", "setup": "fixture", "rate": 100.0,
+            "rungs": [rung("direct", 2.0, 0.0), rung("envoy", 2.5, 0.5), rung("inferrail", 4.0, 2.0)],
+            "long_prompt": {"prompt_bytes": 225280, "levels": [
+                {"clients": 20, "rungs": [rung("direct", 10.0, 0.0), rung("envoy", 11.0, 1.0), rung("inferrail", 15.0, 5.0)]},
+                {"clients": 150, "rungs": [rung("direct", 50.0, 0.0), rung("envoy", 60.0, 10.0), rung("inferrail", 90.0, 40.0)]}]}}),
+    )?;
+    Ok(ReportArgs {
+        routing: vec![routing],
+        fleet: dir.join("fleet"),
+        prediction: dir.join("prediction/accuracy.json"),
+        overhead: dir.join("overhead/ladder.json"),
+        font: PathBuf::from("../.cache/fonts/DejaVuSans.ttf"),
+        out_dir: dir.join("report"),
+    })
+}
+
+#[test]
+fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow::Result<()> {
+    let args = fixtures("charts", 1000.0)?;
+    let failed = render(&args)?;
+    let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+    let mut pngs: Vec<String> = std::fs::read_dir(&args.out_dir)?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .filter(|n| n.ends_with(".png"))
+        .collect();
+    pngs.sort();
+    let expected = [
+        "busiest-share.png",
+        "fleet-capacity.png",
+        "hit-rate-engines.png",
+        "hit-rate-usage.png",
+        "overhead-cpu.png",
+        "overhead-latency.png",
+        "overhead-long-prompt.png",
+        "prediction.png",
+        "ttft-cdf-hot.png",
+        "ttft-cdf-w1.png",
+        "ttft-p50.png",
+        "ttft-p99.png",
+    ];
+    assert_eq!(pngs, expected);
+    for png in &pngs {
+        assert!(md.contains(&format!("]({png})")), "the report does not show {png}");
+        assert_eq!(png_size(&std::fs::read(args.out_dir.join(png))?)?, charts::SIZE, "{png}");
+    }
+    // Sources and computed values, with the spread over the two repetitions.
+    assert!(md.contains("commit `abc1234`") && md.contains("commit `def5678`") && md.contains("commit `aaa1111`"));
+    assert!(md.contains("| w1 | cost_model | 2 |") && md.contains("1005 (1000–1010)"), "{md}");
+    assert!(md.contains("GPUs saved by cost_model against round_robin: 46 of 63"));
+    assert!(failed.is_empty(), "{failed:?}");
+    assert!(md.contains("| 4.8 ms (5.0 ms over straight to the simulators) | pass |"), "{md}");
+    std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
+    Ok(())
+}
+
+#[test]
+fn a_failing_check_is_reported_as_failing() -> anyhow::Result<()> {
+    // cost_model's W1 p99 above SGLang's 2,500 ms and least_request's 3,000 ms.
+    let args = fixtures("failing", 3500.0)?;
+    let failed = render(&args)?;
+    assert!(failed.iter().any(|f| f.contains("lowest p99 TTFT of all contenders on w1")), "{failed:?}");
+    assert!(failed.iter().any(|f| f.contains("never has a worse p99 TTFT than least_request")), "{failed:?}");
+    let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+    let row = md.lines().find(|l| l.contains("lowest p99 TTFT of all contenders on w1")).unwrap_or_default();
+    assert!(row.ends_with("| **FAIL** |") && row.contains("best other: sglang:cache_aware 2500 ms"), "{row}");
+    let mix = md.lines().find(|l| l.contains("on mix")).unwrap_or_default();
+    assert!(mix.ends_with("| not measured |"), "{mix}");
+    std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
+    Ok(())
+}
