@@ -83,14 +83,14 @@ fn a_seed_replays_the_same_simulation() {
 #[test]
 fn cost_model_keeps_w1_cached_where_round_robin_cannot() {
     let spec = small(Kind::W1);
-    // Measured at seed 1: cost_model 69.8%, round robin 25.9%, 90% of predictions exact.
+    // Measured at seed 1 (caches of half the shared prompts): cost_model 84.2%, round robin 38.5%, 97.8% of predictions exact.
     let cost = run(&spec, 3, PolicyKind::CostModel, 2.0, 4_000);
     let rr = run(&spec, 3, PolicyKind::RoundRobin, 2.0, 4_000);
-    assert!(cost.hit_rate >= 0.6, "cost_model {:.3}", cost.hit_rate);
-    assert!(rr.hit_rate < 0.35, "round_robin {:.3}", rr.hit_rate);
+    assert!(cost.hit_rate >= 0.75, "cost_model {:.3}", cost.hit_rate);
+    assert!(rr.hit_rate < 0.45, "round_robin {:.3}", rr.hit_rate);
     assert!(cost.rejected == 0 && rr.rejected == 0);
     assert!(cost.ttft.p50_ms < rr.ttft.p50_ms);
-    assert!(cost.prediction_exact > 0.8, "the router's shadow follows the engines: {:.3}", cost.prediction_exact);
+    assert!(cost.prediction_exact > 0.9, "the router's shadow follows the engines: {:.3}", cost.prediction_exact);
 }
 
 #[test]
