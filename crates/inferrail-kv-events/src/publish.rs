@@ -270,6 +270,15 @@ impl Publisher {
     }
 }
 
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("endpoint", &self.endpoint)
+            .field("replay_endpoint", &self.replay_endpoint)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Drop for Publisher {
     fn drop(&mut self) {
         if let Some(task) = self.replay_task.take() {
