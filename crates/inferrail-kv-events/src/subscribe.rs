@@ -3,10 +3,13 @@
 //!
 //! The subscriber mirrors vLLM's rule: where the engine connects (an
 //! endpoint such as `tcp://127.0.0.1:5557`) the subscriber binds, and where
-//! the engine binds (`tcp://*:5557`, `ipc://...`) it connects, reconnecting
-//! by itself when the engine restarts. [`SubscriberConfig::bind`] can say
-//! otherwise, e.g. to connect to `tcp://engine-0:5557` when the engine was
-//! started with `tcp://*:5557`.
+//! the engine binds (`tcp://*:5557`, `ipc://...`) it connects. A connecting
+//! [`Subscriber::start`] waits for the first connection (zmq.rs gives up
+//! after 30 s, an [`EndpointError`]); after that zmq.rs reconnects by itself
+//! when the engine restarts, backing off from 100 ms to 30 s.
+//! [`SubscriberConfig::bind`] can say otherwise than the rule, e.g. to
+//! connect to `tcp://engine-0:5557` when the engine was started with
+//! `tcp://*:5557`.
 //!
 //! Only messages whose topic is exactly the configured one are yielded (an
 //! empty topic takes every message). A message that is not a vLLM event
@@ -77,7 +80,7 @@ impl Subscriber {
             endpoint::bind(&mut socket, &config.endpoint).await?
         } else {
             let target = endpoint::for_zmq_rs(&config.endpoint)?;
-            // zmq.rs's SUB connects in the background and reconnects by itself.
+            // Waits for the first connection; zmq.rs reconnects by itself after it.
             socket.connect(&target).await.map_err(|source| EndpointError::Socket { endpoint: config.endpoint.clone(), source })?;
             config.endpoint.clone()
         };
