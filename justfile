@@ -36,11 +36,11 @@ setup:
         tar -xzf "{{cache}}/npm/$tgz" -C "{{cache}}/fonts" --strip-components=2 package/ttf/DejaVuSans.ttf
     fi
 
-# Run the whole test suite: lints, Rust tests, the OpenAI SDK against the simulator, and the fleet through a real Envoy.
+# Run the whole test suite: lints, Rust tests, the OpenAI SDK and a pyzmq KV event subscriber against the simulator, and the fleet through a real Envoy.
 test: setup lint
     cargo nextest run --workspace --no-fail-fast
     cargo build --quiet -p inferrail -p inferrail-sim -p inferrail-scraper
-    INFERRAIL_SIM=target/debug/inferrail-sim "{{venv}}/bin/pytest" -q sim/tests/sdk
+    INFERRAIL_SIM=target/debug/inferrail-sim "{{venv}}/bin/pytest" -q sim/tests/sdk sim/tests/events
     "{{venv}}/bin/pytest" -q crates/inferrail/tests/e2e
 
 # Optional, not part of `test`: a real vLLM 0.32.0 on the CPU (.venv-vllm, 6 GB; minutes) checks the Qwen3 goldens' token counts and cached tokens, Inferrail's prediction headers through Envoy in front of it, and the simulator on the same goldens (target/debug binaries as built).

@@ -13,6 +13,7 @@ use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::header::{ALLOW, CONTENT_TYPE, HeaderValue};
 use hyper::{HeaderMap, Method, Request, Response, StatusCode};
+use inferrail_kv_events::publish::PublishStats;
 use inferrail_tokenize::Tokenizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -42,7 +43,7 @@ impl std::error::Error for Dropped {}
 const MAX_BODY: usize = 64 << 20;
 
 /// Routes and the methods each takes, for 405 `Allow`.
-const ROUTES: [(&str, &str); 11] = [
+const ROUTES: [(&str, &str); 12] = [
     ("/v1/chat/completions", "POST"),
     ("/v1/completions", "POST"),
     ("/v1/models", "GET"),
@@ -54,6 +55,7 @@ const ROUTES: [(&str, &str); 11] = [
     ("/tokenize", "POST"),
     ("/reset_prefix_cache", "POST"),
     ("/_sim/fault", "GET, POST"),
+    ("/_sim/kv_events", "GET"),
 ];
 
 /// Everything a request handler needs.
@@ -108,6 +110,21 @@ fn full(status: StatusCode, content_type: Option<&'static str>, body: impl Into<
 
 fn json(body: impl Into<Bytes>) -> Response<Body> {
     full(StatusCode::OK, Some("application/json"), body)
+}
+
+/// `GET /_sim/kv_events`: the publisher's counters, or `{"enabled":false}`.
+fn kv_event_stats(stats: Option<PublishStats>) -> String {
+    match stats {
+        Some(s) => serde_json::json!({
+            "enabled": true,
+            "published": s.published,
+            "sent": s.sent,
+            "skipped": s.skipped,
+            "dropped": s.dropped,
+        })
+        .to_string(),
+        None => r#"{"enabled":false}"#.to_owned(),
+    }
 }
 
 fn error(e: ApiError) -> Response<Body> {
@@ -228,9 +245,13 @@ impl App {
                 Err(e) => error(e),
             },
             "/reset_prefix_cache" => {
-                self.engine.reset_prefix_cache().await;
+                if self.engine.reset_prefix_cache().await.is_none() {
+                    // vLLM answers 200 too, and only logs it.
+                    tracing::warn!("Failed to reset prefix cache because some blocks are not freed yet");
+                }
                 full(StatusCode::OK, None, Bytes::new())
             }
+            "/_sim/kv_events" => json(kv_event_stats(self.engine.kv_events().map(|p| p.stats()))),
             _ => self.control(&method, &body),
         }
     }
@@ -266,7 +287,13 @@ impl App {
             continuous_usage: req.continuous_usage,
         };
         let (max_tokens, at_limit) = self.output_budget(&req);
-        let sub = self.engine.submit(engine::Request { prompt: req.prompt.clone(), max_tokens, at_limit, salt: req.salt });
+        let sub = self.engine.submit(engine::Request {
+            prompt: req.prompt.clone(),
+            max_tokens,
+            at_limit,
+            salt: req.salt,
+            cache_salt: req.cache_salt.clone(),
+        });
         let busy = InFlight::new(&self.in_flight);
         let mut response = if req.stream { self.stream(sub, busy, reply, req) } else { self.whole(sub, reply, req).await };
         if let Ok(v) = HeaderValue::from_str(&request_id) {

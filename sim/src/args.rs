@@ -4,7 +4,11 @@ use std::net::IpAddr;
 
 use clap::Parser;
 
+use anyhow::Context;
+use inferrail_kv_events::publish::{PublisherConfig, Skip};
+
 use crate::cost::{self, LatencyModel};
+use crate::events::KvEventsConfig;
 use crate::fault::Fault;
 
 /// A CPU mock of a vLLM 0.32.0 OpenAI-compatible server.
@@ -81,6 +85,14 @@ pub struct Args {
     /// Length of each up and each down phase of `--fault flap`, milliseconds.
     #[arg(long, default_value_t = 1000)]
     pub fault_period_ms: u64,
+    /// Publish KV cache events as vLLM does: vLLM's JSON, e.g.
+    /// `{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://127.0.0.1:5557","topic":"kv-events"}`.
+    #[arg(long)]
+    pub kv_events_config: Option<String>,
+    /// A fault: KV event batches to number and keep for replay but never send,
+    /// `rate:P` (each with probability P, by `--seed`) or `seq:N,N,...`.
+    #[arg(long)]
+    pub kv_events_skip: Option<String>,
 }
 
 /// The fault named on the command line.
@@ -131,6 +143,25 @@ impl Args {
             FaultMode::Error => Fault::Error { status: self.fault_status },
             FaultMode::Flap => Fault::Flap { period_ms: self.fault_period_ms, status: self.fault_status },
         }
+    }
+
+    /// The KV event publisher the flags ask for, if any.
+    pub fn kv_events(&self) -> anyhow::Result<Option<PublisherConfig>> {
+        let config = match &self.kv_events_config {
+            Some(json) => KvEventsConfig::parse(json)?,
+            None => KvEventsConfig::default(),
+        };
+        let skip = match &self.kv_events_skip {
+            Some(text) => Skip::parse(text, self.seed).context("--kv-events-skip")?,
+            None => Skip::Never,
+        };
+        if !config.enabled() {
+            if self.kv_events_skip.is_some() {
+                anyhow::bail!("--kv-events-skip needs KV events on (--kv-events-config with enable_kv_cache_events)");
+            }
+            return Ok(None);
+        }
+        Ok(Some(config.publisher(skip)))
     }
 
     /// Flags for an in-process simulator: defaults, a free port, and the given extra flags.

@@ -6,7 +6,9 @@
 //! least recently freed block and forgets its hash. A finished sequence frees
 //! its blocks last block first, so a long prefix is evicted from its tail.
 //! A cache hit on a free block takes it back out of the queue. Every
-//! operation is O(1) per block.
+//! operation is O(1) per block. Resetting forgets every cached prefix, and
+//! like vLLM's reset it is refused while any block is in use. When KV events
+//! are on, the pool logs the hashes it evicts (`log_evictions`).
 
 use std::collections::HashMap;
 
@@ -33,6 +35,8 @@ pub struct BlockPool {
     head: u32,
     tail: u32,
     free: usize,
+    /// Hashes evicted since the last `take_evicted`, when logging.
+    evicted: Option<Vec<BlockHash>>,
 }
 
 impl BlockPool {
@@ -44,7 +48,18 @@ impl BlockPool {
             .collect::<Vec<_>>();
         let head = if n32 > 0 { 0 } else { NIL };
         let tail = n32.checked_sub(1).unwrap_or(NIL);
-        Self { free: blocks.len(), blocks, by_hash: HashMap::new(), head, tail }
+        Self { free: blocks.len(), blocks, by_hash: HashMap::new(), head, tail, evicted: None }
+    }
+
+    /// From now on, keep the hashes of evicted blocks for [`Self::take_evicted`].
+    pub fn log_evictions(&mut self) {
+        self.evicted.get_or_insert_with(Vec::new);
+    }
+
+    /// The hashes evicted since the last call, in eviction order (empty
+    /// unless [`Self::log_evictions`] was called).
+    pub fn take_evicted(&mut self) -> Vec<BlockHash> {
+        self.evicted.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// Blocks not held by any sequence (cached or not).
@@ -96,19 +111,25 @@ impl BlockPool {
             block.refs = 1;
             if let Some(h) = block.hash.take() {
                 self.by_hash.remove(&h);
+                if let Some(log) = &mut self.evicted {
+                    log.push(h);
+                }
             }
             out.push(b);
         }
         Some(out)
     }
 
-    /// Records that a full block now holds the prefix named `hash`. A prefix
-    /// already cached elsewhere stays there; this block then caches nothing.
-    pub fn register(&mut self, block: BlockId, hash: BlockHash) {
-        if self.blocks[block as usize].hash.is_none() && !self.by_hash.contains_key(&hash) {
+    /// Records that a full block now holds the prefix named `hash`; returns
+    /// whether it does. A prefix already cached elsewhere stays there; this
+    /// block then caches nothing.
+    pub fn register(&mut self, block: BlockId, hash: BlockHash) -> bool {
+        let cached = self.blocks[block as usize].hash.is_none() && !self.by_hash.contains_key(&hash);
+        if cached {
             self.blocks[block as usize].hash = Some(hash);
             self.by_hash.insert(hash, block);
         }
+        cached
     }
 
     /// Drops one reference on each block, in the order given; a block no one
@@ -123,16 +144,16 @@ impl BlockPool {
         }
     }
 
-    /// Forgets every cached prefix of free blocks; blocks in use keep theirs
-    /// until they are freed and reused. Returns how many were forgotten.
-    pub fn reset(&mut self) -> usize {
-        let before = self.by_hash.len();
-        let blocks = &mut self.blocks;
-        self.by_hash.retain(|_, b| blocks[*b as usize].refs > 0);
-        for block in blocks.iter_mut().filter(|b| b.refs == 0) {
+    /// Forgets every cached prefix and returns how many there were; `None`,
+    /// forgetting nothing, while any block is in use (vLLM refuses then too).
+    pub fn reset(&mut self) -> Option<usize> {
+        if self.free < self.blocks.len() {
+            return None;
+        }
+        for block in &mut self.blocks {
             block.hash = None;
         }
-        before - self.by_hash.len()
+        Some(std::mem::take(&mut self.by_hash).len())
     }
 
     fn unlink(&mut self, b: u32) {

@@ -10,6 +10,10 @@
 //! next. A step's deadline is the previous step's deadline plus its length,
 //! never "now" plus its length, so timer overshoot never accumulates, and
 //! every latency metric is stamped with these planned times.
+//!
+//! With KV events on, the step tells [`StepEvents`] which sequences it
+//! scheduled, which cached blocks their allocations evicted and which blocks
+//! they filled, and publishes the step's batch at its end.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,8 +25,11 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
+use inferrail_kv_events::publish::Publisher;
+
 use crate::cache::{BlockId, BlockPool};
 use crate::cost::{LatencyModel, secs};
+use crate::events::{StepEvents, Stored, process_key};
 use crate::metrics::{EngineInfo, FinishReason, Stats};
 
 /// How the engine is sized and timed.
@@ -44,6 +51,8 @@ pub struct EngineConfig {
     pub generation_ids: Vec<u32>,
     /// Labels for the metrics page.
     pub info: EngineInfo,
+    /// Where KV events go; `None` keeps them off at no cost.
+    pub kv_events: Option<Arc<Publisher>>,
 }
 
 /// A request as the engine sees it: tokens in, a token budget out.
@@ -58,6 +67,8 @@ pub struct Request {
     pub at_limit: FinishReason,
     /// Start of the block hash chain (`cache_salt`).
     pub salt: BlockHash,
+    /// `cache_salt` as sent, for KV events.
+    pub cache_salt: Option<String>,
 }
 
 /// What a request hears from the engine, in order.
@@ -80,7 +91,7 @@ pub enum Event {
 enum Command {
     Submit { id: u64, request: Request, events: mpsc::UnboundedSender<Event>, arrival: Instant },
     Abort(u64),
-    Reset(oneshot::Sender<usize>),
+    Reset(oneshot::Sender<Option<usize>>),
 }
 
 /// A handle on the running engine; cheap to clone.
@@ -90,6 +101,7 @@ pub struct Engine {
     stats: Arc<Mutex<Stats>>,
     info: Arc<EngineInfo>,
     next_id: Arc<AtomicU64>,
+    kv_events: Option<Arc<Publisher>>,
 }
 
 /// A submitted request. Dropping it before it finished aborts it, which is
@@ -127,16 +139,15 @@ impl Engine {
         let (tx, rx) = mpsc::unbounded_channel();
         let stats = Arc::new(Mutex::new(Stats::new(cfg.info.max_model_len)));
         let info = Arc::new(cfg.info.clone());
-        let core = Core {
-            pool: BlockPool::new(cfg.num_blocks),
-            seqs: HashMap::new(),
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            stats: stats.clone(),
-            cfg,
-        };
+        let kv_events = cfg.kv_events.clone();
+        let mut pool = BlockPool::new(cfg.num_blocks);
+        let events = cfg.kv_events.clone().map(|publisher| {
+            pool.log_evictions();
+            StepEvents::new(publisher, process_key(), cfg.block_size)
+        });
+        let core = Core { pool, events, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), stats: stats.clone(), cfg };
         tokio::spawn(core.run(rx));
-        Self { tx, stats, info, next_id: Arc::new(AtomicU64::new(0)) }
+        Self { tx, stats, info, next_id: Arc::new(AtomicU64::new(0)), kv_events }
     }
 
     /// Queues a request.
@@ -147,13 +158,17 @@ impl Engine {
         Submitted { id, events, tx: self.tx.clone(), done }
     }
 
-    /// Forgets every cached prefix not in use; returns how many blocks it forgot.
-    pub async fn reset_prefix_cache(&self) -> usize {
+    /// Forgets every cached prefix; returns how many blocks it forgot, or
+    /// `None` when blocks are in use and nothing was forgotten (as in vLLM).
+    pub async fn reset_prefix_cache(&self) -> Option<usize> {
         let (reply, rx) = oneshot::channel();
-        if self.tx.send(Command::Reset(reply)).is_err() {
-            return 0;
-        }
-        rx.await.unwrap_or(0)
+        self.tx.send(Command::Reset(reply)).ok()?;
+        rx.await.ok().flatten()
+    }
+
+    /// The KV event publisher, when events are on.
+    pub fn kv_events(&self) -> Option<&Publisher> {
+        self.kv_events.as_deref()
     }
 
     /// The `/metrics` page.
@@ -178,6 +193,7 @@ struct Seq {
     max_tokens: usize,
     at_limit: FinishReason,
     salt: BlockHash,
+    cache_salt: Option<String>,
     hashes: Vec<BlockHash>,
     blocks: Vec<BlockId>,
     registered: usize,
@@ -209,6 +225,7 @@ struct Plan {
 struct Core {
     cfg: EngineConfig,
     pool: BlockPool,
+    events: Option<StepEvents>,
     seqs: HashMap<u64, Seq>,
     waiting: VecDeque<u64>,
     running: Vec<u64>,
@@ -272,6 +289,7 @@ impl Core {
                         max_tokens: request.max_tokens,
                         at_limit: request.at_limit,
                         salt: request.salt,
+                        cache_salt: request.cache_salt,
                         hashes: Vec::new(),
                         blocks: Vec::new(),
                         registered: 0,
@@ -295,8 +313,12 @@ impl Core {
                 }
             }
             Command::Reset(reply) => {
+                let forgot = self.pool.reset();
+                if let (Some(events), Some(_)) = (&mut self.events, forgot) {
+                    events.cleared();
+                }
                 // The caller may have gone; the reset happened either way.
-                let _ = reply.send(self.pool.reset());
+                let _ = reply.send(forgot);
             }
         }
         self.publish_gauges();
@@ -320,6 +342,10 @@ impl Core {
             match self.pool.allocate(need) {
                 Some(fresh) => {
                     seq.blocks.extend(fresh);
+                    if let Some(events) = &mut self.events {
+                        events.scheduled(id);
+                        events.evicted(id, self.pool.take_evicted());
+                    }
                     plan.decode.push(id);
                     i += 1;
                 }
@@ -355,6 +381,10 @@ impl Core {
             }
             self.pool.touch(&hit);
             let Some(fresh) = self.pool.allocate(need) else { break };
+            if let Some(events) = &mut self.events {
+                events.scheduled(id);
+                events.evicted(id, self.pool.take_evicted());
+            }
             seq.blocks = hit;
             seq.registered = seq.blocks.len();
             seq.blocks.extend(fresh);
@@ -403,8 +433,17 @@ impl Core {
             // Every token so far is now computed; cache its full blocks.
             extend_block_hashes(&mut seq.hashes, seq.salt, &seq.tokens, bs);
             let full = seq.tokens.len() / bs;
+            let mut cached = Vec::new();
             for k in seq.registered..full {
-                self.pool.register(seq.blocks[k], seq.hashes[k]);
+                if self.pool.register(seq.blocks[k], seq.hashes[k]) && self.events.is_some() {
+                    cached.push(k);
+                }
+            }
+            if let Some(events) = &mut self.events
+                && !cached.is_empty()
+            {
+                let stored = Stored { hashes: &seq.hashes, tokens: &seq.tokens, blocks: &cached, cache_salt: seq.cache_salt.as_deref() };
+                events.stored(id, &stored);
             }
             seq.registered = full.max(seq.registered);
             let ids = &self.cfg.generation_ids;
@@ -428,6 +467,9 @@ impl Core {
             self.finish(id, end, &mut st);
         }
         drop(st);
+        if let Some(events) = &mut self.events {
+            events.publish();
+        }
         self.publish_gauges();
     }
 

@@ -4,8 +4,10 @@
 //! answers with vLLM's bytes (`wire`, `errors`), keeps a real prefix cache
 //! (`cache`), schedules like a continuously batching engine on a virtual
 //! timeline (`engine`, `cost`), exports vLLM's metrics (`metrics`) and can
-//! misbehave on demand (`fault`). `api` routes HTTP requests; `server` accepts
-//! connections. [`Sim::start`] runs one inside any tokio program or test.
+//! misbehave on demand (`fault`). With `--kv-events-config` it publishes
+//! vLLM's KV cache events over ZMQ (`events`). `api` routes HTTP requests;
+//! `server` accepts connections. [`Sim::start`] runs one inside any tokio
+//! program or test.
 
 pub mod api;
 pub mod args;
@@ -13,6 +15,7 @@ pub mod cache;
 pub mod cost;
 pub mod engine;
 pub mod errors;
+pub mod events;
 pub mod fault;
 pub mod metrics;
 pub mod server;
@@ -23,6 +26,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
+use inferrail_kv_events::publish::Publisher;
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
@@ -55,6 +59,14 @@ impl Sim {
                 .with_context(|| format!("loading tokenizer {}", args.tokenizer))?,
         );
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+        let kv_events = match args.kv_events()? {
+            Some(config) => {
+                let publisher = Publisher::start(config).await.context("starting the KV event publisher")?;
+                tracing::info!(endpoint = publisher.endpoint(), replay = ?publisher.replay_endpoint(), "publishing KV events");
+                Some(Arc::new(publisher))
+            }
+            None => None,
+        };
         let engine = Engine::start(EngineConfig {
             block_size: args.block_size,
             num_blocks: args.num_gpu_blocks_override,
@@ -70,6 +82,7 @@ impl Sim {
                 max_model_len: args.max_model_len,
                 created,
             },
+            kv_events,
         });
         let app = Arc::new(App::new(
             ApiConfig {

@@ -40,6 +40,8 @@ pub struct GenRequest {
     pub return_token_ids: bool,
     /// Chain start from `cache_salt`.
     pub salt: BlockHash,
+    /// `cache_salt` as sent.
+    pub cache_salt: Option<String>,
 }
 
 /// What the server knows when it parses.
@@ -165,10 +167,8 @@ pub fn parse_generation(kind: Kind, body: &[u8], served: &Served<'_>) -> Result<
     };
     check_length(prompt.len(), max_tokens, served.max_model_len)?;
 
-    let salt = match opt_str(&m, "cache_salt")? {
-        Some(s) => salt(&[s]),
-        None => 0,
-    };
+    let cache_salt = opt_str(&m, "cache_salt")?;
+    let salt = cache_salt.map_or(0, |s| salt(&[s]));
     Ok(GenRequest {
         model,
         prompt,
@@ -178,6 +178,7 @@ pub fn parse_generation(kind: Kind, body: &[u8], served: &Served<'_>) -> Result<
         continuous_usage,
         return_token_ids: opt_bool(&m, "return_token_ids")?.unwrap_or(false),
         salt,
+        cache_salt: cache_salt.map(str::to_owned),
     })
 }
 

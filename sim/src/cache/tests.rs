@@ -9,11 +9,12 @@ struct Naive {
     refs: Vec<u32>,
     hash: Vec<Option<BlockHash>>,
     queue: Vec<BlockId>,
+    evicted: Vec<BlockHash>,
 }
 
 impl Naive {
     fn new(n: usize) -> Self {
-        Self { refs: vec![0; n], hash: vec![None; n], queue: (0..n as u32).collect() }
+        Self { refs: vec![0; n], hash: vec![None; n], queue: (0..n as u32).collect(), evicted: Vec::new() }
     }
     fn find(&self, h: BlockHash) -> Option<BlockId> {
         (0..self.hash.len() as u32).find(|&b| self.hash[b as usize] == Some(h))
@@ -34,7 +35,7 @@ impl Naive {
         let taken: Vec<BlockId> = self.queue.drain(..n).collect();
         for &b in &taken {
             self.refs[b as usize] = 1;
-            self.hash[b as usize] = None;
+            self.evicted.extend(self.hash[b as usize].take());
         }
         Some(taken)
     }
@@ -51,10 +52,13 @@ impl Naive {
             }
         }
     }
-    fn reset(&mut self) {
-        for &b in &self.queue {
-            self.hash[b as usize] = None;
+    fn reset(&mut self) -> Option<usize> {
+        if self.refs.iter().any(|&r| r > 0) {
+            return None;
         }
+        let n = self.hash.iter().filter(|h| h.is_some()).count();
+        self.hash.iter_mut().for_each(|h| *h = None);
+        Some(n)
     }
 }
 
@@ -82,6 +86,7 @@ proptest! {
     #[test]
     fn pool_behaves_like_the_naive_model(ops in proptest::collection::vec(op(), 1..200), cap in 1usize..24) {
         let mut pool = BlockPool::new(cap);
+        pool.log_evictions();
         let mut naive = Naive::new(cap);
         let mut live: Vec<Vec<BlockId>> = Vec::new();
         for op in ops {
@@ -98,10 +103,12 @@ proptest! {
                     naive.touch(&hit);
                     let fresh = pool.allocate(new);
                     prop_assert_eq!(&fresh, &naive.allocate(new));
+                    prop_assert_eq!(pool.take_evicted(), std::mem::take(&mut naive.evicted));
                     let blocks: Vec<BlockId> = hit.iter().copied().chain(fresh.unwrap_or_default()).collect();
                     for (k, &b) in blocks.iter().enumerate() {
-                        pool.register(b, hashes[k]);
+                        let before = naive.find(hashes[k]).is_none() && naive.hash[b as usize].is_none();
                         naive.register(b, hashes[k]);
+                        prop_assert_eq!(pool.register(b, hashes[k]), before);
                     }
                     live.push(blocks);
                 }
@@ -113,8 +120,7 @@ proptest! {
                     naive.release(&rev);
                 }
                 Op::Reset => {
-                    pool.reset();
-                    naive.reset();
+                    prop_assert_eq!(pool.reset(), naive.reset());
                 }
             }
             prop_assert_eq!(pool.num_free(), naive.queue.len());

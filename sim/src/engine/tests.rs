@@ -16,11 +16,12 @@ fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
         seed: 1,
         generation_ids: inferrail_tokenize::Tokenizer::load("builtin:sim", 0).unwrap().generation_ids(),
         info: EngineInfo { model_name: "m".into(), block_size: 4, num_gpu_blocks: num_blocks, max_model_len: 1024, created: 0.0 },
+        kv_events: None,
     })
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
-    Request { prompt, max_tokens, at_limit: FinishReason::Length, salt: 0 }
+    Request { prompt, max_tokens, at_limit: FinishReason::Length, salt: 0, cache_salt: None }
 }
 
 /// Runs a request to the end: (cached tokens, time of first token, time of last, tokens).
@@ -157,7 +158,7 @@ async fn reset_forgets_free_cached_blocks() {
     let e = engine(64, 8);
     let prompt: Vec<u32> = (0..9).collect();
     run(&e, prompt.clone(), 1).await;
-    assert_eq!(e.reset_prefix_cache().await, 2);
+    assert_eq!(e.reset_prefix_cache().await, Some(2));
     let (cached, _, _, _) = run(&e, prompt, 1).await;
     assert_eq!(cached, 0);
 }
