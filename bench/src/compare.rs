@@ -21,6 +21,7 @@ use serde::Serialize;
 
 use crate::processes::{self, Processes, Programs, until};
 use crate::run::{self, Measured};
+use crate::fleet::capacity::{self, Search};
 use crate::summary::Slo;
 use crate::workload::{self, Kind, Spec};
 
@@ -55,6 +56,13 @@ pub struct CompareArgs {
     /// Seconds of arrivals sent first and left out of the summary.
     #[arg(long, default_value_t = 15.0)]
     pub warmup_s: f64,
+    /// Search each contender's capacity at the SLO instead (`--rate` is the
+    /// first guess; one repetition).
+    #[arg(long)]
+    pub capacity: bool,
+    /// The capacity search stops once its bracket is this fraction of the rate.
+    #[arg(long, default_value_t = 0.1)]
+    pub tolerance: f64,
     /// Seed of the first repetition.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -175,13 +183,20 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
 /// Runs every contender on every workload and repetition.
 pub async fn compare(args: CompareArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        args.rate > 0.0 && args.duration_s > 0.0 && args.warmup_s >= 0.0,
-        "--rate and --duration-s must be positive, --warmup-s at least 0"
+        args.rate > 0.0 && args.duration_s > 0.0 && args.warmup_s >= 0.0 && args.tolerance > 0.0,
+        "--rate, --duration-s and --tolerance must be positive, --warmup-s at least 0"
     );
-    let http = run::client(600.0)?;
-    let slo = Slo { ttft_ms: args.slo_ttft_ms * args.time_scale, tpot_ms: args.slo_tpot_ms * args.time_scale };
-    let engines: Vec<String> = SIMS.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
-    let (commit, command) = (run::commit(), run::command_line());
+    let bench = Bench {
+        http: run::client(600.0)?,
+        slo: Slo { ttft_ms: args.slo_ttft_ms * args.time_scale, tpot_ms: args.slo_tpot_ms * args.time_scale },
+        commit: run::commit(),
+        command: run::command_line(),
+        args,
+    };
+    if bench.args.capacity {
+        return tokio::task::block_in_place(|| capacity(&bench));
+    }
+    let args = &bench.args;
     let mut runs = Vec::new();
     for &kind in &args.workloads {
         for rep in 0..args.reps {
@@ -190,49 +205,101 @@ pub async fn compare(args: CompareArgs) -> anyhow::Result<()> {
             let requests = workload::generate(&spec, args.rate, args.warmup_s + args.duration_s, seed)?;
             for contender in &args.contenders {
                 let name = format!("{}-{contender}-rep{rep}", format!("{kind:?}").to_lowercase()).replace(':', "-");
-                eprintln!("{name}: {} requests at {} req/s", requests.len(), args.rate);
-                let logs = args.out_dir.join("logs").join(&name);
-                let fleet = start(&args, contender, seed, &logs, &http).await.with_context(|| format!("starting the fleet for {name}"))?;
-                let measured = run::measure(
-                    &http,
-                    &format!("http://127.0.0.1:{ENTRY}"),
-                    &requests,
-                    &engines,
-                    Duration::from_secs_f64(args.warmup_s),
-                    slo,
-                    true,
-                )
-                .await?;
-                drop(fleet);
-                eprintln!("{}", row(contender, kind, &measured));
-                let result = CompareRun {
-                    benchmark: "routing-compare",
-                    commit: commit.clone(),
-                    command: command.clone(),
-                    contender: contender.clone(),
-                    workload: kind,
-                    rep,
-                    seed,
-                    rate: args.rate,
-                    duration_s: args.duration_s,
-                    warmup_s: args.warmup_s,
-                    time_scale: args.time_scale,
-                    sim_flags: args.sim_flags.clone(),
-                    slo,
-                    spec: spec.clone(),
-                    measured,
-                };
+                let result = bench.run(&name, contender, &spec, rep, seed, args.rate, &requests).await?;
                 crate::report::save(&args.out_dir.join(format!("{name}.json")), &result)?;
                 runs.push(result);
             }
         }
     }
-    let table = std::iter::once(HEADER.to_string())
-        .chain(runs.iter().map(|r| row(&r.contender, r.workload, &r.measured)))
-        .collect::<Vec<_>>()
-        .join("\n");
+    write_table(&args.out_dir.join("table.md"), runs.iter().map(|r| row(&r.contender, r.workload, &r.measured)))
+}
+
+/// What every run of one `compare` shares.
+struct Bench {
+    args: CompareArgs,
+    http: reqwest::Client,
+    slo: Slo,
+    commit: String,
+    command: String,
+}
+
+impl Bench {
+    /// One contender on a cold fleet with `requests` sent at `rate`.
+    #[allow(clippy::too_many_arguments)]
+    async fn run(&self, name: &str, contender: &str, spec: &Spec, rep: u64, seed: u64, rate: f64, requests: &[workload::Request]) -> anyhow::Result<CompareRun> {
+        let args = &self.args;
+        eprintln!("{name}: {} requests at {rate} req/s", requests.len());
+        let logs = args.out_dir.join("logs").join(name);
+        let fleet = start(args, contender, seed, &logs, &self.http).await.with_context(|| format!("starting the fleet for {name}"))?;
+        let engines: Vec<String> = SIMS.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
+        let entry = format!("http://127.0.0.1:{ENTRY}");
+        let measured =
+            run::measure(&self.http, &entry, requests, &engines, Duration::from_secs_f64(args.warmup_s), self.slo, true).await?;
+        drop(fleet);
+        eprintln!("{}", row(contender, spec.workload, &measured));
+        Ok(CompareRun {
+            benchmark: "routing-compare",
+            commit: self.commit.clone(),
+            command: self.command.clone(),
+            contender: contender.to_owned(),
+            workload: spec.workload,
+            rep,
+            seed,
+            rate,
+            duration_s: args.duration_s,
+            warmup_s: args.warmup_s,
+            time_scale: args.time_scale,
+            sim_flags: args.sim_flags.clone(),
+            slo: self.slo,
+            spec: spec.clone(),
+            measured,
+        })
+    }
+}
+
+/// Each contender's capacity on each workload: the highest rate at which
+/// the three simulators serve every request with p99 TTFT within the SLO,
+/// found by the fleet simulation's search (`--rate` the first guess,
+/// `--seed`'s requests at every rate), each probe on a cold fleet.
+fn capacity(bench: &Bench) -> anyhow::Result<()> {
+    let args = &bench.args;
+    let rt = tokio::runtime::Handle::current();
+    let mut rows = Vec::new();
+    for &kind in &args.workloads {
+        let spec = Spec { workload: kind, ..args.spec.clone() };
+        for contender in &args.contenders {
+            let search = Search { slo_s: bench.slo.ttft_ms * 1e-3, tolerance: args.tolerance, guess_per_replica: args.rate / SIMS.len() as f64 };
+            let found = capacity::search_rate(SIMS.len(), search, |rate| {
+                let requests = workload::generate(&spec, rate, args.warmup_s + args.duration_s, args.seed)?;
+                let name = format!("capacity-{}-{contender}-{rate:.3}", format!("{kind:?}").to_lowercase()).replace(':', "-");
+                let r = rt.block_on(bench.run(&name, contender, &spec, 0, args.seed, rate, &requests))?;
+                let s = &r.measured.summary;
+                Ok((s.ok == s.requests && s.ttft.p99_ms <= bench.slo.ttft_ms, r))
+            })?;
+            let name = format!("capacity-{}-{contender}", format!("{kind:?}").to_lowercase()).replace(':', "-");
+            eprintln!("{name}: {:.3} req/s within p99 TTFT {} ms ({} probes)", found.rate, bench.slo.ttft_ms, found.probes);
+            rows.push(format!(
+                "| {contender} | {} | {:.3} | {:.3} | {} |",
+                format!("{kind:?}").to_lowercase(),
+                found.rate,
+                found.missed_at,
+                found.probes
+            ));
+            crate::report::save(&args.out_dir.join(format!("{name}.json")), &found)?;
+        }
+    }
+    let header = "| contender | workload | capacity req/s | missed at req/s | probes |\n|---|---|---|---|---|";
+    let table = std::iter::once(header.to_string()).chain(rows).collect::<Vec<_>>().join("\n");
     println!("{table}");
-    std::fs::write(args.out_dir.join("table.md"), format!("{table}\n"))?;
+    std::fs::write(args.out_dir.join("capacity.md"), format!("{table}\n"))?;
+    Ok(())
+}
+
+/// Prints the runs' table and writes it as Markdown.
+fn write_table(path: &Path, rows: impl Iterator<Item = String>) -> anyhow::Result<()> {
+    let table = std::iter::once(HEADER.to_string()).chain(rows).collect::<Vec<_>>().join("\n");
+    println!("{table}");
+    std::fs::write(path, format!("{table}\n"))?;
     Ok(())
 }
 

@@ -2,10 +2,11 @@
 //! within the SLO and no request refused, found by bisection; and the fewest
 //! replicas that serve a given rate so (the GPUs-saved figure).
 //!
-//! A probe simulates the same seeded requests at a new rate (the arrival
-//! gaps scale with the rate; the prompts stay the same), so probes differ
-//! only in load. The rate search doubles from a guess until a probe fails,
-//! then halves the bracket until it is within [`Search::tolerance`].
+//! A probe runs the same seeded requests at a new rate (the arrival gaps
+//! scale with the rate; the prompts stay the same), so probes differ only in
+//! load. The rate search doubles from a guess until a probe fails, then
+//! halves the bracket until it is within [`Search::tolerance`]. The search
+//! runs simulations here and real fleets in `compare --capacity`.
 
 use serde::Serialize;
 
@@ -27,9 +28,9 @@ pub fn met(o: &Outcome, slo_s: f64) -> bool {
     o.rejected == 0 && o.ttft.p99_ms <= slo_s * 1e3
 }
 
-/// One policy's capacity on one fleet size.
+/// One policy's capacity on one fleet size; `T` is what a probe measured.
 #[derive(Debug, Clone, Serialize)]
-pub struct Capacity {
+pub struct Capacity<T = Outcome> {
     /// Replicas.
     pub replicas: usize,
     /// Highest rate that met the SLO, requests per second (0 when none did).
@@ -37,13 +38,18 @@ pub struct Capacity {
     /// The lowest rate found to miss it.
     pub missed_at: f64,
     /// The probe at `rate`, if one met the SLO.
-    pub at_capacity: Option<Outcome>,
+    pub at_capacity: Option<T>,
     /// Probes run.
     pub probes: usize,
 }
 
 /// The highest rate at which `probe(rate)` meets the SLO on `replicas`.
 pub fn rate(replicas: usize, search: Search, mut probe: impl FnMut(f64) -> anyhow::Result<Outcome>) -> anyhow::Result<Capacity> {
+    search_rate(replicas, search, |rate| probe(rate).map(|o| (met(&o, search.slo_s), o)))
+}
+
+/// The highest rate at which `probe(rate)` says it met the SLO, as `rate` does it.
+pub fn search_rate<T>(replicas: usize, search: Search, mut probe: impl FnMut(f64) -> anyhow::Result<(bool, T)>) -> anyhow::Result<Capacity<T>> {
     let mut probes = 0;
     let mut run = |rate: f64| {
         probes += 1;
@@ -53,8 +59,8 @@ pub fn rate(replicas: usize, search: Search, mut probe: impl FnMut(f64) -> anyho
     let mut hi = search.guess_per_replica * replicas as f64;
     // Double until a probe misses (or the rate is absurd).
     loop {
-        let o = run(hi)?;
-        if !met(&o, search.slo_s) {
+        let (ok, o) = run(hi)?;
+        if !ok {
             break;
         }
         lo = hi;
@@ -66,8 +72,8 @@ pub fn rate(replicas: usize, search: Search, mut probe: impl FnMut(f64) -> anyho
     let floor = search.guess_per_replica * replicas as f64 * search.tolerance;
     while hi - lo > search.tolerance * hi && !(best.is_none() && hi < floor) {
         let mid = (lo + hi) / 2.0;
-        let o = run(mid)?;
-        if met(&o, search.slo_s) {
+        let (ok, o) = run(mid)?;
+        if ok {
             lo = mid;
             best = Some(o);
         } else {
