@@ -146,7 +146,7 @@ setup-sglang:
     "$venv/bin/python" -c 'import sglang_router' 2>/dev/null && [ "$("$venv/bin/pip" show sglang-router 2>/dev/null | sed -n 's/^Version: //p')" = 0.3.2 ] ||
         "$venv/bin/pip" install --quiet --disable-pip-version-check sglang-router==0.3.2
 
-# Every policy and SGLang's router on the same requests, each on a cold fleet of three simulators whose caches hold about a third of W1's shared prompts; `--quick` gives a first answer (W1 and mix, a few contenders, short runs). Other flags go to `inferrail-bench compare`. Results: bench/results/routing/.
+# Every policy and SGLang's router on the same requests, each on a cold fleet of three simulators whose caches hold a third of W1's shared prompts and room for the requests running: first the rate round robin sustains on each workload (and cost_model's on W1 and mix), then every contender at 70% of it, three repetitions on W1 and mix, and the fleet simulation on the same requests; then the report. `--quick` gives a first answer in minutes (W1 and mix, a few contenders). Other flags go to `inferrail-bench compare`. Results: bench/results/routing/.
 bench-routing *args: setup setup-sglang
     #!/usr/bin/env bash
     set -euo pipefail
@@ -154,29 +154,51 @@ bench-routing *args: setup setup-sglang
     for port in 18101 18102 18103 18180 19002 19090 19091 19901 19290; do
         if (echo > "/dev/tcp/127.0.0.1/$port") 2> /dev/null; then echo "port $port is in use" >&2; exit 1; fi
     done
-    # 640 blocks of 16 tokens: about a third of six system prompts of 2,000-8,000 tokens.
-    sim="--block-size 16 --num-gpu-blocks-override 640 --max-model-len 10240"
+    bench=target/release/inferrail-bench
+    # 1,100 blocks of 16 tokens: a third of six system prompts of 2,000-8,000
+    # tokens, and room for the requests running. The latency model runs ten
+    # times faster (SLO: TTFT 200 ms, TPOT 10 ms; W2's users think 1-2 s) so
+    # that every run fits the hour.
+    sim="--block-size 16 --num-gpu-blocks-override 1100 --max-model-len 10240"
+    common=(--time-scale 0.1 --sim-flags "$sim" --think-s 1-2 --warmup-s 5)
     set -- {{args}}
     if [ "${1:-}" = "--quick" ]; then
         shift
-        target/release/inferrail-bench compare --sim-flags "$sim" --workloads w1,mix --reps 1 --rate 0.5 --duration-s 40 --warmup-s 10 \
-            --contenders round_robin,least_request,kv_aware,cost_model,sglang:cache_aware --out-dir bench/results/routing/quick "$@"
-        target/release/inferrail-bench report --routing bench/results/routing/quick
-    else
-        target/release/inferrail-bench compare --sim-flags "$sim" --workloads w1,mix --reps 3 "$@"
-        target/release/inferrail-bench compare --sim-flags "$sim" --workloads w2,w6,hot --reps 1 --out-dir bench/results/routing/runs-once "$@"
-        target/release/inferrail-bench report --routing bench/results/routing/runs,bench/results/routing/runs-once
+        out=bench/results/routing/quick
+        # 3 req/s: about 70% of what round robin sustained on W1 here (bench/results/routing/capacity).
+        $bench compare "${common[@]}" --workloads w1,mix --reps 1 --rate 3 --duration-s 20 \
+            --contenders round_robin,least_request,kv_aware,cost_model,sglang:cache_aware --out-dir "$out" "$@"
+        $bench report --routing "$out"
+        exit 0
     fi
+    out=bench/results/routing
+    # What a cache-blind fleet of three simulators sustains on each workload, and cost_model's on W1 and mix.
+    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.15 --rate 4 \
+        --workloads w1,mix,w2,w6,hot --contenders round_robin --out-dir "$out/capacity" "$@"
+    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.15 --rate 8 \
+        --workloads w1,mix --contenders cost_model --out-dir "$out/capacity-cost-model" "$@"
+    dirs=()
+    for w in w1 mix w2 w6 hot; do
+        rate=$(python3 -c "import json, sys; print(round(0.7 * json.load(open(sys.argv[1]))['rate'], 3))" "$out/capacity/capacity-$w-round_robin.json")
+        reps=1; case $w in w1|mix) reps=3;; esac
+        $bench compare "${common[@]}" --duration-s 25 --workloads "$w" --reps "$reps" --rate "$rate" --out-dir "$out/runs/$w" "$@"
+        dirs+=("$out/runs/$w")
+        # The fleet simulation on the same requests (the first repetition's), to measure its gap.
+        sent=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['sent'])" "$out/runs/$w/$w-round_robin-rep0.json")
+        $bench fleet --time-scale 0.1 --think-s 1-2 --workload "$w" --rate "$rate" --requests "$sent" --kv-blocks 1100 \
+            --policy round_robin,random,least_request,p2c,prefix_hash,kv_aware,cost_model,sglang_cache_aware,dynamo_kv,gie_default \
+            --out "$out/validation/fleet-$w.json"
+    done
+    $bench report --routing "$(IFS=,; echo "${dirs[*]}")"
 
-# The report (bench/report/routing/report.md and its PNG charts) from the committed results: the full routing comparison (runs, runs-once) when it is there, else the quick one; fleet, prediction and the overhead ladder. Flags go to `inferrail-bench report`.
+# The report (bench/report/routing/report.md and its PNG charts) from the committed results: the full routing comparison (runs/<workload>) when it is there, else the quick one; fleet, prediction and the overhead ladder. Flags go to `inferrail-bench report`.
 bench-report *args: setup
     #!/usr/bin/env bash
     set -euo pipefail
     cargo build --release --quiet -p inferrail-bench
     routing=bench/results/routing/quick
     if [ -d bench/results/routing/runs ]; then
-        routing=bench/results/routing/runs
-        if [ -d bench/results/routing/runs-once ]; then routing="$routing,bench/results/routing/runs-once"; fi
+        routing=$(ls -d bench/results/routing/runs/*/ | paste -sd, -)
     fi
     target/release/inferrail-bench report --routing "$routing" {{args}}
 

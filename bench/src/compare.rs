@@ -33,7 +33,7 @@ pub struct CompareArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "round_robin,least_request,prefix_hash,kv_aware,cost_model,sglang_cache_aware,dynamo_kv,gie_default,sglang:cache_aware,sglang:round_robin"
+        default_value = "round_robin,random,least_request,p2c,prefix_hash,kv_aware,cost_model,sglang_cache_aware,dynamo_kv,gie_default,sglang:cache_aware,sglang:round_robin"
     )]
     pub contenders: Vec<String>,
     /// Workloads to run.
