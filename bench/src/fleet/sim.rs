@@ -18,7 +18,9 @@
 //! Events: an arrival is tokenized ([`super::traffic`]), cut into blocks by
 //! `Core::prepare` and decided by `Core::decide` at the virtual now; a first
 //! token marks the lease's first byte; a completion completes the lease in
-//! the core and releases it. No engine reports: the core reads its own counters.
+//! the core and releases it. Each engine's load (running, waiting, KV usage)
+//! is read as the scraper reads it, every [`SCRAPE`] of virtual time, and the
+//! decisions see those reports with their age, as the router's do.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -27,10 +29,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inferrail_config::{CacheShape, Config, Limits, Model};
-use inferrail_policy::PolicyKind;
+use inferrail_policy::{EngineReport, PolicyKind};
 use inferrail_route::fleet::{Fleet, Lease, Replica};
 use inferrail_route::kv::{Prediction, Prompt};
-use inferrail_route::{Core, View};
+use inferrail_route::{Core, Report, View};
 use inferrail_sim::cache::{BlockId, BlockPool};
 use inferrail_sim::cost::LatencyModel;
 use serde::Serialize;
@@ -95,6 +97,9 @@ pub struct Outcome {
     pub wall_s: f64,
 }
 
+/// How often the engines' load is read, as the scraper's default.
+const SCRAPE: Duration = Duration::from_millis(100);
+
 /// A request on its replica.
 struct Job {
     arrival_ns: u64,
@@ -139,6 +144,8 @@ struct World<'a> {
     ttft: Vec<Duration>,
     exact: usize,
     measured: usize,
+    /// Each engine's last read load.
+    reports: Vec<Report>,
 }
 
 /// Runs `arrivals` through a cold fleet routed by `policy`.
@@ -234,6 +241,7 @@ impl<'a> World<'a> {
             ttft: Vec::new(),
             exact: 0,
             measured: 0,
+            reports: vec![Report { at: Duration::ZERO, load: EngineReport { running: 0, waiting: 0, kv_usage: 0.0 } }; setup.replicas],
         })
     }
 
@@ -264,7 +272,10 @@ impl<'a> World<'a> {
         let prompt = Prompt { ids: a.ids, max_tokens: Some(a.max_tokens), cache_salt: None };
         let prediction = self.core.prepare(0, &prompt, &self.fleet);
         let view = View { model: 0, prediction: Some(prediction.clone()), session: a.session.as_deref(), text: a.text.as_deref() };
-        let Ok((_, committed)) = self.core.decide(&view, &self.fleet, &|_| None, Duration::from_nanos(now)) else {
+        let now_d = Duration::from_nanos(now);
+        self.scrape(now_d);
+        let report = |r: &Replica| self.by_slot.get(&u64::from(r.slot)).map(|&i| self.reports[i]);
+        let Ok((_, committed)) = self.core.decide(&view, &self.fleet, &report, now_d) else {
             return false;
         };
         let Some(&replica) = self.by_slot.get(&u64::from(committed.lease.replica.slot)) else {
@@ -285,6 +296,23 @@ impl<'a> World<'a> {
         self.engines[replica].queue.push_back(id);
         self.start_prefill(replica, now);
         true
+    }
+
+    /// Reads every engine's load when a scrape interval has passed since the last read.
+    fn scrape(&mut self, now: Duration) {
+        if self.reports.first().is_some_and(|r| now < r.at + SCRAPE) {
+            return;
+        }
+        let blocks = self.setup.kv_blocks as f64;
+        for (report, e) in self.reports.iter_mut().zip(&self.engines) {
+            let running = e.running + usize::from(e.prefilling.is_some());
+            let load = EngineReport {
+                running: running as u32,
+                waiting: e.queue.len() as u32,
+                kv_usage: (blocks - e.pool.num_free() as f64) / blocks,
+            };
+            *report = Report { at: now, load };
+        }
     }
 
     /// Starts the next prefill on replica `r` if it is idle and the head of its queue has room.
