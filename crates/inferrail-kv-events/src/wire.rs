@@ -122,6 +122,9 @@ pub enum WireError {
     /// The topic frame is not UTF-8.
     #[error("the topic frame is not UTF-8")]
     Topic,
+    /// A replay reply must start with an empty delimiter frame.
+    #[error("a replay reply must start with an empty delimiter frame")]
+    Delimiter,
     /// The sequence frame must be 8 bytes.
     #[error("the sequence frame must be 8 bytes, got {0}")]
     Seq(usize),
