@@ -7,10 +7,28 @@
 //! the event's adapter, else of the replica's first model, and the first
 //! block's cache salt), and keeps the replica's mode, metrics and log
 //! line current. Large stored events are applied in pieces, so a decision
-//! recording a request never waits long on the index's lock. It does no
-//! I/O: the replay it asks for is fetched by its caller.
+//! recording a request never waits long on the index's lock. [`Follow`]
+//! does no I/O.
+//!
+//! [`run`] keeps one task per replica with an event source (its own
+//! `kv_events`, else the template) as the fleet changes. A replica's task
+//! receives on its SUB socket (binding or connecting as configured) and
+//! hands messages to the applying loop through a bounded queue: when the
+//! queue is full the message is dropped and counted, so an event storm
+//! never waits on the index, and the follower treats the loss as such
+//! (replayed, else the replica falls back). The applying loop fetches the
+//! replays the follower asks for and ticks it every second.
 
+use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use inferrail_config::EventSource;
+use inferrail_kv_events::{SubscribeError, Subscriber, SubscriberConfig, replay};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
 use inferrail_kv::index::{Event, Stored, Tier};
 use inferrail_kv::mode::{Act, Follower, Mode, Reason};
@@ -164,6 +182,130 @@ impl Follow {
         }
         tracing::info!(replica = %self.replica.id, mode = mode.as_str(), was = before.as_str(), "KV index mode");
         gauge_modes(&self.replica.id, mode);
+    }
+}
+
+/// Follows the KV events of every replica with an event source, as the fleet changes.
+pub async fn run(router: Arc<Router>) {
+    let mut tasks: HashMap<String, (SocketAddr, JoinHandle<()>)> = HashMap::new();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let fleet = router.fleet();
+        tasks.retain(|id, (addr, task)| {
+            let stays = fleet.replicas.iter().any(|r| &r.id == id && r.addr == *addr);
+            if !stays {
+                task.abort();
+            }
+            stays
+        });
+        for r in &fleet.replicas {
+            if tasks.contains_key(&r.id) {
+                continue;
+            }
+            let Some(source) = router.config.event_source(&r.id, r.addr.ip()) else { continue };
+            tasks.insert(r.id.clone(), (r.addr, tokio::spawn(follow_replica(router.clone(), r.clone(), source))));
+        }
+    }
+}
+
+/// What the receiving task hands the applying loop.
+enum Received {
+    Batch(u64, EventBatch),
+    /// Not a KV event batch; its sequence number when readable.
+    Garbage(Option<u64>),
+}
+
+/// Aborts a task when dropped (the replica's follow ended or was aborted).
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// One replica's events: receive, queue, apply.
+async fn follow_replica(router: Arc<Router>, replica: Arc<Replica>, source: EventSource) {
+    let mut follow = Follow::new(&router, replica.clone(), source.replay_endpoint.is_some());
+    let (tx, mut rx) = mpsc::channel(router.config.kv_events.queue);
+    let dropped = Arc::new(AtomicU64::new(0));
+    let config = SubscriberConfig { endpoint: source.endpoint.clone(), topic: source.topic.clone(), bind: source.bind };
+    let _receiver = AbortOnDrop(tokio::spawn(receive(replica.id.clone(), config, tx, dropped.clone())));
+    let timeout = Duration::from_millis(router.config.kv_events.replay_timeout_ms);
+    let mut seen_drops = 0;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        let got = tokio::select! {
+            got = rx.recv() => got,
+            _ = tick.tick() => {
+                follow.tick(&router);
+                continue;
+            }
+        };
+        let Some(got) = got else { return };
+        // Drops are of messages newer than this one: the follower expects their gap.
+        let drops = dropped.load(Ordering::Relaxed);
+        if drops != seen_drops {
+            seen_drops = drops;
+            follow.dropped(&router);
+        }
+        match got {
+            Received::Garbage(seq) => follow.garbage(&router, seq),
+            Received::Batch(seq, batch) => {
+                while let Some((from, to)) = follow.message(&router, seq, &batch) {
+                    let Some(endpoint) = &source.replay_endpoint else { break };
+                    let answer = replay(endpoint, from, timeout).await;
+                    let result = if answer.is_ok() { "answered" } else { "failed" };
+                    metrics::counter!("inferrail_kv_events_replays_total", "replica" => replica.id.clone(), "result" => result)
+                        .increment(1);
+                    match answer {
+                        Ok(messages) => {
+                            let wanted: Vec<_> = messages.into_iter().filter(|(s, _)| (from..to).contains(s)).collect();
+                            follow.replayed(&router, &wanted);
+                        }
+                        Err(e) => tracing::warn!(replica = %replica.id, error = %e, from, to, "KV event replay failed"),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Receives a replica's messages into the queue, dropping (and counting) what does not fit.
+async fn receive(id: String, config: SubscriberConfig, tx: mpsc::Sender<Received>, dropped: Arc<AtomicU64>) {
+    let mut wait = Duration::from_millis(500);
+    let mut subscriber = loop {
+        match Subscriber::start(&config).await {
+            Ok(s) => break s,
+            Err(e) => {
+                tracing::warn!(replica = %id, endpoint = %config.endpoint, error = %e, "cannot subscribe to KV events; retrying");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(30));
+            }
+        }
+    };
+    tracing::info!(replica = %id, endpoint = subscriber.endpoint(), bind = config.bind, "following KV events");
+    loop {
+        let got = match subscriber.next().await {
+            Ok((seq, batch)) => Received::Batch(seq, batch),
+            Err(SubscribeError::Garbage { seq, error }) => {
+                tracing::debug!(replica = %id, ?seq, %error, "garbage KV event message");
+                Received::Garbage(seq)
+            }
+            Err(e) => {
+                tracing::warn!(replica = %id, error = %e, "receiving KV events");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        match tx.try_send(got) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                dropped.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => return,
+        }
     }
 }
 
