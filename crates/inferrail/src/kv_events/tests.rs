@@ -148,3 +148,95 @@ fn refused_events_garbage_drops_and_restarts_are_reasons() {
     f.message(&router, 0, &batch(vec![stored(0, 1, None, None)]));
     assert_eq!((mode(&router), matched(&router, "m", None, 8)), (Mode::Exact, 1), "the new engine's first message");
 }
+
+/// A publisher on loopback that binds, losing `skip`.
+async fn publisher(skip: &[u64], replay: bool) -> inferrail_kv_events::Publisher {
+    use inferrail_kv_events::{Publisher, PublisherConfig, Skip};
+    let config = PublisherConfig {
+        endpoint: "tcp://*:0".into(),
+        replay_endpoint: replay.then(|| "tcp://*:0".into()),
+        buffer_steps: 10_000,
+        max_queue_size: 10_000,
+        topic: "kv-events".into(),
+        dp_rank: 0,
+        skip: Skip::Seqs(skip.iter().copied().collect()),
+    };
+    Publisher::start(config).await.unwrap()
+}
+
+fn loopback(endpoint: &str) -> String {
+    format!("tcp://127.0.0.1:{}", endpoint.rsplit(':').next().unwrap())
+}
+
+/// A router following `publisher` over ZMQ, exact: its subscription
+/// connects in the background and misses what comes before, so empty
+/// batches go until it has word of one, then a clear makes it exact.
+async fn following(publisher: &inferrail_kv_events::Publisher) -> Arc<Router> {
+    let router = Arc::new(router());
+    let source = EventSource {
+        endpoint: loopback(publisher.endpoint()),
+        replay_endpoint: publisher.replay_endpoint().map(loopback),
+        topic: "kv-events".into(),
+        bind: false,
+    };
+    tokio::spawn(follow_replica(router.clone(), router.fleet().replicas[0].clone(), source));
+    let connected = async {
+        // Before its task starts the replica has no events configured; then it waits for the first.
+        while matches!(mode(&router), Mode::Approximate(Reason::NoEventsConfigured | Reason::WaitingForFirstEvent)) {
+            publisher.publish(batch(vec![]));
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(60), connected).await.is_err() {
+        panic!("the router never had word of the publisher: {:?}", publisher.stats());
+    }
+    let word = mode(&router);
+    publisher.publish(batch(vec![KvEvent::AllBlocksCleared]));
+    until(&format!("exact after a clear (first word: {word:?})"), || mode(&router) == Mode::Exact).await;
+    router
+}
+
+/// Waits for a condition the router's tasks will make true (a minute at
+/// most: a bound against a hang, not a timing threshold).
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let waiting = async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    };
+    if tokio::time::timeout(Duration::from_secs(60), waiting).await.is_err() {
+        panic!("never came: {what}");
+    }
+}
+
+/// Publishes a chain of blocks up to sequence number `last`; returns its length.
+fn publish_chain(publisher: &inferrail_kv_events::Publisher, last: u64) -> usize {
+    let mut n = 0;
+    while publisher.stats().published <= last {
+        publisher.publish(batch(vec![stored(n, 1, None, None)]));
+        n += 1;
+    }
+    n
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_zmq_skipped_messages_are_replayed_and_the_replica_stays_exact() {
+    let publisher = publisher(&[500, 503], true).await;
+    let router = following(&publisher).await;
+    let n = publish_chain(&publisher, 510);
+    until("the whole chain, or a fall back", || matched(&router, "m", None, n) == n || mode(&router) != Mode::Exact).await;
+    assert_eq!((mode(&router), matched(&router, "m", None, n)), (Mode::Exact, n));
+    assert_eq!(publisher.stats().skipped, 2, "the fault fired");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_zmq_without_replay_a_skipped_message_ends_exact_mode() {
+    let publisher = publisher(&[500], false).await;
+    let router = following(&publisher).await;
+    publish_chain(&publisher, 510);
+    until("a fall back", || mode(&router) != Mode::Exact).await;
+    assert_eq!(mode(&router), Mode::Approximate(Reason::SequenceGap));
+    assert_eq!(publisher.stats().skipped, 1, "the fault fired");
+    publisher.publish(batch(vec![KvEvent::AllBlocksCleared]));
+    until("exact after a clear", || mode(&router) == Mode::Exact).await;
+}
