@@ -32,6 +32,8 @@ pub struct Config {
     pub tokenizer: Tokenization,
     /// The KV index: what each replica's cache is predicted to hold.
     pub kv: Kv,
+    /// The engines' KV events, which make the index exact (ADR 0012).
+    pub kv_events: KvEvents,
     /// Engine load: the replicas' `/metrics` pages, read here or by the sidecar.
     pub load: Load,
     /// The decision log.
@@ -181,6 +183,76 @@ impl Default for Kv {
     }
 }
 
+/// The engines' KV events: where the router subscribes for each replica,
+/// and how it follows them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KvEvents {
+    /// Where to subscribe for every replica without `kv_events` of its own;
+    /// `{host}` stands for the replica's IP (`tcp://{host}:5557` for
+    /// engines started with `"endpoint": "tcp://*:5557"`). None: only
+    /// replicas with their own subscribe.
+    pub endpoint: Option<String>,
+    /// The engines' replay endpoint, `{host}` as in `endpoint`.
+    pub replay_endpoint: Option<String>,
+    /// The engines' topic; empty takes every message.
+    pub topic: String,
+    /// Bind the endpoint and let the engine connect (vLLM's way with an IP
+    /// endpoint; then one router per engine endpoint), instead of connecting
+    /// to an engine that binds.
+    pub bind: bool,
+    /// Messages waiting to be applied, per replica; more are dropped (and the
+    /// replica falls back unless the replay fills in).
+    pub queue: usize,
+    /// No message for this long while requests run on an exact replica makes it suspect.
+    pub silent_after_ms: u64,
+    /// How long a replay may take.
+    pub replay_timeout_ms: u64,
+}
+
+impl Default for KvEvents {
+    fn default() -> Self {
+        Self {
+            endpoint: None,
+            replay_endpoint: None,
+            topic: String::new(),
+            bind: false,
+            queue: 1024,
+            silent_after_ms: 10_000,
+            replay_timeout_ms: 1_000,
+        }
+    }
+}
+
+/// One replica's KV events, overriding the `kv_events` template.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaKvEvents {
+    /// Where to subscribe.
+    pub endpoint: String,
+    /// The engine's replay endpoint.
+    #[serde(default)]
+    pub replay_endpoint: Option<String>,
+    /// The engine's topic (default: `kv_events.topic`).
+    #[serde(default)]
+    pub topic: Option<String>,
+    /// Bind instead of connect (default: `kv_events.bind`).
+    #[serde(default)]
+    pub bind: Option<bool>,
+}
+
+/// Where one replica's events come from, resolved.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventSource {
+    /// Where to subscribe.
+    pub endpoint: String,
+    /// The replay endpoint.
+    pub replay_endpoint: Option<String>,
+    /// The topic.
+    pub topic: String,
+    /// Bind instead of connect.
+    pub bind: bool,
+}
+
 /// What the router records of its decisions.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -320,6 +392,8 @@ pub struct Replica {
     pub block_size: Option<usize>,
     /// KV blocks it holds; learned from the engine's metrics when unset.
     pub kv_blocks: Option<usize>,
+    /// Its KV events, when not from the `kv_events` template.
+    pub kv_events: Option<ReplicaKvEvents>,
 }
 
 impl Default for Replica {
@@ -333,6 +407,7 @@ impl Default for Replica {
             max_pending: l.max_pending,
             block_size: None,
             kv_blocks: None,
+            kv_events: None,
         }
     }
 }
@@ -464,9 +539,47 @@ impl Config {
         if problems.is_empty() { Ok(config) } else { Err(ConfigError::Invalid(problems)) }
     }
 
+    /// Where the KV events of replica `id` at `ip` come from: its own
+    /// `kv_events`, else the template; none when neither says.
+    pub fn event_source(&self, id: &str, ip: std::net::IpAddr) -> Option<EventSource> {
+        let t = &self.kv_events;
+        let host = |s: &str| s.replace("{host}", &ip.to_string());
+        match self.replicas.iter().find(|r| r.id == id).and_then(|r| r.kv_events.as_ref()) {
+            Some(own) => Some(EventSource {
+                endpoint: host(&own.endpoint),
+                replay_endpoint: own.replay_endpoint.as_deref().map(host),
+                topic: own.topic.clone().unwrap_or_else(|| t.topic.clone()),
+                bind: own.bind.unwrap_or(t.bind),
+            }),
+            None => t.endpoint.as_deref().map(|e| EventSource {
+                endpoint: host(e),
+                replay_endpoint: t.replay_endpoint.as_deref().map(host),
+                topic: t.topic.clone(),
+                bind: t.bind,
+            }),
+        }
+    }
+
     /// Every range and cross-reference problem, each with its path.
     pub fn validate(&self) -> Vec<String> {
         let mut p = Vec::new();
+        let e = &self.kv_events;
+        if e.queue == 0 || e.silent_after_ms == 0 || e.replay_timeout_ms == 0 {
+            p.push("kv_events: queue, silent_after_ms and replay_timeout_ms must be at least 1".into());
+        }
+        let own = self.replicas.iter().filter_map(|r| r.kv_events.as_ref().map(|k| (format!("replicas[{}].kv_events", r.id), k)));
+        let endpoints = [("kv_events".to_owned(), e.endpoint.as_deref(), e.replay_endpoint.as_deref())]
+            .into_iter()
+            .chain(own.map(|(path, k)| (path, Some(k.endpoint.as_str()), k.replay_endpoint.as_deref())));
+        for (path, endpoint, replay) in endpoints {
+            for (field, value) in [("endpoint", endpoint), ("replay_endpoint", replay)] {
+                if let Some(v) = value
+                    && !["tcp://", "ipc://", "inproc://"].iter().any(|s| v.starts_with(s))
+                {
+                    p.push(format!("{path}.{field}: {v:?} is not a tcp://, ipc:// or inproc:// endpoint"));
+                }
+            }
+        }
         for (path, addr) in
             [("server.listen", &self.server.listen), ("admin.listen", &self.admin.listen), ("admin.grpc_listen", &self.admin.grpc_listen)]
         {

@@ -143,3 +143,29 @@ fn traces_are_off_by_default_and_bad_trace_settings_are_named_by_path() {
     let ok = format!("{MINIMAL}observability: {{otlp_endpoint: 'http://127.0.0.1:4318', trace_sample_ratio: 0.1}}\n");
     assert_eq!(Config::parse(&ok).unwrap().observability.otlp_endpoint.as_deref(), Some("http://127.0.0.1:4318"));
 }
+
+#[test]
+fn kv_events_come_from_the_replica_or_the_template() {
+    let c = Config::parse(
+        r#"
+models: [{name: m}]
+kv_events: {endpoint: "tcp://{host}:5557", replay_endpoint: "tcp://{host}:5558", topic: kv-events}
+replicas:
+  - {id: a, address: "10.0.0.1:8000", models: [m]}
+  - {id: b, address: "10.0.0.2:8000", models: [m], kv_events: {endpoint: "tcp://*:6000", bind: true}}
+"#,
+    )
+    .unwrap();
+    let a = c.event_source("a", "10.0.0.1".parse().unwrap()).unwrap();
+    assert_eq!(
+        (a.endpoint.as_str(), a.replay_endpoint.as_deref(), a.topic.as_str(), a.bind),
+        ("tcp://10.0.0.1:5557", Some("tcp://10.0.0.1:5558"), "kv-events", false)
+    );
+    let b = c.event_source("b", "10.0.0.2".parse().unwrap()).unwrap();
+    assert_eq!((b.endpoint.as_str(), b.replay_endpoint, b.topic.as_str(), b.bind), ("tcp://*:6000", None, "kv-events", true));
+    assert_eq!(Config::default().event_source("a", "10.0.0.1".parse().unwrap()), None, "no template, no events");
+    let bad = Config::parse("models: [{name: m}]\nkv_events: {endpoint: \"http://x\", queue: 0}\n");
+    let Err(ConfigError::Invalid(problems)) = bad else { panic!("accepted {bad:?}") };
+    assert!(problems.iter().any(|p| p.starts_with("kv_events.endpoint")), "{problems:?}");
+    assert!(problems.iter().any(|p| p.contains("queue")), "{problems:?}");
+}

@@ -1,9 +1,11 @@
 //! Block hashing and index lookups at the sizes the router meets.
 #![allow(missing_docs)]
+// A bench whose events do not apply measures nothing: it stops.
+#![allow(clippy::expect_used)]
 
 use criterion::{Criterion, Throughput, criterion_group};
 use inferrail_kv::hash::block_hashes;
-use inferrail_kv::index::KvIndex;
+use inferrail_kv::index::{Event, KvIndex, Stored, Tier};
 
 fn hashing(c: &mut Criterion) {
     let tokens: Vec<u32> = (0..8192u32).map(|t| t.wrapping_mul(2_654_435_761) % 151_936).collect();
@@ -88,7 +90,52 @@ fn memory() {
     println!("index memory: {held} blocks held over {replicas} replicas, {per_block:.0} bytes per block");
 }
 
-criterion_group!(benches, hashing, lookup);
+/// Engine events applied on one core: 1,000 prompts of 32 blocks of 32
+/// tokens stored (each prompt one `BlockStored`, the first half of them
+/// continuing a shared 8-block prefix) and then removed tail first, as an
+/// engine evicts, one `BlockRemoved` a prompt; throughput counts blocks.
+fn events(c: &mut Criterion) {
+    const BS: usize = 32;
+    let index = KvIndex::new();
+    index.add_replica(0, 1 << 20);
+    for s in 1..64 {
+        index.add_replica(s, 4096);
+    }
+    let shared: Vec<u32> = (0..(8 * BS) as u32).collect();
+    let shared_hashes: Vec<u64> = (0..8).map(|b| 0xfeed_0000 + b).collect();
+    let prompts: Vec<(Vec<u64>, Option<u64>, Vec<u32>)> = (0..1000u64)
+        .map(|p| {
+            let tokens: Vec<u32> = (0..(32 * BS) as u32).map(|t| t.wrapping_mul(2_654_435_761) ^ p as u32).collect();
+            // Engine hashes are the low 64 bits of a SHA-256: uniform.
+            let hashes: Vec<u64> = (0..32).map(|b| xxhash_rust::xxh3::xxh3_64(&((p << 32) | b).to_le_bytes())).collect();
+            (hashes, (p % 2 == 0).then_some(shared_hashes[7]), tokens)
+        })
+        .collect();
+    let removals: Vec<Vec<u64>> = prompts.iter().map(|(h, _, _)| h.iter().rev().copied().collect()).collect();
+    let blocks = prompts.iter().map(|(h, _, _)| h.len()).sum::<usize>() * 2;
+    let stored = |hashes: &'static [u64], parent, tokens: &'static [u32]| {
+        Event::Stored(Stored { hashes, parent, tokens, block_size: BS, seed: 7, tier: Tier::ROUTING })
+    };
+    let (shared, shared_hashes): (&'static [u32], &'static [u64]) = (shared.leak(), shared_hashes.leak());
+    let prompts: &'static [(Vec<u64>, Option<u64>, Vec<u32>)] = prompts.leak();
+    let mut g = c.benchmark_group("events");
+    g.throughput(Throughput::Elements(blocks as u64));
+    g.bench_function("store and remove 64,000 blocks", |b| {
+        b.iter(|| {
+            index.enter_exact(0, BS);
+            index.apply(0, &stored(shared_hashes, None, shared)).expect("applies");
+            for (hashes, parent, tokens) in prompts {
+                index.apply(0, &stored(hashes, *parent, tokens)).expect("applies");
+            }
+            for r in &removals {
+                index.apply(0, &Event::Removed { hashes: r, tier: Tier::ROUTING }).expect("applies");
+            }
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, hashing, lookup, events);
 
 fn main() {
     memory();

@@ -42,9 +42,14 @@ pub fn extend_block_hashes(hashes: &mut Vec<BlockHash>, seed: BlockHash, tokens:
     }
     let mut parent = hashes.last().copied().unwrap_or(seed);
     for block in tokens.chunks_exact(block_size).skip(hashes.len()) {
-        parent = parent.wrapping_mul(CHAIN).wrapping_add(xxh3_128(bytemuck::cast_slice(block)));
+        parent = next(parent, block);
         hashes.push(parent);
     }
+}
+
+/// The hash of `block` following `parent` (a block's hash, or a chain's seed).
+pub fn next(parent: BlockHash, block: &[u32]) -> BlockHash {
+    parent.wrapping_mul(CHAIN).wrapping_add(xxh3_128(bytemuck::cast_slice(block)))
 }
 
 /// The chain's multiplier: the golden ratio's first 128 fractional bits

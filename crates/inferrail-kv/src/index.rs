@@ -1,5 +1,6 @@
-//! The approximate KV index: which leading blocks of a prompt each replica
-//! already holds, learned from the router's own decisions.
+//! The KV index: which leading blocks of a prompt each replica already
+//! holds, learned from the router's own decisions (approximate mode) or from
+//! the engine's KV events (exact mode, `exact`).
 //!
 //! Every prompt routed to a replica is recorded in that replica's shadow LRU,
 //! as large as its KV cache, in the order an engine frees blocks: a prompt's
@@ -8,14 +9,23 @@
 //! answers, for every candidate at once, how many leading blocks it holds.
 //! What an attempt recorded can be taken back (the engine refused it), a
 //! replica can be cleared (its engine restarted) or forgotten (it left).
+//!
+//! A replica in exact mode has no shadow in use: the engine's events say what
+//! it holds, and the requests the router sent and the engine has not
+//! reported claim their prompt blocks until they complete (ADR 0012). Either
+//! way the holder map is the one lookup reads, so a lookup costs the same in
+//! both modes.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::hash::BlockHash;
+use exact::{Change, Exact};
+pub use exact::{Event, EventError, Stored, Tier};
 use shadow::Shadow;
 
+mod exact;
 mod shadow;
 
 /// A replica's slot in the index.
@@ -31,12 +41,14 @@ pub struct Recorded {
     request: u64,
 }
 
-/// One replica as the index sees it: its shadow, and the requests it runs or queues.
+/// One replica as the index sees it: its shadow or exact view, and the requests it runs or queues.
 #[derive(Debug)]
 struct Replica {
     /// Which incarnation.
     id: u64,
     shadow: Shadow,
+    /// The engine's blocks from its events, in exact mode.
+    exact: Option<Exact>,
     /// Requests recorded and not yet completed or taken back.
     requests: HashMap<u64, Request>,
     /// Requests waiting for room, first come first, as in the engine's queue.
@@ -49,6 +61,8 @@ enum Request {
     Waiting { prompt: Vec<BlockHash>, reusable: usize, partial: usize, output: usize },
     /// Running: holds its blocks, the reused ones first.
     Running { keys: Vec<BlockHash>, reused: usize, output: usize },
+    /// Sent to a replica in exact mode: claims its prompt blocks.
+    Claiming { keys: Vec<BlockHash> },
 }
 
 /// Hashes a block hash with two multiplies: a block hash is uniform already
@@ -126,7 +140,7 @@ impl KvIndex {
 
     fn new_replica(&self, capacity: usize) -> Replica {
         let id = self.ids.fetch_add(1, Ordering::Relaxed);
-        Replica { id, shadow: Shadow::new(capacity), requests: HashMap::new(), queue: VecDeque::new() }
+        Replica { id, shadow: Shadow::new(capacity), exact: None, requests: HashMap::new(), queue: VecDeque::new() }
     }
 
     /// Forgets a replica that left.
@@ -137,13 +151,91 @@ impl KvIndex {
         }
     }
 
-    /// Empties a replica whose engine restarted, keeping its capacity.
+    /// Empties a replica whose engine restarted, keeping its capacity and mode.
     pub fn clear_replica(&self, slot: Slot) {
         let mut replicas = self.lock();
         let Some(entry) = replicas.get_mut(&slot) else { return };
-        let fresh = self.new_replica(entry.shadow.cap());
+        let mut fresh = self.new_replica(entry.shadow.cap());
+        fresh.exact = entry.exact.as_ref().map(|e| Exact::new(e.block_size(), entry.shadow.cap()));
         let old = std::mem::replace(entry, fresh);
         self.drop_all(slot, old);
+    }
+
+    /// Puts a replica in exact mode, empty: its engine's cache is known to
+    /// hold nothing (it just started, or cleared it), and its events from
+    /// now on, of blocks of `block_size` tokens, say what it holds. Requests
+    /// recorded before are forgotten. False when the slot is unknown.
+    pub fn enter_exact(&self, slot: Slot, block_size: usize) -> bool {
+        let mut replicas = self.lock();
+        let Some(entry) = replicas.get_mut(&slot) else { return false };
+        let mut fresh = self.new_replica(entry.shadow.cap());
+        fresh.exact = Some(Exact::new(block_size, entry.shadow.cap()));
+        let old = std::mem::replace(entry, fresh);
+        self.drop_all(slot, old);
+        true
+    }
+
+    /// Puts a replica in approximate mode. With `keep`, its shadow starts
+    /// from what the engine was last known to hold (deepest blocks oldest,
+    /// as the engine would evict them); without, from nothing (its engine
+    /// restarted). Requests recorded before are forgotten. A replica
+    /// already approximate is left alone.
+    pub fn leave_exact(&self, slot: Slot, keep: bool) {
+        let mut replicas = self.lock();
+        let Some(entry) = replicas.get_mut(&slot) else { return };
+        let Some(exact) = &entry.exact else { return };
+        let mut fresh = self.new_replica(entry.shadow.cap());
+        if keep {
+            for h in exact.deepest_first() {
+                if !fresh.shadow.contains(h) && fresh.shadow.push(h).is_err() {
+                    break;
+                }
+            }
+        }
+        let old = std::mem::replace(entry, fresh);
+        self.drop_all(slot, old);
+        let holders = self.holders.pin();
+        for h in replicas.get(&slot).into_iter().flat_map(|r| r.shadow.blocks()) {
+            holders.update_or_insert_with(h, |bits| bits.with(slot), || Bits::default().with(slot));
+        }
+    }
+
+    /// Applies one of the engine's KV events to a replica in exact mode.
+    /// An error leaves the replica's view untrustworthy: the caller puts it
+    /// in approximate mode.
+    pub fn apply(&self, slot: Slot, event: &Event<'_>) -> Result<(), EventError> {
+        let mut replicas = self.lock();
+        let rep = replicas.get_mut(&slot).ok_or(EventError::UnknownReplica(slot))?;
+        let exact = rep.exact.as_mut().ok_or(EventError::NotExact(slot))?;
+        let mut changes = Vec::new();
+        let applied = exact.apply(event, &mut changes);
+        self.present(slot, &changes);
+        applied
+    }
+
+    /// Whether a replica is in exact mode.
+    pub fn is_exact(&self, slot: Slot) -> bool {
+        self.lock().get(&slot).is_some_and(|r| r.exact.is_some())
+    }
+
+    /// Blocks an exact replica's engine holds in each tier: medium, group, blocks.
+    pub fn exact_tiers(&self, slot: Slot) -> Vec<(String, u32, usize)> {
+        self.lock().get(&slot).and_then(|r| r.exact.as_ref()).map(Exact::tiers).unwrap_or_default()
+    }
+
+    /// Sets or clears `slot`'s bit for each changed block.
+    fn present(&self, slot: Slot, changes: &[Change]) {
+        if changes.is_empty() {
+            return;
+        }
+        let holders = self.holders.pin();
+        for &(h, present) in changes {
+            if present {
+                holders.update_or_insert_with(h, |bits| bits.with(slot), || Bits::default().with(slot));
+            } else {
+                release(&holders, h, slot);
+            }
+        }
     }
 
     /// Records a request sent to `slot` as the engine will lay it out in its
@@ -164,6 +256,13 @@ impl KvIndex {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&slot) else { return Recorded { slot, ..Recorded::default() } };
         let request = self.ids.fetch_add(1, Ordering::Relaxed);
+        if let Some(exact) = &mut rep.exact {
+            let mut changes = Vec::new();
+            exact.claim(prompt, &mut changes);
+            rep.requests.insert(request, Request::Claiming { keys: prompt.to_vec() });
+            self.present(slot, &changes);
+            return Recorded { slot, replica: rep.id, request };
+        }
         // Behind a queue it waits its turn; before one, it runs if it fits.
         let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };
         match admitted {
@@ -268,6 +367,7 @@ impl KvIndex {
                 rep.queue.retain(|&r| r != recorded.request);
                 (self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).map(|(k, _)| k).unwrap_or_default(), output)
             }
+            Some(Request::Claiming { keys }) => return self.unclaim(recorded.slot, rep, &keys),
             None => return,
         };
         // Generated tokens' blocks, the request's last, are freed first.
@@ -306,9 +406,18 @@ impl KvIndex {
                 }
             }
             Some(Request::Waiting { .. }) => rep.queue.retain(|&r| r != recorded.request),
+            Some(Request::Claiming { keys }) => return self.unclaim(recorded.slot, rep, &keys),
             None => return,
         }
         self.admit_waiting(recorded.slot, rep);
+    }
+
+    /// A request sent to an exact replica ends its claims.
+    fn unclaim(&self, slot: Slot, rep: &mut Replica, keys: &[BlockHash]) {
+        let Some(exact) = &mut rep.exact else { return };
+        let mut changes = Vec::new();
+        exact.unclaim(keys, &mut changes);
+        self.present(slot, &changes);
     }
 
     /// How many leading blocks of `hashes` each of `slots` holds.
@@ -360,16 +469,16 @@ impl KvIndex {
         slots.iter().map(|&s| depth_of[s as usize]).collect()
     }
 
-    /// Blocks the index holds, over every replica.
+    /// Blocks the index holds, over every replica (an exact replica's in every tier).
     pub fn entries(&self) -> usize {
-        self.lock().values().map(|r| r.shadow.len()).sum()
+        self.lock().values().map(|r| r.shadow.len() + r.exact.as_ref().map_or(0, Exact::len)).sum()
     }
 
     /// Bytes the index has allocated: the shadows' exactly, the holder map's
     /// by its entries (papaya does not say its table's size; its tables run
     /// 40-85% full, so 16 bytes of table a block is allowed).
     pub fn bytes(&self) -> usize {
-        let shadows: usize = self.lock().values().map(|r| r.shadow.bytes()).sum();
+        let shadows: usize = self.lock().values().map(|r| r.shadow.bytes() + r.exact.as_ref().map_or(0, Exact::bytes)).sum();
         let entry = size_of::<(BlockHash, Bits)>().next_multiple_of(16) + 16;
         shadows + self.holders.len() * entry
     }
@@ -378,10 +487,13 @@ impl KvIndex {
         self.replicas.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Releases every block of a replica's old shadow; called under the lock.
+    /// Releases every block of a replica's old shadow or exact view; called under the lock.
     fn drop_all(&self, slot: Slot, old: Replica) {
         let holders = self.holders.pin();
         for h in old.shadow.blocks().filter(|&h| !is_placeholder(h)) {
+            release(&holders, h, slot);
+        }
+        for h in old.exact.iter().flat_map(Exact::present) {
             release(&holders, h, slot);
         }
     }

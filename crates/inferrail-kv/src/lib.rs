@@ -9,3 +9,4 @@
 
 pub mod hash;
 pub mod index;
+pub mod mode;

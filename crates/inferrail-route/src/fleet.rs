@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use inferrail_config::{CacheShape, Health as HealthConfig, Limits};
 use inferrail_kv::index::Slot;
+use inferrail_kv::mode::{Mode, Reason};
 use inferrail_policy::{Candidate, EngineReport};
 
 use crate::kv::{Prediction, Record};
@@ -37,6 +38,10 @@ pub struct Replica {
     learned_blocks: AtomicUsize,
     /// The engine's prefix-cache query counter when last read.
     pub prefix_queries: AtomicU64,
+    /// Times the engine's counters went back (it restarted), for its KV events' follower.
+    pub restarts: AtomicU64,
+    /// Its KV index mode: 0 exact, else 1 + the reason's place in `Reason::ALL`.
+    kv_mode: AtomicU8,
     in_flight: AtomicU32,
     pending: AtomicU32,
     prompt_tokens: AtomicU64,
@@ -74,6 +79,13 @@ impl Fleet {
     }
 }
 
+fn mode_code(mode: Mode) -> u8 {
+    match mode {
+        Mode::Exact => 0,
+        Mode::Approximate(r) => Reason::ALL.iter().position(|&x| x == r).map_or(1, |p| p as u8 + 1),
+    }
+}
+
 /// Lease states: waiting for the first byte, streaming, released.
 const PENDING: u8 = 0;
 const STREAMING: u8 = 1;
@@ -92,6 +104,8 @@ impl Replica {
             learned_block_size: AtomicUsize::new(0),
             learned_blocks: AtomicUsize::new(0),
             prefix_queries: AtomicU64::new(0),
+            restarts: AtomicU64::new(0),
+            kv_mode: AtomicU8::new(mode_code(Mode::Approximate(Reason::NoEventsConfigured))),
             in_flight: AtomicU32::new(0),
             pending: AtomicU32::new(0),
             prompt_tokens: AtomicU64::new(0),
@@ -102,6 +116,21 @@ impl Replica {
             ejected_until_ms: AtomicU64::new(0),
             id,
         }
+    }
+
+    /// How its KV index entry is known.
+    pub fn kv_mode(&self) -> Mode {
+        match self.kv_mode.load(Ordering::Relaxed) {
+            0 => Mode::Exact,
+            c => Mode::Approximate(Reason::ALL.get(usize::from(c) - 1).copied().unwrap_or(Reason::NoEventsConfigured)),
+        }
+    }
+
+    /// Sets its KV mode; returns the one before.
+    pub fn set_kv_mode(&self, mode: Mode) -> Mode {
+        let before = self.kv_mode();
+        self.kv_mode.store(mode_code(mode), Ordering::Relaxed);
+        before
     }
 
     /// Tokens per KV block: configured, else learned from the engine, else `default`.

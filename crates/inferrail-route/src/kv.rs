@@ -68,6 +68,12 @@ impl Prediction {
     }
 }
 
+/// Where the block hash chain of a prompt of `model` (a served model or
+/// adapter name) with `cache_salt` starts.
+pub fn seed(model: &str, cache_salt: Option<&str>) -> BlockHash {
+    salt(&[model, cache_salt.unwrap_or_default()])
+}
+
 /// What a decision recorded on a replica: its blocks are freed when the
 /// request completes, or taken back if the engine refused it first.
 #[derive(Debug)]
@@ -109,9 +115,14 @@ impl Kv {
         self.index.clear_replica(slot);
     }
 
+    /// The index itself, for the engines' KV events (exact mode).
+    pub fn index(&self) -> &KvIndex {
+        &self.index
+    }
+
     /// Cuts a prompt into blocks of each of `block_sizes`.
     pub fn prepare(&self, model: &str, prompt: &Prompt, block_sizes: impl IntoIterator<Item = usize>) -> Prediction {
-        let chain = salt(&[model, prompt.cache_salt.as_deref().unwrap_or_default()]);
+        let chain = seed(model, prompt.cache_salt.as_deref());
         let mut hashes: Vec<(usize, Vec<BlockHash>)> = Vec::new();
         for bs in block_sizes {
             if !hashes.iter().any(|(b, _)| *b == bs) {

@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inferrail_config::Config;
+use inferrail_kv::mode::{Mode, Reason};
 use inferrail_policy::{Candidate, EngineReport, NoReplica, Params, Request, RoutingPolicy, Score, SetAside, TextKind, eligibility, order};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -235,13 +236,19 @@ impl Core {
     }
 
     /// The engine's prefix-cache query counter; one that went backwards means
-    /// the engine restarted with an empty cache. Returns whether it did.
+    /// the engine restarted with an empty cache. Returns whether it did. A
+    /// replica that follows KV events is left to its follower, which hears
+    /// of the restart through `Replica::restarts` and knows whether the new
+    /// engine's events came first (ADR 0012).
     pub fn prefix_cache_queries(&self, r: &Replica, queries: u64) -> bool {
         let before = r.prefix_queries.swap(queries, std::sync::atomic::Ordering::Relaxed);
         let restarted = queries < before;
         if restarted {
             tracing::info!(replica = %r.id, "engine counters went backwards: restarted, cache empty");
-            self.kv.clear(r.slot);
+            r.restarts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if r.kv_mode() == Mode::Approximate(Reason::NoEventsConfigured) {
+                self.kv.clear(r.slot);
+            }
         }
         restarted
     }

@@ -146,6 +146,7 @@ fn explanation(router: &Router, e: &Explained) -> pb::ExplainResponse {
                     plan.terms.iter().zip(s.terms).map(|(name, value)| pb::Term { name: name.to_string(), value }).collect()
                 }),
                 rank: plan.order.iter().position(|&o| o == i).map_or(0, |p| p as u32 + 1),
+                kv_mode: r.kv_mode().as_str().to_string(),
             }
         })
         .collect();
@@ -197,6 +198,7 @@ fn fleet(router: &Router) -> pb::ReplicasResponse {
                 engine: engine(router.report(&r.id).map(|rep| (rep, now.saturating_sub(rep.at)))),
                 block_size: r.block_size(defaults.block_size) as u64,
                 kv_blocks: r.blocks(defaults.blocks) as u64,
+                kv_mode: r.kv_mode().as_str().to_string(),
             }
         })
         .collect();

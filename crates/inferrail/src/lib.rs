@@ -11,7 +11,7 @@
 //! [`reply`] turns the decision into headers and dynamic metadata for Envoy.
 //! The route stream's closing, in [`extproc`], ends the lease; the observe
 //! filter's stream reports the upstream status, retries and first byte. [`health`] probes replicas and ejects failing
-//! ones; [`load`] keeps the engines' load reports current; [`discovery`] keeps DNS groups' members current; [`admin`] serves
+//! ones; [`load`] keeps the engines' load reports current; [`kv_events`] applies the engines' KV events to the index; [`discovery`] keeps DNS groups' members current; [`admin`] serves
 //! metrics and health; [`explain`] answers why a request would go where it
 //! goes; [`decision_log`] writes sampled decisions and [`traces`] exports a
 //! span per decision, whose `traceparent` [`reply`] passes on to the engine;
@@ -24,6 +24,7 @@ pub mod discovery;
 pub mod explain;
 pub mod extproc;
 pub mod health;
+pub mod kv_events;
 pub mod load;
 pub mod prompt;
 pub mod reply;

@@ -16,7 +16,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::extproc::ExtProc;
 use crate::router::Router;
-use crate::{admin, discovery, explain, health, load};
+use crate::{admin, discovery, explain, health, kv_events, load};
 
 /// A started service.
 pub struct Running {
@@ -98,6 +98,7 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         tokio::spawn(health::probe_loop(router.clone())),
         tokio::spawn(load::run(router.clone())),
         tokio::spawn(load::learn_loop(router.clone())),
+        tokio::spawn(kv_events::run(router.clone())),
         tokio::spawn(health::cards_loop(router.clone(), models)),
         tokio::spawn(discovery::run(router.clone())),
     ];

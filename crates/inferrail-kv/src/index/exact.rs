@@ -1,0 +1,366 @@
+//! One replica's exact view of its engine's KV cache, built from the
+//! engine's own KV events (ADR 0012).
+//!
+//! The engine names its blocks with hashes of its own; each `BlockStored`
+//! carries the blocks' token ids, so the block is renamed here with the
+//! router's chained hash: the chain continues from the router hash the
+//! parent's engine hash maps to, or starts from the seed the caller resolved
+//! for the event's model or adapter. The engine may keep two copies of one
+//! block (two requests computed it in the same step); each copy is announced
+//! and removed on its own, so copies are counted. Blocks live in tiers (the
+//! medium, GPU or an offload tier such as CPU, and the KV cache group); only
+//! the GPU tier of group 0 answers routing lookups, the others are kept apart.
+//!
+//! The engine always holds whole prefixes (it frees a request's blocks last
+//! first and evicts the least recently freed), and the index's lookup relies
+//! on it: a stored block whose parent is unknown, a removed block that is
+//! not held, or a removed block whose children are still held means events
+//! went missing, and is an error the caller answers by leaving exact mode.
+//!
+//! Requests the router sent and the engine has not yet reported are claims:
+//! each prompt block of a recorded request counts as held until that request
+//! completes or is taken back, whatever the engine says meanwhile. A block is
+//! present for routing when the engine holds it or a live request claims it.
+
+use std::collections::HashMap;
+
+use foldhash::fast::FixedState;
+
+use super::{FoldState, Slot};
+use crate::hash::{BlockHash, next};
+
+/// Where an engine keeps a block: its medium and its KV cache group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tier<'a> {
+    /// `GPU`, `CPU` or another offload tier's name, as the engine says it.
+    pub medium: &'a str,
+    /// The KV cache group (0 for a model with one kind of attention).
+    pub group: u32,
+}
+
+impl Tier<'_> {
+    /// The tier routing lookups count: the engine's GPU blocks of group 0.
+    pub const ROUTING: Tier<'static> = Tier { medium: "GPU", group: 0 };
+}
+
+/// One engine KV event, borrowed from the decoded message.
+#[derive(Debug, Clone, Copy)]
+pub enum Event<'a> {
+    /// Blocks stored, parent first.
+    Stored(Stored<'a>),
+    /// Blocks removed from a tier.
+    Removed {
+        /// The engine's hashes of the removed blocks.
+        hashes: &'a [u64],
+        /// Where they were.
+        tier: Tier<'a>,
+    },
+    /// The engine emptied its cache.
+    Cleared,
+}
+
+/// Blocks the engine stored, one chain: each block's parent is the one before it.
+#[derive(Debug, Clone, Copy)]
+pub struct Stored<'a> {
+    /// The engine's hashes of the blocks.
+    pub hashes: &'a [u64],
+    /// The engine's hash of the first block's parent, `None` for a prompt's first block.
+    pub parent: Option<u64>,
+    /// The blocks' token ids, `block_size` a block.
+    pub tokens: &'a [u32],
+    /// Tokens per block, as the engine says.
+    pub block_size: usize,
+    /// The router's chain seed for the blocks' model or adapter and cache salt
+    /// (used when `parent` is `None`).
+    pub seed: BlockHash,
+    /// Where the blocks are.
+    pub tier: Tier<'a>,
+}
+
+/// Why an event cannot be applied; the replica's exact view is no longer trustworthy.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EventError {
+    /// The slot is not in the index.
+    #[error("slot {0} is not in the index")]
+    UnknownReplica(Slot),
+    /// The replica is in approximate mode.
+    #[error("slot {0} is not in exact mode")]
+    NotExact(Slot),
+    /// The event's block size is not the replica's.
+    #[error("the event's block size is {event}, the replica's {replica}")]
+    BlockSizeMismatch {
+        /// As the event says.
+        event: usize,
+        /// As configured or learned.
+        replica: usize,
+    },
+    /// Token ids do not fill the blocks exactly.
+    #[error("{tokens} token ids for {blocks} blocks of {block_size}")]
+    Malformed {
+        /// Token ids in the event.
+        tokens: usize,
+        /// Blocks in the event.
+        blocks: usize,
+        /// Tokens per block.
+        block_size: usize,
+    },
+    /// A stored block's parent was never stored.
+    #[error("parent block {0:#018x} was never stored")]
+    UnknownParent(u64),
+    /// A removed block was never stored.
+    #[error("removed block {0:#018x} was never stored")]
+    UnknownBlock(u64),
+    /// A block was removed while blocks that follow it are still held.
+    #[error("block {0:#018x} removed while blocks after it are still held")]
+    BrokenPrefix(u64),
+}
+
+/// A block the engine holds.
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    router: BlockHash,
+    /// The parent's engine hash, when the parent is in the same tier.
+    parent: Option<u64>,
+    copies: u32,
+    /// Blocks in the same tier whose parent this is.
+    children: u32,
+    /// Blocks before it in its chain.
+    depth: u32,
+}
+
+/// The blocks of one tier.
+#[derive(Debug)]
+struct TierBlocks {
+    medium: String,
+    group: u32,
+    /// Engine hash -> block. Engine hashes need not be uniform (a
+    /// simulator may count them up), so they are mixed properly.
+    engine: HashMap<u64, Block, FixedState>,
+    /// Router hash -> engine blocks that map to it.
+    routed: HashMap<BlockHash, u32, FoldState>,
+}
+
+impl TierBlocks {
+    fn new(tier: Tier<'_>, room: usize) -> Self {
+        Self {
+            medium: tier.medium.to_owned(),
+            group: tier.group,
+            engine: HashMap::with_capacity_and_hasher(room, FixedState::default()),
+            routed: HashMap::with_capacity_and_hasher(room, FoldState::default()),
+        }
+    }
+
+    fn is(&self, tier: Tier<'_>) -> bool {
+        self.group == tier.group && self.medium == tier.medium
+    }
+}
+
+/// A replica's exact view; see the module doc.
+#[derive(Debug)]
+pub(super) struct Exact {
+    block_size: usize,
+    /// The routing tier first, the others as they appear.
+    tiers: Vec<TierBlocks>,
+    /// Router hash -> live requests claiming it.
+    claims: HashMap<BlockHash, u32, FoldState>,
+}
+
+/// A change in what the routing tier presents: the block, and whether it is now present.
+pub(super) type Change = (BlockHash, bool);
+
+impl Exact {
+    /// An empty view of a cache of `blocks` blocks of `block_size` tokens
+    /// (room for them is taken at once, up to 65,536).
+    pub(super) fn new(block_size: usize, blocks: usize) -> Self {
+        Self { block_size, tiers: vec![TierBlocks::new(Tier::ROUTING, blocks.min(1 << 16))], claims: HashMap::default() }
+    }
+
+    /// Tokens per block.
+    pub(super) fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Applies one event, pushing the routing tier's changes to `changes`.
+    pub(super) fn apply(&mut self, event: &Event<'_>, changes: &mut Vec<Change>) -> Result<(), EventError> {
+        match event {
+            Event::Stored(s) => self.store(s, changes),
+            Event::Removed { hashes, tier } => self.remove(hashes, *tier, changes),
+            Event::Cleared => {
+                self.clear(changes);
+                Ok(())
+            }
+        }
+    }
+
+    fn store(&mut self, s: &Stored<'_>, changes: &mut Vec<Change>) -> Result<(), EventError> {
+        if s.block_size != self.block_size {
+            return Err(EventError::BlockSizeMismatch { event: s.block_size, replica: self.block_size });
+        }
+        if s.tokens.len() != s.hashes.len() * s.block_size || s.block_size == 0 {
+            return Err(EventError::Malformed { tokens: s.tokens.len(), blocks: s.hashes.len(), block_size: s.block_size });
+        }
+        let t = self.tier_index(s.tier);
+        // The chain so far: the parent's engine hash (when in this tier), router hash and depth.
+        let (parent, mut router, depth) = match s.parent {
+            None => (None, s.seed, 0),
+            Some(p) => match self.tiers[t].engine.get(&p) {
+                Some(b) => (Some(p), b.router, b.depth + 1),
+                // An offload tier may hold a block whose parent is elsewhere;
+                // the routing tier holds whole prefixes.
+                None if t > 0 => {
+                    let b = self.tiers.iter().find_map(|tb| tb.engine.get(&p)).ok_or(EventError::UnknownParent(p))?;
+                    (None, b.router, b.depth + 1)
+                }
+                None => return Err(EventError::UnknownParent(p)),
+            },
+        };
+        let routing = t == 0;
+        let TierBlocks { engine, routed, .. } = &mut self.tiers[t];
+        // Router hashes first; then the blocks last first, so each learns
+        // whether the block after it was new (its child) without a second lookup.
+        let mut chain = Vec::with_capacity(s.hashes.len());
+        for block in s.tokens.chunks_exact(s.block_size) {
+            router = next(router, block);
+            chain.push(router);
+        }
+        let mut child_added = false;
+        for (i, (&e, &router)) in s.hashes.iter().zip(&chain).enumerate().rev() {
+            let added = match engine.entry(e) {
+                std::collections::hash_map::Entry::Occupied(mut b) => {
+                    let b = b.get_mut();
+                    b.copies += 1;
+                    b.children += u32::from(child_added);
+                    false
+                }
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    let up = if i == 0 { parent } else { Some(s.hashes[i - 1]) };
+                    v.insert(Block { router, parent: up, copies: 1, children: u32::from(child_added), depth: depth + i as u32 });
+                    let n = routed.entry(router).or_insert(0);
+                    *n += 1;
+                    if routing && *n == 1 && !self.claims.contains_key(&router) {
+                        changes.push((router, true));
+                    }
+                    true
+                }
+            };
+            child_added = added;
+        }
+        // The first block's parent, when in this tier, gained a child.
+        if child_added && let Some(b) = parent.and_then(|p| engine.get_mut(&p)) {
+            b.children += 1;
+        }
+        Ok(())
+    }
+
+    fn remove(&mut self, hashes: &[u64], tier: Tier<'_>, changes: &mut Vec<Change>) -> Result<(), EventError> {
+        let t = self.tiers.iter().position(|tb| tb.is(tier));
+        let routing = t == Some(0);
+        for &e in hashes {
+            let Some(TierBlocks { engine, routed, .. }) = t.map(|t| &mut self.tiers[t]) else {
+                return Err(EventError::UnknownBlock(e));
+            };
+            let b = engine.get_mut(&e).ok_or(EventError::UnknownBlock(e))?;
+            if b.copies > 1 {
+                b.copies -= 1;
+                continue;
+            }
+            if b.children > 0 {
+                return Err(EventError::BrokenPrefix(e));
+            }
+            let b = *b;
+            engine.remove(&e);
+            if let Some(p) = b.parent.and_then(|p| engine.get_mut(&p)) {
+                p.children -= 1;
+            }
+            if let Some(n) = routed.get_mut(&b.router) {
+                *n -= 1;
+                if *n == 0 {
+                    routed.remove(&b.router);
+                    if routing && !self.claims.contains_key(&b.router) {
+                        changes.push((b.router, false));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn clear(&mut self, changes: &mut Vec<Change>) {
+        changes.extend(self.tiers[0].routed.keys().filter(|h| !self.claims.contains_key(*h)).map(|&h| (h, false)));
+        for tb in &mut self.tiers {
+            tb.engine.clear();
+            tb.routed.clear();
+        }
+    }
+
+    /// The tier's index, added empty when new.
+    fn tier_index(&mut self, tier: Tier<'_>) -> usize {
+        match self.tiers.iter().position(|tb| tb.is(tier)) {
+            Some(t) => t,
+            None => {
+                self.tiers.push(TierBlocks::new(tier, 0));
+                self.tiers.len() - 1
+            }
+        }
+    }
+
+    /// A request routed here claims its prompt's blocks.
+    pub(super) fn claim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) {
+        for &h in keys {
+            let n = self.claims.entry(h).or_insert(0);
+            *n += 1;
+            if *n == 1 && !self.tiers[0].routed.contains_key(&h) {
+                changes.push((h, true));
+            }
+        }
+    }
+
+    /// The request completed or was taken back: its claims end.
+    pub(super) fn unclaim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) {
+        for h in keys {
+            let Some(n) = self.claims.get_mut(h) else { continue };
+            *n -= 1;
+            if *n == 0 {
+                self.claims.remove(h);
+                if !self.tiers[0].routed.contains_key(h) {
+                    changes.push((*h, false));
+                }
+            }
+        }
+    }
+
+    /// Every block present for routing: held or claimed.
+    pub(super) fn present(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        let routed = &self.tiers[0].routed;
+        routed.keys().copied().chain(self.claims.keys().copied().filter(|h| !routed.contains_key(h)))
+    }
+
+    /// The routing tier's blocks, deepest first (the order an engine would
+    /// evict them), for seeding an approximate shadow.
+    pub(super) fn deepest_first(&self) -> Vec<BlockHash> {
+        let mut blocks: Vec<(u32, BlockHash)> = self.tiers[0].engine.values().map(|b| (b.depth, b.router)).collect();
+        blocks.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
+        blocks.into_iter().map(|(_, h)| h).collect()
+    }
+
+    /// Blocks held in each tier: medium, group, blocks.
+    pub(super) fn tiers(&self) -> Vec<(String, u32, usize)> {
+        self.tiers.iter().map(|tb| (tb.medium.clone(), tb.group, tb.engine.len())).collect()
+    }
+
+    /// Blocks held over all tiers.
+    pub(super) fn len(&self) -> usize {
+        self.tiers.iter().map(|tb| tb.engine.len()).sum()
+    }
+
+    /// Bytes allocated, by the maps' capacities.
+    pub(super) fn bytes(&self) -> usize {
+        let per_engine = size_of::<(u64, Block)>() + 1;
+        let per_routed = size_of::<(BlockHash, u32)>() + 1;
+        let tiers: usize = self.tiers.iter().map(|tb| tb.engine.capacity() * per_engine + tb.routed.capacity() * per_routed).sum();
+        tiers + self.claims.capacity() * per_routed
+    }
+}
+
+#[cfg(test)]
+mod tests;

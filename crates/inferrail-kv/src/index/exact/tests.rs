@@ -1,0 +1,232 @@
+//! Exact mode: the index fed by engine events, against the router's own hashes of the same tokens and a naive model.
+
+use super::super::{Event, EventError, KvIndex, Slot, Stored, Tier};
+use crate::hash::{BlockHash, block_hashes, salt};
+use proptest::prelude::*;
+use std::collections::{HashMap, HashSet};
+
+const BS: usize = 4;
+
+fn tokens(blocks: usize, variant: u32) -> Vec<u32> {
+    (0..(blocks * BS) as u32).map(|t| t * 7 + variant * 1000).collect()
+}
+
+/// An engine hash for a router hash: any stable renaming will do.
+fn engine(h: BlockHash) -> u64 {
+    (h as u64) ^ ((h >> 64) as u64).rotate_left(17) ^ 0x5555
+}
+
+fn stored<'a>(hashes: &'a [u64], parent: Option<u64>, tokens: &'a [u32], seed: BlockHash, tier: Tier<'a>) -> Event<'a> {
+    Event::Stored(Stored { hashes, parent, tokens, block_size: BS, seed, tier })
+}
+
+/// An exact index with one replica at slot 0 and another, approximate, at slot 1.
+fn index() -> KvIndex {
+    let index = KvIndex::new();
+    index.add_replica(0, 64);
+    index.add_replica(1, 64);
+    assert!(index.enter_exact(0, BS));
+    index
+}
+
+/// Stores `blocks` blocks of `variant`'s tokens at slot 0, starting after `from` blocks already stored.
+fn store(index: &KvIndex, seed: BlockHash, variant: u32, from: usize, blocks: usize, tier: Tier<'_>) -> Result<(), EventError> {
+    let t = tokens(blocks, variant);
+    let router = block_hashes(seed, &t, BS);
+    let hashes: Vec<u64> = router[from..].iter().map(|&h| engine(h)).collect();
+    let parent = from.checked_sub(1).map(|p| engine(router[p]));
+    index.apply(0, &stored(&hashes, parent, &t[from * BS..], seed, tier))
+}
+
+fn matched(index: &KvIndex, seed: BlockHash, variant: u32, blocks: usize) -> usize {
+    index.matched(&block_hashes(seed, &tokens(blocks, variant), BS), &[0])[0]
+}
+
+#[test]
+fn stored_blocks_are_found_by_the_routers_own_hashes_and_removals_apply_at_once() {
+    let index = index();
+    let seed = salt(&["m", ""]);
+    store(&index, seed, 0, 0, 3, Tier::ROUTING).unwrap();
+    store(&index, seed, 0, 3, 5, Tier::ROUTING).unwrap();
+    assert_eq!(matched(&index, seed, 0, 8), 5, "the second event continues the chain from its parent");
+    assert_eq!(index.matched(&block_hashes(seed, &tokens(8, 0), BS), &[1]), [0], "another replica holds nothing");
+    let tail = [engine(block_hashes(seed, &tokens(5, 0), BS)[4])];
+    index.apply(0, &Event::Removed { hashes: &tail, tier: Tier::ROUTING }).unwrap();
+    assert_eq!(matched(&index, seed, 0, 8), 4);
+    index.apply(0, &Event::Cleared).unwrap();
+    assert_eq!(matched(&index, seed, 0, 8), 0);
+    assert!(index.is_exact(0), "a cleared cache is still known exactly");
+    store(&index, seed, 0, 0, 2, Tier::ROUTING).unwrap();
+    assert_eq!(matched(&index, seed, 0, 8), 2);
+}
+
+#[test]
+fn adapters_and_media_are_kept_apart() {
+    let index = index();
+    let (base, lora) = (salt(&["m", ""]), salt(&["adapter", ""]));
+    store(&index, lora, 0, 0, 3, Tier::ROUTING).unwrap();
+    assert_eq!(matched(&index, base, 0, 3), 0, "an adapter's blocks are not the base model's");
+    assert_eq!(matched(&index, lora, 0, 3), 3);
+    let cpu = Tier { medium: "CPU", group: 0 };
+    store(&index, base, 1, 0, 4, cpu).unwrap();
+    assert_eq!(matched(&index, base, 1, 4), 0, "offloaded blocks do not count as GPU blocks");
+    assert_eq!(index.exact_tiers(0), [("GPU".to_owned(), 0, 3), ("CPU".to_owned(), 0, 4)]);
+    // An offload tier may continue a chain whose parent is on the GPU; the GPU tier may not continue one offloaded.
+    store(&index, lora, 0, 3, 4, cpu).unwrap();
+    assert_eq!(
+        store(&index, base, 1, 4, 5, Tier::ROUTING),
+        Err(EventError::UnknownParent(engine(block_hashes(base, &tokens(4, 1), BS)[3])))
+    );
+}
+
+#[test]
+fn bad_events_are_errors() {
+    let index = index();
+    let seed = salt(&["m", ""]);
+    assert_eq!(
+        store(&index, seed, 0, 2, 3, Tier::ROUTING),
+        Err(EventError::UnknownParent(engine(block_hashes(seed, &tokens(2, 0), BS)[1])))
+    );
+    let t = tokens(2, 0);
+    let wrong_size = Event::Stored(Stored { hashes: &[1], parent: None, tokens: &t, block_size: 8, seed, tier: Tier::ROUTING });
+    assert_eq!(index.apply(0, &wrong_size), Err(EventError::BlockSizeMismatch { event: 8, replica: BS }));
+    assert!(matches!(index.apply(0, &stored(&[1, 2, 3], None, &t, seed, Tier::ROUTING)), Err(EventError::Malformed { .. })));
+    assert_eq!(index.apply(0, &Event::Removed { hashes: &[9], tier: Tier::ROUTING }), Err(EventError::UnknownBlock(9)));
+    store(&index, seed, 0, 0, 2, Tier::ROUTING).unwrap();
+    let first = engine(block_hashes(seed, &t, BS)[0]);
+    assert_eq!(index.apply(0, &Event::Removed { hashes: &[first], tier: Tier::ROUTING }), Err(EventError::BrokenPrefix(first)));
+    assert_eq!(index.apply(1, &Event::Cleared), Err(EventError::NotExact(1)));
+    assert_eq!(index.apply(7, &Event::Cleared), Err(EventError::UnknownReplica(7)));
+}
+
+#[test]
+fn a_block_stored_twice_stays_until_both_copies_are_removed() {
+    let index = index();
+    let seed = salt(&["m", ""]);
+    store(&index, seed, 0, 0, 1, Tier::ROUTING).unwrap();
+    store(&index, seed, 0, 0, 1, Tier::ROUTING).unwrap();
+    let h = [engine(block_hashes(seed, &tokens(1, 0), BS)[0])];
+    index.apply(0, &Event::Removed { hashes: &h, tier: Tier::ROUTING }).unwrap();
+    assert_eq!(matched(&index, seed, 0, 1), 1);
+    index.apply(0, &Event::Removed { hashes: &h, tier: Tier::ROUTING }).unwrap();
+    assert_eq!(matched(&index, seed, 0, 1), 0);
+}
+
+#[test]
+fn a_request_sent_claims_its_blocks_until_it_completes() {
+    let index = index();
+    let seed = salt(&["m", ""]);
+    let prompt = block_hashes(seed, &tokens(4, 0), BS);
+    let rec = index.record(0, &prompt, 4, 0, 1);
+    assert_eq!(matched(&index, seed, 0, 4), 4, "predicted before the engine says anything");
+    store(&index, seed, 0, 0, 2, Tier::ROUTING).unwrap();
+    index.apply(0, &Event::Cleared).unwrap();
+    assert_eq!(matched(&index, seed, 0, 4), 4, "still claimed while the request runs");
+    store(&index, seed, 0, 0, 3, Tier::ROUTING).unwrap();
+    index.complete(&rec);
+    assert_eq!(matched(&index, seed, 0, 4), 3, "once it completes, only what the engine holds");
+    let refused = index.record(0, &prompt, 4, 0, 1);
+    index.take_back(&refused);
+    assert_eq!(matched(&index, seed, 0, 4), 3);
+}
+
+#[test]
+fn leaving_exact_mode_keeps_what_was_known_or_nothing() {
+    let index = index();
+    let seed = salt(&["m", ""]);
+    store(&index, seed, 0, 0, 5, Tier::ROUTING).unwrap();
+    let rec = index.record(0, &block_hashes(seed, &tokens(6, 1), BS), 6, 0, 1);
+    index.leave_exact(0, true);
+    assert!(!index.is_exact(0));
+    assert_eq!(matched(&index, seed, 0, 5), 5, "the shadow starts from the engine's blocks");
+    assert_eq!(matched(&index, seed, 1, 6), 0, "claims end with exact mode");
+    index.complete(&rec);
+    assert_eq!(index.entries(), 5);
+    assert!(index.enter_exact(0, BS));
+    assert_eq!(matched(&index, seed, 0, 5), 0, "exact mode starts from an empty cache");
+    store(&index, seed, 0, 0, 5, Tier::ROUTING).unwrap();
+    index.leave_exact(0, false);
+    assert_eq!(matched(&index, seed, 0, 5), 0, "a restarted engine holds nothing");
+    index.remove_replica(0);
+    assert_eq!(index.entries(), 0);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// The engine stores the next blocks of prompt `p`, up to `n` blocks in all.
+    Store(usize, usize),
+    /// The engine evicts the last block of prompt `p`'s stored chain.
+    Evict(usize),
+    Clear,
+    /// The router sends prompt `p`'s first `n` blocks.
+    Send(usize, usize),
+    /// The oldest request sent completes.
+    Complete,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0..4usize, 1..7usize).prop_map(|(p, n)| Op::Store(p, n)),
+        3 => (0..4usize).prop_map(Op::Evict),
+        1 => Just(Op::Clear),
+        2 => (0..4usize, 1..7usize).prop_map(|(p, n)| Op::Send(p, n)),
+        2 => Just(Op::Complete),
+    ]
+}
+
+proptest! {
+    /// Four prompts share leading blocks (prompt `p` is prompt 0 with its
+    /// blocks from `p` on changed); the engine stores and evicts from chain
+    /// tails, as it does; after every step each prompt's match is the naive
+    /// count of its leading blocks held or claimed.
+    #[test]
+    fn exact_mode_matches_a_naive_model(ops in proptest::collection::vec(op(), 1..80)) {
+        let index = index();
+        let seed = salt(&["m", ""]);
+        let prompts: Vec<Vec<u32>> = (0..4usize).map(|p| {
+            let mut t = tokens(6, 0);
+            for x in &mut t[p * BS..] { *x += 1 + p as u32; }
+            t
+        }).collect();
+        let hashes: Vec<Vec<BlockHash>> = prompts.iter().map(|t| block_hashes(seed, t, BS)).collect();
+        // The engine: router hashes held, with how many children each has.
+        let mut held: HashMap<BlockHash, usize> = HashMap::new();
+        let mut sent: Vec<(super::super::Recorded, Vec<BlockHash>)> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Store(p, n) => {
+                    let have = hashes[p].iter().take_while(|h| held.contains_key(h)).count();
+                    if have < n {
+                        let engine_hashes: Vec<u64> = hashes[p][have..n].iter().map(|&h| engine(h)).collect();
+                        let parent = have.checked_sub(1).map(|i| engine(hashes[p][i]));
+                        index.apply(0, &stored(&engine_hashes, parent, &prompts[p][have * BS..n * BS], seed, Tier::ROUTING)).unwrap();
+                        for i in have..n {
+                            held.insert(hashes[p][i], 0);
+                            if i > 0 { *held.entry(hashes[p][i - 1]).or_default() += 1; }
+                        }
+                    }
+                }
+                Op::Evict(p) => {
+                    let have = hashes[p].iter().take_while(|h| held.contains_key(h)).count();
+                    if have > 0 && held[&hashes[p][have - 1]] == 0 {
+                        let h = hashes[p][have - 1];
+                        index.apply(0, &Event::Removed { hashes: &[engine(h)], tier: Tier::ROUTING }).unwrap();
+                        held.remove(&h);
+                        if have > 1 { *held.entry(hashes[p][have - 2]).or_default() -= 1; }
+                    }
+                }
+                Op::Clear => {
+                    index.apply(0, &Event::Cleared).unwrap();
+                    held.clear();
+                }
+                Op::Send(p, n) => sent.push((index.record(0, &hashes[p][..n], n, 0, 1), hashes[p][..n].to_vec())),
+                Op::Complete => if !sent.is_empty() { index.complete(&sent.remove(0).0) },
+            }
+            let claimed: HashSet<BlockHash> = sent.iter().flat_map(|(_, k)| k.iter().copied()).collect();
+            for h in &hashes {
+                let want = h.iter().take_while(|x| held.contains_key(x) || claimed.contains(x)).count();
+                prop_assert_eq!(index.matched(h, &[0 as Slot])[0], want);
+            }
+        }
+    }
+}
