@@ -19,9 +19,9 @@ use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
 
+use crate::fleet::capacity::{self, Search};
 use crate::processes::{self, Processes, Programs, until};
 use crate::run::{self, Measured};
-use crate::fleet::capacity::{self, Search};
 use crate::summary::Slo;
 use crate::workload::{self, Kind, Spec};
 
@@ -226,15 +226,23 @@ struct Bench {
 impl Bench {
     /// One contender on a cold fleet with `requests` sent at `rate`.
     #[allow(clippy::too_many_arguments)]
-    async fn run(&self, name: &str, contender: &str, spec: &Spec, rep: u64, seed: u64, rate: f64, requests: &[workload::Request]) -> anyhow::Result<CompareRun> {
+    async fn run(
+        &self,
+        name: &str,
+        contender: &str,
+        spec: &Spec,
+        rep: u64,
+        seed: u64,
+        rate: f64,
+        requests: &[workload::Request],
+    ) -> anyhow::Result<CompareRun> {
         let args = &self.args;
         eprintln!("{name}: {} requests at {rate} req/s", requests.len());
         let logs = args.out_dir.join("logs").join(name);
         let fleet = start(args, contender, seed, &logs, &self.http).await.with_context(|| format!("starting the fleet for {name}"))?;
         let engines: Vec<String> = SIMS.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
         let entry = format!("http://127.0.0.1:{ENTRY}");
-        let measured =
-            run::measure(&self.http, &entry, requests, &engines, Duration::from_secs_f64(args.warmup_s), self.slo, true).await?;
+        let measured = run::measure(&self.http, &entry, requests, &engines, Duration::from_secs_f64(args.warmup_s), self.slo, true).await?;
         drop(fleet);
         eprintln!("{}", row(contender, spec.workload, &measured));
         Ok(CompareRun {
@@ -268,7 +276,8 @@ fn capacity(bench: &Bench) -> anyhow::Result<()> {
     for &kind in &args.workloads {
         let spec = Spec { workload: kind, ..args.spec.clone() };
         for contender in &args.contenders {
-            let search = Search { slo_s: bench.slo.ttft_ms * 1e-3, tolerance: args.tolerance, guess_per_replica: args.rate / SIMS.len() as f64 };
+            let search =
+                Search { slo_s: bench.slo.ttft_ms * 1e-3, tolerance: args.tolerance, guess_per_replica: args.rate / SIMS.len() as f64 };
             let found = capacity::search_rate(SIMS.len(), search, |rate| {
                 let requests = workload::generate(&spec, rate, args.warmup_s + args.duration_s, args.seed)?;
                 let name = format!("capacity-{}-{contender}-{rate:.3}", format!("{kind:?}").to_lowercase()).replace(':', "-");

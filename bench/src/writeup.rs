@@ -1,17 +1,21 @@
 //! `report`: the committed Markdown report with PNG charts, made from the
 //! committed JSON results alone: the routing comparison (TTFT distributions,
 //! p50 and p99, prefix hit rates, replica shares, prediction), prediction
-//! accuracy under concurrency, the overhead ladder and the fleet
-//! simulation's capacity. The must-show checks of issue 11 are computed
-//! from the same data and a failing one says so. Every table and chart
+//! accuracy under concurrency, the overhead ladder, capacity at the SLO on
+//! real simulators and in the fleet simulation, and the fleet simulation
+//! against the HTTP harness on the same requests. The must-show checks of
+//! issue 11 are computed from the same data and a failing one says so; the
+//! report asserts no conclusion of its own. Every table and chart
 //! names the files and commits it came from; repeated runs show their mean
 //! and the spread (lowest to highest) across repetitions.
 
 mod charts;
 mod checks;
 mod inputs;
+mod real;
 #[cfg(test)]
 mod tests;
+mod validation;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -21,7 +25,7 @@ use clap::Args;
 
 use charts::{Bar, Bars, Cdf};
 use checks::Verdict;
-use inputs::{Accuracy, CompareRun, FleetCapacity, Ladder, Loaded};
+use inputs::{Accuracy, CompareRun, FleetCapacity, FleetRuns, Ladder, Loaded, RealCapacity};
 
 /// Flags of `report`.
 #[derive(Debug, Clone, Args)]
@@ -32,6 +36,13 @@ pub struct ReportArgs {
     /// Folder of fleet-simulation results (capacity searches are `capacity-*.json`).
     #[arg(long, default_value = "bench/results/fleet")]
     pub fleet: PathBuf,
+    /// Folders of `compare --capacity` results on real simulators (every
+    /// `capacity-*.json` in them); a missing folder: not measured.
+    #[arg(long, value_delimiter = ',', default_value = "bench/results/routing/capacity,bench/results/routing/capacity-cost-model")]
+    pub real_capacity: Vec<PathBuf>,
+    /// Folder of fleet simulations on the comparison's requests (`fleet-<workload>.json`); missing: not measured.
+    #[arg(long, default_value = "bench/results/routing/validation")]
+    pub validation: PathBuf,
     /// Prediction accuracy under concurrency.
     #[arg(long, default_value = "bench/results/prediction/accuracy.json")]
     pub prediction: PathBuf,
@@ -67,10 +78,7 @@ impl Contenders {
         for reps in runs.values_mut() {
             reps.sort_by_key(|r| r.rep);
         }
-        // The issue's order of contenders where known: cache-blind first, the product, then the peer.
-        let rank =
-            |c: &str| ["round_robin", "least_request", "prefix_hash", "kv_aware", "cost_model"].iter().position(|k| *k == c).unwrap_or(5);
-        order.sort_by_key(|c| rank(c));
+        order.sort_by_key(|c| contender_rank(c));
         Self { runs, order }
     }
 
@@ -81,17 +89,37 @@ impl Contenders {
 
     /// Workloads, in the issue's order.
     pub fn workloads(&self) -> Vec<String> {
-        let set: BTreeSet<&String> = self.runs.keys().map(|(w, _)| w).collect();
-        let rank = |w: &str| ["w1", "mix", "hot", "w6", "w2"].iter().position(|k| *k == w).unwrap_or(5);
-        let mut out: Vec<String> = set.into_iter().cloned().collect();
-        out.sort_by_key(|w| (rank(w), w.clone()));
-        out
+        in_workload_order(self.runs.keys().map(|(w, _)| w.clone()))
     }
 
     /// Contenders that ran `workload`.
     pub fn contenders(&self, workload: &str) -> Vec<String> {
         self.order.iter().filter(|c| self.get(workload, c).is_some()).cloned().collect()
     }
+}
+
+/// The issue's order of contenders where known: cache-blind first, the product, then the peer.
+fn contender_rank(c: &str) -> usize {
+    ["round_robin", "least_request", "prefix_hash", "kv_aware", "cost_model"].iter().position(|k| *k == c).unwrap_or(5)
+}
+
+/// The issue's order of workloads.
+fn workload_rank(w: &str) -> usize {
+    ["w1", "mix", "hot", "w6", "w2"].iter().position(|k| *k == w).unwrap_or(5)
+}
+
+/// Distinct workloads in the issue's order.
+fn in_workload_order(workloads: impl Iterator<Item = String>) -> Vec<String> {
+    let mut out: Vec<String> = workloads.collect::<BTreeSet<_>>().into_iter().collect();
+    out.sort_by_key(|w| (workload_rank(w), w.clone()));
+    out
+}
+
+/// The median (none for nothing).
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    (n > 0).then(|| if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 })
 }
 
 /// Arithmetic mean (0 for nothing).
@@ -117,6 +145,11 @@ fn cell(b: Bar, unit: impl Fn(f64) -> String) -> String {
 
 fn ms(x: f64) -> String {
     format!("{x:.0}")
+}
+
+/// A number to three decimals at most, without trailing zeros (`200`, `0.1`, `2.345`).
+fn num(x: f64) -> String {
+    format!("{}", (x * 1e3).round() / 1e3)
 }
 
 fn pct(x: f64) -> String {
@@ -156,26 +189,20 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
     }
     anyhow::ensure!(!compare_files.is_empty(), "no routing-compare results in {:?}", args.routing);
     let routing = Contenders::new(&compare_files);
-    let capacity: Vec<Loaded<FleetCapacity>> = inputs::load_dir::<serde_json::Value>(&args.fleet, "fleet-simulation")?
-        .into_iter()
-        .filter(|f| f.value.get("capacity").is_some())
-        .map(|f| {
-            Ok(Loaded {
-                value: serde_json::from_value(f.value).map_err(|e| anyhow::anyhow!("reading {}: {e}", f.path.display()))?,
-                path: f.path,
-            })
-        })
-        .collect::<anyhow::Result<_>>()?;
+    let capacity: Vec<Loaded<FleetCapacity>> = inputs::load_dir_having(&args.fleet, "fleet-simulation", "capacity")?;
+    let real_capacity = inputs::load_capacities(&args.real_capacity)?;
+    let validation: Vec<Loaded<FleetRuns>> = inputs::load_dir_having(&args.validation, "fleet-simulation", "runs")?;
     let accuracy = args.prediction.exists().then(|| inputs::load::<Accuracy>(&args.prediction)).transpose()?;
     let ladder = args.overhead.exists().then(|| inputs::load::<Ladder>(&args.overhead)).transpose()?;
 
-    let checks = checks::all(&routing, &capacity, ladder.as_ref());
+    let checks = checks::all(&routing, &capacity, &real_capacity, ladder.as_ref());
     let mut md = String::new();
     writeln!(md, "# Inferrail benchmark report\n")?;
     writeln!(
         md,
         "Made by `inferrail-bench report` from the committed JSON results alone (regenerate: `just bench-report`). Every section names the result files and the commits that produced them; where a workload was repeated with new seeds, values are the mean over repetitions with the lowest and highest in parentheses, and bars carry a whisker over that spread.\n"
     )?;
+    writeln!(md, "{}\n", time_scale(&compare_files))?;
     writeln!(md, "## Must-show checks (issue 11)\n")?;
     writeln!(md, "Computed from the results below; a check whose data is not in them says \"not measured\".\n")?;
     writeln!(md, "| check | target | measured | result |\n|---|---|---|---|")?;
@@ -197,7 +224,8 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
         checks.iter().filter(|c| c.verdict == Verdict::NotMeasured).count()
     )?;
 
-    routing_section(&mut md, &args.out_dir, &routing, &compare_files)?;
+    routing_section(&mut md, &args.out_dir, &routing, &compare_files, &real_capacity)?;
+    real::capacity_section(&mut md, &args.out_dir, &real_capacity)?;
     if let Some(a) = &accuracy {
         accuracy_section(&mut md, &args.out_dir, a, &routing)?;
     }
@@ -207,17 +235,54 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
     if !capacity.is_empty() {
         capacity_section(&mut md, &args.out_dir, &capacity)?;
     }
+    validation::section(&mut md, &routing, &validation)?;
     std::fs::write(args.out_dir.join("report.md"), md)?;
     Ok(failed)
 }
 
-fn routing_section(md: &mut String, out: &Path, routing: &Contenders, files: &[Loaded<CompareRun>]) -> anyhow::Result<()> {
+/// The latency model's time scale and the SLO the routing runs record, scaled with it.
+fn time_scale(files: &[Loaded<CompareRun>]) -> String {
+    let settings: BTreeSet<String> = files
+        .iter()
+        .filter_map(|f| {
+            let (scale, slo) = (f.value.time_scale?, f.value.slo?);
+            Some(format!(
+                "time scale {} (every modelled duration times {}), with the SLO scaled alike: TTFT at most {} ms and TPOT at most {} ms ({} ms and {} ms at scale 1)",
+                num(scale),
+                num(scale),
+                num(slo.ttft_ms),
+                num(slo.tpot_ms),
+                num(slo.ttft_ms / scale),
+                num(slo.tpot_ms / scale)
+            ))
+        })
+        .collect();
+    let unrecorded = files.iter().filter(|f| f.value.time_scale.is_none() || f.value.slo.is_none()).count();
+    let mut out = match settings.len() {
+        0 => "The routing results do not record the simulators' time scale or the SLO.".to_string(),
+        1 => format!("The simulators' latency model ran at {}.", settings.iter().next().map_or("", String::as_str)),
+        _ => format!("The routing runs differ in their setting: {}.", settings.into_iter().collect::<Vec<_>>().join("; ")),
+    };
+    if unrecorded > 0 && unrecorded < files.len() {
+        write!(out, " {unrecorded} of {} routing results do not record it.", files.len()).ok();
+    }
+    out
+}
+
+fn routing_section(
+    md: &mut String,
+    out: &Path,
+    routing: &Contenders,
+    files: &[Loaded<CompareRun>],
+    capacity: &[Loaded<RealCapacity>],
+) -> anyhow::Result<()> {
     writeln!(md, "## Routing comparison\n")?;
     writeln!(md, "Source: {}.\n", sources(files.iter().map(|f| (f.path.as_path(), f.value.commit.as_str()))))?;
     let commands: BTreeSet<&str> = files.iter().map(|f| f.value.command.as_str()).collect();
     for c in commands {
         writeln!(md, "Command: `{c}`\n")?;
     }
+    writeln!(md, "{}\n", real::comparison_rates(routing, capacity))?;
     writeln!(
         md,
         "| workload | contender | reps | req/s | ok / measured | TTFT p50 ms | TTFT p99 ms | cached (usage) | cached (engines) | busiest share (engines) | goodput | prediction exact |"

@@ -49,7 +49,11 @@ pub fn rate(replicas: usize, search: Search, mut probe: impl FnMut(f64) -> anyho
 }
 
 /// The highest rate at which `probe(rate)` says it met the SLO, as `rate` does it.
-pub fn search_rate<T>(replicas: usize, search: Search, mut probe: impl FnMut(f64) -> anyhow::Result<(bool, T)>) -> anyhow::Result<Capacity<T>> {
+pub fn search_rate<T>(
+    replicas: usize,
+    search: Search,
+    mut probe: impl FnMut(f64) -> anyhow::Result<(bool, T)>,
+) -> anyhow::Result<Capacity<T>> {
     let mut probes = 0;
     let mut run = |rate: f64| {
         probes += 1;

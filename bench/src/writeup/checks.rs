@@ -2,8 +2,9 @@
 //! its target, the measured value, and whether it passed; a check whose data
 //! is not in the results says so instead of passing.
 
+use super::real::find;
 use super::{Contenders, mean};
-use crate::writeup::inputs::{FleetCapacity, Ladder, Loaded};
+use crate::writeup::inputs::{FleetCapacity, Ladder, Loaded, RealCapacity};
 
 /// One check's outcome.
 #[derive(Debug, Clone, PartialEq)]
@@ -42,7 +43,12 @@ fn pct(x: f64) -> String {
 }
 
 /// Every check, in the order.
-pub fn all(routing: &Contenders, capacity: &[Loaded<FleetCapacity>], ladder: Option<&Loaded<Ladder>>) -> Vec<Check> {
+pub fn all(
+    routing: &Contenders,
+    capacity: &[Loaded<FleetCapacity>],
+    real: &[Loaded<RealCapacity>],
+    ladder: Option<&Loaded<Ladder>>,
+) -> Vec<Check> {
     let mut out = Vec::new();
     let p99 = |w: &str, c: &str| routing.get(w, c).map(|runs| mean(runs.iter().map(|r| r.summary.ttft.p99_ms)));
     for w in ["w1", "mix", "hot", "w6"] {
@@ -140,12 +146,22 @@ pub fn all(routing: &Contenders, capacity: &[Loaded<FleetCapacity>], ladder: Opt
             (!ratios.is_empty()).then(|| ratios.iter().all(|(_, r)| *r >= 1.33)),
         ));
     }
-    out.push(check(
-        format!("{HERO}'s capacity at the SLO on three real simulator processes is at least 1.33x round_robin's"),
-        ">= 1.33x",
-        "not measured: no capacity search over real simulators in the results".into(),
-        None,
-    ));
+    for w in ["w1", "mix"] {
+        let found = find(real, w, HERO).zip(find(real, w, "round_robin"));
+        let ratio = found.map(|(h, rr)| if rr.rate > 0.0 { h.rate / rr.rate } else { f64::INFINITY });
+        out.push(check(
+            format!("{HERO}'s capacity at the SLO on three real simulator processes is at least 1.33x round_robin's on {w}"),
+            ">= 1.33x",
+            match found.zip(ratio) {
+                Some(((h, rr), r)) => format!(
+                    "{r:.2}x ({HERO} {:.3} req/s, round_robin {:.3} req/s, on {} and {} simulators)",
+                    h.rate, rr.rate, h.replicas, rr.replicas
+                ),
+                None => format!("not measured: no capacity search of both on {w} over real simulators in the results"),
+            },
+            ratio.map(|r| r >= 1.33),
+        ));
+    }
     let (mut compared, mut exact) = (0, 0);
     for w in &workloads {
         for r in routing.get(w, HERO).unwrap_or_default() {

@@ -1,5 +1,6 @@
 //! The committed results the report reads, as the fields it needs: compare
-//! runs, fleet simulations, prediction accuracy and the overhead ladder.
+//! runs, capacity searches on real simulators, fleet simulations (capacity
+//! searches and single runs), prediction accuracy and the overhead ladder.
 //! Unknown fields are ignored; a missing or mistyped needed one is an error
 //! that names the file.
 
@@ -28,12 +29,32 @@ pub struct CompareRun {
     pub contender: String,
     pub workload: String,
     pub rep: u64,
+    pub seed: u64,
     pub rate: f64,
+    /// Requests sent, warmup included (older results lack it).
+    #[serde(default)]
+    pub sent: Option<usize>,
+    /// The latency model's time scale (older results lack it).
+    #[serde(default)]
+    pub time_scale: Option<f64>,
+    /// The SLO, already scaled (older results lack it).
+    #[serde(default)]
+    pub slo: Option<Slo>,
     pub summary: Summary,
+    /// Hit rate from usage over every request, warmup included (older results lack it).
+    #[serde(default)]
+    pub prefix_all: Option<Prefix>,
     pub engines: Option<Engines>,
     /// Every measured TTFT (results written before it was recorded lack it).
     #[serde(default)]
     pub ttft_ms: Vec<f64>,
+}
+
+/// The SLO a run was measured against, milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+pub struct Slo {
+    pub ttft_ms: f64,
+    pub tpot_ms: f64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -66,6 +87,9 @@ pub struct Prediction {
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct Engines {
+    /// One entry per simulator scraped: how many replicas served.
+    #[serde(default)]
+    pub engines: Vec<serde::de::IgnoredAny>,
     pub hit_rate: Option<f64>,
     pub busiest_share: Option<f64>,
 }
@@ -94,6 +118,46 @@ pub struct Workload {
 pub struct Capacity {
     pub replicas: usize,
     pub rate: f64,
+}
+
+/// One contender's capacity on real simulators
+/// (`compare --capacity`: `capacity-<workload>-<contender>.json`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct RealCapacity {
+    /// From the probe at capacity, else from the file's name.
+    #[serde(skip)]
+    pub workload: String,
+    /// From the probe at capacity, else from the file's name (`:` written `-`).
+    #[serde(skip)]
+    pub contender: String,
+    pub replicas: usize,
+    /// Highest rate that met the SLO (0 when none did).
+    pub rate: f64,
+    pub missed_at: f64,
+    /// The probe at `rate`, if one met the SLO.
+    pub at_capacity: Option<CompareRun>,
+    pub probes: usize,
+}
+
+/// Single fleet simulations (`fleet --out`, without `--capacity`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct FleetRuns {
+    pub commit: String,
+    pub command: String,
+    pub workload: Workload,
+    pub seed: u64,
+    pub rate: f64,
+    pub runs: Vec<FleetOutcome>,
+}
+
+/// One simulated policy on one fleet size.
+#[derive(Debug, Clone, Deserialize)]
+pub struct FleetOutcome {
+    pub policy: String,
+    pub replicas: usize,
+    pub requests: usize,
+    pub hit_rate: f64,
+    pub ttft: Latency,
 }
 
 /// `bench/results/prediction/accuracy.json`.
@@ -160,6 +224,46 @@ pub fn load<T: DeserializeOwned>(path: &Path) -> anyhow::Result<Loaded<T>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     Ok(Loaded { path: path.to_path_buf(), value })
+}
+
+/// The JSON files of `dir` that say `"benchmark": <benchmark>` and have the
+/// field `key`, sorted by name; a missing `dir` has none.
+pub fn load_dir_having<T: DeserializeOwned>(dir: &Path, benchmark: &str, key: &str) -> anyhow::Result<Vec<Loaded<T>>> {
+    if !dir.exists() {
+        return Ok(Vec::new());
+    }
+    load_dir::<serde_json::Value>(dir, benchmark)?
+        .into_iter()
+        .filter(|f| f.value.get(key).is_some())
+        .map(|f| {
+            Ok(Loaded { value: serde_json::from_value(f.value).with_context(|| format!("reading {}", f.path.display()))?, path: f.path })
+        })
+        .collect()
+}
+
+/// Every `capacity-*.json` in `dirs`, sorted by name within each; a missing folder has none.
+pub fn load_capacities(dirs: &[PathBuf]) -> anyhow::Result<Vec<Loaded<RealCapacity>>> {
+    let mut out = Vec::new();
+    for dir in dirs.iter().filter(|d| d.exists()) {
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+            .with_context(|| format!("reading {}", dir.display()))?
+            .map(|e| e.map(|e| e.path()))
+            .collect::<Result<_, _>>()?;
+        paths.sort();
+        for path in paths {
+            let Some(stem) = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("capacity-")?.strip_suffix(".json"))
+            else {
+                continue;
+            };
+            let (workload, contender) = stem.split_once('-').unwrap_or((stem, ""));
+            let (workload, contender) = (workload.to_string(), contender.to_string());
+            let mut c: Loaded<RealCapacity> = load(&path)?;
+            let (w, name) = c.value.at_capacity.as_ref().map_or((workload, contender), |r| (r.workload.clone(), r.contender.clone()));
+            (c.value.workload, c.value.contender) = (w, name);
+            out.push(c);
+        }
+    }
+    Ok(out)
 }
 
 /// The JSON files of `dir` whose first field says `"benchmark": <benchmark>`, sorted by name.

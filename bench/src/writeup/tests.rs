@@ -1,6 +1,8 @@
 //! The report rendered from small fixture results in a temporary folder:
 //! the Markdown names every chart, every chart is a PNG of the chart size,
-//! and a failing must-show check is reported as failing.
+//! a failing must-show check is reported as failing, the capacity on real
+//! simulators decides its check, the fleet simulation's gap to the harness
+//! is computed, and missing folders read as not measured.
 
 use serde_json::{Value, json};
 
@@ -13,12 +15,14 @@ fn latency(p50: f64, p99: f64) -> Value {
 fn compare_run(workload: &str, contender: &str, rep: u64, p99: f64, hit: f64, busiest: f64) -> Value {
     json!({
         "benchmark": "routing-compare", "commit": "abc1234", "command": "inferrail-bench compare --fixture",
-        "contender": contender, "workload": workload, "rep": rep, "seed": 1 + rep, "rate": 0.5,
+        "contender": contender, "workload": workload, "rep": rep, "seed": 1 + rep, "rate": 0.5, "sent": 12,
+        "time_scale": 0.1, "slo": {"ttft_ms": 2000.0 * 0.1, "tpot_ms": 100.0 * 0.1},
         "summary": {
             "requests": 10, "ok": 10, "ttft": latency(p99 / 4.0, p99), "goodput": {"share": 0.9},
             "prefix": {"hit_rate": hit}, "prediction": {"compared": 10, "exact": 10, "over": 0, "under": 0}
         },
-        "engines": {"hit_rate": hit, "busiest_share": busiest},
+        "prefix_all": {"hit_rate": hit - 0.05},
+        "engines": {"engines": [{}, {}, {}], "hit_rate": hit, "busiest_share": busiest},
         "ttft_ms": (1..=10).map(|i| f64::from(i) * p99 / 10.0).collect::<Vec<_>>()
     })
 }
@@ -38,8 +42,27 @@ fn png_size(bytes: &[u8]) -> anyhow::Result<(u32, u32)> {
     Ok((be(16), be(20)))
 }
 
-/// Fixtures in a fresh folder; `cost_model_p99_w1` decides whether the p99 check passes.
-fn fixtures(name: &str, cost_model_p99_w1: f64) -> anyhow::Result<ReportArgs> {
+/// `compare --capacity`'s result: `rate` met the SLO, the probe at it a compare run.
+fn real_capacity(workload: &str, contender: &str, rate: f64) -> Value {
+    let mut probe = compare_run(workload, contender, 0, 150.0, 0.6, 0.34);
+    probe["rate"] = json!(rate);
+    json!({"replicas": 3, "rate": rate, "missed_at": rate * 1.1, "at_capacity": probe, "probes": 7})
+}
+
+/// A fleet simulation of the comparison's requests: `(policy, replicas, hit rate, TTFT p99)` per run.
+fn fleet_runs(workload: &str, runs: &[(&str, usize, f64, f64)]) -> Value {
+    let runs: Vec<Value> = runs
+        .iter()
+        .map(|&(policy, replicas, hit, p99)| json!({"policy": policy, "replicas": replicas, "requests": 12, "hit_rate": hit, "ttft": latency(p99 / 4.0, p99)}))
+        .collect();
+    json!({"benchmark": "fleet-simulation", "commit": "fee9999", "command": "inferrail-bench fleet --fixture", "workload": {"workload": workload},
+           "requests": 12, "seed": 1, "rate": 0.5, "runs": runs})
+}
+
+/// Fixtures in a fresh folder; `cost_model_p99_w1` decides whether the p99
+/// check passes, `cost_model_capacity` (against round robin's 0.714 req/s on
+/// W1 and mix) the real-capacity check.
+fn fixtures(name: &str, cost_model_p99_w1: f64, cost_model_capacity: f64) -> anyhow::Result<ReportArgs> {
     let dir = std::env::temp_dir().join(format!("inferrail-report-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let routing = dir.join("routing");
@@ -71,6 +94,27 @@ fn fixtures(name: &str, cost_model_p99_w1: f64) -> anyhow::Result<ReportArgs> {
             "fixed_rate": 10.0, "replicas_needed": [["cost_model", 17], ["round_robin", 63]]
         }),
     )?;
+    for w in ["w1", "mix"] {
+        // The comparison's 0.5 req/s is 70% of this.
+        write(&dir.join(format!("capacity/capacity-{w}-round_robin.json")), &real_capacity(w, "round_robin", 0.714))?;
+        write(
+            &dir.join(format!("capacity-cost-model/capacity-{w}-cost_model.json")),
+            &real_capacity(w, "cost_model", cost_model_capacity),
+        )?;
+    }
+    write(&dir.join("capacity/capacity.md"), &json!("a table"))?;
+    write(
+        &dir.join("validation/fleet-w1.json"),
+        &fleet_runs(
+            "w1",
+            &[
+                ("round_robin", 3, 0.40, 4400.0),
+                ("cost_model", 3, 0.80, 900.0),
+                ("cost_model", 16, 0.9, 500.0),
+                ("prefix_hash", 3, 0.7, 2000.0),
+            ],
+        ),
+    )?;
     write(&dir.join("fleet/w1-3-replicas.json"), &json!({"benchmark": "fleet-simulation", "commit": "def5678", "runs": []}))?;
     write(
         &dir.join("prediction/accuracy.json"),
@@ -93,6 +137,8 @@ fn fixtures(name: &str, cost_model_p99_w1: f64) -> anyhow::Result<ReportArgs> {
     Ok(ReportArgs {
         routing: vec![routing],
         fleet: dir.join("fleet"),
+        real_capacity: vec![dir.join("capacity"), dir.join("capacity-cost-model")],
+        validation: dir.join("validation"),
         prediction: dir.join("prediction/accuracy.json"),
         overhead: dir.join("overhead/ladder.json"),
         font: PathBuf::from("../.cache/fonts/DejaVuSans.ttf"),
@@ -102,7 +148,7 @@ fn fixtures(name: &str, cost_model_p99_w1: f64) -> anyhow::Result<ReportArgs> {
 
 #[test]
 fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow::Result<()> {
-    let args = fixtures("charts", 1000.0)?;
+    let args = fixtures("charts", 1000.0, 1.0)?;
     let failed = render(&args)?;
     let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
     let mut pngs: Vec<String> = std::fs::read_dir(&args.out_dir)?
@@ -121,6 +167,7 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
         "overhead-latency.png",
         "overhead-long-prompt.png",
         "prediction.png",
+        "real-capacity.png",
         "ttft-cdf-hot.png",
         "ttft-cdf-w1.png",
         "ttft-p50.png",
@@ -137,6 +184,12 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
     assert!(md.contains("GPUs saved by cost_model against round_robin: 46 of 63"));
     assert!(failed.is_empty(), "{failed:?}");
     assert!(md.contains("| 4.8 ms (5.0 ms over straight to the simulators) | pass |"), "{md}");
+    assert!(md.contains("ran at time scale 0.1 (every modelled duration times 0.1), with the SLO scaled alike: TTFT at most 200 ms and TPOT at most 10 ms (2000 ms and 100 ms at scale 1)"), "{md}");
+    assert!(
+        md.contains("w1 at 0.5 req/s, 70.0% of round_robin's 0.714 req/s") && md.contains("Each is 70.0% of round robin's capacity"),
+        "{md}"
+    );
+    assert!(md.contains("| cost_model | w1 | 3 | 1 | 1.40x | 1.1 | 7 | 150 | 60.0% |"), "{md}");
     std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
     Ok(())
 }
@@ -144,7 +197,7 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
 #[test]
 fn a_failing_check_is_reported_as_failing() -> anyhow::Result<()> {
     // cost_model's W1 p99 above SGLang's 2,500 ms and least_request's 3,000 ms.
-    let args = fixtures("failing", 3500.0)?;
+    let args = fixtures("failing", 3500.0, 1.0)?;
     let failed = render(&args)?;
     assert!(failed.iter().any(|f| f.contains("lowest p99 TTFT of all contenders on w1")), "{failed:?}");
     assert!(failed.iter().any(|f| f.contains("never has a worse p99 TTFT than least_request")), "{failed:?}");
@@ -153,6 +206,66 @@ fn a_failing_check_is_reported_as_failing() -> anyhow::Result<()> {
     assert!(row.ends_with("| **FAIL** |") && row.contains("best other: sglang:cache_aware 2500 ms"), "{row}");
     let mix = md.lines().find(|l| l.contains("on mix")).unwrap_or_default();
     assert!(mix.ends_with("| not measured |"), "{mix}");
+    std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
+    Ok(())
+}
+
+#[test]
+fn the_real_simulator_capacity_check_passes_or_fails_from_the_files() -> anyhow::Result<()> {
+    for (name, capacity, verdict) in [("real-pass", 1.0, "pass"), ("real-fail", 0.9, "**FAIL**")] {
+        let args = fixtures(name, 1000.0, capacity)?;
+        let failed = render(&args)?;
+        let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+        for w in ["w1", "mix"] {
+            let check = format!("at least 1.33x round_robin's on {w}");
+            let row = md.lines().find(|l| l.contains("three real simulator processes") && l.contains(&check)).unwrap_or_default();
+            let ratio =
+                format!("| {:.2}x (cost_model {capacity:.3} req/s, round_robin 0.714 req/s, on 3 and 3 simulators) |", capacity / 0.714);
+            assert!(row.contains(&ratio) && row.ends_with(&format!("| {verdict} |")), "{row}");
+            assert_eq!(failed.iter().any(|f| f.contains(&check) && f.contains("real")), verdict != "pass", "{failed:?}");
+        }
+        std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_validation_row_sets_the_simulation_against_the_harness_with_the_gap() -> anyhow::Result<()> {
+    let args = fixtures("validation", 1000.0, 1.0)?;
+    render(&args)?;
+    let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+    // Harness rep 0: cached 85% over every request, TTFT p50 250, p90 625, p99 1000 ms; the simulation: 80%, 225, 562.5, 900.
+    let row = md.lines().find(|l| l.starts_with("| w1 | cost_model | 3 |")).unwrap_or_default();
+    assert_eq!(
+        row,
+        "| w1 | cost_model | 3 | 85.0% / 80.0% / -5.0 pts | 250 / 225 / -25 ms (0.90x) | 625 / 562 / -62 ms (0.90x) | 1000 / 900 / -100 ms (0.90x) |"
+    );
+    // Round robin (harness p99 4000 ms, 35%) too; the 16-replica run and prefix_hash, not in the harness, are left out.
+    assert!(md.contains("| w1 | round_robin | 3 | 35.0% / 40.0% / +5.0 pts |"), "{md}");
+    assert!(!md.contains("| w1 | cost_model | 16 |") && !md.contains("| w1 | prefix_hash |"), "{md}");
+    assert!(md.contains("- w1: simulation 12 requests at 0.5 req/s, seed 1; harness 12 requests sent at 0.5 req/s, seed 1."), "{md}");
+    assert!(md.contains("Median gap over 2 policy and workload pairs: cached share 5.0 points apart;"), "{md}");
+    assert!(md.contains("the harness's summary leaves the warmup out while the fleet simulation counts every request"), "{md}");
+    std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
+    Ok(())
+}
+
+#[test]
+fn missing_folders_read_as_not_measured() -> anyhow::Result<()> {
+    let mut args = fixtures("missing", 1000.0, 1.0)?;
+    let gone = args.out_dir.with_file_name("nowhere");
+    args.real_capacity = vec![gone.join("capacity"), gone.join("capacity-cost-model")];
+    args.validation = gone.join("validation");
+    render(&args)?;
+    let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+    for w in ["w1", "mix"] {
+        let row = md.lines().find(|l| l.contains("three real simulator processes") && l.contains(&format!("on {w} |"))).unwrap_or_default();
+        assert!(row.ends_with("| not measured |"), "{row}");
+    }
+    assert!(md.contains("Round robin's capacity on real simulators is not measured for w1 (0.5 req/s)"), "{md}");
+    assert!(md.contains("Not measured: the results hold no `compare --capacity` search"), "{md}");
+    assert!(md.contains("Not measured: the results hold no fleet simulation of the comparison's requests"), "{md}");
+    assert!(!args.out_dir.join("real-capacity.png").exists());
     std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
     Ok(())
 }
