@@ -26,8 +26,10 @@
 //! count-min sketch ([`crate::sketch`]). A root asked for by more than
 //! `hot_prefix.fair_shares` times one replica's share of the requests (`1 /
 //! n`) gets `ceil(share * n / fair_shares)` owners: when fewer replicas hold
-//! it, the least queued others are priced as if they held it too, so its
-//! load spreads by queue and share.
+//! it and every holder takes more than `fair_shares` of the requests, the
+//! least loaded others are priced as if they held it too, so its load
+//! spreads by queue and share. A root whose holders keep up stays put:
+//! copying a prefix evicts others, and on a busy fleet that cascades.
 //!
 //! Session affinity (off by default): a request naming its conversation goes
 //! back to the conversation's last replica while the guards allow it.
@@ -222,21 +224,43 @@ impl RoutingPolicy for CostModel {
     }
 
     fn score(&self, req: &Request, c: &[Candidate], offered: &[usize], _rng: &mut StdRng, out: &mut [Score]) -> Option<&'static str> {
+        // The share term: what keeps each replica's part of the requests,
+        // and of the decoding they bring, near its fair one.
+        let share: Vec<f64> = {
+            let taken = self.taken.lock().unwrap_or_else(|p| p.into_inner());
+            let total = taken.total();
+            offered
+                .iter()
+                .map(|&i| {
+                    if total > 0.0 {
+                        self.config.share_ms * 1e-3 * taken.estimate(u128::from(c[i].key)) / total * offered.len() as f64
+                    } else {
+                        0.0
+                    }
+                })
+                .collect()
+        };
         for (s, &i) in out.iter_mut().zip(offered) {
             *s = self.estimate(&c[i], req.prompt_tokens, c[i].cached_tokens);
         }
         if let Some((root, root_tokens)) = self.root(req) {
             let owners = self.owners(root, offered.len()).min(offered.len());
             let holders = offered.iter().filter(|&&i| c[i].cached_tokens >= root_tokens).count();
-            // A hot root held somewhere: the least queued replicas without it
-            // are priced as if they held it too, up to its owners. A root
-            // nobody holds, or one that is not hot, is priced as it is.
-            if owners > 1 && holders >= 1 && owners > holders {
+            // A hot root held somewhere: the least loaded replicas without it
+            // (queue, decode and share) are priced as if they held it too, up
+            // to its owners. A root nobody holds, or one that is not hot, is
+            // priced as it is.
+            // Only while every holder takes more than its fair share: a
+            // root whose holders keep up stays where it is cached.
+            let fair = self.config.share_ms * 1e-3 * self.config.hot_prefix.fair_shares;
+            let busy = (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens >= root_tokens).all(|k| share[k] > fair);
+            if owners > 1 && holders >= 1 && owners > holders && busy {
                 // Priced as holding what the best holder holds: the others
                 // would cache the whole shared prefix after one miss.
                 let held = offered.iter().map(|&i| c[i].cached_tokens).max().unwrap_or(root_tokens);
+                let load = |k: usize| out[k].terms[0] + out[k].terms[1] + share[k];
                 let mut others: Vec<usize> = (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens < root_tokens).collect();
-                others.sort_by(|&a, &b| (out[a].terms[0] + out[a].terms[1]).total_cmp(&(out[b].terms[0] + out[b].terms[1])));
+                others.sort_by(|&a, &b| load(a).total_cmp(&load(b)));
                 for k in others.into_iter().take(owners - holders) {
                     let credited = self.estimate(&c[offered[k]], req.prompt_tokens, held);
                     let saved = out[k].total - credited.total;
@@ -244,18 +268,10 @@ impl RoutingPolicy for CostModel {
                 }
             }
         }
-        // The share term: what keeps each replica's part of the requests,
-        // and of the decoding they bring, near its fair one.
-        let taken = self.taken.lock().unwrap_or_else(|p| p.into_inner());
-        let total = taken.total();
-        if total > 0.0 {
-            for (s, &i) in out.iter_mut().zip(offered) {
-                let shares = taken.estimate(u128::from(c[i].key)) / total * offered.len() as f64;
-                s.terms[4] = self.config.share_ms * 1e-3 * shares;
-                s.total += s.terms[4];
-            }
+        for (s, &sh) in out.iter_mut().zip(&share) {
+            s.terms[4] = sh;
+            s.total += sh;
         }
-        drop(taken);
         if self.config.session_affinity
             && let Some(session) = req.session
             && let Some(&home) = self.sessions.lock().unwrap_or_else(|p| p.into_inner()).peek(session)

@@ -173,3 +173,30 @@ fn a_replica_over_its_share_of_recent_requests_loses_to_an_equal_holder_but_not_
         scores
     });
 }
+
+#[test]
+fn a_hot_root_whose_holders_keep_up_is_not_copied() {
+    let p = policy(Config::default());
+    let hot: &'static [u128] = (1..=40).collect::<Vec<_>>().leak();
+    let mut c = fleet(&[0, 0, 0, 0]);
+    c[0].cached_tokens = 640;
+    c[1].cached_tokens = 640;
+    let mut r = rng(4);
+    let req = |t_ms: u64| Request {
+        now: Duration::from_millis(t_ms),
+        prompt_tokens: Some(700),
+        blocks: hot,
+        block_size: 16,
+        ..Request::default()
+    };
+    // Every request asks for the root (4 fair shares of 4: 4 owners), but
+    // the requests went evenly to all four replicas: the two holders take
+    // their fair share, no more.
+    for t in 0..400 {
+        p.picked(&req(t * 10), &c, (t % 4) as usize);
+    }
+    assert_eq!(p.owners(hot[15], 4), 4);
+    let mut scores = vec![Score::default(); 4];
+    p.score(&req(4_000), &c, &[0, 1, 2, 3], &mut r, &mut scores);
+    assert!(scores.iter().all(|s| s.terms[3] == 0.0), "no credit while the holders keep up: {scores:?}");
+}
