@@ -7,6 +7,11 @@ and inferrail, round robin), with U users each holding a conversation that
 shares one of three system prompts, all talking at once. Every response's
 x-inferrail-cached-tokens is compared with the engine's cached_tokens.
 
+Two modes of the index: `approximate` learns only from the router's own
+decisions; `events` follows the simulators' KV events (vLLM's wire, the
+router binding one endpoint per engine, replay endpoints on) and is exact
+(ADR 0012). Each run starts with every replica exact in events mode.
+
 Run with `just bench-accuracy` (it builds the debug binaries the suite uses).
 """
 
@@ -51,23 +56,34 @@ def user(fleet, seed, turns, systems):
     return out
 
 
-def measure(users, requests, blocks):
+def fleet(tmp, blocks, mode):
+    """The fleet of a run, started; in events mode with every replica exact."""
+    events = {"bind": "router", "replay": True} if mode == "events" else None
+    f = Fleet(tmp, tokenizer=QWEN3,
+              sim_flags=["--block-size", "16", "--num-gpu-blocks-override", str(blocks), "--max-model-len", "1024"],
+              replica_extra=f", block_size: 16, kv_blocks: {blocks}", kv_events=events).start()
+    if events:
+        f.until_exact()
+    return f
+
+
+def measure(users, requests, blocks, mode="approximate"):
     rng = random.Random(11)
     systems = [text(rng, n) for n in (60, 150, 240)]
     with tempfile.TemporaryDirectory() as tmp:
-        fleet = Fleet(Path(tmp), tokenizer=QWEN3,
-                      sim_flags=["--block-size", "16", "--num-gpu-blocks-override", str(blocks), "--max-model-len", "1024"],
-                      replica_extra=f", block_size: 16, kv_blocks: {blocks}").start()
+        fleet_ = fleet(Path(tmp), blocks, mode)
         try:
             start = time.monotonic()
             with ThreadPoolExecutor(users) as pool:
-                runs = list(pool.map(lambda u: user(fleet, 100 + u, requests // users, systems), range(users)))
+                runs = list(pool.map(lambda u: user(fleet_, 100 + u, requests // users, systems), range(users)))
             secs = time.monotonic() - start
+            modes = fleet_.kv_modes() if mode == "events" else None
         finally:
-            fleet.stop()
+            fleet_.stop()
     pairs = [p for run in runs for p in run]
     errors = [p - e for p, e in pairs]
-    return {
+    point = {
+        "mode": mode,
         "users": users,
         "blocks": blocks,
         "requests": len(pairs),
@@ -80,6 +96,9 @@ def measure(users, requests, blocks):
         "engine_cached_tokens": sum(e for _, e in pairs),
         "requests_with_cache_hits": sum(e > 0 for _, e in pairs),
     }
+    if modes is not None:
+        point["kv_modes_after"] = modes
+    return point
 
 
 def main():
@@ -87,19 +106,23 @@ def main():
     ap.add_argument("--users", default="1,4,16", help="concurrent users, one run each")
     ap.add_argument("--requests", type=int, default=320, help="requests a run")
     ap.add_argument("--blocks", default="64,256", help="KV cache blocks of each simulator, one run each")
+    ap.add_argument("--modes", default="approximate,events", help="index modes, one run each: approximate, events")
     ap.add_argument("--out", type=Path, help="where to write the JSON result")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     points = []
-    for blocks in [int(b) for b in args.blocks.split(",")]:
-        for users in [int(u) for u in args.users.split(",")]:
-            point = measure(users, args.requests, blocks)
-            print(json.dumps(point), flush=True)
-            points.append(point)
+    for mode in args.modes.split(","):
+        for blocks in [int(b) for b in args.blocks.split(",")]:
+            for users in [int(u) for u in args.users.split(",")]:
+                point = measure(users, args.requests, blocks, mode)
+                print(json.dumps(point), flush=True)
+                points.append(point)
     result = {
         "benchmark": "prediction-accuracy-under-concurrency",
         "setup": f"3 simulators (Qwen3 tokenizer, 16-token blocks, default latency model), Envoy, inferrail (debug build), "
-                 f"round robin; chat conversations sharing 3 system prompts; commit {commit}",
+                 f"round robin; chat conversations sharing 3 system prompts; events mode: the simulators publish KV events, "
+                 f"the router follows them with replay endpoints; commit {commit}",
+        "command": "just bench-accuracy " + " ".join(sys.argv[1:]),
         "points": points,
     }
     if args.out:

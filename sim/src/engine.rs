@@ -428,6 +428,9 @@ impl Core {
         let mut st = lock(&stats);
         st.iteration_tokens.observe(plan.tokens as f64);
         let mut finished = Vec::new();
+        // Tokens go out after the step's KV events are published, so a
+        // client that has its answer finds the step's batch counted.
+        let mut tokens = Vec::new();
         for id in plan.prefill.into_iter().chain(plan.decode) {
             let Some(seq) = self.seqs.get_mut(&id) else { continue };
             // Every token so far is now computed; cache its full blocks.
@@ -457,19 +460,22 @@ impl Core {
             seq.first_token.get_or_insert(end);
             seq.last_token = Some(end);
             let finish = (seq.generated() >= seq.max_tokens).then_some(seq.at_limit);
-            // A receiver that went away is aborted by its drop.
-            let _ = seq.events.send(Event::Token { id: token, finish });
+            tokens.push((seq.events.clone(), Event::Token { id: token, finish }));
             if finish.is_some() {
                 finished.push(id);
             }
+        }
+        if let Some(events) = &mut self.events {
+            events.publish();
+        }
+        for (to, token) in tokens {
+            // A receiver that went away is aborted by its drop.
+            let _ = to.send(token);
         }
         for id in finished {
             self.finish(id, end, &mut st);
         }
         drop(st);
-        if let Some(events) = &mut self.events {
-            events.publish();
-        }
         self.publish_gauges();
     }
 

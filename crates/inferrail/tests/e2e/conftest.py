@@ -1,7 +1,13 @@
 """A real fleet for end-to-end tests: three inferrail-sim processes, the
 inferrail binary and Envoy (from the project's .venv) running the shipped
-envoy/local.yaml, all on free ports so tests never collide with `just up`."""
+envoy/local.yaml, all on free ports so tests never collide with `just up`.
 
+With `kv_events` the simulators publish vLLM's KV events and the router
+follows them (exact mode, ADR 0012); with `routers=2` two inferrail
+processes share Envoy's ext_proc cluster (round robin), each following
+every engine."""
+
+import json
 import re
 import signal
 import subprocess
@@ -17,48 +23,109 @@ MODEL = "inferrail/sim-8b"
 
 
 class Fleet:
-    def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing=""):
+    def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
+                 kv_events=None, routers=1):
+        """`kv_events`, to publish and follow KV events: a dict with `bind`
+        ("router": the router binds and the engines connect, vLLM's way with
+        an IP endpoint; "engine": the engines bind `tcp://*:port` and the
+        routers connect, the way for several routers), `replay` (True: the
+        engines serve replays and the routers ask them; False: no replay; an
+        endpoint string: the routers ask there, the engines serve none; or
+        a dict of these by sim index),
+        `skip` ({sim index: `--kv-events-skip` value}) and `template` (more
+        fields of the router's `kv_events`, YAML flow text)."""
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
-        ports = free_ports(8)
+        ports = free_ports(8 + 6 + 3 * (routers - 1))
         self.sim_ports = ports[:3]
         self.sim_flags = ["--tokenizer", tokenizer, *sim_flags]
-        self.grpc, self.admin, self.listen, self.envoy_admin, self.admin_grpc = ports[3:]
+        self.grpc, self.admin, self.listen, self.envoy_admin, self.admin_grpc = ports[3:8]
+        self.event_ports, self.replay_ports = ports[8:11], ports[11:14]
+        # (ext_proc, admin HTTP, admin gRPC) of each router; the first is self.grpc, self.admin, self.admin_grpc.
+        self.routers = [(self.grpc, self.admin, self.admin_grpc)] + [tuple(ports[14 + 3 * k:17 + 3 * k]) for k in range(routers - 1)]
+        self.kv_events = kv_events
         self.url = f"http://127.0.0.1:{self.listen}"
         replicas = "\n".join(
-            f"  - {{id: sim-{i + 1}, address: 127.0.0.1:{p}, models: [{MODEL}]{replica_extra}}}" for i, p in enumerate(self.sim_ports))
-        self.config = tmp / "inferrail.yaml"
-        self.config.write_text(
-            f"server: {{listen: 127.0.0.1:{self.grpc}, max_body_bytes: 1048576, shutdown_grace_ms: 2000}}\n"
-            f"admin: {{listen: 127.0.0.1:{self.admin}, grpc_listen: 127.0.0.1:{self.admin_grpc}}}\n"
-            f"routing: {{seed: 7{routing}}}\n"
-            f"health: {{probe_interval_ms: 100, probe_timeout_ms: 300}}\n"
-            f"{config_extra}"
-            f"models:\n  - {{name: {MODEL}, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}}}\n"
-            f"replicas:\n{replicas}\n")
+            f"  - {{id: sim-{i + 1}, address: 127.0.0.1:{p}, models: [{MODEL}]{replica_extra}{self._replica_events(i)}}}"
+            for i, p in enumerate(self.sim_ports))
+        if kv_events is not None:
+            config_extra += f"kv_events: {{{kv_events.get('template', '')}}}\n"
+        self.configs = []
+        for k, (grpc, admin, admin_grpc) in enumerate(self.routers):
+            config = tmp / ("inferrail.yaml" if k == 0 else f"inferrail-{k + 1}.yaml")
+            config.write_text(
+                f"server: {{listen: 127.0.0.1:{grpc}, max_body_bytes: 1048576, shutdown_grace_ms: 2000}}\n"
+                f"admin: {{listen: 127.0.0.1:{admin}, grpc_listen: 127.0.0.1:{admin_grpc}}}\n"
+                f"routing: {{seed: 7{routing}}}\n"
+                f"health: {{probe_interval_ms: 100, probe_timeout_ms: 300}}\n"
+                f"{config_extra}"
+                f"models:\n  - {{name: {MODEL}, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}}}\n"
+                f"replicas:\n{replicas}\n")
+            self.configs.append(config)
+        self.config = self.configs[0]
         envoy = (ROOT / "envoy" / "local.yaml").read_text()
         for old, new in [(8080, self.listen), (9901, self.envoy_admin), (9002, self.grpc)] + list(zip((8001, 8002, 8003), self.sim_ports)):
             envoy, n = re.subn(rf"port_value: {old}\b", f"port_value: {new}", envoy)
             assert n == 1, f"envoy/local.yaml should name port {old} once"
+        if routers > 1:
+            # The ext_proc cluster gets every router; Envoy's default balancing is round robin, stream by stream.
+            one = f"{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {self.grpc}}}}}}}}}"
+            assert envoy.count(one) == 1, "envoy/local.yaml's inferrail cluster should have one endpoint"
+            envoy = envoy.replace(one, ", ".join(one.replace(str(self.grpc), str(g)) for g, _, _ in self.routers))
         self.envoy_config = tmp / "envoy.yaml"
         self.envoy_config.write_text(envoy)
+
+    def _replica_events(self, i):
+        """Replica i's own `kv_events` in the router's config: each engine has its own ports."""
+        e = self.kv_events
+        if e is None:
+            return ""
+        bind = e.get("bind", "router") == "router"
+        fields = [f"endpoint: 'tcp://127.0.0.1:{self.event_ports[i]}'", f"bind: {str(bind).lower()}"]
+        replay = self._replay(i)
+        if replay is True:
+            fields.append(f"replay_endpoint: 'tcp://127.0.0.1:{self.replay_ports[i]}'")
+        elif replay:
+            fields.append(f"replay_endpoint: '{replay}'")
+        return f", kv_events: {{{', '.join(fields)}}}"
+
+    def _replay(self, i):
+        replay = self.kv_events.get("replay", True)
+        return replay.get(i, True) if isinstance(replay, dict) else replay
+
+    def _sim_events_flags(self, i):
+        """The simulator's vLLM flag: it connects to a binding router, or binds for connecting routers."""
+        e = self.kv_events
+        if e is None:
+            return []
+        host = "127.0.0.1" if e.get("bind", "router") == "router" else "*"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{host}:{self.event_ports[i]}", "topic": "kv-events"}
+        if self._replay(i) is True:
+            config["replay_endpoint"] = f"tcp://*:{self.replay_ports[i]}"
+        flags = ["--kv-events-config", json.dumps(config)]
+        if i in e.get("skip", {}):
+            flags += ["--kv-events-skip", e["skip"][i]]
+        return flags
 
     def start_sim(self, i):
         port = self.sim_ports[i]
         self.procs[f"sim-{i + 1}"] = self._spawn(
             f"sim-{i + 1}", [TARGET / "inferrail-sim", "--port", str(port), "--served-model-name", MODEL,
-                             "--enable-prompt-tokens-details", "--seed", str(i + 1), *self.sim_flags])
+                             "--enable-prompt-tokens-details", "--seed", str(i + 1), *self.sim_flags, *self._sim_events_flags(i)])
         wait_until(lambda: http("GET", f"http://127.0.0.1:{port}/health").status == 200, f"sim-{i + 1}")
 
-    def start_router(self):
-        self.procs["inferrail"] = self._spawn("inferrail", [TARGET / "inferrail", "--config", self.config])
-        wait_until(lambda: http("GET", f"http://127.0.0.1:{self.admin}/readyz").status == 200, "inferrail")
+    def start_router(self, k=0):
+        name = "inferrail" if k == 0 else f"inferrail-{k + 1}"
+        self.procs[name] = self._spawn(name, [TARGET / "inferrail", "--config", self.configs[k]])
+        admin = self.routers[k][1]
+        wait_until(lambda: http("GET", f"http://127.0.0.1:{admin}/readyz").status == 200, name)
 
     def start(self):
         for i in range(3):
             self.start_sim(i)
-        self.start_router()
+        for k in range(len(self.routers)):
+            self.start_router(k)
         self.procs["envoy"] = self._spawn(
             "envoy", [ENVOY, "-c", self.envoy_config, "--disable-hot-restart", "--log-level", "warn", "--concurrency", "2"])
         try:
@@ -85,13 +152,46 @@ class Fleet:
         body = {"model": "sim", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": max_tokens, **extra}
         return http("POST", f"{self.url}/v1/chat/completions", body, headers, timeout=timeout)
 
-    def metrics(self):
-        return http("GET", f"http://127.0.0.1:{self.admin}/metrics").body.decode()
+    def metrics(self, router=0):
+        return http("GET", f"http://127.0.0.1:{self.routers[router][1]}/metrics").body.decode()
 
-    def metric(self, name, labels=""):
+    def metric(self, name, labels="", router=0):
         pattern = re.compile(rf"^{re.escape(name)}{re.escape('{' + labels + '}') if labels else ''} (\S+)$", re.M)
-        m = pattern.search(self.metrics())
+        m = pattern.search(self.metrics(router))
         return float(m.group(1)) if m else None
+
+    def kv_mode(self, replica, router=0):
+        """The replica's KV index mode in a router (`exact`, or the reason it is approximate), from its metrics."""
+        for m in re.finditer(r"^inferrail_kv_mode\{([^}]*)\} 1$", self.metrics(router), re.M):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            if labels.get("replica") == replica:
+                return labels.get("mode")
+        return None
+
+    def kv_modes(self, router=0):
+        return [self.kv_mode(f"sim-{i + 1}", router) for i in range(3)]
+
+    def sim_events(self, i):
+        """Simulator i's KV event counters (`published`, `sent`, `skipped`, `dropped`)."""
+        return http("GET", f"{self.sim_url(i)}/_sim/kv_events").json()
+
+    def until_exact(self, replicas=range(3), timeout=30):
+        """Brings replicas to exact mode in every router: a prefix cache reset,
+        whose AllBlocksCleared leads the batch of the next request sent
+        straight to the engine, is a moment the cache is known empty. Repeated
+        until each router says exact (a subscriber still joining loses a batch)."""
+        for i in replicas:
+            rid = f"sim-{i + 1}"
+
+            def exact():
+                if all(self.kv_mode(rid, k) == "exact" for k in range(len(self.routers))):
+                    return True
+                assert http("POST", f"{self.sim_url(i)}/reset_prefix_cache").status == 200
+                body = {"model": MODEL, "prompt": "warm up", "max_tokens": 1}
+                assert http("POST", f"{self.sim_url(i)}/v1/completions", body).status == 200
+                return False
+
+            wait_until(exact, f"{rid} exact in every router", timeout)
 
     def envoy_stat(self, name):
         """An ext_proc counter of Envoy's, summed over both filters."""
