@@ -102,7 +102,12 @@ impl ExtProc {
                 while !body_done {
                     match inbound.message().await {
                         Ok(Some(ProcessingRequest { request: Some(Request::RequestBody(b)), .. })) => {
-                            body.extend_from_slice(&b.body);
+                            // A buffered body comes in one message: kept as it came, not copied.
+                            if body.is_empty() {
+                                body = b.body;
+                            } else {
+                                body.extend_from_slice(&b.body);
+                            }
                             body_done = b.end_of_stream;
                         }
                         Ok(Some(_)) => {}

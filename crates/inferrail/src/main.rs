@@ -17,7 +17,10 @@ struct Args {
     check: bool,
 }
 
-#[tokio::main(flavor = "current_thread")]
+// One worker thread per core: a long prompt's KV record (a millisecond or
+// more for 40,000 tokens) holds one worker while the others keep reading
+// and answering Envoy's streams.
+#[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let config = match Config::load(&args.config) {

@@ -75,15 +75,21 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter.set_serving::<ExternalProcessorServer<ExtProc>>().await;
     let ext_proc = ExternalProcessorServer::new(ExtProc::new(router.clone(), models.clone())).max_decoding_message_size(64 << 20);
-    let server = tonic::transport::Server::builder().add_service(health_service).add_service(ext_proc).serve_with_incoming_shutdown(
-        nodelay(grpc_listener),
-        async move {
+    // Envoy sends every request's whole body on one HTTP/2 connection: with
+    // hyper's 1 MiB connection window, twenty 220 KB bodies in flight would
+    // wait for window updates, and 16 KB frames cut each into fourteen.
+    let server = tonic::transport::Server::builder()
+        .initial_connection_window_size(64 << 20)
+        .initial_stream_window_size(16 << 20)
+        .max_frame_size(1 << 20)
+        .add_service(health_service)
+        .add_service(ext_proc)
+        .serve_with_incoming_shutdown(nodelay(grpc_listener), async move {
             shutdown.await;
             tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down: no new streams, open ones may finish");
             // Nobody waiting for the signal is not an error.
             let _ = stop_tx.send(());
-        },
-    );
+        });
     let server = tokio::spawn(server);
     let admin_grpc_server = tonic::transport::Server::builder()
         .add_routes(explain::services(router.clone())?)
