@@ -88,8 +88,8 @@ def test_aliases_are_rewritten_for_the_engine(fleet_factory):
 
 
 def test_a_slow_body_still_gets_the_decision(fleet_factory):
-    # The body comes in three parts 300 ms apart, each pause longer than
-    # Envoy's 200 ms message timeout: Envoy buffers it and sends it whole,
+    # The body comes in three parts 1.2 s apart, each pause longer than
+    # Envoy's 1 s message timeout: Envoy buffers it and sends it whole,
     # so the router still decides, and rewrites the body (the model is an
     # alias). The engine must count exactly the prompt the router tokenized.
     import http.client
@@ -104,7 +104,7 @@ def test_a_slow_body_still_gets_the_decision(fleet_factory):
     # The pauses are the slow client, not a wait for anything.
     c.send(body[:4000])
     for part in (body[4000:8000], body[8000:]):
-        time.sleep(0.3)
+        time.sleep(1.2)
         c.send(part)
     r = c.getresponse()
     reply = json.loads(r.read())
