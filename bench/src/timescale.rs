@@ -37,7 +37,6 @@ pub fn params(s: f64) -> Params {
         ..Params::default()
     };
     p.cost_model.decode_interference_ms = l.decode_seq_us * 1e-3;
-    p.cost_model.share_ms *= s;
     p
 }
 
@@ -71,7 +70,6 @@ mod tests {
         assert!((tenth.decode_secs(8) - 0.1 * one.decode_secs(8)).abs() < 1e-12);
         let p = params(0.1);
         assert!((p.prefill.secs(5_000, 0) - tenth.prefill_secs(5_000, 0)).abs() < 1e-12, "the router prices what the engine does");
-        assert!((p.cost_model.share_ms - 0.1 * Params::default().cost_model.share_ms).abs() < 1e-9);
         assert_eq!(sim_flags(0.1)[..2], ["--prefill-token-us".to_string(), "10".to_string()]);
     }
 }

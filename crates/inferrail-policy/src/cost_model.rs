@@ -4,13 +4,16 @@
 //! router has queued there plus `decode_interference_ms` per running request
 //! (the engine's count while its report is fresh), and `P(u, c) = a*u +
 //! b*u*(c + u/2) + d` ([`crate::Prefill`]) prices the `u` prompt tokens it
-//! would compute after the `c` it holds. To that is added `share_ms` per
-//! fair share (`1 / n`) of the recent requests the replica took (counted in
-//! a decaying sketch over `hot_prefix.window_secs`): small against a miss,
-//! decisive among replicas that hold the prefix or that all miss it, so a
-//! replica's part of the requests, and of the decoding they bring, stays
-//! near its fair one and new prefixes go where there is room. Lowest wins;
-//! ties go to fewer requests in flight, then to chance.
+//! would compute after the `c` it holds. To that is added, for a replica
+//! that took more than its fair share (`1 / n`) of the recent requests
+//! (counted in a decaying sketch over `hot_prefix.window_secs`, once there
+//! are at least `MIN_SHARE_EVIDENCE` per replica), `share_weight` times the
+//! prompt's whole prefill `P(n, 0)` per fair share above one: a replica
+//! twice as busy as fair must save more than the prompt's whole prefill to
+//! win, so a holder keeps its prefix against a miss unless it is far over
+//! its share, ties among holders go to the least busy, and new prefixes go
+//! where there is room. Lowest wins; ties go to fewer requests in flight,
+//! then to chance.
 //!
 //! Guards, before scoring:
 //! - bounded load: never a replica that would hold more than
@@ -53,8 +56,8 @@ pub struct Config {
     pub decode_interference_ms: f64,
     /// Bounded load: a replica holds at most `1 + epsilon` times its share.
     pub epsilon: f64,
-    /// Charged per fair share (`1 / n`) of the recent requests a replica took, milliseconds.
-    pub share_ms: f64,
+    /// Charged per fair share (`1 / n`) of recent requests above one, in whole prefills of the prompt.
+    pub share_weight: f64,
     /// KV pressure: reported KV usage above which long uncached prompts go elsewhere.
     pub kappa: f64,
     /// KV pressure spares prompts with at most this many tokens to compute.
@@ -86,7 +89,7 @@ impl Default for Config {
         Self {
             decode_interference_ms: 0.06,
             epsilon: 1.5,
-            share_ms: 500.0,
+            share_weight: 1.0,
             kappa: 0.92,
             short_prompt_tokens: 256,
             session_affinity: false,
@@ -106,7 +109,7 @@ impl Config {
     pub(crate) fn validate(&self, at: &str, p: &mut Vec<String>) {
         let h = &self.hot_prefix;
         let non_negative =
-            [("decode_interference_ms", self.decode_interference_ms), ("epsilon", self.epsilon), ("share_ms", self.share_ms)];
+            [("decode_interference_ms", self.decode_interference_ms), ("epsilon", self.epsilon), ("share_weight", self.share_weight)];
         for (name, v) in non_negative {
             if !(v.is_finite() && v >= 0.0) {
                 p.push(format!("{at}.{name}: {v} is not a non-negative number"));
@@ -129,6 +132,9 @@ impl Config {
         }
     }
 }
+
+/// Recent requests per replica before shares count: fewer say nothing of load.
+const MIN_SHARE_EVIDENCE: f64 = 4.0;
 
 /// See the module doc.
 #[derive(Debug)]
@@ -226,20 +232,15 @@ impl RoutingPolicy for CostModel {
     fn score(&self, req: &Request, c: &[Candidate], offered: &[usize], _rng: &mut StdRng, out: &mut [Score]) -> Option<&'static str> {
         // The share term: what keeps each replica's part of the requests,
         // and of the decoding they bring, near its fair one.
-        let share: Vec<f64> = {
+        let whole = req.prompt_tokens.map_or(0.0, |n| self.prefill.secs(n, 0));
+        let shares: Vec<f64> = {
             let taken = self.taken.lock().unwrap_or_else(|p| p.into_inner());
             let total = taken.total();
-            offered
-                .iter()
-                .map(|&i| {
-                    if total > 0.0 {
-                        self.config.share_ms * 1e-3 * taken.estimate(u128::from(c[i].key)) / total * offered.len() as f64
-                    } else {
-                        0.0
-                    }
-                })
-                .collect()
+            let n = offered.len() as f64;
+            let known = total >= MIN_SHARE_EVIDENCE * n;
+            offered.iter().map(|&i| if known { taken.estimate(u128::from(c[i].key)) / total * n } else { 0.0 }).collect()
         };
+        let share: Vec<f64> = shares.iter().map(|s| self.config.share_weight * whole * (s - 1.0).max(0.0)).collect();
         for (s, &i) in out.iter_mut().zip(offered) {
             *s = self.estimate(&c[i], req.prompt_tokens, c[i].cached_tokens);
         }
@@ -252,8 +253,8 @@ impl RoutingPolicy for CostModel {
             // priced as it is.
             // Only while every holder takes more than its fair share: a
             // root whose holders keep up stays where it is cached.
-            let fair = self.config.share_ms * 1e-3 * self.config.hot_prefix.fair_shares;
-            let busy = (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens >= root_tokens).all(|k| share[k] > fair);
+            let fair = self.config.hot_prefix.fair_shares;
+            let busy = (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens >= root_tokens).all(|k| shares[k] > fair);
             if owners > 1 && holders >= 1 && owners > holders && busy {
                 // Priced as holding what the best holder holds: the others
                 // would cache the whole shared prefix after one miss.

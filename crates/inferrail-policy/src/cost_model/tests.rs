@@ -155,23 +155,25 @@ fn a_replica_over_its_share_of_recent_requests_loses_to_an_equal_holder_but_not_
     c[0].cached_tokens = 4_000;
     c[1].cached_tokens = 4_000;
     let req = Request { prompt_tokens: Some(4_200), ..Request::default() };
-    // Replica 0 took the last ten requests.
-    for _ in 0..10 {
-        p.picked(&req, &c, 0);
-    }
     let mut scores = vec![Score::default(); 3];
+    // Too few requests yet to say anything of load.
+    for k in [0, 0, 1] {
+        p.picked(&req, &c, k);
+    }
     p.score(&req, &c, &[0, 1, 2], &mut r, &mut scores);
-    assert!((scores[0].terms[4] - 1.5).abs() < 1e-9, "three fair shares at 500 ms each: {scores:?}");
-    assert_eq!(scores[1].terms[4], 0.0);
+    assert!(scores.iter().all(|s| s.terms[4] == 0.0), "{scores:?}");
+    // Replica 0 took half of twelve: 1.5 fair shares, half a share over.
+    for k in [0, 0, 0, 0, 1, 1, 2, 2, 2] {
+        p.picked(&req, &c, k);
+    }
+    p.score(&req, &c, &[0, 1, 2], &mut r, &mut scores);
+    let whole = Prefill::default().secs(4_200, 0);
+    assert!((scores[0].terms[4] - 0.5 * whole).abs() < 1e-9, "half a whole prefill: {scores:?}");
+    assert_eq!((scores[1].terms[4], scores[2].terms[4]), (0.0, 0.0), "at or under their share");
     assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 1, "the other holder wins");
-    // Without another holder, the miss still costs more than the share.
+    // Without another holder, a miss costs more than half a share.
     c[1].cached_tokens = 0;
-    let q = Request { prompt_tokens: Some(40_000), ..req };
-    c[0].cached_tokens = 39_000;
-    assert_eq!(decide(&p, &q, &c, &mut r).unwrap()[0], 0, "{:?}", {
-        p.score(&q, &c, &[0, 1, 2], &mut r, &mut scores);
-        scores
-    });
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 0);
 }
 
 #[test]

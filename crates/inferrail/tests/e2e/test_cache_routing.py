@@ -94,7 +94,7 @@ def test_two_clients_on_timed_engines_cost_model_keeps_the_shared_prompts_cached
 
 
 def test_a_session_sticks_to_its_replica_until_it_is_overloaded_then_follows_the_new_one(fleet_factory):
-    fleet = make(fleet_factory, "cost_model", latency=True, routing=", policies: {cost_model: {session_affinity: true}}")
+    fleet = make(fleet_factory, "cost_model", latency=True, routing=", policies: {cost_model: {session_affinity: true, epsilon: 1.0}}")
     prompts = system_prompts()
 
     def ask(session, content, prompt=0):
@@ -111,7 +111,7 @@ def test_a_session_sticks_to_its_replica_until_it_is_overloaded_then_follows_the
     assert fleet.metric("inferrail_steered_total", 'policy="cost_model",reason="session"') >= 6
 
     # Two long streams of the conversation hold its home (2 of 2 in flight);
-    # a third request would put it past ceil(2 * 3 / 3) = 2: it moves.
+    # a third request would put it past ceil((1 + epsilon) * 3 / 3) = 2: it moves.
     def open_stream():
         body = {"model": "sim", "max_tokens": 400, "stream": True, "messages": [{"role": "user", "content": "a long answer"}]}
         req = urllib.request.Request(f"{fleet.url}/v1/chat/completions", json.dumps(body).encode(), method="POST",
