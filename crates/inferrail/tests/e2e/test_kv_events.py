@@ -52,13 +52,18 @@ class Checker:
         return self.fleet.metric("inferrail_kv_events_messages_total", f'replica="sim-{i + 1}"', router=k) or 0
 
     def caught_up(self):
-        """Every batch each engine sent has been applied by every router."""
-        counts = [self.fleet.sim_events(i) for i in range(3)]
+        """Every batch each engine sent has been applied by every router, and no request is in flight in any."""
+        # Engines that publish no events (approximate mode) count nothing.
+        keys = ("published", "sent", "skipped", "dropped")
+        counts = [{k: c.get(k, 0) for k in keys} for c in (self.fleet.sim_events(i) for i in range(3))]
         # The engines publish a step's batch before its tokens go out; all that was published has left.
         if any(c["published"] != c["sent"] + c["skipped"] + c["dropped"] for c in counts):
             return False
         sent = [c["sent"] for c in counts]
-        return all(self.received(k, i) - self.base[k, i] >= sent[i] for (k, i) in self.base)
+        if not all(self.received(k, i) - self.base[k, i] >= sent[i] for (k, i) in self.base):
+            return False
+        # Every request is over in every router: its claims ended before its slot was given back.
+        return all(self.fleet.metric("inferrail_replica_in_flight", f'replica="sim-{i + 1}"', router=k) == 0 for (k, i) in self.base)
 
     def restart(self, i, sig, skip=None):
         """Stops engine i with `sig` and starts it again on the same ports
