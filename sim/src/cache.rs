@@ -5,10 +5,15 @@
 //! hold a cached prefix (its hash) until it is reused. Allocation takes the
 //! least recently freed block and forgets its hash. A finished sequence frees
 //! its blocks last block first, so a long prefix is evicted from its tail.
-//! A cache hit on a free block takes it back out of the queue. Every
-//! operation is O(1) per block. Resetting forgets every cached prefix, and
-//! like vLLM's reset it is refused while any block is in use. When KV events
-//! are on, the pool logs the hashes it evicts (`log_evictions`).
+//! A cache hit on a free block takes it back out of the queue. Two
+//! sequences that compute the same block in one step each cache their copy,
+//! as vLLM's `BlockHashToBlockMap` does (a hit takes the copy cached first),
+//! and each copy is stored and evicted on its own: so a cached block's
+//! prefix always stays cached in some copy while it does, which KV event
+//! consumers rely on. Every operation is O(1) per block (a block has few
+//! copies). Resetting forgets every cached prefix, and like vLLM's reset it
+//! is refused while any block is in use. When KV events are on, the pool
+//! logs the hashes it evicts (`log_evictions`).
 
 use std::collections::HashMap;
 
@@ -31,7 +36,10 @@ struct Block {
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     blocks: Vec<Block>,
-    by_hash: HashMap<BlockHash, BlockId>,
+    /// Hash -> the blocks caching it, first cached first.
+    by_hash: HashMap<BlockHash, Vec<BlockId>>,
+    /// Blocks caching a prefix (copies counted).
+    cached: usize,
     head: u32,
     tail: u32,
     free: usize,
@@ -48,7 +56,7 @@ impl BlockPool {
             .collect::<Vec<_>>();
         let head = if n32 > 0 { 0 } else { NIL };
         let tail = n32.checked_sub(1).unwrap_or(NIL);
-        Self { free: blocks.len(), blocks, by_hash: HashMap::new(), head, tail, evicted: None }
+        Self { free: blocks.len(), blocks, by_hash: HashMap::new(), cached: 0, head, tail, evicted: None }
     }
 
     /// From now on, keep the hashes of evicted blocks for [`Self::take_evicted`].
@@ -67,9 +75,9 @@ impl BlockPool {
         self.free
     }
 
-    /// Blocks that hold a cached prefix.
+    /// Blocks that hold a cached prefix (each copy counts).
     pub fn num_cached(&self) -> usize {
-        self.by_hash.len()
+        self.cached
     }
 
     /// Fraction of blocks held by sequences, as `vllm:kv_cache_usage_perc`.
@@ -79,7 +87,7 @@ impl BlockPool {
 
     /// The cached blocks of the longest cached prefix of `hashes`.
     pub fn lookup(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
-        hashes.iter().map_while(|h| self.by_hash.get(h).copied()).collect()
+        hashes.iter().map_while(|h| self.by_hash.get(h).and_then(|c| c.first().copied())).collect()
     }
 
     /// How many of `blocks` are free now (a hit on them uses up free space).
@@ -110,7 +118,13 @@ impl BlockPool {
             let block = &mut self.blocks[b as usize];
             block.refs = 1;
             if let Some(h) = block.hash.take() {
-                self.by_hash.remove(&h);
+                if let Some(copies) = self.by_hash.get_mut(&h) {
+                    copies.retain(|&c| c != b);
+                    if copies.is_empty() {
+                        self.by_hash.remove(&h);
+                    }
+                }
+                self.cached -= 1;
                 if let Some(log) = &mut self.evicted {
                     log.push(h);
                 }
@@ -121,15 +135,16 @@ impl BlockPool {
     }
 
     /// Records that a full block now holds the prefix named `hash`; returns
-    /// whether it does. A prefix already cached elsewhere stays there; this
-    /// block then caches nothing.
+    /// whether it newly does (false for a block that caches one already, a
+    /// hit). A prefix cached in another block too is a second copy, as in vLLM.
     pub fn register(&mut self, block: BlockId, hash: BlockHash) -> bool {
-        let cached = self.blocks[block as usize].hash.is_none() && !self.by_hash.contains_key(&hash);
-        if cached {
-            self.blocks[block as usize].hash = Some(hash);
-            self.by_hash.insert(hash, block);
+        if self.blocks[block as usize].hash.is_some() {
+            return false;
         }
-        cached
+        self.blocks[block as usize].hash = Some(hash);
+        self.by_hash.entry(hash).or_default().push(block);
+        self.cached += 1;
+        true
     }
 
     /// Drops one reference on each block, in the order given; a block no one
@@ -153,7 +168,8 @@ impl BlockPool {
         for block in &mut self.blocks {
             block.hash = None;
         }
-        Some(std::mem::take(&mut self.by_hash).len())
+        self.by_hash.clear();
+        Some(std::mem::take(&mut self.cached))
     }
 
     fn unlink(&mut self, b: u32) {

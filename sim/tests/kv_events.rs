@@ -25,11 +25,12 @@ const BS: usize = 4;
 const TOPIC: &str = "kv-events";
 
 /// What a consumer knows of the engine's cache: each block by its parent,
-/// its first block's extra keys and its tokens, as a router maps them.
+/// its first block's extra keys and its tokens, as a router maps them. A
+/// block computed twice in one step is cached twice, as in vLLM: copies count.
 #[derive(Default)]
 struct Model {
     by_content: HashMap<Content, u64>,
-    by_hash: HashMap<u64, Content>,
+    by_hash: HashMap<u64, (Content, u32)>,
 }
 
 /// A block's parent, its cache salt (first blocks only) and its tokens.
@@ -56,7 +57,9 @@ impl Model {
                             other => panic!("unexpected extra keys {other:?}"),
                         };
                         let key = (parent, salt, s.token_ids[i * BS..(i + 1) * BS].to_vec());
-                        assert!(self.by_hash.insert(hash, key.clone()).is_none(), "seq {seq}: block {hash} stored twice");
+                        let copy = self.by_hash.entry(hash).or_insert((key.clone(), 0));
+                        assert_eq!(copy.0, key, "seq {seq}: block {hash} stored again with other content");
+                        copy.1 += 1;
                         self.by_content.insert(key, hash);
                         parent = Some(hash);
                     }
@@ -64,8 +67,12 @@ impl Model {
                 KvEvent::BlockRemoved(r) => {
                     assert_eq!(r.block_hashes.len(), 1, "vLLM removes one block per event");
                     for hash in &r.block_hashes {
-                        let key = self.by_hash.remove(hash).unwrap_or_else(|| panic!("seq {seq}: removed {hash}, which was not cached"));
-                        self.by_content.remove(&key);
+                        let copy = self.by_hash.get_mut(hash).unwrap_or_else(|| panic!("seq {seq}: removed {hash}, which was not cached"));
+                        copy.1 -= 1;
+                        if copy.1 == 0 {
+                            let (key, _) = self.by_hash.remove(hash).unwrap_or_default();
+                            self.by_content.remove(&key);
+                        }
                     }
                 }
                 KvEvent::AllBlocksCleared => {

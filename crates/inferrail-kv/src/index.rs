@@ -412,6 +412,23 @@ impl KvIndex {
         self.admit_waiting(recorded.slot, rep);
     }
 
+    /// The request is over, whatever its status: a request sent to an exact
+    /// replica ends its claims now (the engine's events say what it left
+    /// behind, held or not). With several routers the status may never reach
+    /// the router that decided (Envoy sends the response to any of them), so
+    /// a claim must not wait for it. Returns whether the record was a claim;
+    /// any other record is left for `complete` or `take_back`.
+    pub fn end_claim(&self, recorded: &Recorded) -> bool {
+        let mut replicas = self.lock();
+        let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return false };
+        if !matches!(rep.requests.get(&recorded.request), Some(Request::Claiming { .. })) {
+            return false;
+        }
+        let Some(Request::Claiming { keys }) = rep.requests.remove(&recorded.request) else { return false };
+        self.unclaim(recorded.slot, rep, &keys);
+        true
+    }
+
     /// A request sent to an exact replica ends its claims.
     fn unclaim(&self, slot: Slot, rep: &mut Replica, keys: &[BlockHash]) {
         let Some(exact) = &mut rep.exact else { return };

@@ -165,6 +165,12 @@ impl Kv {
         self.index.take_back(&rec.0);
     }
 
+    /// The request is over, its status unknown: a claim on an exact replica
+    /// ends now. Returns whether the record was such a claim (and is done).
+    pub fn end_claim(&self, rec: &Record) -> bool {
+        self.index.end_claim(&rec.0)
+    }
+
     /// The request completed: the engine freed its blocks (once per record).
     pub fn complete(&self, rec: &Record) {
         self.index.complete(&rec.0);

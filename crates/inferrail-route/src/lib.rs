@@ -424,6 +424,17 @@ impl Core {
         }
     }
 
+    /// The request is over and its status has not come (it may never: with
+    /// several routers Envoy may send the response to another): a claim on
+    /// an exact replica ends now, anything else waits for `complete` or
+    /// `take_back`.
+    pub fn end_claim(&self, lease: &Lease) {
+        let mut kv = lease.kv.lock().unwrap_or_else(|p| p.into_inner());
+        if kv.as_ref().is_some_and(|(_, record)| self.kv.end_claim(record)) {
+            *kv = None;
+        }
+    }
+
     /// The engine refused or failed a request: its prompt is not in that
     /// cache. Returns whether there was a record to take back.
     pub fn take_back(&self, lease: &Lease) -> bool {

@@ -147,12 +147,19 @@ impl ExtProc {
     /// flight, then its outcome is counted.
     async fn request_over(&self, request_id: &str) {
         let Some(lease) = self.router.lease(request_id) else { return };
-        lease.release();
         // The engine finished it (or dropped it with the client): its blocks
         // are free now. A status still on its way completes it when it comes.
-        if lease.status().is_some_and(|s| s < 400) {
-            self.router.complete(&lease);
+        // Before the slot is given back, so that a replica with nothing in
+        // flight has no claim left either.
+        match lease.status() {
+            Some(s) if s < 400 => self.router.complete(&lease),
+            // With several routers the observe stream may go to another one
+            // and no status ever comes here: a claim on an exact replica must
+            // not outlive the request (ADR 0012), the engine's events say the rest.
+            None => self.router.end_claim(&lease),
+            Some(_) => {}
         }
+        lease.release();
         let duration = lease.start.elapsed();
         tokio::time::sleep(OBSERVE_GRACE).await;
         let Some(held) = self.router.forget(request_id) else { return };

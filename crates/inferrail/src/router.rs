@@ -339,6 +339,11 @@ impl Router {
         self.core.complete(lease);
     }
 
+    /// The request is over, its status not (yet) known: an exact replica's claim ends now.
+    pub fn end_claim(&self, lease: &Lease) {
+        self.core.end_claim(lease);
+    }
+
     /// The engine refused or failed a request: its prompt is not in that cache.
     pub fn take_back(&self, lease: &Lease) {
         if self.core.take_back(lease) {

@@ -10,14 +10,17 @@ struct Naive {
     hash: Vec<Option<BlockHash>>,
     queue: Vec<BlockId>,
     evicted: Vec<BlockHash>,
+    /// Blocks caching a prefix, in the order they cached it.
+    order: Vec<BlockId>,
 }
 
 impl Naive {
     fn new(n: usize) -> Self {
-        Self { refs: vec![0; n], hash: vec![None; n], queue: (0..n as u32).collect(), evicted: Vec::new() }
+        Self { refs: vec![0; n], hash: vec![None; n], queue: (0..n as u32).collect(), evicted: Vec::new(), order: Vec::new() }
     }
+    /// The copy cached first.
     fn find(&self, h: BlockHash) -> Option<BlockId> {
-        (0..self.hash.len() as u32).find(|&b| self.hash[b as usize] == Some(h))
+        self.order.iter().copied().find(|&b| self.hash[b as usize] == Some(h))
     }
     fn lookup(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
         hashes.iter().map_while(|&h| self.find(h)).collect()
@@ -36,12 +39,14 @@ impl Naive {
         for &b in &taken {
             self.refs[b as usize] = 1;
             self.evicted.extend(self.hash[b as usize].take());
+            self.order.retain(|&o| o != b);
         }
         Some(taken)
     }
     fn register(&mut self, b: BlockId, h: BlockHash) {
-        if self.hash[b as usize].is_none() && self.find(h).is_none() {
+        if self.hash[b as usize].is_none() {
             self.hash[b as usize] = Some(h);
+            self.order.push(b);
         }
     }
     fn release(&mut self, blocks: &[BlockId]) {
@@ -58,6 +63,7 @@ impl Naive {
         }
         let n = self.hash.iter().filter(|h| h.is_some()).count();
         self.hash.iter_mut().for_each(|h| *h = None);
+        self.order.clear();
         Some(n)
     }
 }
@@ -106,7 +112,7 @@ proptest! {
                     prop_assert_eq!(pool.take_evicted(), std::mem::take(&mut naive.evicted));
                     let blocks: Vec<BlockId> = hit.iter().copied().chain(fresh.unwrap_or_default()).collect();
                     for (k, &b) in blocks.iter().enumerate() {
-                        let before = naive.find(hashes[k]).is_none() && naive.hash[b as usize].is_none();
+                        let before = naive.hash[b as usize].is_none();
                         naive.register(b, hashes[k]);
                         prop_assert_eq!(pool.register(b, hashes[k]), before);
                     }
@@ -153,4 +159,24 @@ fn a_hit_on_a_free_block_protects_it_from_eviction() {
     assert_eq!(pool.allocate(2), None);
     assert_eq!(pool.allocate(1).map(|v| v.len()), Some(1));
     assert_eq!(pool.lookup(&[7]), a);
+}
+
+#[test]
+fn a_block_computed_twice_is_cached_twice_and_its_prefix_outlives_it() {
+    // Two sequences compute blocks 0 and 0,1 in one step: each caches its
+    // copy of block 0 (vLLM does), so when the shorter one's copy is evicted
+    // block 1's prefix is still cached.
+    let mut pool = BlockPool::new(4);
+    pool.log_evictions();
+    let short = pool.allocate(1).unwrap_or_default();
+    let long = pool.allocate(2).unwrap_or_default();
+    assert!(pool.register(short[0], 10));
+    assert!(pool.register(long[0], 10), "a second copy");
+    assert!(pool.register(long[1], 11));
+    assert_eq!(pool.num_cached(), 3);
+    assert_eq!(pool.lookup(&[10, 11]), [short[0], long[1]], "a hit takes the copy cached first");
+    pool.release(short.iter().copied());
+    let _ = pool.allocate(2);
+    assert_eq!(pool.take_evicted(), [10], "one copy evicted");
+    assert_eq!(pool.lookup(&[10, 11]), [long[0], long[1]], "the prefix stays cached in the other");
 }

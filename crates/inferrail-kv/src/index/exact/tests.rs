@@ -131,6 +131,31 @@ fn a_request_sent_claims_its_blocks_until_it_completes() {
 }
 
 #[test]
+fn a_claim_ends_with_the_request_even_when_its_status_never_comes() {
+    // Two routers: the response's status went to the other one. The request
+    // is over, the engine evicted the tail of its prompt; the claim must not
+    // keep predicting it.
+    let index = index();
+    let seed = salt(&["m", ""]);
+    let prompt = block_hashes(seed, &tokens(4, 0), BS);
+    let rec = index.record(0, &prompt, 4, 0, 1);
+    store(&index, seed, 0, 0, 4, Tier::ROUTING).unwrap();
+    let tail: Vec<u64> = prompt[2..].iter().rev().map(|&h| engine(h)).collect();
+    index.apply(0, &Event::Removed { hashes: &tail, tier: Tier::ROUTING }).unwrap();
+    assert_eq!(matched(&index, seed, 0, 4), 4, "claimed while the request runs");
+    assert!(index.end_claim(&rec));
+    assert_eq!(matched(&index, seed, 0, 4), 2, "over: what the engine holds");
+    assert!(!index.end_claim(&rec), "once");
+    index.complete(&rec);
+    assert_eq!(matched(&index, seed, 0, 4), 2);
+    // An approximate replica's record waits for its status.
+    let prompt1 = block_hashes(seed, &tokens(3, 1), BS);
+    let approximate = index.record(1, &prompt1, 3, 0, 1);
+    assert!(!index.end_claim(&approximate));
+    assert_eq!(index.matched(&prompt1, &[1]), [3]);
+}
+
+#[test]
 fn leaving_exact_mode_keeps_what_was_known_or_nothing() {
     let index = index();
     let seed = salt(&["m", ""]);
