@@ -297,5 +297,9 @@ def pytest_terminal_summary(terminalreporter):
     if "num_gpu_blocks" in STATS:
         parts.append(f"{STATS['num_gpu_blocks']} KV blocks of {BLOCK_SIZE} tokens")
     terminalreporter.write_line("vLLM 0.32.0 (CPU): " + ", ".join(parts))
+    if "kv_events" in STATS:
+        checked, evicted, exact = STATS["kv_events"]
+        terminalreporter.write_line(f"exact mode on vLLM's KV events: {exact} of {checked} predictions equal vLLM's cached tokens; "
+                                    f"{evicted} repeated prompts had lost blocks to eviction")
     if "router_tokenize" in STATS:
         terminalreporter.write_line(f"Inferrail in front of vLLM: tokenizer outcomes {STATS['router_tokenize']}")
