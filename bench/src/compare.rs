@@ -211,7 +211,7 @@ pub async fn compare(args: CompareArgs) -> anyhow::Result<()> {
             }
         }
     }
-    write_table(&args.out_dir.join("table.md"), runs.iter().map(|r| row(&r.contender, r.workload, &r.measured)))
+    write_table(&args.out_dir.join("table.md"), HEADER, runs.iter().map(|r| row(&r.contender, r.workload, &r.measured)))
 }
 
 /// What every run of one `compare` shares.
@@ -298,15 +298,12 @@ fn capacity(bench: &Bench) -> anyhow::Result<()> {
         }
     }
     let header = "| contender | workload | capacity req/s | missed at req/s | probes |\n|---|---|---|---|---|";
-    let table = std::iter::once(header.to_string()).chain(rows).collect::<Vec<_>>().join("\n");
-    println!("{table}");
-    std::fs::write(args.out_dir.join("capacity.md"), format!("{table}\n"))?;
-    Ok(())
+    write_table(&args.out_dir.join("capacity.md"), header, rows.into_iter())
 }
 
-/// Prints the runs' table and writes it as Markdown.
-fn write_table(path: &Path, rows: impl Iterator<Item = String>) -> anyhow::Result<()> {
-    let table = std::iter::once(HEADER.to_string()).chain(rows).collect::<Vec<_>>().join("\n");
+/// Prints a table and writes it as Markdown.
+fn write_table(path: &Path, header: &str, rows: impl Iterator<Item = String>) -> anyhow::Result<()> {
+    let table = std::iter::once(header.to_string()).chain(rows).collect::<Vec<_>>().join("\n");
     println!("{table}");
     std::fs::write(path, format!("{table}\n"))?;
     Ok(())
