@@ -90,6 +90,12 @@ fn mode_code(mode: Mode) -> u8 {
 const PENDING: u8 = 0;
 const STREAMING: u8 = 1;
 const RELEASED: u8 = 2;
+/// Set in a lease's status word once its request is over.
+const ENDED: u32 = 1 << 16;
+
+fn status_of(word: u32) -> Option<u16> {
+    Some((word & 0xffff) as u16).filter(|&s| s != 0)
+}
 
 impl Replica {
     /// A replica with nothing in flight, healthy until shown otherwise.
@@ -297,16 +303,25 @@ impl Lease {
         Some(self.estimate_us.load(Ordering::Relaxed)).filter(|&us| us > 0).map(Duration::from_micros)
     }
 
-    /// Records the upstream's response status.
-    pub fn set_status(&self, status: u16) {
-        // Sequentially consistent with `release`: of a status and a release
-        // racing, at least one side sees the other (both may complete the record).
-        self.status.store(u32::from(status), Ordering::SeqCst);
+    /// Records the upstream's response status; true if the request had
+    /// already ended (`end`), so the caller completes its record. Of a
+    /// status and an end racing, exactly one sees the other: both change
+    /// one word.
+    pub fn set_status(&self, status: u16) -> bool {
+        let before = self.status.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(v & ENDED | u32::from(status)));
+        before.unwrap_or_else(|v| v) & ENDED != 0
+    }
+
+    /// Marks the request over (its route stream closed); returns the status
+    /// seen before, if any. Without one, a later `set_status` says the
+    /// request had ended.
+    pub fn end(&self) -> Option<u16> {
+        status_of(self.status.fetch_or(ENDED, Ordering::AcqRel))
     }
 
     /// The upstream's response status, if one was seen.
     pub fn status(&self) -> Option<u16> {
-        u16::try_from(self.status.load(Ordering::SeqCst)).ok().filter(|&s| s != 0)
+        status_of(self.status.load(Ordering::Acquire))
     }
 
     /// Whether the slot was given back.
@@ -370,6 +385,32 @@ mod tests {
     fn counts(r: &Replica) -> (u32, u32, u64) {
         let c = r.candidate(Duration::ZERO, 0, None);
         (c.in_flight, c.pending, r.prompt_tokens())
+    }
+
+    #[test]
+    fn of_a_status_and_an_end_exactly_one_sees_the_other() {
+        let r = replica(vec![0]);
+        let lease = Lease::new(r.clone(), 0, 1);
+        assert!(!lease.set_status(200));
+        assert_eq!(lease.end(), Some(200));
+        let lease = Lease::new(r.clone(), 0, 1);
+        assert_eq!(lease.end(), None);
+        assert!(lease.set_status(503), "the request had ended");
+        assert_eq!(lease.status(), Some(503));
+        // Racing on two threads: never both (two completions) and never neither (a record left behind).
+        for _ in 0..2_000 {
+            let lease = Arc::new(Lease::new(r.clone(), 0, 1));
+            let barrier = Arc::new(std::sync::Barrier::new(2));
+            let (l, b) = (lease.clone(), barrier.clone());
+            let observe = std::thread::spawn(move || {
+                b.wait();
+                l.set_status(200)
+            });
+            barrier.wait();
+            let end_saw_status = lease.end().is_some();
+            let status_saw_end = observe.join().unwrap();
+            assert!(end_saw_status != status_saw_end);
+        }
     }
 
     #[test]

@@ -148,10 +148,11 @@ impl ExtProc {
     async fn request_over(&self, request_id: &str) {
         let Some(lease) = self.router.lease(request_id) else { return };
         // The engine finished it (or dropped it with the client): its blocks
-        // are free now. A status still on its way completes it when it comes.
-        // Before the slot is given back, so that a replica with nothing in
-        // flight has no claim left either.
-        match lease.status() {
+        // are free now. A status still on its way completes it when it comes
+        // (`end` and `set_status` hand over in one word, so the record is
+        // never left to the grace below). Before the slot is given back, so
+        // that a replica with nothing in flight has no claim left either.
+        match lease.end() {
             Some(s) if s < 400 => self.router.complete(&lease),
             // With several routers the observe stream may go to another one
             // and no status ever comes here: a claim on an exact replica must
@@ -210,7 +211,7 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
                 lease = id.as_deref().and_then(|id| router.lease(id));
                 let (Some(id), Some(held)) = (id, &lease) else { return };
                 let code = request::header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
-                held.set_status(code);
+                let mut ended = held.set_status(code);
                 if let Some(addr) = found("upstream.address")
                     && addr != held.replica.addr.to_string()
                 {
@@ -221,7 +222,8 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
                     let actual = fleet.replicas.iter().find(|r| r.addr.to_string() == addr);
                     lease = actual.and_then(|a| router.move_lease(&id, a));
                     match &lease {
-                        Some(moved) => moved.set_status(code),
+                        // A moved lease is not ended: its record completes at the grace's end.
+                        Some(moved) => ended = moved.set_status(code),
                         // Not a replica we know, or already over: nothing more to credit.
                         None => return,
                     }
@@ -230,7 +232,7 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
                     if code >= 400 {
                         // The engine refused or failed it: what the decision recorded is not in its cache.
                         router.take_back(held);
-                    } else if held.released() {
+                    } else if ended {
                         // The request ended before its status came: complete it now.
                         router.complete(held);
                     }

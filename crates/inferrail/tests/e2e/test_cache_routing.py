@@ -88,7 +88,10 @@ def test_one_client_at_a_time_cache_aware_policies_keep_the_shared_prompts_cache
 def test_two_clients_on_timed_engines_cost_model_keeps_the_shared_prompts_cached(fleet_factory, policy):
     share, _ = run(make(fleet_factory, policy, latency=True), clients=2)
     if policy == "round_robin":
-        assert share < 0.45, f"round robin kept {share:.0%} cached"
+        # Which of two clients' requests reaches Envoy first decides which
+        # replica round robin gives it, so its share varies from run to run:
+        # 28-40% over twelve runs, 47% once. The bound only has to stay clear of cost_model's.
+        assert share < 0.55, f"round robin kept {share:.0%} cached"
     else:
         assert share >= 0.80, f"{policy} kept {share:.0%} of shared-prompt tokens cached"
 
