@@ -47,6 +47,8 @@ pub struct Replica {
     prompt_tokens: AtomicU64,
     /// When the prefill queued on it will be done, microseconds on the router's clock.
     queue_until_us: AtomicU64,
+    /// Estimated prefill of the requests still waiting for their first byte, microseconds.
+    pending_prefill_us: AtomicU64,
     probe_ok: AtomicBool,
     failures: AtomicU32,
     ejections: AtomicU32,
@@ -116,6 +118,7 @@ impl Replica {
             pending: AtomicU32::new(0),
             prompt_tokens: AtomicU64::new(0),
             queue_until_us: AtomicU64::new(0),
+            pending_prefill_us: AtomicU64::new(0),
             probe_ok: AtomicBool::new(true),
             failures: AtomicU32::new(0),
             ejections: AtomicU32::new(0),
@@ -180,20 +183,25 @@ impl Replica {
         self.prompt_tokens.load(Ordering::Relaxed)
     }
 
-    /// Prefill sent to it and not done yet at `now`: none once every request there has had its first byte.
+    /// Prefill sent to it and not done yet at `now`: none once every
+    /// request there has had its first byte. The queue drains on the
+    /// estimate's clock, but never below the estimated prefill of the
+    /// requests still waiting: an engine behind its estimate (out of KV
+    /// room, slower than calibrated) has not done their work yet.
     pub fn queued_prefill(&self, now: Duration) -> Duration {
         if self.pending() == 0 {
             return Duration::ZERO;
         }
-        let until = self.queue_until_us.load(Ordering::Relaxed);
-        Duration::from_micros(until.saturating_sub(now.as_micros() as u64))
+        let until = self.queue_until_us.load(Ordering::Relaxed).saturating_sub(now.as_micros() as u64);
+        Duration::from_micros(until.max(self.pending_prefill_us.load(Ordering::Relaxed)))
     }
 
     /// Queues `prefill` for a request just leased here, behind what is
     /// queued at `now`; with no other request waiting for its first byte,
     /// nothing is ahead of it, whatever the last estimate left over.
-    pub fn queue_prefill(&self, now: Duration, prefill: Duration) {
+    fn queue_prefill(&self, now: Duration, prefill: Duration) {
         let (now, add) = (now.as_micros() as u64, prefill.as_micros() as u64);
+        self.pending_prefill_us.fetch_add(add, Ordering::Relaxed);
         let alone = self.pending() <= 1;
         // The closure always gives a value, so the update cannot fail.
         let _ = self
@@ -275,6 +283,8 @@ pub struct Lease {
     ttft_us: AtomicU64,
     state: AtomicU8,
     status: AtomicU32,
+    /// Its estimated prefill while it counts in its replica's queue, microseconds.
+    prefill_us: AtomicU64,
     /// What the decision recorded in the KV index, to take back if the engine refuses the request.
     pub kv: Mutex<Option<(Arc<Prediction>, Record)>>,
 }
@@ -289,8 +299,19 @@ impl Lease {
     pub fn since(replica: Arc<Replica>, model: usize, start: Instant, prompt_tokens: u64) -> Self {
         replica.acquire(prompt_tokens);
         let (state, status, kv) = (AtomicU8::new(PENDING), AtomicU32::new(0), Mutex::new(None));
-        let (estimate_us, ttft_us) = (AtomicU64::new(0), AtomicU64::new(0));
-        Self { replica, model, start, prompt_tokens, estimate_us, ttft_us, state, status, kv }
+        let (estimate_us, ttft_us, prefill_us) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+        Self { replica, model, start, prompt_tokens, estimate_us, ttft_us, state, status, prefill_us, kv }
+    }
+
+    /// Queues its estimated `prefill` on its replica at `now`, until its first byte or release.
+    pub fn queue_prefill(&self, now: Duration, prefill: Duration) {
+        self.replica.queue_prefill(now, prefill);
+        self.prefill_us.store(prefill.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// Its prefill is done, or will never be: out of its replica's queue.
+    fn unqueue(&self) {
+        self.replica.pending_prefill_us.fetch_sub(self.prefill_us.swap(0, Ordering::Relaxed), Ordering::Relaxed);
     }
 
     /// Records the router's estimate of its time to first token.
@@ -334,6 +355,7 @@ impl Lease {
         let before = self.state.swap(RELEASED, Ordering::SeqCst);
         if before == PENDING {
             self.replica.pending.fetch_sub(1, Ordering::Relaxed);
+            self.unqueue();
         }
         if before != RELEASED {
             self.replica.in_flight.fetch_sub(1, Ordering::Relaxed);
@@ -346,6 +368,7 @@ impl Lease {
         let first = self.state.compare_exchange(PENDING, STREAMING, Ordering::AcqRel, Ordering::Relaxed).is_ok();
         if first {
             self.replica.pending.fetch_sub(1, Ordering::Relaxed);
+            self.unqueue();
             self.ttft_us.store((self.start.elapsed().as_micros() as u64).max(1), Ordering::Relaxed);
         }
         first
@@ -429,26 +452,36 @@ mod tests {
     }
 
     #[test]
-    fn the_prefill_queue_drains_in_real_time_and_empties_with_the_last_first_byte() {
+    fn the_prefill_queue_holds_what_has_had_no_first_byte_and_empties_with_the_last() {
         let r = replica(vec![0]);
         let ms = Duration::from_millis;
         let a = Lease::new(r.clone(), 0, 10);
-        r.queue_prefill(ms(1_000), ms(300));
+        a.queue_prefill(ms(1_000), ms(300));
         let b = Lease::new(r.clone(), 0, 10);
-        r.queue_prefill(ms(1_100), ms(200));
-        assert_eq!(r.queued_prefill(ms(1_100)), ms(400), "the second waits behind the first");
-        assert_eq!(r.queued_prefill(ms(1_450)), ms(50));
-        assert_eq!(r.queued_prefill(ms(9_000)), Duration::ZERO);
+        b.queue_prefill(ms(1_100), ms(200));
+        // Until a first byte says otherwise, both prefills are still to do;
+        // the clock only says more when first bytes came early.
+        assert_eq!(r.queued_prefill(ms(1_100)), ms(500), "the second waits behind the first");
+        // Late: the estimate ran out, but neither has had its first byte, so their prefill is not done.
+        assert_eq!(r.queued_prefill(ms(1_450)), ms(500));
+        assert_eq!(r.queued_prefill(ms(9_000)), ms(500));
         b.first_byte();
-        r.queue_prefill(ms(10_000), ms(100));
-        assert_eq!(r.queued_prefill(ms(10_000)), ms(100), "an idle queue starts from now");
+        assert_eq!(r.queued_prefill(ms(9_000)), ms(300), "a first byte takes its own prefill out");
+        let c = Lease::new(r.clone(), 0, 10);
+        c.queue_prefill(ms(10_000), ms(100));
+        assert_eq!(r.queued_prefill(ms(10_000)), ms(400));
         a.first_byte();
-        assert_eq!(r.queued_prefill(ms(10_000)), Duration::ZERO, "every request there has had its first byte");
+        assert_eq!(r.queued_prefill(ms(10_000)), ms(100));
+        drop(c);
+        assert_eq!(r.queued_prefill(ms(10_000)), Duration::ZERO, "every request there has had its first byte or is over");
         // The first byte came before the estimate ran out: a new request alone
         // there waits for nothing left over.
-        let _c = Lease::new(r.clone(), 0, 10);
-        r.queue_prefill(ms(10_010), ms(50));
+        let d = Lease::new(r.clone(), 0, 10);
+        d.queue_prefill(ms(10_010), ms(50));
         assert_eq!(r.queued_prefill(ms(10_010)), ms(50));
+        d.release();
+        d.release();
+        assert_eq!(r.pending_prefill_us.load(Ordering::Relaxed), 0, "released once");
     }
 
     #[test]
