@@ -70,7 +70,32 @@ pub struct Measured {
     /// Every measured request's time to first token, milliseconds, in
     /// scheduled order: the distribution the report draws.
     pub ttft_ms: Vec<f64>,
+    /// The measured requests with the longest time to first token, slowest
+    /// first: which replica, prompt and prediction make the tail.
+    pub slowest: Vec<Slow>,
 }
+
+/// One request of the tail.
+#[derive(Debug, Serialize)]
+pub struct Slow {
+    /// Scheduled send, seconds from the start of the run.
+    pub at_s: f64,
+    /// Time to first token, milliseconds.
+    pub ttft_ms: f64,
+    /// The replica the router named.
+    pub replica: Option<String>,
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: Option<u64>,
+    /// `usage.prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: Option<u64>,
+    /// The cached tokens the router predicted.
+    pub predicted_cached_tokens: Option<u64>,
+    /// Prompt tokens the workload shares with earlier requests.
+    pub shared_prefix_tokens: usize,
+}
+
+/// Requests of the tail kept in a result.
+const SLOWEST: usize = 10;
 
 /// An HTTP client for open-loop runs.
 pub fn client(request_timeout_s: f64) -> anyhow::Result<reqwest::Client> {
@@ -106,7 +131,8 @@ pub async fn measure(
     let prefix_all = summary::prefix(outcomes.iter().filter(|o| o.ok()));
     let engines = after.filter(|_| !engine_urls.is_empty()).map(|after| engines::over_run(engine_urls, &before, &after));
     let ttft_ms = outcomes.iter().filter(|o| o.at >= warmup && o.ok()).filter_map(|o| o.ttft).map(|t| t.as_secs_f64() * 1e3).collect();
-    Ok(Measured { sent: requests.len(), summary, prefix_all, engines, ttft_ms })
+    let slowest = slowest(&outcomes, warmup);
+    Ok(Measured { sent: requests.len(), summary, prefix_all, engines, ttft_ms, slowest })
 }
 
 #[derive(Debug, Serialize)]
@@ -204,4 +230,52 @@ pub fn command_line() -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// The measured requests (after `warmup`, successful) with the longest time to first token, slowest first.
+fn slowest(outcomes: &[harness::Outcome], warmup: Duration) -> Vec<Slow> {
+    let mut tail: Vec<&harness::Outcome> = outcomes.iter().filter(|o| o.at >= warmup && o.ok() && o.ttft.is_some()).collect();
+    tail.sort_by_key(|o| std::cmp::Reverse(o.ttft));
+    tail.into_iter()
+        .take(SLOWEST)
+        .map(|o| Slow {
+            at_s: o.at.as_secs_f64(),
+            ttft_ms: o.ttft.unwrap_or_default().as_secs_f64() * 1e3,
+            replica: o.replica.clone(),
+            prompt_tokens: o.prompt_tokens,
+            cached_tokens: o.cached_tokens,
+            predicted_cached_tokens: o.predicted_cached_tokens,
+            shared_prefix_tokens: o.shared_prefix_tokens,
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tail_is_the_slowest_measured_requests_slowest_first() {
+        let ms = Duration::from_millis;
+        let at = |i: u64, ttft: u64| harness::Outcome {
+            at: ms(i * 100),
+            ttft: Some(ms(ttft)),
+            replica: Some(format!("r{i}")),
+            ..Default::default()
+        };
+        let mut outcomes: Vec<harness::Outcome> = (0..30).map(|i| at(i, 10 + i)).collect();
+        // In the warmup, and failed: neither counts however slow.
+        outcomes[0].ttft = Some(ms(5_000));
+        outcomes[5].ttft = Some(ms(4_000));
+        outcomes[5].error = Some("reset".into());
+        let tail = slowest(&outcomes, ms(200));
+        assert_eq!(tail.len(), SLOWEST);
+        let ttfts: Vec<f64> = tail.iter().map(|s| s.ttft_ms).collect();
+        assert_eq!(
+            ttfts,
+            (30..40).rev().map(f64::from).collect::<Vec<_>>(),
+            "the warmup's and the failed request's 5 s and 4 s are left out"
+        );
+        assert_eq!(tail[0].replica.as_deref(), Some("r29"));
+    }
 }
