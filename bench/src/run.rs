@@ -130,7 +130,7 @@ pub async fn measure(
     let summary = summary::summarize(&outcomes, warmup, slo);
     let prefix_all = summary::prefix(outcomes.iter().filter(|o| o.ok()));
     let engines = after.filter(|_| !engine_urls.is_empty()).map(|after| engines::over_run(engine_urls, &before, &after));
-    let ttft_ms = outcomes.iter().filter(|o| o.at >= warmup && o.ok()).filter_map(|o| o.ttft).map(|t| t.as_secs_f64() * 1e3).collect();
+    let ttft_ms = measured(&outcomes, warmup).filter_map(|o| o.ttft).map(|t| t.as_secs_f64() * 1e3).collect();
     let slowest = slowest(&outcomes, warmup);
     Ok(Measured { sent: requests.len(), summary, prefix_all, engines, ttft_ms, slowest })
 }
@@ -232,9 +232,14 @@ pub fn command_line() -> String {
         .join(" ")
 }
 
-/// The measured requests (after `warmup`, successful) with the longest time to first token, slowest first.
+/// The requests a run measures: scheduled after `warmup`, and successful.
+fn measured(outcomes: &[harness::Outcome], warmup: Duration) -> impl Iterator<Item = &harness::Outcome> {
+    outcomes.iter().filter(move |o| o.at >= warmup && o.ok())
+}
+
+/// The measured requests with the longest time to first token, slowest first.
 fn slowest(outcomes: &[harness::Outcome], warmup: Duration) -> Vec<Slow> {
-    let mut tail: Vec<&harness::Outcome> = outcomes.iter().filter(|o| o.at >= warmup && o.ok() && o.ttft.is_some()).collect();
+    let mut tail: Vec<&harness::Outcome> = measured(outcomes, warmup).filter(|o| o.ttft.is_some()).collect();
     tail.sort_by_key(|o| std::cmp::Reverse(o.ttft));
     tail.into_iter()
         .take(SLOWEST)

@@ -45,8 +45,6 @@ pub struct Replica {
     in_flight: AtomicU32,
     pending: AtomicU32,
     prompt_tokens: AtomicU64,
-    /// When the prefill queued on it will be done, microseconds on the router's clock.
-    queue_until_us: AtomicU64,
     /// Estimated prefill of the requests still waiting for their first byte, microseconds.
     pending_prefill_us: AtomicU64,
     probe_ok: AtomicBool,
@@ -117,7 +115,6 @@ impl Replica {
             in_flight: AtomicU32::new(0),
             pending: AtomicU32::new(0),
             prompt_tokens: AtomicU64::new(0),
-            queue_until_us: AtomicU64::new(0),
             pending_prefill_us: AtomicU64::new(0),
             probe_ok: AtomicBool::new(true),
             failures: AtomicU32::new(0),
@@ -183,30 +180,12 @@ impl Replica {
         self.prompt_tokens.load(Ordering::Relaxed)
     }
 
-    /// Prefill sent to it and not done yet at `now`: none once every
-    /// request there has had its first byte. The queue drains on the
-    /// estimate's clock, but never below the estimated prefill of the
-    /// requests still waiting: an engine behind its estimate (out of KV
-    /// room, slower than calibrated) has not done their work yet.
-    pub fn queued_prefill(&self, now: Duration) -> Duration {
-        if self.pending() == 0 {
-            return Duration::ZERO;
-        }
-        let until = self.queue_until_us.load(Ordering::Relaxed).saturating_sub(now.as_micros() as u64);
-        Duration::from_micros(until.max(self.pending_prefill_us.load(Ordering::Relaxed)))
-    }
-
-    /// Queues `prefill` for a request just leased here, behind what is
-    /// queued at `now`; with no other request waiting for its first byte,
-    /// nothing is ahead of it, whatever the last estimate left over.
-    fn queue_prefill(&self, now: Duration, prefill: Duration) {
-        let (now, add) = (now.as_micros() as u64, prefill.as_micros() as u64);
-        self.pending_prefill_us.fetch_add(add, Ordering::Relaxed);
-        let alone = self.pending() <= 1;
-        // The closure always gives a value, so the update cannot fail.
-        let _ = self
-            .queue_until_us
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |until| Some(if alone { now } else { until.max(now) } + add));
+    /// Prefill sent to it and not done yet: the estimated prefill of the
+    /// requests there still waiting for their first byte. It does not
+    /// drain with time: an engine behind its estimate (out of KV room,
+    /// slower than calibrated) has not done their work until it says so.
+    pub fn queued_prefill(&self) -> Duration {
+        Duration::from_micros(self.pending_prefill_us.load(Ordering::Relaxed))
     }
 
     /// What a policy sees of it at `now`, with the prompt's predicted cached
@@ -220,7 +199,7 @@ impl Replica {
             max_pending: self.limits.max_pending,
             healthy: self.healthy(now.as_millis() as u64),
             cached_tokens,
-            queued_prefill_secs: self.queued_prefill(now).as_secs_f64(),
+            queued_prefill_secs: self.queued_prefill().as_secs_f64(),
             prompt_tokens_in_flight: self.prompt_tokens(),
             engine,
         }
@@ -303,10 +282,11 @@ impl Lease {
         Self { replica, model, start, prompt_tokens, estimate_us, ttft_us, state, status, prefill_us, kv }
     }
 
-    /// Queues its estimated `prefill` on its replica at `now`, until its first byte or release.
-    pub fn queue_prefill(&self, now: Duration, prefill: Duration) {
-        self.replica.queue_prefill(now, prefill);
-        self.prefill_us.store(prefill.as_micros() as u64, Ordering::Relaxed);
+    /// Queues its estimated `prefill` on its replica, until its first byte or release.
+    pub fn queue_prefill(&self, prefill: Duration) {
+        let us = prefill.as_micros() as u64;
+        self.prefill_us.store(us, Ordering::Relaxed);
+        self.replica.pending_prefill_us.fetch_add(us, Ordering::Relaxed);
     }
 
     /// Its prefill is done, or will never be: out of its replica's queue.
@@ -456,32 +436,26 @@ mod tests {
         let r = replica(vec![0]);
         let ms = Duration::from_millis;
         let a = Lease::new(r.clone(), 0, 10);
-        a.queue_prefill(ms(1_000), ms(300));
+        a.queue_prefill(ms(300));
         let b = Lease::new(r.clone(), 0, 10);
-        b.queue_prefill(ms(1_100), ms(200));
-        // Until a first byte says otherwise, both prefills are still to do;
-        // the clock only says more when first bytes came early.
-        assert_eq!(r.queued_prefill(ms(1_100)), ms(500), "the second waits behind the first");
-        // Late: the estimate ran out, but neither has had its first byte, so their prefill is not done.
-        assert_eq!(r.queued_prefill(ms(1_450)), ms(500));
-        assert_eq!(r.queued_prefill(ms(9_000)), ms(500));
+        b.queue_prefill(ms(200));
+        // However long it has been, neither has had its first byte, so neither prefill is known done.
+        assert_eq!(r.queued_prefill(), ms(500), "the second waits behind the first");
         b.first_byte();
-        assert_eq!(r.queued_prefill(ms(9_000)), ms(300), "a first byte takes its own prefill out");
+        assert_eq!(r.queued_prefill(), ms(300), "a first byte takes its own prefill out");
         let c = Lease::new(r.clone(), 0, 10);
-        c.queue_prefill(ms(10_000), ms(100));
-        assert_eq!(r.queued_prefill(ms(10_000)), ms(400));
+        c.queue_prefill(ms(100));
+        assert_eq!(r.queued_prefill(), ms(400));
         a.first_byte();
-        assert_eq!(r.queued_prefill(ms(10_000)), ms(100));
+        assert_eq!(r.queued_prefill(), ms(100));
         drop(c);
-        assert_eq!(r.queued_prefill(ms(10_000)), Duration::ZERO, "every request there has had its first byte or is over");
-        // The first byte came before the estimate ran out: a new request alone
-        // there waits for nothing left over.
+        assert_eq!(r.queued_prefill(), Duration::ZERO, "every request there has had its first byte or is over");
         let d = Lease::new(r.clone(), 0, 10);
-        d.queue_prefill(ms(10_010), ms(50));
-        assert_eq!(r.queued_prefill(ms(10_010)), ms(50));
+        d.queue_prefill(ms(50));
+        assert_eq!(r.queued_prefill(), ms(50));
         d.release();
         d.release();
-        assert_eq!(r.pending_prefill_us.load(Ordering::Relaxed), 0, "released once");
+        assert_eq!(r.queued_prefill(), Duration::ZERO, "released once");
     }
 
     #[test]

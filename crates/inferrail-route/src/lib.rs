@@ -387,9 +387,9 @@ impl Core {
             prompt_tokens.map_or(model.params.prefill.secs(0, 0), |n| model.params.prefill.secs(n.saturating_sub(cached), cached));
         let prefill = Duration::from_secs_f64(prefill);
         let lease = Arc::new(Lease::new(won.clone(), plan.model, prompt_tokens.unwrap_or(0) as u64));
-        lease.queue_prefill(plan.now, prefill);
+        lease.queue_prefill(prefill);
         // The first byte can come once the prefill queued ahead and this one's are done.
-        lease.set_estimate(won.queued_prefill(plan.now));
+        lease.set_estimate(won.queued_prefill());
         let picked = &plan.order[..plan.order.len().min(1 + self.fallbacks)];
         let targets: Vec<Arc<Replica>> = picked.iter().map(|&i| plan.replica(i).clone()).collect();
         let cached_tokens = match &plan.prediction {

@@ -66,7 +66,7 @@ fn a_committed_prompt_is_predicted_cached_and_its_prefill_queued_on_the_winner()
     let winner = first.targets[0].clone();
     let expected = core.models[0].params.prefill.secs(2_000, 0);
     assert!((first.prefill.as_secs_f64() - expected).abs() < 1e-6);
-    assert_eq!(winner.queued_prefill(Duration::ZERO), Duration::from_micros(first.prefill.as_micros() as u64));
+    assert_eq!(winner.queued_prefill(), Duration::from_micros(first.prefill.as_micros() as u64));
     assert_eq!(winner.prompt_tokens(), 2_000);
     let plan = core.plan(&view(&core, &fleet, &prompt(0, 2_100)), &fleet, NONE, Duration::ZERO).unwrap();
     let on = |id: &str| (0..3).find(|&i| plan.replica(i).id == id).unwrap();
@@ -77,7 +77,7 @@ fn a_committed_prompt_is_predicted_cached_and_its_prefill_queued_on_the_winner()
     assert!((score.terms[0] - first.prefill.as_secs_f64()).abs() < 1e-6, "the queued prefill is the queue term");
     // Its first byte empties the queue; the lease's end the counters.
     first.lease.first_byte();
-    assert_eq!(winner.queued_prefill(Duration::ZERO), Duration::ZERO);
+    assert_eq!(winner.queued_prefill(), Duration::ZERO);
     first.lease.release();
     assert_eq!(winner.prompt_tokens(), 0);
 }
