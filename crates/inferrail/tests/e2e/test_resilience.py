@@ -66,8 +66,9 @@ def test_a_killed_replica_costs_no_request_sent_after_the_kill(fleet_factory):
     for w in workers:
         w.start()
     time.sleep(0.5)
-    killed_at = time.monotonic()
     fleet.kill("sim-2")
+    # After the engine is gone: a request sent just before may be in flight on it when it dies.
+    killed_at = time.monotonic()
     time.sleep(1.5)
     fleet.start_sim(1)
     wait_until(lambda: fleet.metric("inferrail_replica_healthy", 'replica="sim-2"') == 1.0, "sim-2 readmitted")
