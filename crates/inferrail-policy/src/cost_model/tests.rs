@@ -53,6 +53,26 @@ fn kv_pressure_sets_aside_a_full_cache_for_long_uncached_prompts_unless_every_re
 }
 
 #[test]
+fn kv_pressure_never_turns_a_hit_into_a_miss() {
+    let p = policy(Config::default());
+    let full = Some(EngineReport { running: 9, waiting: 2, kv_usage: 0.97 });
+    // 8,000 prompt tokens: the full replica holds the 7,600-token system
+    // prompt, the other none of it; 400 new tokens is past `short_prompt_tokens`.
+    let req = Request { prompt_tokens: Some(8_000), ..Request::default() };
+    let mut c = fleet(&[6, 1]);
+    c[0].engine = full;
+    c[0].cached_tokens = 7_600;
+    let mut aside = vec![None; 2];
+    assert_eq!(p.guard(&req, &c, &mut aside), None);
+    assert_eq!(aside, [None, None], "computing 8,000 tokens elsewhere takes more room than 400 here");
+    // One below kappa that holds as much: the full one is set aside, and no hit is lost.
+    c[1].cached_tokens = 7_600;
+    let mut aside = vec![None; 2];
+    p.guard(&req, &c, &mut aside);
+    assert_eq!(aside, [Some(SetAside::KvPressure { usage: 0.97 }), None]);
+}
+
+#[test]
 fn a_session_goes_back_to_its_replica_while_the_guards_allow_then_follows_the_new_one() {
     let p = policy(Config { session_affinity: true, ..Config::default() });
     let mut r = rng(2);
