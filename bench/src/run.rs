@@ -196,7 +196,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 }
 
 /// `INFERRAIL_COMMIT`, else `git rev-parse --short HEAD` with `-dirty` when
-/// tracked files changed, else `unknown`.
+/// tracked files outside `bench/results` changed, else `unknown`.
 pub fn commit() -> String {
     if let Ok(c) = std::env::var("INFERRAIL_COMMIT") {
         return c;
@@ -210,7 +210,9 @@ pub fn commit() -> String {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     match git(&["rev-parse", "--short", "HEAD"]) {
-        Some(head) => match git(&["status", "--porcelain", "--untracked-files=no"]) {
+        // Results written by this or an earlier command of the same recipe
+        // are not a change to the code that produced them.
+        Some(head) => match git(&["status", "--porcelain", "--untracked-files=no", "--", ":/", ":(top,exclude)bench/results"]) {
             Some(changes) if !changes.is_empty() => format!("{head}-dirty"),
             _ => head,
         },
