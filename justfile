@@ -168,7 +168,8 @@ bench-routing *args: setup setup-sglang
         # 3 req/s: about 70% of what round robin sustained on W1 here (bench/results/routing/capacity).
         $bench compare "${common[@]}" --workloads w1,mix --reps 1 --rate 3 --duration-s 20 \
             --contenders round_robin,least_request,kv_aware,cost_model,sglang:cache_aware --out-dir "$out" "$@"
-        $bench report --routing "$out"
+        # Its own report: the committed one (bench/report/routing) is the full comparison's.
+        $bench report --routing "$out" --out-dir "$out/report"
         exit 0
     fi
     out=bench/results/routing
