@@ -151,7 +151,7 @@ bench-routing *args: setup setup-sglang
     #!/usr/bin/env bash
     set -euo pipefail
     cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
-    for port in 18101 18102 18103 18180 19002 19090 19091 19901 19290; do
+    for port in 18101 18102 18103 18111 18112 18113 18121 18122 18123 18180 19002 19090 19091 19901 19290; do
         if (echo > "/dev/tcp/127.0.0.1/$port") 2> /dev/null; then echo "port $port is in use" >&2; exit 1; fi
     done
     bench=target/release/inferrail-bench
@@ -160,7 +160,8 @@ bench-routing *args: setup setup-sglang
     # times faster (SLO: TTFT 200 ms, TPOT 10 ms; W2's users think 1-2 s) so
     # that every run fits the hour.
     sim="--block-size 16 --num-gpu-blocks-override 1100 --max-model-len 10240"
-    common=(--time-scale 0.1 --sim-flags "$sim" --think-s 1-2 --warmup-s 5)
+    # The simulators publish KV events and Inferrail follows them (exact mode, ADR 0012); the peers ignore them.
+    common=(--time-scale 0.1 --sim-flags "$sim" --think-s 1-2 --warmup-s 5 --kv-events)
     set -- {{args}}
     if [ "${1:-}" = "--quick" ]; then
         shift

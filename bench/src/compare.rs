@@ -20,7 +20,7 @@ use clap::Args;
 use serde::Serialize;
 
 use crate::fleet::capacity::{self, Search};
-use crate::processes::{self, Processes, Programs, until};
+use crate::processes::{self, KvEventPorts, Processes, Programs, until};
 use crate::run::{self, Measured};
 use crate::summary::Slo;
 use crate::workload::{self, Kind, Spec};
@@ -77,6 +77,14 @@ pub struct CompareArgs {
     /// TTFT SLO); rates and durations are as given.
     #[arg(long, default_value_t = 1.0, value_parser = crate::timescale::parse)]
     pub time_scale: f64,
+    /// Policy parameters laid over the time scale's, as the routing YAML's
+    /// `policies` in JSON: `'{"cost_model": {"share_weight": 0}}'`.
+    #[arg(long, value_parser = crate::timescale::parse_overrides)]
+    pub policy_params: Option<serde_json::Value>,
+    /// The simulators publish their KV events and Inferrail follows them
+    /// (exact mode); the peer routers ignore them.
+    #[arg(long)]
+    pub kv_events: bool,
     /// Extra flags of every simulator (cache size), space separated; they come after the time scale's.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub sim_flags: String,
@@ -91,9 +99,21 @@ pub struct CompareArgs {
     pub out_dir: PathBuf,
 }
 
+impl CompareArgs {
+    /// The router's policy parameters: the time scale's, with `--policy-params` over them.
+    fn params(&self) -> anyhow::Result<inferrail_policy::Params> {
+        crate::timescale::tuned(self.time_scale, self.policy_params.as_ref())
+    }
+}
+
 /// Ports of the fleet under test: clear of the local fleet's.
 const SIMS: [u16; 3] = [18101, 18102, 18103];
 const ENTRY: u16 = 18180;
+const KV_EVENTS: [KvEventPorts; 3] = [
+    KvEventPorts { publish: 18111, replay: 18121 },
+    KvEventPorts { publish: 18112, replay: 18122 },
+    KvEventPorts { publish: 18113, replay: 18123 },
+];
 const ENVOY_ADMIN: u16 = 19901;
 const EXT_PROC: u16 = 19002;
 const ADMIN: u16 = 19090;
@@ -142,6 +162,9 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
         .collect();
         flags.extend(crate::timescale::sim_flags(args.time_scale));
         flags.extend(args.sim_flags.split_whitespace().map(str::to_string));
+        if args.kv_events {
+            flags.extend(KV_EVENTS[i].sim_flags());
+        }
         fleet.spawn(&format!("sim-{}", i + 1), logs, &sim, &flags)?;
     }
     for port in SIMS {
@@ -158,7 +181,18 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
         None => {
             let config = logs.join("inferrail.yaml");
             let ports = processes::RouterPorts { ext_proc: EXT_PROC, admin: ADMIN, admin_grpc: ADMIN_GRPC };
-            std::fs::write(&config, processes::router_config(contender, &args.tokenizer, seed, ports, &SIMS, args.time_scale)?)?;
+            std::fs::write(
+                &config,
+                processes::router_config(
+                    contender,
+                    &args.tokenizer,
+                    seed,
+                    ports,
+                    &SIMS,
+                    &args.params()?,
+                    args.kv_events.then_some(&KV_EVENTS[..]),
+                )?,
+            )?;
             fleet.spawn("inferrail", logs, &args.programs.bin_dir.join("inferrail"), &["--config".into(), config.display().to_string()])?;
             let envoy = logs.join("envoy.yaml");
             let moves = [(8080, ENTRY), (9901, ENVOY_ADMIN), (9002, EXT_PROC), (8001, SIMS[0]), (8002, SIMS[1]), (8003, SIMS[2])];

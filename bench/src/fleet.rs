@@ -64,6 +64,10 @@ pub struct FleetArgs {
     /// (0.1: ten times faster engines); rates and the SLO are as given.
     #[arg(long, default_value_t = 1.0, value_parser = crate::timescale::parse)]
     pub time_scale: f64,
+    /// Policy parameters laid over the time scale's, as the routing YAML's
+    /// `policies` in JSON: `'{"cost_model": {"share_weight": 0}}'`.
+    #[arg(long, value_parser = crate::timescale::parse_overrides)]
+    pub policy_params: Option<serde_json::Value>,
     /// Search each policy's capacity at the SLO instead of one simulation.
     #[arg(long)]
     pub capacity: bool,
@@ -98,6 +102,7 @@ fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> {
         kv_blocks,
         block_size: args.block_size,
         time_scale: args.time_scale,
+        params: crate::timescale::tuned(args.time_scale, args.policy_params.as_ref())?,
         limits: Limits { max_concurrency: args.max_concurrency, max_pending: args.max_concurrency },
         seed: args.seed,
         model: args.spec.model.clone(),

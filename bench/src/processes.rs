@@ -107,23 +107,51 @@ pub struct RouterPorts {
     pub admin_grpc: u16,
 }
 
-/// Inferrail's configuration for one policy over simulators on `sims`.
+/// Where one simulator publishes its KV events and answers replays.
+#[derive(Debug, Clone, Copy)]
+pub struct KvEventPorts {
+    pub publish: u16,
+    pub replay: u16,
+}
+
+impl KvEventPorts {
+    /// The simulator's `--kv-events-config`: it binds both, the router connects.
+    pub fn sim_flags(&self) -> [String; 2] {
+        let config = serde_json::json!({
+            "enable_kv_cache_events": true,
+            "publisher": "zmq",
+            "endpoint": format!("tcp://*:{}", self.publish),
+            "replay_endpoint": format!("tcp://*:{}", self.replay),
+        });
+        ["--kv-events-config".into(), config.to_string()]
+    }
+}
+
+/// Inferrail's configuration for one policy over simulators on `sims`, each
+/// followed by its KV events when `kv_events` has its ports (exact mode).
 pub fn router_config(
     policy: &str,
     tokenizer: &str,
     seed: u64,
     ports: RouterPorts,
     sims: &[u16],
-    time_scale: f64,
+    params: &inferrail_policy::Params,
+    kv_events: Option<&[KvEventPorts]>,
 ) -> anyhow::Result<String> {
+    let events = |i: usize| match kv_events.and_then(|e| e.get(i)) {
+        Some(KvEventPorts { publish, replay }) => {
+            format!(", kv_events: {{endpoint: 'tcp://127.0.0.1:{publish}', replay_endpoint: 'tcp://127.0.0.1:{replay}'}}")
+        }
+        None => String::new(),
+    };
     let replicas: String = sims
         .iter()
         .enumerate()
-        .map(|(i, p)| format!("  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]}}\n", i + 1))
+        .map(|(i, p)| format!("  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]{}}}\n", i + 1, events(i)))
         .collect();
     let RouterPorts { ext_proc, admin, admin_grpc } = ports;
-    // JSON is YAML: the policies' parameters as the time scale sets them.
-    let policies = serde_json::to_string(&crate::timescale::params(time_scale))?;
+    // JSON is YAML.
+    let policies = serde_json::to_string(params)?;
     Ok(format!(
         "server: {{listen: 127.0.0.1:{ext_proc}}}\n\
          admin: {{listen: 127.0.0.1:{admin}, grpc_listen: 127.0.0.1:{admin_grpc}}}\n\
@@ -156,6 +184,28 @@ mod tests {
         let text = envoy_config("../envoy/local.yaml", &[(8001, 18001), (9002, 19002)])?;
         assert!(text.contains("port_value: 18001") && text.contains("port_value: 19002") && text.contains("port_value: 8002"));
         assert!(envoy_config("../envoy/local.yaml", &[(8004, 1)]).is_err(), "a port that is not there is an error");
+        Ok(())
+    }
+
+    #[test]
+    fn with_kv_event_ports_each_replica_follows_its_simulators_events() -> anyhow::Result<()> {
+        let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
+        let events = [KvEventPorts { publish: 7001, replay: 7101 }, KvEventPorts { publish: 7002, replay: 7102 }];
+        let params = crate::timescale::params(0.1);
+        let yaml = router_config("cost_model", "builtin:sim", 1, ports, &[8001, 8002], &params, Some(&events))?;
+        let config = inferrail_config::Config::parse(&yaml)?;
+        let ip = "127.0.0.1".parse()?;
+        let second = config.event_source("sim-2", ip).expect("sim-2 follows events");
+        assert_eq!((second.endpoint.as_str(), second.bind), ("tcp://127.0.0.1:7002", false), "the router connects");
+        assert_eq!(second.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:7102"));
+        assert_eq!(config.routing.policies, params);
+        let plain = inferrail_config::Config::parse(&router_config("cost_model", "builtin:sim", 1, ports, &[8001], &params, None)?)?;
+        assert_eq!(plain.event_source("sim-1", ip), None, "no events: approximate mode");
+        // The simulator binds what the router connects to, as vLLM does for `*`.
+        let [flag, json] = events[1].sim_flags();
+        let json: serde_json::Value = serde_json::from_str(&json)?;
+        assert_eq!(flag, "--kv-events-config");
+        assert_eq!((json["endpoint"].as_str(), json["replay_endpoint"].as_str()), (Some("tcp://*:7002"), Some("tcp://*:7102")));
         Ok(())
     }
 }

@@ -28,6 +28,7 @@ fn setup(spec: &Spec, replicas: usize) -> Setup {
         kv_blocks: default_kv_blocks(spec, 1, 16).expect("kv blocks"),
         block_size: 16,
         time_scale: 1.0,
+        params: crate::timescale::params(1.0),
         limits: Limits::default(),
         seed: 1,
         model: spec.model.clone(),

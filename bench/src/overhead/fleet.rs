@@ -130,7 +130,18 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
             Rung::Inferrail => {
                 let path = logs.join("inferrail.yaml");
                 // Zero-latency simulators: the default time scale prices nothing they do.
-                std::fs::write(&path, processes::router_config(&args.policy, &args.tokenizer, args.seed, ROUTER, &SIMS, 1.0)?)?;
+                std::fs::write(
+                    &path,
+                    processes::router_config(
+                        &args.policy,
+                        &args.tokenizer,
+                        args.seed,
+                        ROUTER,
+                        &SIMS,
+                        &crate::timescale::params(1.0),
+                        None,
+                    )?,
+                )?;
                 let flags = ["--config".into(), path.display().to_string()];
                 pids.push((Role::Inferrail, fleet.spawn("inferrail", logs, &args.programs.bin_dir.join("inferrail"), &flags)?));
                 let moves = [[(8080, INFERRAIL_ENVOY), (9901, ENVOY_ADMINS[2]), (9002, ROUTER.ext_proc)].as_slice(), &sims].concat();
