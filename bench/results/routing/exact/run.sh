@@ -2,7 +2,7 @@
 # W1 and mix (3 repetitions) and hot and W6 (one) at 70% of round robin's capacity on three simulators
 # (bench/results/routing/capacity), six contenders, Inferrail in exact mode.
 set -e
-cd /work/main
+cd "$(dirname "$0")/../../../.."
 b=target/release/inferrail-bench
 sim="--block-size 16 --num-gpu-blocks-override 1100 --max-model-len 10240"
 common=(--time-scale 0.1 --sim-flags "$sim" --think-s 1-2 --warmup-s 5 --kv-events --duration-s 25
