@@ -99,13 +99,6 @@ pub struct CompareArgs {
     pub out_dir: PathBuf,
 }
 
-impl CompareArgs {
-    /// The router's policy parameters: the time scale's, with `--policy-params` over them.
-    fn params(&self) -> anyhow::Result<inferrail_policy::Params> {
-        crate::timescale::tuned(self.time_scale, self.policy_params.as_ref())
-    }
-}
-
 /// Ports of the fleet under test: clear of the local fleet's.
 const SIMS: [u16; 3] = [18101, 18102, 18103];
 const ENTRY: u16 = 18180;
@@ -189,7 +182,7 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
                     seed,
                     ports,
                     &SIMS,
-                    &args.params()?,
+                    (args.time_scale, args.policy_params.as_ref()),
                     args.kv_events.then_some(&KV_EVENTS[..]),
                 )?,
             )?;

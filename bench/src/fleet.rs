@@ -91,22 +91,27 @@ fn policy_kind(s: &str) -> Result<PolicyKind, String> {
 }
 
 /// The simulated fleet for `args` with `replicas` replicas.
-fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> {
+pub(crate) fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> {
     anyhow::ensure!(args.block_size > 0 && args.tolerance > 0.0, "--block-size and --tolerance must be positive");
     let kv_blocks = match args.kv_blocks {
         Some(b) => b,
         None => default_kv_blocks(&args.spec, args.seed, args.block_size)?,
     };
-    Ok(Setup {
+    let setup = Setup {
         replicas,
         kv_blocks,
         block_size: args.block_size,
         time_scale: args.time_scale,
-        params: crate::timescale::tuned(args.time_scale, args.policy_params.as_ref())?,
+        policies: args.policy_params.as_ref().map_or(Ok(serde_yaml::Value::Null), serde_yaml::to_value)?,
         limits: Limits { max_concurrency: args.max_concurrency, max_pending: args.max_concurrency },
         seed: args.seed,
         model: args.spec.model.clone(),
-    })
+    };
+    // The router checks them as it checks a model's own `policies`: unknown keys and ranges.
+    let params = sim::config(&setup, PolicyKind::RoundRobin).params(0).map_err(|p| anyhow::anyhow!("--policy-params: {}", p.join("; ")))?;
+    let problems = params.validate("--policy-params");
+    anyhow::ensure!(problems.is_empty(), "{}", problems.join("; "));
+    Ok(setup)
 }
 
 /// Half the shared system prompts' blocks (a replica holds a third of them

@@ -128,14 +128,17 @@ impl KvEventPorts {
 }
 
 /// Inferrail's configuration for one policy over simulators on `sims`, each
-/// followed by its KV events when `kv_events` has its ports (exact mode).
+/// followed by its KV events when `kv_events` has its ports (exact mode),
+/// with the time scale's policy parameters and `overrides` laid over them as
+/// the model's own. Checked as the router will check it, so a bad override
+/// fails here rather than as a router that never starts.
 pub fn router_config(
     policy: &str,
     tokenizer: &str,
     seed: u64,
     ports: RouterPorts,
     sims: &[u16],
-    params: &inferrail_policy::Params,
+    (time_scale, overrides): (f64, Option<&serde_json::Value>),
     kv_events: Option<&[KvEventPorts]>,
 ) -> anyhow::Result<String> {
     let events = |i: usize| match kv_events.and_then(|e| e.get(i)) {
@@ -150,15 +153,21 @@ pub fn router_config(
         .map(|(i, p)| format!("  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]{}}}\n", i + 1, events(i)))
         .collect();
     let RouterPorts { ext_proc, admin, admin_grpc } = ports;
-    // JSON is YAML.
-    let policies = serde_json::to_string(params)?;
-    Ok(format!(
+    // JSON is YAML: the time scale's parameters, and the model's own over them.
+    let policies = serde_json::to_string(&crate::timescale::params(time_scale))?;
+    let own = match overrides {
+        Some(o) => format!(", policies: {}", serde_json::to_string(o)?),
+        None => String::new(),
+    };
+    let yaml = format!(
         "server: {{listen: 127.0.0.1:{ext_proc}}}\n\
          admin: {{listen: 127.0.0.1:{admin}, grpc_listen: 127.0.0.1:{admin_grpc}}}\n\
          routing: {{seed: {seed}, policies: {policies}}}\n\
-         models:\n  - {{name: inferrail/sim-8b, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}}}\n\
+         models:\n  - {{name: inferrail/sim-8b, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}{own}}}\n\
          replicas:\n{replicas}"
-    ))
+    );
+    inferrail_config::Config::parse(&yaml).map_err(|e| anyhow::anyhow!("the router's config: {e}"))?;
+    Ok(yaml)
 }
 
 /// The arguments of `python` for SGLang's router with `policy` on `port`
@@ -192,20 +201,40 @@ mod tests {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let events = [KvEventPorts { publish: 7001, replay: 7101 }, KvEventPorts { publish: 7002, replay: 7102 }];
         let params = crate::timescale::params(0.1);
-        let yaml = router_config("cost_model", "builtin:sim", 1, ports, &[8001, 8002], &params, Some(&events))?;
+        let yaml = router_config("cost_model", "builtin:sim", 1, ports, &[8001, 8002], (0.1, None), Some(&events))?;
         let config = inferrail_config::Config::parse(&yaml)?;
         let ip = "127.0.0.1".parse()?;
         let second = config.event_source("sim-2", ip).expect("sim-2 follows events");
         assert_eq!((second.endpoint.as_str(), second.bind), ("tcp://127.0.0.1:7002", false), "the router connects");
         assert_eq!(second.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:7102"));
         assert_eq!(config.routing.policies, params);
-        let plain = inferrail_config::Config::parse(&router_config("cost_model", "builtin:sim", 1, ports, &[8001], &params, None)?)?;
+        let plain = inferrail_config::Config::parse(&router_config("cost_model", "builtin:sim", 1, ports, &[8001], (0.1, None), None)?)?;
         assert_eq!(plain.event_source("sim-1", ip), None, "no events: approximate mode");
         // The simulator binds what the router connects to, as vLLM does for `*`.
         let [flag, json] = events[1].sim_flags();
         let json: serde_json::Value = serde_json::from_str(&json)?;
         assert_eq!(flag, "--kv-events-config");
         assert_eq!((json["endpoint"].as_str(), json["replay_endpoint"].as_str()), (Some("tcp://*:7002"), Some("tcp://*:7102")));
+        Ok(())
+    }
+
+    #[test]
+    fn policy_overrides_change_only_what_they_name_and_bad_ones_fail_before_the_router_starts() -> anyhow::Result<()> {
+        let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
+        let with = |over: &str| -> anyhow::Result<String> {
+            let over = crate::timescale::parse_overrides(over).map_err(anyhow::Error::msg)?;
+            router_config("cost_model", "builtin:sim", 1, ports, &[8001], (0.1, Some(&over)), None)
+        };
+        let config = inferrail_config::Config::parse(&with(r#"{"cost_model": {"share_weight": 0, "hot_prefix": {"enabled": false}}}"#)?)?;
+        let (base, p) = (crate::timescale::params(0.1), config.params(0).map_err(|e| anyhow::anyhow!(e.join("; ")))?);
+        assert_eq!(p.cost_model.share_weight, 0.0);
+        assert!(!p.cost_model.hot_prefix.enabled);
+        assert_eq!(p.cost_model.hot_prefix.blocks, base.cost_model.hot_prefix.blocks, "its siblings kept");
+        assert_eq!(p.cost_model.decode_interference_ms, base.cost_model.decode_interference_ms, "the time scale's kept");
+        assert_eq!(p.prefill, base.prefill);
+        assert!(with(r#"{"cost_model": {"kappa": 2}}"#).is_err(), "kappa above 1");
+        assert!(with(r#"{"cost_model": {"share_wieght": 0}}"#).is_err(), "an unknown key");
+        assert!(crate::timescale::parse_overrides("[1]").is_err());
         Ok(())
     }
 }

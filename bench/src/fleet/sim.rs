@@ -53,8 +53,8 @@ pub struct Setup {
     /// The engines' latency model is the simulator's default times this
     /// ([`crate::timescale`]); the router's costs are set to match.
     pub time_scale: f64,
-    /// The router's policy parameters (the time scale's, unless tuned).
-    pub params: inferrail_policy::Params,
+    /// The model's own policy parameters over the time scale's (`--policy-params`; null: none).
+    pub policies: serde_yaml::Value,
     /// Each replica's limits as the router holds them.
     pub limits: Limits,
     /// The router's seed.
@@ -194,10 +194,16 @@ pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item 
 pub fn config(setup: &Setup, policy: PolicyKind) -> Config {
     let mut config = Config::default();
     config.routing.seed = setup.seed;
-    config.routing.policies = setup.params.clone();
+    config.routing.policies = timescale::params(setup.time_scale);
     config.kv.block_size = setup.block_size;
     config.kv.blocks = setup.kv_blocks;
-    config.models = vec![Model { name: setup.model.clone(), policy, tokenizer: Some("builtin:sim".into()), ..Model::default() }];
+    config.models = vec![Model {
+        name: setup.model.clone(),
+        policy,
+        tokenizer: Some("builtin:sim".into()),
+        policies: setup.policies.clone(),
+        ..Model::default()
+    }];
     config
 }
 

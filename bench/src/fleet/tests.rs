@@ -28,7 +28,7 @@ fn setup(spec: &Spec, replicas: usize) -> Setup {
         kv_blocks: default_kv_blocks(spec, 1, 16).expect("kv blocks"),
         block_size: 16,
         time_scale: 1.0,
-        params: crate::timescale::params(1.0),
+        policies: serde_yaml::Value::Null,
         limits: Limits::default(),
         seed: 1,
         model: spec.model.clone(),
@@ -126,4 +126,21 @@ fn capacity_search_ends_and_grows_with_the_fleet() {
     })
     .expect("replicas");
     assert!(needed.is_some_and(|n| n <= 2), "{needed:?}");
+}
+
+#[test]
+fn policy_params_reach_the_routers_config_and_bad_ones_are_refused() -> anyhow::Result<()> {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        fleet: crate::fleet::FleetArgs,
+    }
+    let args = |over: &str| <Cli as clap::Parser>::try_parse_from(["fleet", "--kv-blocks", "64", "--policy-params", over]).map(|c| c.fleet);
+    let s = crate::fleet::setup(&args(r#"{"cost_model": {"share_weight": 0.5}}"#)?, 3)?;
+    let params = sim::config(&s, PolicyKind::CostModel).params(0).map_err(|e| anyhow::anyhow!(e.join("; ")))?;
+    assert_eq!(params.cost_model.share_weight, 0.5);
+    assert_eq!(params.prefill, crate::timescale::params(1.0).prefill, "the time scale's kept");
+    assert!(crate::fleet::setup(&args(r#"{"cost_model": {"kappa": 2}}"#)?, 3).is_err(), "kappa above 1");
+    assert!(crate::fleet::setup(&args(r#"{"cost_model": {"share_wieght": 0}}"#)?, 3).is_err(), "an unknown key");
+    Ok(())
 }

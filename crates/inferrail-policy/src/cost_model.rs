@@ -22,9 +22,10 @@
 //!   the least loaded always qualifies);
 //! - KV pressure: never a replica whose engine reports more than `kappa` of
 //!   its KV cache in use, for a prompt with more than `short_prompt_tokens`
-//!   to compute there and at least as many as on some replica below `kappa`, unless
-//!   every remaining replica is in that state. Pressure never turns a hit
-//!   into a miss: the miss would take more KV room elsewhere.
+//!   to compute there and at least as many as on some replica below
+//!   `kappa`, unless every remaining replica is in that state. Pressure
+//!   never turns a hit into a miss: the miss would take more KV room
+//!   elsewhere.
 //!
 //! Hot prefixes: the requests for each root prefix (its first
 //! `hot_prefix.blocks` blocks) and for all of them are counted in a decaying
@@ -213,11 +214,13 @@ impl RoutingPolicy for CostModel {
             }
         }
         let prompt = req.prompt_tokens?;
-        let long = |x: &Candidate| prompt.saturating_sub(x.cached_tokens) > self.config.short_prompt_tokens;
+        // Tokens the prompt would compute on a replica.
+        let new = |x: &Candidate| prompt.saturating_sub(x.cached_tokens);
+        let long = |x: &Candidate| new(x) > self.config.short_prompt_tokens;
         let full = |x: &Candidate| x.engine.filter(|e| e.kv_usage > self.config.kappa);
         let remaining = || c.iter().zip(aside.iter()).filter(|(_, a)| a.is_none()).map(|(x, _)| x);
         // Below kappa somewhere: the fewest tokens such a replica computes.
-        let Some(fewest) = remaining().filter(|x| full(x).is_none()).map(|x| prompt.saturating_sub(x.cached_tokens)).min() else {
+        let Some(fewest) = remaining().filter(|x| full(x).is_none()).map(new).min() else {
             return remaining().any(&long).then_some("kv_waived");
         };
         // Pressure never turns a hit into a miss: a full replica that would
@@ -227,7 +230,7 @@ impl RoutingPolicy for CostModel {
         for (x, a) in c.iter().zip(aside.iter_mut()) {
             if a.is_none()
                 && long(x)
-                && prompt.saturating_sub(x.cached_tokens) >= fewest
+                && new(x) >= fewest
                 && let Some(e) = full(x)
             {
                 *a = Some(SetAside::KvPressure { usage: e.kv_usage });
