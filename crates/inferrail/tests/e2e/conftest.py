@@ -198,6 +198,11 @@ class Fleet:
         text = http("GET", f"http://127.0.0.1:{self.envoy_admin}/stats?filter=ext_proc").body.decode()
         return sum(int(line.split(": ")[1]) for line in text.splitlines() if line.split(": ")[0].endswith("." + name))
 
+    def replicas_stat(self, name):
+        """A counter of Envoy's replica cluster (`upstream_rq_retry`, ...)."""
+        text = http("GET", f"http://127.0.0.1:{self.envoy_admin}/stats?filter=^cluster\\.replicas\\.").body.decode()
+        return sum(int(line.split(": ")[1]) for line in text.splitlines() if line.split(": ")[0] == f"cluster.replicas.{name}")
+
     def sim_url(self, i):
         return f"http://127.0.0.1:{self.sim_ports[i]}"
 

@@ -78,6 +78,9 @@ def test_a_killed_replica_costs_no_request_sent_after_the_kill(fleet_factory):
         w.join()
     after = [s for t, s in results if t > killed_at]
     assert after and all(s == 200 for s in after), [s for s in after if s != 200][:5]
+    # The fault fired: requests reached the dead engine and Envoy retried them elsewhere, none refused a retry.
+    assert fleet.replicas_stat("upstream_rq_retry_success") > 0
+    assert fleet.replicas_stat("upstream_rq_retry_overflow") == 0
     # It is back in rotation.
     assert any(fleet.chat().headers["x-inferrail-replica"] == "sim-2" for _ in range(6))
 
