@@ -21,11 +21,13 @@
 //!   over the `n` offered replicas (consistent hashing with bounded loads;
 //!   the least loaded always qualifies);
 //! - KV pressure: never a replica whose engine reports more than `kappa` of
-//!   its KV cache in use, for a prompt with more than `short_prompt_tokens`
-//!   to compute there and at least as many as on some replica below
-//!   `kappa`, unless every remaining replica is in that state. Pressure
-//!   never turns a hit into a miss: the miss would take more KV room
-//!   elsewhere.
+//!   its KV cache in use, or fewer free tokens than the prompt would compute
+//!   there (it would wait for running requests to finish before it starts,
+//!   and hold up every request queued behind it), for a prompt with more
+//!   than `short_prompt_tokens` to compute there and at least as many as on
+//!   some replica not under pressure, unless every remaining replica is in
+//!   that state. Pressure never turns a hit into a miss: the miss would take
+//!   more KV room elsewhere.
 //!
 //! Hot prefixes: the requests for each root prefix (its first
 //! `hot_prefix.blocks` blocks) and for all of them are counted in a decaying
@@ -217,9 +219,16 @@ impl RoutingPolicy for CostModel {
         // Tokens the prompt would compute on a replica.
         let new = |x: &Candidate| prompt.saturating_sub(x.cached_tokens);
         let long = |x: &Candidate| new(x) > self.config.short_prompt_tokens;
-        let full = |x: &Candidate| x.engine.filter(|e| e.kv_usage > self.config.kappa);
+        // Above kappa, or without free room for what it would compute (it would wait for running requests to finish).
+        let full = |x: &Candidate| {
+            let e = x.engine?;
+            if e.kv_usage > self.config.kappa {
+                return Some(SetAside::KvPressure { usage: e.kv_usage });
+            }
+            x.free_kv_tokens().filter(|&free| new(x) as u64 > free).map(|free| SetAside::KvRoom { free_tokens: free })
+        };
         let remaining = || c.iter().zip(aside.iter()).filter(|(_, a)| a.is_none()).map(|(x, _)| x);
-        // Below kappa somewhere: the fewest tokens such a replica computes.
+        // Not under pressure somewhere: the fewest tokens such a replica computes.
         let Some(fewest) = remaining().filter(|x| full(x).is_none()).map(new).min() else {
             return remaining().any(&long).then_some("kv_waived");
         };
@@ -231,9 +240,9 @@ impl RoutingPolicy for CostModel {
             if a.is_none()
                 && long(x)
                 && new(x) >= fewest
-                && let Some(e) = full(x)
+                && let Some(why) = full(x)
             {
-                *a = Some(SetAside::KvPressure { usage: e.kv_usage });
+                *a = Some(why);
             }
         }
         None

@@ -56,6 +56,8 @@ pub struct Candidate {
     pub queued_prefill_secs: f64,
     /// Prompt tokens of the requests in flight there.
     pub prompt_tokens_in_flight: u64,
+    /// Tokens its KV cache holds, configured or from the engine (0 when unknown).
+    pub kv_capacity_tokens: u64,
     /// The engine's own last report, only while it is fresh.
     pub engine: Option<EngineReport>,
 }
@@ -70,6 +72,13 @@ impl Candidate {
     /// else the router's requests past their first byte.
     pub fn running(&self) -> u32 {
         self.engine.as_ref().map_or(self.in_flight.saturating_sub(self.pending), |e| e.running)
+    }
+
+    /// KV tokens no running request holds, by the engine's fresh report
+    /// and the cache's known size; `None` when either is unknown.
+    pub fn free_kv_tokens(&self) -> Option<u64> {
+        let e = self.engine.as_ref().filter(|_| self.kv_capacity_tokens > 0)?;
+        Some(((1.0 - e.kv_usage).clamp(0.0, 1.0) * self.kv_capacity_tokens as f64) as u64)
     }
 }
 
@@ -135,6 +144,11 @@ pub enum SetAside {
         /// The reported usage.
         usage: f64,
     },
+    /// Its engine has fewer free KV tokens than the prompt, long and uncached there, would compute.
+    KvRoom {
+        /// Free tokens by the engine's report.
+        free_tokens: u64,
+    },
 }
 
 impl SetAside {
@@ -145,6 +159,7 @@ impl SetAside {
             Self::Full => "full",
             Self::BoundedLoad { .. } => "bounded_load",
             Self::KvPressure { .. } => "kv_pressure",
+            Self::KvRoom { .. } => "kv_room",
         }
     }
 }
@@ -444,6 +459,7 @@ pub(crate) mod testing {
             cached_tokens: 0,
             queued_prefill_secs: 0.0,
             prompt_tokens_in_flight: 0,
+            kv_capacity_tokens: 0,
             engine: None,
         }
     }

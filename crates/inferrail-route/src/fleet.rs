@@ -201,6 +201,7 @@ impl Replica {
             cached_tokens,
             queued_prefill_secs: self.queued_prefill().as_secs_f64(),
             prompt_tokens_in_flight: self.prompt_tokens(),
+            kv_capacity_tokens: (self.blocks(0) * self.block_size(0)) as u64,
             engine,
         }
     }
@@ -388,6 +389,14 @@ mod tests {
     fn counts(r: &Replica) -> (u32, u32, u64) {
         let c = r.candidate(Duration::ZERO, 0, None);
         (c.in_flight, c.pending, r.prompt_tokens())
+    }
+
+    #[test]
+    fn a_candidate_knows_its_kv_cache_size_once_the_engine_reported_it() {
+        let r = replica(vec![0]);
+        assert_eq!(r.candidate(Duration::ZERO, 0, None).kv_capacity_tokens, 0, "unknown until reported");
+        r.learn_cache(16, 1_100);
+        assert_eq!(r.candidate(Duration::ZERO, 0, None).kv_capacity_tokens, 17_600);
     }
 
     #[test]

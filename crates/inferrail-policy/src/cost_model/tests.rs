@@ -53,6 +53,34 @@ fn kv_pressure_sets_aside_a_full_cache_for_long_uncached_prompts_unless_every_re
 }
 
 #[test]
+fn kv_pressure_sets_aside_a_replica_without_room_for_what_the_prompt_computes_there() {
+    let p = policy(Config::default());
+    // 8,000 prompt tokens; both caches hold 14,000 tokens and are half in use
+    // (7,000 free), far below kappa.
+    let req = Request { prompt_tokens: Some(8_000), ..Request::default() };
+    let half = Some(EngineReport { running: 1, waiting: 0, kv_usage: 0.5 });
+    let mut c = fleet(&[1, 1]);
+    for x in &mut c {
+        (x.engine, x.kv_capacity_tokens) = (half, 14_000);
+    }
+    c[1].engine = Some(EngineReport { running: 0, waiting: 0, kv_usage: 0.0 });
+    let mut aside = vec![None; 2];
+    assert_eq!(p.guard(&req, &c, &mut aside), None);
+    assert_eq!(aside, [Some(SetAside::KvRoom { free_tokens: 7_000 }), None], "8,000 new tokens do not fit in 7,000 free");
+    // It fits once 1,500 of it is cached there: 6,500 new tokens.
+    c[0].cached_tokens = 1_500;
+    let mut aside = vec![None; 2];
+    p.guard(&req, &c, &mut aside);
+    assert_eq!(aside, [None, None]);
+    // Without the cache's size the engine's usage says nothing of room.
+    c[0].cached_tokens = 0;
+    c[0].kv_capacity_tokens = 0;
+    let mut aside = vec![None; 2];
+    p.guard(&req, &c, &mut aside);
+    assert_eq!(aside, [None, None]);
+}
+
+#[test]
 fn kv_pressure_never_turns_a_hit_into_a_miss() {
     let p = policy(Config::default());
     let full = Some(EngineReport { running: 9, waiting: 2, kv_usage: 0.97 });
