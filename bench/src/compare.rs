@@ -174,18 +174,20 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
         None => {
             let config = logs.join("inferrail.yaml");
             let ports = processes::RouterPorts { ext_proc: EXT_PROC, admin: ADMIN, admin_grpc: ADMIN_GRPC };
-            std::fs::write(
-                &config,
-                processes::router_config(
-                    contender,
-                    &args.tokenizer,
-                    seed,
-                    ports,
-                    &SIMS,
-                    (args.time_scale, args.policy_params.as_ref()),
-                    args.kv_events.then_some(&KV_EVENTS[..]),
-                )?,
+            let yaml = processes::router_config(
+                contender,
+                &args.tokenizer,
+                seed,
+                ports,
+                &SIMS,
+                (args.time_scale, args.policy_params.as_ref()),
+                args.kv_events.then_some(&KV_EVENTS[..]),
             )?;
+            // Every decision, beside the run's other logs, to say afterwards why a request went where it did.
+            let decisions = logs.join("decisions.jsonl");
+            let _ = std::fs::remove_file(&decisions);
+            let log = format!("observability: {{decision_log: {{path: '{}', sample_rate: 1.0}}}}\n", decisions.display());
+            std::fs::write(&config, yaml + &log)?;
             fleet.spawn("inferrail", logs, &args.programs.bin_dir.join("inferrail"), &["--config".into(), config.display().to_string()])?;
             let envoy = logs.join("envoy.yaml");
             let moves = [(8080, ENTRY), (9901, ENVOY_ADMIN), (9002, EXT_PROC), (8001, SIMS[0]), (8002, SIMS[1]), (8003, SIMS[2])];

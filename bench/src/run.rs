@@ -73,9 +73,12 @@ pub struct Measured {
     /// The measured requests with the longest time to first token, slowest
     /// first: which replica, prompt and prediction make the tail.
     pub slowest: Vec<Slow>,
+    /// The first measured requests whose predicted cached tokens were not
+    /// the engine's, in scheduled order: where the KV index was wrong.
+    pub mispredicted: Vec<Slow>,
 }
 
-/// One request of the tail.
+/// One request as a result lists it.
 #[derive(Debug, Serialize)]
 pub struct Slow {
     /// Scheduled send, seconds from the start of the run.
@@ -94,7 +97,7 @@ pub struct Slow {
     pub shared_prefix_tokens: usize,
 }
 
-/// Requests of the tail kept in a result.
+/// Requests of the tail, and mispredicted ones, kept in a result.
 const SLOWEST: usize = 10;
 
 /// An HTTP client for open-loop runs.
@@ -132,7 +135,8 @@ pub async fn measure(
     let engines = after.filter(|_| !engine_urls.is_empty()).map(|after| engines::over_run(engine_urls, &before, &after));
     let ttft_ms = measured(&outcomes, warmup).filter_map(|o| o.ttft).map(|t| t.as_secs_f64() * 1e3).collect();
     let slowest = slowest(&outcomes, warmup);
-    Ok(Measured { sent: requests.len(), summary, prefix_all, engines, ttft_ms, slowest })
+    let mispredicted = mispredicted(&outcomes, warmup);
+    Ok(Measured { sent: requests.len(), summary, prefix_all, engines, ttft_ms, slowest, mispredicted })
 }
 
 #[derive(Debug, Serialize)]
@@ -243,18 +247,25 @@ fn measured(outcomes: &[harness::Outcome], warmup: Duration) -> impl Iterator<It
 fn slowest(outcomes: &[harness::Outcome], warmup: Duration) -> Vec<Slow> {
     let mut tail: Vec<&harness::Outcome> = measured(outcomes, warmup).filter(|o| o.ttft.is_some()).collect();
     tail.sort_by_key(|o| std::cmp::Reverse(o.ttft));
-    tail.into_iter()
-        .take(SLOWEST)
-        .map(|o| Slow {
-            at_s: o.at.as_secs_f64(),
-            ttft_ms: o.ttft.unwrap_or_default().as_secs_f64() * 1e3,
-            replica: o.replica.clone(),
-            prompt_tokens: o.prompt_tokens,
-            cached_tokens: o.cached_tokens,
-            predicted_cached_tokens: o.predicted_cached_tokens,
-            shared_prefix_tokens: o.shared_prefix_tokens,
-        })
-        .collect()
+    tail.into_iter().take(SLOWEST).map(listed).collect()
+}
+
+/// The first measured requests whose prediction and usage both came and differ.
+fn mispredicted(outcomes: &[harness::Outcome], warmup: Duration) -> Vec<Slow> {
+    let wrong = |o: &&harness::Outcome| matches!((o.predicted_cached_tokens, o.cached_tokens), (Some(p), Some(c)) if p != c);
+    measured(outcomes, warmup).filter(wrong).take(SLOWEST).map(listed).collect()
+}
+
+fn listed(o: &harness::Outcome) -> Slow {
+    Slow {
+        at_s: o.at.as_secs_f64(),
+        ttft_ms: o.ttft.unwrap_or_default().as_secs_f64() * 1e3,
+        replica: o.replica.clone(),
+        prompt_tokens: o.prompt_tokens,
+        cached_tokens: o.cached_tokens,
+        predicted_cached_tokens: o.predicted_cached_tokens,
+        shared_prefix_tokens: o.shared_prefix_tokens,
+    }
 }
 
 #[cfg(test)]
@@ -284,5 +295,25 @@ mod tests {
             "the warmup's and the failed request's 5 s and 4 s are left out"
         );
         assert_eq!(tail[0].replica.as_deref(), Some("r29"));
+    }
+
+    #[test]
+    fn mispredicted_requests_are_those_whose_prediction_and_usage_differ() {
+        let ms = Duration::from_millis;
+        let at = |i: u64, predicted: Option<u64>, cached: Option<u64>| harness::Outcome {
+            at: ms(i * 100),
+            predicted_cached_tokens: predicted,
+            cached_tokens: cached,
+            ..Default::default()
+        };
+        let outcomes = vec![
+            at(1, Some(32), Some(16)),
+            at(3, Some(32), Some(32)),
+            at(4, Some(32), None),
+            at(5, Some(0), Some(16)),
+            at(6, None, Some(16)),
+        ];
+        let wrong: Vec<f64> = mispredicted(&outcomes, ms(200)).iter().map(|s| s.at_s).collect();
+        assert_eq!(wrong, [0.5], "the warmup's, the exact one and those missing a side are left out");
     }
 }

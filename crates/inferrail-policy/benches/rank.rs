@@ -21,6 +21,7 @@ fn fleet(n: usize) -> Vec<Candidate> {
             queued_prefill_secs: (i % 5) as f64 * 0.1,
             prompt_tokens_in_flight: (i * 311 % 5_000) as u64,
             kv_capacity_tokens: 0,
+            unreported_kv_tokens: 0,
             engine: None,
         })
         .collect()

@@ -58,6 +58,10 @@ pub struct Candidate {
     pub prompt_tokens_in_flight: u64,
     /// Tokens its KV cache holds, configured or from the engine (0 when unknown).
     pub kv_capacity_tokens: u64,
+    /// KV tokens the requests sent to it after the engine's report was read
+    /// will take (their prompts less their predicted cached tokens): room
+    /// that the report still counts as free.
+    pub unreported_kv_tokens: u64,
     /// The engine's own last report, only while it is fresh.
     pub engine: Option<EngineReport>,
 }
@@ -74,11 +78,13 @@ impl Candidate {
         self.engine.as_ref().map_or(self.in_flight.saturating_sub(self.pending), |e| e.running)
     }
 
-    /// KV tokens no running request holds, by the engine's fresh report
-    /// and the cache's known size; `None` when either is unknown.
+    /// KV tokens no running request holds, by the engine's fresh report and
+    /// the cache's known size, less what the requests sent since that report
+    /// will take; `None` when the report or the size is unknown.
     pub fn free_kv_tokens(&self) -> Option<u64> {
         let e = self.engine.as_ref().filter(|_| self.kv_capacity_tokens > 0)?;
-        Some(((1.0 - e.kv_usage).clamp(0.0, 1.0) * self.kv_capacity_tokens as f64) as u64)
+        let reported = ((1.0 - e.kv_usage).clamp(0.0, 1.0) * self.kv_capacity_tokens as f64) as u64;
+        Some(reported.saturating_sub(self.unreported_kv_tokens))
     }
 }
 
@@ -460,6 +466,7 @@ pub(crate) mod testing {
             queued_prefill_secs: 0.0,
             prompt_tokens_in_flight: 0,
             kv_capacity_tokens: 0,
+            unreported_kv_tokens: 0,
             engine: None,
         }
     }

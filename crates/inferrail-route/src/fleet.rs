@@ -5,6 +5,7 @@
 //! first byte), and health (active probes plus passive ejection with
 //! doubling backoff). Times are on the router's clock, passed in.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,9 +14,10 @@ use std::time::{Duration, Instant};
 use inferrail_config::{CacheShape, Health as HealthConfig, Limits};
 use inferrail_kv::index::Slot;
 use inferrail_kv::mode::{Mode, Reason};
-use inferrail_policy::{Candidate, EngineReport};
+use inferrail_policy::Candidate;
 
 use crate::kv::{Prediction, Record};
+use crate::{FRESH, Report};
 
 /// One replica and its live state.
 #[derive(Debug)]
@@ -47,6 +49,9 @@ pub struct Replica {
     prompt_tokens: AtomicU64,
     /// Estimated prefill of the requests still waiting for their first byte, microseconds.
     pending_prefill_us: AtomicU64,
+    /// KV tokens each request sent lately will take, by decision time, as
+    /// long as a fresh engine report may predate it.
+    sent_kv: Mutex<VecDeque<(Duration, u64)>>,
     probe_ok: AtomicBool,
     failures: AtomicU32,
     ejections: AtomicU32,
@@ -116,6 +121,7 @@ impl Replica {
             pending: AtomicU32::new(0),
             prompt_tokens: AtomicU64::new(0),
             pending_prefill_us: AtomicU64::new(0),
+            sent_kv: Mutex::new(VecDeque::new()),
             probe_ok: AtomicBool::new(true),
             failures: AtomicU32::new(0),
             ejections: AtomicU32::new(0),
@@ -188,9 +194,24 @@ impl Replica {
         Duration::from_micros(self.pending_prefill_us.load(Ordering::Relaxed))
     }
 
+    /// A request decided at `at` was sent to it and will take `tokens` of its
+    /// KV cache (its prompt less what is cached there).
+    pub fn sent_kv(&self, at: Duration, tokens: u64) {
+        let mut sent = self.sent_kv.lock().unwrap_or_else(|p| p.into_inner());
+        while sent.front().is_some_and(|&(t, _)| t + FRESH < at) {
+            sent.pop_front();
+        }
+        sent.push_back((at, tokens));
+    }
+
+    /// KV tokens of the requests sent to it after `since`.
+    fn sent_kv_since(&self, since: Duration) -> u64 {
+        self.sent_kv.lock().unwrap_or_else(|p| p.into_inner()).iter().filter(|&&(t, _)| t > since).map(|&(_, n)| n).sum()
+    }
+
     /// What a policy sees of it at `now`, with the prompt's predicted cached
     /// tokens there and the engine's report when it is fresh.
-    pub fn candidate(&self, now: Duration, cached_tokens: usize, engine: Option<EngineReport>) -> Candidate {
+    pub fn candidate(&self, now: Duration, cached_tokens: usize, engine: Option<Report>) -> Candidate {
         Candidate {
             key: self.key,
             in_flight: self.in_flight.load(Ordering::Relaxed),
@@ -202,7 +223,8 @@ impl Replica {
             queued_prefill_secs: self.queued_prefill().as_secs_f64(),
             prompt_tokens_in_flight: self.prompt_tokens(),
             kv_capacity_tokens: (self.blocks(0) * self.block_size(0)) as u64,
-            engine,
+            unreported_kv_tokens: engine.map_or(0, |e| self.sent_kv_since(e.at)),
+            engine: engine.map(|e| e.load),
         }
     }
 
@@ -389,6 +411,22 @@ mod tests {
     fn counts(r: &Replica) -> (u32, u32, u64) {
         let c = r.candidate(Duration::ZERO, 0, None);
         (c.in_flight, c.pending, r.prompt_tokens())
+    }
+
+    #[test]
+    fn a_candidate_counts_the_kv_tokens_sent_after_its_engine_report() {
+        let r = replica(vec![0]);
+        let ms = Duration::from_millis;
+        let report = |at| Some(Report { at, load: inferrail_policy::EngineReport { running: 0, waiting: 0, kv_usage: 0.0 } });
+        r.sent_kv(ms(1_000), 300);
+        r.sent_kv(ms(1_050), 200);
+        assert_eq!(r.candidate(ms(1_060), 0, report(ms(1_000))).unreported_kv_tokens, 200, "the first was sent before the report");
+        assert_eq!(r.candidate(ms(1_060), 0, report(ms(900))).unreported_kv_tokens, 500);
+        assert_eq!(r.candidate(ms(1_060), 0, None).unreported_kv_tokens, 0, "no report, nothing to correct");
+        // Sends older than any fresh report are let go.
+        r.sent_kv(ms(1_000) + FRESH + ms(20), 7);
+        assert_eq!(r.sent_kv.lock().unwrap().len(), 2, "the send at 1,000 ms can predate no fresh report");
+        assert_eq!(r.candidate(ms(1_400), 0, report(ms(1_200))).unreported_kv_tokens, 7);
     }
 
     #[test]

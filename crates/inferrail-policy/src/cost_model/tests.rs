@@ -72,6 +72,14 @@ fn kv_pressure_sets_aside_a_replica_without_room_for_what_the_prompt_computes_th
     let mut aside = vec![None; 2];
     p.guard(&req, &c, &mut aside);
     assert_eq!(aside, [None, None]);
+    // Unless a request sent after the engine's report takes 1,000 of the
+    // room (and the other replica holds as much of the prompt).
+    c[0].unreported_kv_tokens = 1_000;
+    c[1].cached_tokens = 1_500;
+    let mut aside = vec![None; 2];
+    p.guard(&req, &c, &mut aside);
+    assert_eq!(aside, [Some(SetAside::KvRoom { free_tokens: 6_000 }), None], "6,500 new tokens do not fit in 7,000 - 1,000");
+    (c[0].unreported_kv_tokens, c[1].cached_tokens) = (0, 0);
     // Without the cache's size the engine's usage says nothing of room.
     c[0].cached_tokens = 0;
     c[0].kv_capacity_tokens = 0;
