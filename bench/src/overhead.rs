@@ -110,6 +110,9 @@ struct RungResult {
     /// Measured requests that were answered, and those that failed.
     ok: usize,
     errors: usize,
+    /// The failures by kind.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    failures: BTreeMap<String, usize>,
     /// Open loop: scheduled send to the last byte. Long prompts: send to the first byte.
     latency: Latency,
     /// Open loop only: how late requests left.
@@ -219,6 +222,7 @@ fn results(rungs: &[Rung], accs: Vec<Acc>, open_loop: bool) -> Vec<RungResult> {
                 rung,
                 ok: s.latency.len(),
                 errors: s.errors,
+                failures: s.failures.clone(),
                 latency: report::latency(s.latency),
                 send_lag: open_loop.then(|| report::latency(s.lag)),
                 added_p50_ms: 0.0,
@@ -371,8 +375,17 @@ async fn long_prompt(args: &OverheadArgs, pids: &[(Role, u32)], http: &reqwest::
         let rungs = results(&args.rungs, accs, false);
         for r in &rungs {
             eprintln!(
-                "{clients} clients, {} KB prompts, {:?}: TTFT mean {:.1} ms (+{:.1}), p99 {:.1} ms (+{:.1}), {} ok, {} errors, {} named",
-                args.long_prompt_kb, r.rung, r.latency.mean_ms, r.added_mean_ms, r.latency.p99_ms, r.added_p99_ms, r.ok, r.errors, r.named
+                "{clients} clients, {} KB prompts, {:?}: TTFT mean {:.1} ms (+{:.1}), p99 {:.1} ms (+{:.1}), {} ok, {} errors {:?}, {} named",
+                args.long_prompt_kb,
+                r.rung,
+                r.latency.mean_ms,
+                r.added_mean_ms,
+                r.latency.p99_ms,
+                r.added_p99_ms,
+                r.ok,
+                r.errors,
+                r.failures,
+                r.named
             );
         }
         levels.push(LongLevel { clients, rungs });

@@ -3,6 +3,7 @@
 //! scheduled time) and closed loop (each of N clients sends its next
 //! request when the last one's answer is over; TTFT counts from the send).
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use futures_util::StreamExt;
@@ -22,6 +23,8 @@ pub struct Sample {
     pub lag: Vec<Duration>,
     /// Measured requests that failed or were not 2xx.
     pub errors: usize,
+    /// Those failures by kind (`status 503`, `send`, `body`).
+    pub failures: BTreeMap<String, usize>,
     /// Every request sent, warmup included: what the CPU time is divided by.
     pub sent: usize,
     /// Measured requests answered with a replica named by inferrail.
@@ -31,11 +34,20 @@ pub struct Sample {
 }
 
 impl Sample {
+    /// A measured request failed for `kind`.
+    fn fail(&mut self, kind: String) {
+        self.errors += 1;
+        *self.failures.entry(kind).or_default() += 1;
+    }
+
     /// Adds `other`'s requests to these.
     pub fn merge(&mut self, other: Sample) {
         self.latency.extend(other.latency);
         self.lag.extend(other.lag);
         self.prompt_tokens.extend(other.prompt_tokens);
+        for (kind, n) in other.failures {
+            *self.failures.entry(kind).or_default() += n;
+        }
         (self.errors, self.sent, self.named) = (self.errors + other.errors, self.sent + other.sent, self.named + other.named);
     }
 }
@@ -77,9 +89,10 @@ pub async fn open_loop(
                     Ok(r) if r.status().is_success() => {
                         let mut headers = Sample::default();
                         read_headers(&r, &mut headers);
-                        r.bytes().await.ok().map(|_| headers)
+                        r.bytes().await.map(|_| headers).map_err(|_| "body".to_string())
                     }
-                    _ => None,
+                    Ok(r) => Err(format!("status {}", r.status().as_u16())),
+                    Err(_) => Err("send".to_string()),
                 };
                 (offset >= warmup, answer, at.elapsed(), lag)
             })
@@ -92,13 +105,13 @@ pub async fn open_loop(
             continue;
         }
         match answer {
-            Some(headers) => {
+            Ok(headers) => {
                 out.latency.push(took);
                 out.lag.push(lag);
                 out.named += headers.named;
                 out.prompt_tokens.extend(headers.prompt_tokens);
             }
-            None => out.errors += 1,
+            Err(kind) => out.fail(kind),
         }
     }
     Ok(())
@@ -131,8 +144,8 @@ pub async fn closed_loop(
                     let sent = Instant::now();
                     sample.sent += 1;
                     match first_byte(request, &mut sample).await {
-                        Some(ttft) => sample.latency.push(ttft - sent),
-                        None => sample.errors += 1,
+                        Ok(ttft) => sample.latency.push(ttft - sent),
+                        Err(kind) => sample.fail(kind),
                     }
                 }
                 sample
@@ -146,20 +159,23 @@ pub async fn closed_loop(
 }
 
 /// Sends `request`, returns when its first body byte came, and reads the
-/// rest; `None` when it failed anywhere.
-async fn first_byte(request: reqwest::RequestBuilder, sample: &mut Sample) -> Option<Instant> {
-    let r = request.send().await.ok().filter(|r| r.status().is_success())?;
+/// rest; the kind of failure when it failed anywhere.
+async fn first_byte(request: reqwest::RequestBuilder, sample: &mut Sample) -> Result<Instant, String> {
+    let r = request.send().await.map_err(|_| "send".to_string())?;
+    if !r.status().is_success() {
+        return Err(format!("status {}", r.status().as_u16()));
+    }
     read_headers(&r, sample);
     let mut body = r.bytes_stream();
     let first = loop {
         match body.next().await {
             Some(Ok(chunk)) if chunk.is_empty() => continue,
             Some(Ok(_)) => break Instant::now(),
-            _ => return None,
+            _ => return Err("body".into()),
         }
     };
     while let Some(chunk) = body.next().await {
-        chunk.ok()?;
+        chunk.map_err(|_| "body".to_string())?;
     }
-    Some(first)
+    Ok(first)
 }
