@@ -221,7 +221,7 @@ fn results(rungs: &[Rung], accs: Vec<Acc>, open_loop: bool) -> Vec<RungResult> {
             RungResult {
                 rung,
                 ok: s.latency.len(),
-                errors: s.errors,
+                errors: s.errors(),
                 failures: s.failures.clone(),
                 latency: report::latency(s.latency),
                 send_lag: open_loop.then(|| report::latency(s.lag)),

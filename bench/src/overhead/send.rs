@@ -21,9 +21,7 @@ pub struct Sample {
     pub latency: Vec<Duration>,
     /// How late open-loop requests left against their schedule.
     pub lag: Vec<Duration>,
-    /// Measured requests that failed or were not 2xx.
-    pub errors: usize,
-    /// Those failures by kind (`status 503`, `send`, `body`).
+    /// Measured requests that failed or were not 2xx, by kind (`status 503`, `send timeout`, `body`).
     pub failures: BTreeMap<String, usize>,
     /// Every request sent, warmup included: what the CPU time is divided by.
     pub sent: usize,
@@ -36,8 +34,12 @@ pub struct Sample {
 impl Sample {
     /// A measured request failed for `kind`.
     fn fail(&mut self, kind: String) {
-        self.errors += 1;
         *self.failures.entry(kind).or_default() += 1;
+    }
+
+    /// Measured requests that failed.
+    pub fn errors(&self) -> usize {
+        self.failures.values().sum()
     }
 
     /// Adds `other`'s requests to these.
@@ -48,7 +50,19 @@ impl Sample {
         for (kind, n) in other.failures {
             *self.failures.entry(kind).or_default() += n;
         }
-        (self.errors, self.sent, self.named) = (self.errors + other.errors, self.sent + other.sent, self.named + other.named);
+        (self.sent, self.named) = (self.sent + other.sent, self.named + other.named);
+    }
+}
+
+/// A sent request's response when it is a 2xx, else the kind of failure:
+/// its status, or why it could not be sent (timed out, no connection).
+fn answered(sent: reqwest::Result<reqwest::Response>) -> Result<reqwest::Response, String> {
+    match sent {
+        Ok(r) if r.status().is_success() => Ok(r),
+        Ok(r) => Err(format!("status {}", r.status().as_u16())),
+        Err(e) if e.is_timeout() => Err("send timeout".into()),
+        Err(e) if e.is_connect() => Err("send connect".into()),
+        Err(_) => Err("send".into()),
     }
 }
 
@@ -85,15 +99,13 @@ pub async fn open_loop(
             tokio::spawn(async move {
                 tokio::time::sleep_until(at).await;
                 let lag = at.elapsed();
-                let answer = match request.send().await {
-                    Ok(r) if r.status().is_success() => {
-                        let mut headers = Sample::default();
-                        read_headers(&r, &mut headers);
-                        r.bytes().await.map(|_| headers).map_err(|_| "body".to_string())
-                    }
-                    Ok(r) => Err(format!("status {}", r.status().as_u16())),
-                    Err(_) => Err("send".to_string()),
-                };
+                let answer = async {
+                    let r = answered(request.send().await)?;
+                    let mut headers = Sample::default();
+                    read_headers(&r, &mut headers);
+                    r.bytes().await.map(|_| headers).map_err(|_| "body".to_string())
+                }
+                .await;
                 (offset >= warmup, answer, at.elapsed(), lag)
             })
         })
@@ -161,10 +173,7 @@ pub async fn closed_loop(
 /// Sends `request`, returns when its first body byte came, and reads the
 /// rest; the kind of failure when it failed anywhere.
 async fn first_byte(request: reqwest::RequestBuilder, sample: &mut Sample) -> Result<Instant, String> {
-    let r = request.send().await.map_err(|_| "send".to_string())?;
-    if !r.status().is_success() {
-        return Err(format!("status {}", r.status().as_u16()));
-    }
+    let r = answered(request.send().await)?;
     read_headers(&r, sample);
     let mut body = r.bytes_stream();
     let first = loop {
@@ -178,4 +187,46 @@ async fn first_byte(request: reqwest::RequestBuilder, sample: &mut Sample) -> Re
         chunk.map_err(|_| "body".to_string())?;
     }
     Ok(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A server answering every request 503, and a port with nothing behind it.
+    async fn failing() -> (String, String) {
+        let server = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let busy = format!("http://{}", server.local_addr().unwrap());
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = server.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = s.read(&mut buf).await;
+                    let _ = s.write_all(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").await;
+                });
+            }
+        });
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let dead = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        (busy, dead)
+    }
+
+    #[tokio::test]
+    async fn failures_are_counted_by_kind_and_merged() {
+        let (busy, dead) = failing().await;
+        let http = reqwest::Client::new();
+        let mut out = Sample::default();
+        let offsets = vec![Duration::ZERO; 4];
+        open_loop(&http, &[busy, dead], &vec![b"{}".to_vec(); 4], &offsets, Duration::ZERO, &mut out).await.unwrap();
+        let expected = BTreeMap::from([("send connect".to_string(), 2), ("status 503".to_string(), 2)]);
+        assert_eq!(out.failures, expected);
+        assert_eq!((out.errors(), out.latency.len(), out.sent), (4, 0, 4));
+        let mut all = Sample::default();
+        all.merge(out);
+        all.merge(Sample { failures: BTreeMap::from([("body".to_string(), 1)]), ..Sample::default() });
+        assert_eq!(all.errors(), 5);
+        assert_eq!(all.failures["status 503"], 2);
+    }
 }
