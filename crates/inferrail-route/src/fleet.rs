@@ -50,8 +50,9 @@ pub struct Replica {
     /// Estimated prefill of the requests still waiting for their first byte, microseconds.
     pending_prefill_us: AtomicU64,
     /// KV tokens each request sent lately will take, by decision time, as
-    /// long as a fresh engine report may predate it.
-    sent_kv: Mutex<VecDeque<(Duration, u64)>>,
+    /// long as a fresh engine report may predate it; zero once it is over
+    /// (the engine freed its blocks).
+    sent_kv: Mutex<VecDeque<(Duration, Arc<AtomicU64>)>>,
     probe_ok: AtomicBool,
     failures: AtomicU32,
     ejections: AtomicU32,
@@ -195,18 +196,27 @@ impl Replica {
     }
 
     /// A request decided at `at` was sent to it and will take `tokens` of its
-    /// KV cache (its prompt less what is cached there).
-    pub fn sent_kv(&self, at: Duration, tokens: u64) {
+    /// KV cache (its prompt less what is cached there) until the returned
+    /// count is zeroed, when it is over.
+    pub fn sent_kv(&self, at: Duration, tokens: u64) -> Arc<AtomicU64> {
         let mut sent = self.sent_kv.lock().unwrap_or_else(|p| p.into_inner());
-        while sent.front().is_some_and(|&(t, _)| t + FRESH < at) {
+        while sent.front().is_some_and(|(t, _)| *t + FRESH < at) {
             sent.pop_front();
         }
-        sent.push_back((at, tokens));
+        let held = Arc::new(AtomicU64::new(tokens));
+        sent.push_back((at, held.clone()));
+        held
     }
 
     /// KV tokens of the requests sent to it after `since`.
     fn sent_kv_since(&self, since: Duration) -> u64 {
-        self.sent_kv.lock().unwrap_or_else(|p| p.into_inner()).iter().filter(|&&(t, _)| t > since).map(|&(_, n)| n).sum()
+        self.sent_kv
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(t, _)| *t > since)
+            .map(|(_, n)| n.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// What a policy sees of it at `now`, with the prompt's predicted cached
@@ -287,6 +297,8 @@ pub struct Lease {
     status: AtomicU32,
     /// Its estimated prefill while it counts in its replica's queue, microseconds.
     prefill_us: AtomicU64,
+    /// Its entry in its replica's KV sent since the engine's report, zeroed on release.
+    sent_kv: Mutex<Option<Arc<AtomicU64>>>,
     /// What the decision recorded in the KV index, to take back if the engine refuses the request.
     pub kv: Mutex<Option<(Arc<Prediction>, Record)>>,
 }
@@ -302,7 +314,8 @@ impl Lease {
         replica.acquire(prompt_tokens);
         let (state, status, kv) = (AtomicU8::new(PENDING), AtomicU32::new(0), Mutex::new(None));
         let (estimate_us, ttft_us, prefill_us) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
-        Self { replica, model, start, prompt_tokens, estimate_us, ttft_us, state, status, prefill_us, kv }
+        let sent_kv = Mutex::new(None);
+        Self { replica, model, start, prompt_tokens, estimate_us, ttft_us, state, status, prefill_us, sent_kv, kv }
     }
 
     /// Queues its estimated `prefill` on its replica, until its first byte or release.
@@ -310,6 +323,12 @@ impl Lease {
         let us = prefill.as_micros() as u64;
         self.prefill_us.store(us, Ordering::Relaxed);
         self.replica.pending_prefill_us.fetch_add(us, Ordering::Relaxed);
+    }
+
+    /// It was decided at `at` and will take `tokens` of its replica's KV
+    /// cache until it is released (see [`Replica::sent_kv`]).
+    pub fn sent_kv(&self, at: Duration, tokens: u64) {
+        *self.sent_kv.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.replica.sent_kv(at, tokens));
     }
 
     /// Its prefill is done, or will never be: out of its replica's queue.
@@ -363,6 +382,9 @@ impl Lease {
         if before != RELEASED {
             self.replica.in_flight.fetch_sub(1, Ordering::Relaxed);
             self.replica.prompt_tokens.fetch_sub(self.prompt_tokens, Ordering::Relaxed);
+            if let Some(sent) = self.sent_kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                sent.store(0, Ordering::Relaxed);
+            }
         }
     }
 
@@ -422,10 +444,16 @@ mod tests {
         r.sent_kv(ms(1_050), 200);
         assert_eq!(r.candidate(ms(1_060), 0, report(ms(1_000))).unreported_kv_tokens, 200, "the first was sent before the report");
         assert_eq!(r.candidate(ms(1_060), 0, report(ms(900))).unreported_kv_tokens, 500);
+        // A request over has freed its blocks: it takes no room the report counts as free.
+        let lease = Lease::new(r.clone(), 0, 400);
+        lease.sent_kv(ms(1_055), 400);
+        assert_eq!(r.candidate(ms(1_060), 0, report(ms(900))).unreported_kv_tokens, 900);
+        lease.release();
+        assert_eq!(r.candidate(ms(1_060), 0, report(ms(900))).unreported_kv_tokens, 500, "released, it counts no more");
         assert_eq!(r.candidate(ms(1_060), 0, None).unreported_kv_tokens, 0, "no report, nothing to correct");
         // Sends older than any fresh report are let go.
         r.sent_kv(ms(1_000) + FRESH + ms(20), 7);
-        assert_eq!(r.sent_kv.lock().unwrap().len(), 2, "the send at 1,000 ms can predate no fresh report");
+        assert_eq!(r.sent_kv.lock().unwrap().len(), 3, "the send at 1,000 ms can predate no fresh report");
         assert_eq!(r.candidate(ms(1_400), 0, report(ms(1_200))).unreported_kv_tokens, 7);
     }
 

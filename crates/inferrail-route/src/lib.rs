@@ -388,7 +388,7 @@ impl Core {
         let prefill = Duration::from_secs_f64(prefill);
         let lease = Arc::new(Lease::new(won.clone(), plan.model, prompt_tokens.unwrap_or(0) as u64));
         lease.queue_prefill(prefill);
-        won.sent_kv(plan.now, prompt_tokens.map_or(0, |n| n.saturating_sub(cached)) as u64);
+        lease.sent_kv(plan.now, prompt_tokens.map_or(0, |n| n.saturating_sub(cached)) as u64);
         // The first byte can come once the prefill queued ahead and this one's are done.
         lease.set_estimate(won.queued_prefill());
         let picked = &plan.order[..plan.order.len().min(1 + self.fallbacks)];
