@@ -316,21 +316,26 @@ impl KvIndex {
         for &h in &prompt[..reused] {
             shadow.hold(h);
         }
-        // Room for every fresh block first: what they evict is chosen before any of them is named.
-        let (fresh, evicted) = self.take_fresh(shadow, need);
-        let mut keys: Vec<BlockHash> = prompt[..reused].to_vec();
-        keys.extend(fresh);
-        for i in reused..prompt.len().min(keys.len()) {
-            if !shadow.contains(prompt[i]) && shadow.remove(keys[i]) && shadow.push(prompt[i]).is_ok() {
-                keys[i] = prompt[i];
-            }
+        // Room for every fresh block first: what they evict is chosen before
+        // any of them is named. A fresh block takes the prompt's block unless
+        // the shadow holds that already (its prefix was evicted): then it
+        // caches nothing, and a placeholder names it.
+        let mut evicted = Vec::new();
+        let room = shadow.make_room(need, &mut evicted);
+        let mut keys: Vec<BlockHash> = Vec::with_capacity(reused + room);
+        keys.extend_from_slice(&prompt[..reused]);
+        for i in reused..reused + room {
+            let key = prompt.get(i).copied().filter(|&h| !shadow.contains(h)).unwrap_or_else(|| self.placeholder());
+            // Cannot fail: `make_room` left room for it.
+            let _ = shadow.push(key);
+            keys.push(key);
         }
         let holders = self.holders.pin();
         for h in keys[reused..].iter().filter(|h| !is_placeholder(**h)) {
             holders.update_or_insert_with(*h, |bits| bits.with(slot), || Bits::default().with(slot));
         }
         // A block evicted and then named again by the same request stays held.
-        for h in evicted.into_iter().filter(|&h| !shadow.contains(h)) {
+        for h in evicted.into_iter().filter(|&h| !is_placeholder(h) && !shadow.contains(h)) {
             release(&holders, h, slot);
         }
         Some((keys, reused))
@@ -339,12 +344,12 @@ impl KvIndex {
     /// Takes up to `n` fresh blocks, named by placeholders, while some block
     /// is not in use; returns them and the real blocks they evicted.
     fn take_fresh(&self, shadow: &mut Shadow, n: usize) -> (Vec<BlockHash>, Vec<BlockHash>) {
-        let (mut fresh, mut evicted) = (Vec::with_capacity(n), Vec::new());
-        for _ in 0..n {
-            let p = self.placeholder();
-            let Ok(out) = shadow.push(p) else { break };
-            evicted.extend(out.filter(|&h| !is_placeholder(h)));
-            fresh.push(p);
+        let mut evicted = Vec::new();
+        let room = shadow.make_room(n, &mut evicted);
+        evicted.retain(|&h| !is_placeholder(h));
+        let fresh: Vec<BlockHash> = (0..room).map(|_| self.placeholder()).collect();
+        for &p in &fresh {
+            let _ = shadow.push(p);
         }
         (fresh, evicted)
     }

@@ -118,6 +118,19 @@ impl Shadow {
         }
     }
 
+    /// Frees room for `n` more blocks, evicting the least recently freed
+    /// ones while the pool is too full and some block is not in use; returns
+    /// how many fit now (at most `n`). The next pushes, up to that many,
+    /// evict nothing.
+    pub(super) fn make_room(&mut self, n: usize, evicted: &mut Vec<BlockHash>) -> usize {
+        while self.len() + n > self.cap && self.oldest != NIL {
+            let oldest = join(self.nodes[self.oldest as usize].key);
+            self.remove(oldest);
+            evicted.push(oldest);
+        }
+        n.min(self.cap - self.len())
+    }
+
     /// Adds a block not held, in use by one request, reusing the least
     /// recently freed block when the pool is full (returned). `Err` when
     /// every block is in use.
@@ -246,6 +259,7 @@ mod tests {
         Hold(u8),
         Release(u8),
         Remove(u8),
+        MakeRoom(u8),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -253,7 +267,8 @@ mod tests {
             any::<u8>().prop_map(Op::Push),
             any::<u8>().prop_map(Op::Hold),
             any::<u8>().prop_map(Op::Release),
-            any::<u8>().prop_map(Op::Remove)
+            any::<u8>().prop_map(Op::Remove),
+            any::<u8>().prop_map(Op::MakeRoom)
         ]
     }
 
@@ -310,6 +325,17 @@ mod tests {
                         let held = in_use.remove(&key(k)).is_some()
                             || free.iter().position(|&h| h == key(k)).map(|at| free.remove(at)).is_some();
                         prop_assert_eq!(shadow.remove(key(k)), held);
+                    }
+                    Op::MakeRoom(n) => {
+                        // The least recently freed go while n more would not fit; n fit, or as many as there is room for.
+                        let n = usize::from(n % 12);
+                        let mut want = Vec::new();
+                        while free.len() + in_use.len() + n > cap && let Some(h) = free.pop_back() {
+                            want.push(h);
+                        }
+                        let mut evicted = Vec::new();
+                        prop_assert_eq!(shadow.make_room(n, &mut evicted), n.min(cap - free.len() - in_use.len()));
+                        prop_assert_eq!(evicted, want);
                     }
                 }
                 prop_assert_eq!(shadow.free_order(), free.iter().copied().collect::<Vec<_>>());
