@@ -242,7 +242,7 @@ fn name(p: PolicyKind) -> String {
 /// One line per simulation, for the terminal.
 pub fn line(o: &Outcome) -> String {
     format!(
-        "{:<20} {:>4} replicas: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms, {} refused, predicted exactly {:.1}%, {:.1} virtual s in {:.2} s",
+        "{:<20} {:>4} replicas: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}%, {:.1} virtual s in {:.2} s",
         o.policy,
         o.replicas,
         o.hit_rate * 100.0,
@@ -252,6 +252,9 @@ pub fn line(o: &Outcome) -> String {
         o.ttft.p50_ms,
         o.ttft.p90_ms,
         o.ttft.p99_ms,
+        o.slowest.queued_ms,
+        o.slowest.kv_wait_ms,
+        o.slowest.prefill_ms,
         o.rejected,
         o.prediction_exact * 100.0,
         o.virtual_s,

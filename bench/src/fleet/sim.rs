@@ -91,12 +91,39 @@ pub struct Outcome {
     pub idlest_share: f64,
     /// Time to first token from arrival.
     pub ttft: Latency,
+    /// Where the slowest 1% of first tokens spent their time.
+    pub slowest: Phases,
     /// Share of requests whose predicted cached tokens were the engine's.
     pub prediction_exact: f64,
     /// Virtual seconds from the first arrival to the last completion.
     pub virtual_s: f64,
     /// Wall seconds the simulation took.
     pub wall_s: f64,
+}
+
+/// Mean milliseconds a set of requests spent in each phase before their
+/// first token: queued behind other requests (their prefills, or a head of
+/// the queue waiting for room), at the head of the queue waiting for KV room,
+/// and in their own prefill. They add up to the mean time to first token.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Phases {
+    /// Requests averaged.
+    pub requests: usize,
+    /// Queued behind other requests.
+    pub queued_ms: f64,
+    /// At the head of the queue until completions freed room for its blocks.
+    pub kv_wait_ms: f64,
+    /// Its own prefill.
+    pub prefill_ms: f64,
+}
+
+/// The phases of the slowest `share` of requests (at least one), each given
+/// as (queued, KV wait, prefill) nanoseconds.
+fn slowest(mut phases: Vec<[u64; 3]>, share: f64) -> Phases {
+    phases.sort_by_key(|p| Reverse(p.iter().sum::<u64>()));
+    let n = ((phases.len() as f64 * share).ceil() as usize).min(phases.len());
+    let mean = |k: usize| phases[..n].iter().map(|p| p[k] as f64).sum::<f64>() / n.max(1) as f64 * 1e-6;
+    Phases { requests: n, queued_ms: mean(0), kv_wait_ms: mean(1), prefill_ms: mean(2) }
 }
 
 /// How often the engines' load is read, as the scraper's default.
@@ -114,6 +141,10 @@ struct Job {
     /// Blocks it holds, and how many of them were cache hits.
     blocks: Vec<BlockId>,
     hit: usize,
+    /// When it first found no room for its blocks at the head of the queue.
+    blocked_ns: Option<u64>,
+    /// When its prefill started.
+    started_ns: u64,
 }
 
 /// One simulated engine.
@@ -144,6 +175,8 @@ struct World<'a> {
     events: BinaryHeap<Reverse<(u64, u64, Event)>>,
     seq: u64,
     ttft: Vec<Duration>,
+    /// Each first token's (queued, KV wait, prefill) nanoseconds.
+    phases: Vec<[u64; 3]>,
     exact: usize,
     measured: usize,
     /// Each engine's last read load.
@@ -184,6 +217,7 @@ pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item 
         busiest_share: max(&shares),
         idlest_share: if shares.is_empty() { 0.0 } else { min(&shares) },
         ttft: report::latency(std::mem::take(&mut world.ttft)),
+        slowest: slowest(std::mem::take(&mut world.phases), 0.01),
         prediction_exact: if world.measured == 0 { 0.0 } else { world.exact as f64 / world.measured as f64 },
         virtual_s: end.saturating_sub(first_ns.unwrap_or(0)) as f64 * 1e-9,
         wall_s: wall.elapsed().as_secs_f64(),
@@ -247,6 +281,7 @@ impl<'a> World<'a> {
             events: BinaryHeap::new(),
             seq: 0,
             ttft: Vec::new(),
+            phases: Vec::new(),
             exact: 0,
             measured: 0,
             reports: vec![Report { at: Duration::ZERO, load: EngineReport { running: 0, waiting: 0, kv_usage: 0.0 } }; setup.replicas],
@@ -299,6 +334,8 @@ impl<'a> World<'a> {
             predicted: committed.cached_tokens.first().copied().unwrap_or(0),
             blocks: Vec::new(),
             hit: 0,
+            blocked_ns: None,
+            started_ns: 0,
         };
         self.jobs.insert(id, job);
         self.engines[replica].queue.push_back(id);
@@ -348,15 +385,20 @@ impl<'a> World<'a> {
         } else {
             let need = total - hit.len();
             if need + engine.pool.count_free(&hit) > engine.pool.num_free() {
+                job.blocked_ns.get_or_insert(now);
                 return; // waits for a completion to free blocks
             }
             engine.pool.touch(&hit);
-            let Some(fresh) = engine.pool.allocate(need) else { return };
+            let Some(fresh) = engine.pool.allocate(need) else {
+                job.blocked_ns.get_or_insert(now);
+                return;
+            };
             job.hit = hit.len();
             job.blocks = hit;
             job.blocks.extend(fresh);
             job.hit * bs
         };
+        job.started_ns = now;
         engine.queue.pop_front();
         engine.prefilling = Some(j);
         engine.requests += 1;
@@ -382,6 +424,8 @@ impl<'a> World<'a> {
             }
             job.lease.first_byte();
             self.ttft.push(Duration::from_nanos(now - job.arrival_ns));
+            let kv_wait = job.blocked_ns.map_or(0, |b| job.started_ns - b);
+            self.phases.push([job.started_ns - job.arrival_ns - kv_wait, kv_wait, now - job.started_ns]);
             engine.running += 1;
             let decode = job.max_tokens as f64 * self.setup.latency().decode_secs(engine.running);
             self.at(now + (decode * 1e9) as u64, Event::Complete(j));

@@ -106,6 +106,30 @@ fn hot_traffic_still_spreads() {
 }
 
 #[test]
+fn the_slowest_first_tokens_are_split_by_phase_and_wait_for_kv_room_only_in_a_short_cache() {
+    let spec = small(Kind::W6);
+    let go = |kv_blocks| {
+        let s = Setup { kv_blocks, ..setup(&spec, 2) };
+        let o = sim::simulate(&s, PolicyKind::RoundRobin, Traffic::new(&spec, 20.0, 1_000, 1, TextKind::Contents).expect("traffic"))
+            .expect("simulate");
+        eprintln!("{}", line(&o));
+        o
+    };
+    // Room for every request at once, and for about four (a request takes up to 57 blocks).
+    let (roomy, short) = (go(100_000), go(240));
+    for o in [&roomy, &short] {
+        let s = &o.slowest;
+        assert_eq!(s.requests, 10, "1% of 1,000");
+        // The phases add up to the slowest tenth's mean time to first token, which lies between p99 and the maximum.
+        let total = s.queued_ms + s.kv_wait_ms + s.prefill_ms;
+        assert!(total >= o.ttft.p99_ms - 1e-6 && total <= o.ttft.max_ms + 1e-6, "{total} against {:?}", o.ttft);
+        assert!(s.prefill_ms > 0.0);
+    }
+    assert_eq!(roomy.slowest.kv_wait_ms, 0.0, "nothing waits for room in a cache that holds everything");
+    assert!(short.slowest.kv_wait_ms > 0.0, "{:?}", short.slowest);
+}
+
+#[test]
 fn capacity_search_ends_and_grows_with_the_fleet() {
     let spec = small(Kind::W1);
     let search = Search { slo_s: 2.0, tolerance: 0.1, guess_per_replica: 2.0 };
