@@ -316,40 +316,36 @@ impl KvIndex {
         for &h in &prompt[..reused] {
             shadow.hold(h);
         }
-        // Room for every fresh block first: what they evict is chosen before
-        // any of them is named. A fresh block takes the prompt's block unless
-        // the shadow holds that already (its prefix was evicted): then it
-        // caches nothing, and a placeholder names it.
-        let mut evicted = Vec::new();
-        let room = shadow.make_room(need, &mut evicted);
-        let mut keys: Vec<BlockHash> = Vec::with_capacity(reused + room);
-        keys.extend_from_slice(&prompt[..reused]);
-        for i in reused..reused + room {
-            let key = prompt.get(i).copied().filter(|&h| !shadow.contains(h)).unwrap_or_else(|| self.placeholder());
-            // Cannot fail: `make_room` left room for it.
-            let _ = shadow.push(key);
-            keys.push(key);
-        }
+        let (fresh, evicted) = self.take_fresh(shadow, need, &prompt[reused..]);
+        let mut keys: Vec<BlockHash> = prompt[..reused].to_vec();
+        keys.extend(fresh);
         let holders = self.holders.pin();
         for h in keys[reused..].iter().filter(|h| !is_placeholder(**h)) {
             holders.update_or_insert_with(*h, |bits| bits.with(slot), || Bits::default().with(slot));
         }
         // A block evicted and then named again by the same request stays held.
-        for h in evicted.into_iter().filter(|&h| !is_placeholder(h) && !shadow.contains(h)) {
+        for h in evicted.into_iter().filter(|&h| !shadow.contains(h)) {
             release(&holders, h, slot);
         }
         Some((keys, reused))
     }
 
-    /// Takes up to `n` fresh blocks, named by placeholders, while some block
-    /// is not in use; returns them and the real blocks they evicted.
-    fn take_fresh(&self, shadow: &mut Shadow, n: usize) -> (Vec<BlockHash>, Vec<BlockHash>) {
+    /// Takes up to `n` fresh blocks while some block is not in use; returns
+    /// them and the real blocks they evicted. Room for all of them is made
+    /// first: what they evict is chosen before any of them is named. Each
+    /// takes the next of `names` (the prompt's blocks), unless the shadow
+    /// holds that one already (its prefix was evicted: the block caches
+    /// nothing) or `names` has run out; a placeholder names it then.
+    fn take_fresh(&self, shadow: &mut Shadow, n: usize, names: &[BlockHash]) -> (Vec<BlockHash>, Vec<BlockHash>) {
         let mut evicted = Vec::new();
         let room = shadow.make_room(n, &mut evicted);
         evicted.retain(|&h| !is_placeholder(h));
-        let fresh: Vec<BlockHash> = (0..room).map(|_| self.placeholder()).collect();
-        for &p in &fresh {
-            let _ = shadow.push(p);
+        let mut fresh = Vec::with_capacity(room);
+        for i in 0..room {
+            let key = names.get(i).copied().filter(|&h| !shadow.contains(h)).unwrap_or_else(|| self.placeholder());
+            // Cannot fail: `make_room` left room for it.
+            let _ = shadow.push(key);
+            fresh.push(key);
         }
         (fresh, evicted)
     }
@@ -378,7 +374,7 @@ impl KvIndex {
         // Generated tokens' blocks, the request's last, are freed first.
         let shadow = &mut rep.shadow;
         let holders = self.holders.pin();
-        let (generated, evicted) = self.take_fresh(shadow, output);
+        let (generated, evicted) = self.take_fresh(shadow, output, &[]);
         for h in evicted {
             release(&holders, h, recorded.slot);
         }

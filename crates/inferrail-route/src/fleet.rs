@@ -8,7 +8,7 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use inferrail_config::{CacheShape, Health as HealthConfig, Limits};
@@ -298,7 +298,7 @@ pub struct Lease {
     /// Its estimated prefill while it counts in its replica's queue, microseconds.
     prefill_us: AtomicU64,
     /// Its entry in its replica's KV sent since the engine's report, zeroed on release.
-    sent_kv: Mutex<Option<Arc<AtomicU64>>>,
+    sent_kv: OnceLock<Arc<AtomicU64>>,
     /// What the decision recorded in the KV index, to take back if the engine refuses the request.
     pub kv: Mutex<Option<(Arc<Prediction>, Record)>>,
 }
@@ -314,7 +314,7 @@ impl Lease {
         replica.acquire(prompt_tokens);
         let (state, status, kv) = (AtomicU8::new(PENDING), AtomicU32::new(0), Mutex::new(None));
         let (estimate_us, ttft_us, prefill_us) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
-        let sent_kv = Mutex::new(None);
+        let sent_kv = OnceLock::new();
         Self { replica, model, start, prompt_tokens, estimate_us, ttft_us, state, status, prefill_us, sent_kv, kv }
     }
 
@@ -326,9 +326,10 @@ impl Lease {
     }
 
     /// It was decided at `at` and will take `tokens` of its replica's KV
-    /// cache until it is released (see [`Replica::sent_kv`]).
+    /// cache until it is released (see [`Replica::sent_kv`]). Once, when the
+    /// decision is committed; a later call changes nothing.
     pub fn sent_kv(&self, at: Duration, tokens: u64) {
-        *self.sent_kv.lock().unwrap_or_else(|p| p.into_inner()) = Some(self.replica.sent_kv(at, tokens));
+        self.sent_kv.get_or_init(|| self.replica.sent_kv(at, tokens));
     }
 
     /// Its prefill is done, or will never be: out of its replica's queue.
@@ -382,7 +383,7 @@ impl Lease {
         if before != RELEASED {
             self.replica.in_flight.fetch_sub(1, Ordering::Relaxed);
             self.replica.prompt_tokens.fetch_sub(self.prompt_tokens, Ordering::Relaxed);
-            if let Some(sent) = self.sent_kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            if let Some(sent) = self.sent_kv.get() {
                 sent.store(0, Ordering::Relaxed);
             }
         }
