@@ -128,6 +128,8 @@ pub struct CompareRun {
     duration_s: f64,
     warmup_s: f64,
     time_scale: f64,
+    /// How often Inferrail read each engine's load (`sglang:` contenders read none).
+    load_interval_ms: Option<u128>,
     sim_flags: String,
     slo: Slo,
     spec: Spec,
@@ -286,6 +288,7 @@ impl Bench {
             duration_s: args.duration_s,
             warmup_s: args.warmup_s,
             time_scale: args.time_scale,
+            load_interval_ms: (!contender.starts_with("sglang:")).then(|| crate::timescale::scrape_interval(args.time_scale).as_millis()),
             sim_flags: args.sim_flags.clone(),
             slo: self.slo,
             spec: spec.clone(),

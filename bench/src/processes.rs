@@ -159,9 +159,11 @@ pub fn router_config(
         Some(o) => format!(", policies: {}", serde_json::to_string(o)?),
         None => String::new(),
     };
+    let scrape_ms = crate::timescale::scrape_interval(time_scale).as_millis();
     let yaml = format!(
         "server: {{listen: 127.0.0.1:{ext_proc}}}\n\
          admin: {{listen: 127.0.0.1:{admin}, grpc_listen: 127.0.0.1:{admin_grpc}}}\n\
+         load: {{interval_ms: {scrape_ms}}}\n\
          routing: {{seed: {seed}, policies: {policies}}}\n\
          models:\n  - {{name: inferrail/sim-8b, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}{own}}}\n\
          replicas:\n{replicas}"
@@ -208,6 +210,7 @@ mod tests {
         assert_eq!((second.endpoint.as_str(), second.bind), ("tcp://127.0.0.1:7002", false), "the router connects");
         assert_eq!(second.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:7102"));
         assert_eq!(config.routing.policies, params);
+        assert_eq!(config.load.interval_ms, 10, "the engines' load is read ten times as often at a tenth of the time");
         let plain = inferrail_config::Config::parse(&router_config("cost_model", "builtin:sim", 1, ports, &[8001], (0.1, None), None)?)?;
         assert_eq!(plain.event_source("sim-1", ip), None, "no events: approximate mode");
         // The simulator binds what the router connects to, as vLLM does for `*`.

@@ -2,7 +2,11 @@
 //! mirror it, made uniformly faster (or slower) by one factor, so that a
 //! comparison of many runs fits the machine's time. At scale `s` an engine
 //! does in `s` seconds what the default model does in one: the same load is
-//! `1 / s` times the arrival rate, and the SLO is `s` times as long.
+//! `1 / s` times the arrival rate, and the SLO is `s` times as long. The
+//! router reads the engines' load `1 / s` times as often too, so a report is
+//! as old, measured in engine steps, as it is at scale 1.
+
+use std::time::Duration;
 
 use inferrail_policy::{Params, Prefill};
 use inferrail_sim::cost::{DEFAULT, LatencyModel};
@@ -38,6 +42,13 @@ pub fn params(s: f64) -> Params {
     };
     p.cost_model.decode_interference_ms = l.decode_seq_us * 1e-3;
     p
+}
+
+/// How often the router reads each engine's load at scale `s`: the
+/// scraper's default interval scaled, at least a millisecond.
+pub fn scrape_interval(s: f64) -> Duration {
+    let default = Duration::from_millis(inferrail_config::Load::default().interval_ms);
+    default.mul_f64(s).max(Duration::from_millis(1))
 }
 
 /// A `--policy-params` flag: a JSON object, laid over the time scale's
@@ -82,5 +93,8 @@ mod tests {
         let p = params(0.1);
         assert!((p.prefill.secs(5_000, 0) - tenth.prefill_secs(5_000, 0)).abs() < 1e-12, "the router prices what the engine does");
         assert_eq!(sim_flags(0.1)[..2], ["--prefill-token-us".to_string(), "10".to_string()]);
+        assert_eq!(scrape_interval(1.0), Duration::from_millis(100));
+        assert_eq!(scrape_interval(0.1), Duration::from_millis(10));
+        assert_eq!(scrape_interval(0.001), Duration::from_millis(1));
     }
 }

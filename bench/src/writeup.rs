@@ -266,6 +266,18 @@ fn time_scale(files: &[Loaded<CompareRun>]) -> String {
     if unrecorded > 0 && unrecorded < files.len() {
         write!(out, " {unrecorded} of {} routing results do not record it.", files.len()).ok();
     }
+    let intervals: BTreeSet<String> = files.iter().filter_map(|f| f.value.load_interval_ms).map(num).collect();
+    match intervals.len() {
+        0 => {}
+        1 => {
+            let ms = intervals.iter().next().map_or("", String::as_str);
+            write!(out, " Inferrail read each engine's load every {ms} ms, its 100 ms default at the same scale.").ok();
+        }
+        _ => {
+            let all = intervals.into_iter().collect::<Vec<_>>().join(", ");
+            write!(out, " Inferrail's runs read the engines' load at different intervals: {all} ms.").ok();
+        }
+    }
     out
 }
 

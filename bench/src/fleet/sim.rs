@@ -19,8 +19,9 @@
 //! `Core::prepare` and decided by `Core::decide` at the virtual now; a first
 //! token marks the lease's first byte; a completion completes the lease in
 //! the core and releases it. Each engine's load (running, waiting, KV usage)
-//! is read as the scraper reads it, every [`SCRAPE`] of virtual time, and the
-//! decisions see those reports with their age, as the router's do.
+//! is read as the scraper reads it, every scrape interval of virtual time
+//! (the scraper's default at the time scale, [`timescale::scrape_interval`]),
+//! and the decisions see those reports with their age, as the router's do.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -125,9 +126,6 @@ fn slowest(mut phases: Vec<[u64; 3]>, share: f64) -> Phases {
     let mean = |k: usize| phases[..n].iter().map(|p| p[k] as f64).sum::<f64>() / n.max(1) as f64 * 1e-6;
     Phases { requests: n, queued_ms: mean(0), kv_wait_ms: mean(1), prefill_ms: mean(2) }
 }
-
-/// How often the engines' load is read, as the scraper's default.
-const SCRAPE: Duration = Duration::from_millis(100);
 
 /// A request on its replica.
 struct Job {
@@ -345,7 +343,7 @@ impl<'a> World<'a> {
 
     /// Reads every engine's load when a scrape interval has passed since the last read.
     fn scrape(&mut self, now: Duration) {
-        if self.reports.first().is_some_and(|r| now < r.at + SCRAPE) {
+        if self.reports.first().is_some_and(|r| now < r.at + timescale::scrape_interval(self.setup.time_scale)) {
             return;
         }
         let blocks = self.setup.kv_blocks as f64;

@@ -40,6 +40,9 @@ pub struct CompareRun {
     /// The SLO, already scaled (older results lack it).
     #[serde(default)]
     pub slo: Option<Slo>,
+    /// How often Inferrail read each engine's load (older results, and SGLang's router's, lack it).
+    #[serde(default)]
+    pub load_interval_ms: Option<f64>,
     pub summary: Summary,
     /// Hit rate from usage over every request, warmup included (older results lack it).
     #[serde(default)]

@@ -17,6 +17,7 @@ fn compare_run(workload: &str, contender: &str, rep: u64, p99: f64, hit: f64, bu
         "benchmark": "routing-compare", "commit": "abc1234", "command": "inferrail-bench compare --fixture",
         "contender": contender, "workload": workload, "rep": rep, "seed": 1 + rep, "rate": 0.5, "sent": 12,
         "time_scale": 0.1, "slo": {"ttft_ms": 2000.0 * 0.1, "tpot_ms": 100.0 * 0.1},
+        "load_interval_ms": if contender.starts_with("sglang:") { Value::Null } else { json!(10) },
         "summary": {
             "requests": 10, "ok": 10, "ttft": latency(p99 / 4.0, p99), "goodput": {"share": 0.9},
             "prefix": {"hit_rate": hit}, "prediction": {"compared": 10, "exact": 10, "over": 0, "under": 0}
@@ -184,7 +185,7 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
     assert!(md.contains("GPUs saved by cost_model against round_robin: 46 of 63"));
     assert!(failed.is_empty(), "{failed:?}");
     assert!(md.contains("| 4.8 ms (5.0 ms over straight to the simulators) | pass |"), "{md}");
-    assert!(md.contains("ran at time scale 0.1 (every modelled duration times 0.1), with the SLO scaled alike: TTFT at most 200 ms and TPOT at most 10 ms (2000 ms and 100 ms at scale 1)"), "{md}");
+    assert!(md.contains("ran at time scale 0.1 (every modelled duration times 0.1), with the SLO scaled alike: TTFT at most 200 ms and TPOT at most 10 ms (2000 ms and 100 ms at scale 1). Inferrail read each engine's load every 10 ms"), "{md}");
     assert!(
         md.contains("w1 at 0.5 req/s, 70.0% of round_robin's 0.714 req/s") && md.contains("Each is 70.0% of round robin's capacity"),
         "{md}"
