@@ -175,9 +175,9 @@ bench-routing *args: setup setup-sglang
     fi
     out=bench/results/routing
     # What a cache-blind fleet of three simulators sustains on each workload, and cost_model's on W1 and mix.
-    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.15 --rate 4 \
+    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.05 --rate 4 \
         --workloads w1,mix,w2,w6,hot --contenders round_robin --out-dir "$out/capacity" "$@"
-    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.15 --rate 8 \
+    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.05 --rate 8 \
         --workloads w1,mix --contenders cost_model --out-dir "$out/capacity-cost-model" "$@"
     dirs=()
     for w in w1 mix w2 w6 hot; do
