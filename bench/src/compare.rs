@@ -129,7 +129,7 @@ pub struct CompareRun {
     warmup_s: f64,
     time_scale: f64,
     /// How often Inferrail read each engine's load (`sglang:` contenders read none).
-    load_interval_ms: Option<u128>,
+    load_interval_ms: Option<u64>,
     sim_flags: String,
     slo: Slo,
     spec: Spec,
@@ -137,8 +137,16 @@ pub struct CompareRun {
     measured: Measured,
 }
 
-/// Starts the simulators and the contender in front of them; returns when a request is served.
-async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http: &reqwest::Client) -> anyhow::Result<Processes> {
+/// Starts the simulators and the contender in front of them; returns when a
+/// request is served, with how often Inferrail reads the engines' load
+/// (milliseconds, from its config; `None` for SGLang's router).
+async fn start(
+    args: &CompareArgs,
+    contender: &str,
+    seed: u64,
+    logs: &Path,
+    http: &reqwest::Client,
+) -> anyhow::Result<(Processes, Option<u64>)> {
     std::fs::create_dir_all(logs)?;
     let mut fleet = Processes::default();
     let sim = args.programs.bin_dir.join("inferrail-sim");
@@ -168,10 +176,11 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
         })
         .await?;
     }
-    match contender.strip_prefix("sglang:") {
+    let load_interval_ms = match contender.strip_prefix("sglang:") {
         Some(policy) => {
             let flags = processes::sglang_flags(ENTRY, policy, &SIMS, 19290);
             fleet.spawn("sglang-router", logs, &args.programs.sglang_python, &flags)?;
+            None
         }
         None => {
             let config = logs.join("inferrail.yaml");
@@ -189,15 +198,16 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
             let decisions = logs.join("decisions.jsonl");
             let _ = std::fs::remove_file(&decisions);
             let log = format!("observability: {{decision_log: {{path: '{}', sample_rate: 1.0}}}}\n", decisions.display());
-            std::fs::write(&config, yaml + &log)?;
+            std::fs::write(&config, format!("{yaml}{log}"))?;
             fleet.spawn("inferrail", logs, &args.programs.bin_dir.join("inferrail"), &["--config".into(), config.display().to_string()])?;
             let envoy = logs.join("envoy.yaml");
             let moves = [(8080, ENTRY), (9901, ENVOY_ADMIN), (9002, EXT_PROC), (8001, SIMS[0]), (8002, SIMS[1]), (8003, SIMS[2])];
             std::fs::write(&envoy, processes::envoy_config("envoy/local.yaml", &moves)?)?;
             let flags = ["-c", &envoy.display().to_string(), "--disable-hot-restart", "--log-level", "warn", "--concurrency", "1"];
             fleet.spawn("envoy", logs, &args.programs.envoy, &flags.map(str::to_string))?;
+            Some(inferrail_config::Config::parse(&yaml).map_err(|e| anyhow::anyhow!("the router's config: {e}"))?.load.interval_ms)
         }
-    }
+    };
     let hello = serde_json::json!({"model": "inferrail/sim-8b", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1});
     until(&mut fleet, Duration::from_secs(60), "a first request through the router", async || {
         http.post(format!("http://127.0.0.1:{ENTRY}/v1/chat/completions"))
@@ -208,7 +218,7 @@ async fn start(args: &CompareArgs, contender: &str, seed: u64, logs: &Path, http
             .is_ok_and(|r| r.status().is_success())
     })
     .await?;
-    Ok(fleet)
+    Ok((fleet, load_interval_ms))
 }
 
 /// Runs every contender on every workload and repetition.
@@ -270,7 +280,8 @@ impl Bench {
         let args = &self.args;
         eprintln!("{name}: {} requests at {rate} req/s", requests.len());
         let logs = args.out_dir.join("logs").join(name);
-        let fleet = start(args, contender, seed, &logs, &self.http).await.with_context(|| format!("starting the fleet for {name}"))?;
+        let (fleet, load_interval_ms) =
+            start(args, contender, seed, &logs, &self.http).await.with_context(|| format!("starting the fleet for {name}"))?;
         let engines: Vec<String> = SIMS.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
         let entry = format!("http://127.0.0.1:{ENTRY}");
         let measured = run::measure(&self.http, &entry, requests, &engines, Duration::from_secs_f64(args.warmup_s), self.slo, true).await?;
@@ -288,7 +299,7 @@ impl Bench {
             duration_s: args.duration_s,
             warmup_s: args.warmup_s,
             time_scale: args.time_scale,
-            load_interval_ms: (!contender.starts_with("sglang:")).then(|| crate::timescale::scrape_interval(args.time_scale).as_millis()),
+            load_interval_ms,
             sim_flags: args.sim_flags.clone(),
             slo: self.slo,
             spec: spec.clone(),
