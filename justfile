@@ -193,15 +193,19 @@ bench-routing *args: setup setup-sglang
     done
     $bench report --routing "$(IFS=,; echo "${dirs[*]}")"
 
-# Capacity in the fleet simulation: for every policy, the highest arrival rate with p99 TTFT within 2 s on W1 and mix at 4, 16 and 64 replicas (about 10 minutes on one core). Results: bench/results/fleet/capacity-<workload>.json, read by the report.
+# Capacity in the fleet simulation: for every policy, the highest arrival rate with p99 TTFT within 2 s on W1 and mix at 4, 16 and 64 replicas, on three seeds (about 11 minutes a seed on one core). Results: bench/results/fleet/capacity-<workload>-seed<seed>.json; the report compares policies by their mean over the seeds.
 bench-fleet *args:
     #!/usr/bin/env bash
     set -euo pipefail
     cargo build --release --quiet -p inferrail-bench
-    for w in w1 mix; do
-        target/release/inferrail-bench fleet --capacity --workload "$w" --replicas 4,16,64 --requests 4000 \
-            --policy cost_model,round_robin,random,least_request,p2c,prefix_hash,kv_aware,sglang_cache_aware,dynamo_kv,gie_default \
-            --out "bench/results/fleet/capacity-$w.json" {{args}}
+    # One seed's capacity on a few replicas swings by a third or more with
+    # which prompts meet on which replica, as much as policies differ.
+    for seed in 1 2 3; do
+        for w in w1 mix; do
+            target/release/inferrail-bench fleet --capacity --workload "$w" --replicas 4,16,64 --requests 4000 --seed "$seed" \
+                --policy cost_model,round_robin,random,least_request,p2c,prefix_hash,kv_aware,sglang_cache_aware,dynamo_kv,gie_default \
+                --out "bench/results/fleet/capacity-$w-seed$seed.json" {{args}}
+        done
     done
 
 # The report (bench/report/routing/report.md and its PNG charts) from the committed results: the full routing comparison (runs/<workload>) when it is there, else the quick one; fleet, prediction and the overhead ladder. Flags go to `inferrail-bench report`.

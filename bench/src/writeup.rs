@@ -25,7 +25,7 @@ use clap::Args;
 
 use charts::{Bar, Bars, Cdf};
 use checks::Verdict;
-use inputs::{Accuracy, CompareRun, FleetCapacity, FleetRuns, Ladder, Loaded, RealCapacity};
+use inputs::{Accuracy, CompareRun, FleetCapacity, FleetRuns, FleetWorkload, Ladder, Loaded, RealCapacity};
 
 /// Flags of `report`.
 #[derive(Debug, Clone, Args)]
@@ -539,53 +539,67 @@ fn capacity_section(md: &mut String, out: &Path, capacity: &[Loaded<FleetCapacit
     writeln!(md, "## Fleet simulation: capacity at the SLO\n")?;
     writeln!(md, "Source: {}.\n", sources(capacity.iter().map(|f| (f.path.as_path(), f.value.commit.as_str()))))?;
     let mut groups = Vec::new();
-    let mut rows: Vec<BTreeMap<String, f64>> = Vec::new();
+    let mut rows: Vec<BTreeMap<String, Bar>> = Vec::new();
     let mut policies: Vec<String> = Vec::new();
-    for f in capacity {
-        let v = &f.value;
-        writeln!(md, "Command: `{}`\n", v.command)?;
-        writeln!(
-            md,
-            "**{}**, p99 TTFT within {} ms: highest arrival rate (req/s) per policy and replica count\n",
-            v.workload.workload, v.slo_ttft_ms
-        )?;
-        let sizes: BTreeSet<usize> = v.capacity.iter().flat_map(|(_, c)| c.iter().map(|c| c.replicas)).collect();
+    for g in FleetWorkload::group(capacity) {
+        for f in &g.files {
+            writeln!(md, "Command: `{}`\n", f.value.command)?;
+        }
+        let seeds: Vec<String> = g.files.iter().map(|f| f.value.seed.to_string()).collect();
+        let over = if seeds.len() > 1 {
+            format!(
+                "; the mean over seeds {} with the lowest and highest in parentheses, and the ratio to round robin of the sums over the seeds",
+                seeds.join(", ")
+            )
+        } else {
+            String::new()
+        };
+        let slo = g.files.first().map_or(0.0, |f| f.value.slo_ttft_ms);
+        writeln!(md, "**{}**, p99 TTFT within {slo} ms: highest arrival rate (req/s) per policy and replica count{over}\n", g.workload)?;
+        let sizes = g.sizes();
         writeln!(
             md,
             "| policy | {} |\n|---|{}",
             sizes.iter().map(|n| format!("{n} replicas")).collect::<Vec<_>>().join(" | "),
             "---|".repeat(sizes.len())
         )?;
-        let rr: BTreeMap<usize, f64> = v
-            .capacity
-            .iter()
-            .find(|(p, _)| p == "round_robin")
-            .map(|(_, c)| c.iter().map(|c| (c.replicas, c.rate)).collect())
-            .unwrap_or_default();
-        for (policy, caps) in &v.capacity {
-            if !policies.contains(policy) {
-                policies.push(policy.clone());
+        for policy in g.policies() {
+            if !policies.iter().any(|p| p == policy) {
+                policies.push(policy.to_owned());
             }
             let cells: Vec<String> = sizes
                 .iter()
-                .map(|n| match (caps.iter().find(|c| c.replicas == *n), rr.get(n)) {
-                    (Some(c), Some(r)) if *r > 0.0 => format!("{:.2} ({:.2}x rr)", c.rate, c.rate / r),
-                    (Some(c), _) => format!("{:.2}", c.rate),
-                    (None, _) => "n/a".into(),
+                .map(|&n| {
+                    let rates = g.rates(policy, n);
+                    if rates.is_empty() {
+                        return "n/a".into();
+                    }
+                    let b = bar(&rates);
+                    let spread = b.spread.map_or(String::new(), |(lo, hi)| format!("{lo:.2}–{hi:.2}; "));
+                    match g.ratio(policy, "round_robin", n) {
+                        Some(r) if r.is_finite() => format!("{:.2} ({spread}{r:.2}x rr)", b.value),
+                        _ => cell(b, |x| format!("{x:.2}")),
+                    }
                 })
                 .collect();
             writeln!(md, "| {policy} | {} |", cells.join(" | "))?;
         }
-        for n in &sizes {
-            groups.push(format!("{} x{n}", v.workload.workload));
+        for &n in &sizes {
+            groups.push(format!("{} x{n}", g.workload));
             rows.push(
-                v.capacity
-                    .iter()
-                    .filter_map(|(p, c)| c.iter().find(|c| c.replicas == *n).map(|c| (p.clone(), c.rate / *n as f64)))
+                g.policies()
+                    .into_iter()
+                    .filter_map(|p| {
+                        let per: Vec<f64> = g.rates(p, n).iter().map(|r| r / n as f64).collect();
+                        (!per.is_empty()).then(|| (p.to_owned(), bar(&per)))
+                    })
                     .collect(),
             );
         }
-        if let Some(rate) = v.fixed_rate {
+        writeln!(md)?;
+        for f in &g.files {
+            let v = &f.value;
+            let Some(rate) = v.fixed_rate else { continue };
             let needed: Vec<String> = v
                 .replicas_needed
                 .iter()
@@ -599,7 +613,8 @@ fn capacity_section(md: &mut String, out: &Path, capacity: &[Loaded<FleetCapacit
                 .zip(v.replicas_needed.iter().find(|(p, _)| p == "round_robin").and_then(|(_, n)| *n));
             writeln!(
                 md,
-                "\nReplicas needed for {rate} req/s within the SLO: {}.{}\n",
+                "Seed {}: replicas needed for {rate} req/s within the SLO: {}.{}\n",
+                v.seed,
                 needed.join(", "),
                 saved.map_or(String::new(), |(c, r)| format!(
                     " GPUs saved by cost_model against round_robin: {} of {r} ({}).",
@@ -609,7 +624,7 @@ fn capacity_section(md: &mut String, out: &Path, capacity: &[Loaded<FleetCapacit
             )?;
         }
     }
-    let values = rows.iter().map(|row| policies.iter().map(|p| row.get(p).map(|&v| Bar { value: v, spread: None })).collect()).collect();
+    let values = rows.iter().map(|row| policies.iter().map(|p| row.get(p).copied()).collect()).collect();
     charts::bars(
         &out.join("fleet-capacity.png"),
         &Bars {

@@ -4,7 +4,7 @@
 
 use super::real::find;
 use super::{Contenders, mean};
-use crate::writeup::inputs::{FleetCapacity, Ladder, Loaded, RealCapacity};
+use crate::writeup::inputs::{FleetCapacity, FleetWorkload, Ladder, Loaded, RealCapacity};
 
 /// One check's outcome.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,39 +111,27 @@ pub fn all(
         busiest.map_or("not measured (no hot run)".into(), pct),
         busiest.map(|b| b <= 0.37),
     ));
+    let fleet = FleetWorkload::group(capacity);
     for w in ["w1", "mix"] {
-        let Some(file) = capacity.iter().find(|f| f.value.workload.workload == w) else {
-            out.push(check(
-                format!("fleet simulation: {HERO}'s capacity at the SLO on {w} is at least 1.33x round_robin's"),
-                ">= 1.33x",
-                "not measured".into(),
-                None,
-            ));
+        let name = format!("fleet simulation: {HERO}'s capacity at the SLO on {w} is at least 1.33x round_robin's");
+        let Some(g) = fleet.iter().find(|g| g.workload == w) else {
+            out.push(check(name, ">= 1.33x", "not measured".into(), None));
             continue;
         };
-        let rates = |p: &str| file.value.capacity.iter().find(|(name, _)| name == p).map(|(_, c)| c.clone());
-        let (Some(hero), Some(rr)) = (rates(HERO), rates("round_robin")) else {
-            out.push(check(
-                format!("fleet simulation: {HERO}'s capacity at the SLO on {w} is at least 1.33x round_robin's"),
-                ">= 1.33x",
-                "a policy is missing".into(),
-                None,
-            ));
+        let ratios: Vec<(usize, f64)> = g.sizes().into_iter().filter_map(|n| g.ratio(HERO, "round_robin", n).map(|r| (n, r))).collect();
+        if ratios.is_empty() {
+            out.push(check(name, ">= 1.33x", "a policy is missing".into(), None));
             continue;
+        }
+        let seeds = match g.files.len() {
+            1 => "one seed".to_string(),
+            n => format!("summed over {n} seeds"),
         };
-        let ratios: Vec<(usize, f64)> = hero
-            .iter()
-            .filter_map(|h| {
-                rr.iter()
-                    .find(|r| r.replicas == h.replicas)
-                    .map(|r| (h.replicas, if r.rate > 0.0 { h.rate / r.rate } else { f64::INFINITY }))
-            })
-            .collect();
         out.push(check(
-            format!("fleet simulation: {HERO}'s capacity at the SLO on {w} is at least 1.33x round_robin's"),
+            name,
             ">= 1.33x at every size",
-            ratios.iter().map(|(n, r)| format!("{r:.2}x at {n}")).collect::<Vec<_>>().join(", "),
-            (!ratios.is_empty()).then(|| ratios.iter().all(|(_, r)| *r >= 1.33)),
+            format!("{} ({seeds})", ratios.iter().map(|(n, r)| format!("{r:.2}x at {n}")).collect::<Vec<_>>().join(", ")),
+            Some(ratios.iter().all(|(_, r)| *r >= 1.33)),
         ));
     }
     for w in ["w1", "mix"] {

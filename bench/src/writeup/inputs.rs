@@ -4,7 +4,7 @@
 //! Unknown fields are ignored; a missing or mistyped needed one is an error
 //! that names the file.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -103,6 +103,8 @@ pub struct FleetCapacity {
     pub commit: String,
     pub command: String,
     pub workload: Workload,
+    /// The seed of its workload, schedule and router.
+    pub seed: u64,
     pub slo_ttft_ms: f64,
     /// Per policy, the highest rate within the SLO at each replica count.
     pub capacity: Vec<(String, Vec<Capacity>)>,
@@ -110,6 +112,67 @@ pub struct FleetCapacity {
     /// Per policy, the replicas needed for `fixed_rate` (none found: `null`).
     #[serde(default)]
     pub replicas_needed: Vec<(String, Option<usize>)>,
+}
+
+/// One workload's fleet capacity searches, one per seed, in seed order.
+#[derive(Debug)]
+pub struct FleetWorkload<'a> {
+    pub workload: &'a str,
+    pub files: Vec<&'a Loaded<FleetCapacity>>,
+}
+
+impl FleetWorkload<'_> {
+    /// The searches grouped by workload, in the order each first appears.
+    pub fn group(capacity: &[Loaded<FleetCapacity>]) -> Vec<FleetWorkload<'_>> {
+        let mut out: Vec<FleetWorkload> = Vec::new();
+        for f in capacity {
+            let w = f.value.workload.workload.as_str();
+            match out.iter_mut().find(|g| g.workload == w) {
+                Some(g) => g.files.push(f),
+                None => out.push(FleetWorkload { workload: w, files: vec![f] }),
+            }
+        }
+        for g in &mut out {
+            g.files.sort_by_key(|f| f.value.seed);
+        }
+        out
+    }
+
+    /// Policies, in the order the searches name them.
+    pub fn policies(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = Vec::new();
+        for (p, _) in self.files.iter().flat_map(|f| &f.value.capacity) {
+            if !out.contains(&p.as_str()) {
+                out.push(p);
+            }
+        }
+        out
+    }
+
+    /// Fleet sizes searched.
+    pub fn sizes(&self) -> BTreeSet<usize> {
+        self.files.iter().flat_map(|f| &f.value.capacity).flat_map(|(_, c)| c.iter().map(|c| c.replicas)).collect()
+    }
+
+    /// `policy`'s capacity on `replicas` in one search.
+    fn rate(f: &FleetCapacity, policy: &str, replicas: usize) -> Option<f64> {
+        f.capacity.iter().find(|(p, _)| p == policy)?.1.iter().find(|c| c.replicas == replicas).map(|c| c.rate)
+    }
+
+    /// `policy`'s capacity on `replicas` on each seed that searched it.
+    pub fn rates(&self, policy: &str, replicas: usize) -> Vec<f64> {
+        self.files.iter().filter_map(|f| Self::rate(&f.value, policy, replicas)).collect()
+    }
+
+    /// `policy`'s capacity over `base`'s on `replicas`, summed over the
+    /// seeds that searched both: how much more traffic it serves on the
+    /// same fleet, one lucky seed weighing no more than its share.
+    pub fn ratio(&self, policy: &str, base: &str, replicas: usize) -> Option<f64> {
+        let pairs: Vec<(f64, f64)> =
+            self.files.iter().filter_map(|f| Self::rate(&f.value, policy, replicas).zip(Self::rate(&f.value, base, replicas))).collect();
+        let (p, b) = pairs.iter().fold((0.0, 0.0), |(p, b), (x, y)| (p + x, b + y));
+        (!pairs.is_empty()).then(|| if b > 0.0 { p / b } else { f64::INFINITY })
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -91,7 +91,7 @@ fn fixtures(name: &str, cost_model_p99_w1: f64, cost_model_capacity: f64) -> any
         &dir.join("fleet/capacity-w1.json"),
         &json!({
             "benchmark": "fleet-simulation", "commit": "def5678", "command": "inferrail-bench fleet --capacity", "workload": {"workload": "w1"},
-            "slo_ttft_ms": 2000.0, "capacity": [capacity("cost_model", 2.0), capacity("round_robin", 1.0)],
+            "seed": 1, "slo_ttft_ms": 2000.0, "capacity": [capacity("cost_model", 2.0), capacity("round_robin", 1.0)],
             "fixed_rate": 10.0, "replicas_needed": [["cost_model", 17], ["round_robin", 63]]
         }),
     )?;
@@ -191,6 +191,38 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
         "{md}"
     );
     assert!(md.contains("| cost_model | w1 | 3 | 1 | 1.40x | 1.1 | 7 | 150 | 60.0% |"), "{md}");
+    std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
+    Ok(())
+}
+
+#[test]
+fn fleet_capacity_over_seeds_is_compared_by_its_sums() -> anyhow::Result<()> {
+    let args = fixtures("seeds", 1000.0, 1.0)?;
+    let mix = |seed: u64, hero: f64, rr: f64| {
+        json!({
+            "benchmark": "fleet-simulation", "commit": "def5678", "command": format!("inferrail-bench fleet --capacity --seed {seed}"),
+            "workload": {"workload": "mix"}, "seed": seed, "slo_ttft_ms": 2000.0,
+            "capacity": [["cost_model", [{"replicas": 4, "rate": hero}]], ["round_robin", [{"replicas": 4, "rate": rr}]]],
+            "fixed_rate": null, "replicas_needed": []
+        })
+    };
+    let row = |md: &str| md.lines().find(|l| l.contains("capacity at the SLO on mix")).unwrap_or_default().to_owned();
+    // Seed 2 written first: the table and the commands go by seed all the same.
+    write(&args.fleet.join("capacity-mix-seed2.json"), &mix(2, 1.0, 1.0))?;
+    write(&args.fleet.join("capacity-mix-seed1.json"), &mix(1, 2.0, 1.0))?;
+    render(&args)?;
+    let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+    assert!(row(&md).contains("1.50x at 4 (summed over 2 seeds)") && row(&md).ends_with("| pass |"), "{}", row(&md));
+    assert!(md.contains("| cost_model | 1.50 (1.00\u{2013}2.00; 1.50x rr) |"), "{md}");
+    assert!(md.find("--seed 1`").zip(md.find("--seed 2`")).is_some_and(|(one, two)| one < two), "{md}");
+    // A third seed where round robin does better: seed 1 alone would still pass, the sums do not.
+    write(&args.fleet.join("capacity-mix-seed3.json"), &mix(3, 0.5, 1.5))?;
+    let failed = render(&args)?;
+    let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+    assert!(row(&md).contains("1.00x at 4 (summed over 3 seeds)") && row(&md).ends_with("| **FAIL** |"), "{}", row(&md));
+    assert!(failed.iter().any(|f| f.contains("capacity at the SLO on mix")), "{failed:?}");
+    // W1's single search is still read as one seed.
+    assert!(md.contains("2.00x at 4, 2.00x at 16 (one seed)"), "{md}");
     std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
     Ok(())
 }
