@@ -242,13 +242,15 @@ fn name(p: PolicyKind) -> String {
 /// One line per simulation, for the terminal.
 pub fn line(o: &Outcome) -> String {
     format!(
-        "{:<20} {:>4} replicas: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}%, {:.1} virtual s in {:.2} s",
+        "{:<20} {:>4} replicas: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}%, {:.1} virtual s in {:.2} s",
         o.policy,
         o.replicas,
         o.hit_rate * 100.0,
         o.replica_hit_rate.0 * 100.0,
         o.replica_hit_rate.1 * 100.0,
         o.busiest_share * 100.0,
+        o.prefixes_per_replica.0,
+        o.prefixes_per_replica.1,
         o.ttft.p50_ms,
         o.ttft.p90_ms,
         o.ttft.p99_ms,

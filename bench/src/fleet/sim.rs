@@ -90,6 +90,9 @@ pub struct Outcome {
     pub busiest_share: f64,
     /// The idlest replica's share of requests.
     pub idlest_share: f64,
+    /// How many shared prefixes a replica serves, on average over the
+    /// replicas, and on the replica that serves the most ([`prefixes_served`]).
+    pub prefixes_per_replica: (f64, f64),
     /// Time to first token from arrival.
     pub ttft: Latency,
     /// Where the slowest 1% of first tokens spent their time.
@@ -127,6 +130,42 @@ fn slowest(mut phases: Vec<[u64; 3]>, share: f64) -> Phases {
     Phases { requests: n, queued_ms: mean(0), kv_wait_ms: mean(1), prefill_ms: mean(2) }
 }
 
+/// Leading blocks that name a prompt's root prefix, as `cost_model`'s hot
+/// prefixes are named by default: a shared system prompt, not a template's
+/// opening tokens.
+const ROOT_BLOCKS: usize = 16;
+
+/// How many shared prefixes each replica serves, as (mean over the replicas
+/// that served any, highest): a replica's count is the effective number of
+/// root prefixes among its requests (the exponential of their entropy), 1
+/// for a replica that serves one prefix, 2 for one that serves two equally
+/// often, a little over 1 for one that served another prefix now and then.
+/// Only roots asked for more than once in the fleet count. On a fleet whose
+/// caches hold about one shared prompt each, a replica that serves two holds
+/// both and has room for fewer requests.
+fn prefixes_served<'a>(engines: impl Iterator<Item = &'a HashMap<u128, u64>> + Clone) -> (f64, f64) {
+    let mut total: HashMap<u128, u64> = HashMap::new();
+    for roots in engines.clone() {
+        for (&root, &n) in roots {
+            *total.entry(root).or_default() += n;
+        }
+    }
+    let counts: Vec<f64> = engines
+        .map(|roots| roots.iter().filter(|(r, _)| total.get(*r).is_some_and(|&t| t > 1)).map(|(_, &n)| n as f64).collect::<Vec<_>>())
+        .filter(|n| !n.is_empty())
+        .map(|mut n| {
+            // In one order: a map's varies from run to run, and sums of floats with it.
+            n.sort_by(f64::total_cmp);
+            let sum: f64 = n.iter().sum();
+            (-n.iter().map(|&x| x / sum * (x / sum).ln()).sum::<f64>()).exp()
+        })
+        .collect();
+    if counts.is_empty() {
+        return (0.0, 0.0);
+    }
+    (counts.iter().sum::<f64>() / counts.len() as f64, counts.iter().copied().fold(0.0, f64::max))
+}
+
 /// A request on its replica.
 struct Job {
     arrival_ns: u64,
@@ -154,6 +193,8 @@ struct Engine {
     requests: u64,
     prompt_tokens: u64,
     cached_tokens: u64,
+    /// Requests it started, by their prompt's root prefix.
+    roots: HashMap<u128, u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -214,6 +255,7 @@ pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item 
         replica_hit_rate: if replica_hits.is_empty() { (0.0, 0.0) } else { (min(&replica_hits), max(&replica_hits)) },
         busiest_share: max(&shares),
         idlest_share: if shares.is_empty() { 0.0 } else { min(&shares) },
+        prefixes_per_replica: prefixes_served(world.engines.iter().map(|e| &e.roots)),
         ttft: report::latency(std::mem::take(&mut world.ttft)),
         slowest: slowest(std::mem::take(&mut world.phases), 0.01),
         prediction_exact: if world.measured == 0 { 0.0 } else { world.exact as f64 / world.measured as f64 },
@@ -267,6 +309,7 @@ impl<'a> World<'a> {
                 requests: 0,
                 prompt_tokens: 0,
                 cached_tokens: 0,
+                roots: HashMap::new(),
             })
             .collect();
         Ok(Self {
@@ -400,6 +443,9 @@ impl<'a> World<'a> {
         engine.queue.pop_front();
         engine.prefilling = Some(j);
         engine.requests += 1;
+        if let Some(&root) = hashes.get(ROOT_BLOCKS - 1) {
+            *engine.roots.entry(root).or_default() += 1;
+        }
         engine.prompt_tokens += len as u64;
         engine.cached_tokens += cached as u64;
         self.measured += 1;

@@ -130,6 +130,32 @@ fn the_slowest_first_tokens_are_split_by_phase_and_wait_for_kv_room_only_in_a_sh
 }
 
 #[test]
+fn prefixes_per_replica_count_the_shared_prompts_each_replica_serves() {
+    // System prompts long enough to have a root prefix (16 blocks of 16).
+    let w1 = Spec { system_tokens: Span { min: 400, max: 800 }, ..small(Kind::W1) };
+    let blind = run(&w1, 3, PolicyKind::RoundRobin, 2.0, 600);
+    let hashed = run(&w1, 3, PolicyKind::PrefixHash, 2.0, 600);
+    // Round robin sends each of the six prompts everywhere, about equally.
+    assert!(blind.prefixes_per_replica.0 > 5.0, "{:?}", blind.prefixes_per_replica);
+    // Prefix hashing sends each prompt to one replica: the six are split among three.
+    assert!(hashed.prefixes_per_replica.1 <= 6.0 && hashed.prefixes_per_replica.0 <= 2.0 + 1e-9, "{:?}", hashed.prefixes_per_replica);
+    // One system prompt: one prefix on every replica, whatever the policy.
+    let one = Spec { system_prompts: 1, ..w1.clone() };
+    for policy in [PolicyKind::RoundRobin, PolicyKind::CostModel] {
+        let o = run(&one, 3, policy, 2.0, 300);
+        assert!(
+            (o.prefixes_per_replica.0 - 1.0).abs() < 1e-9 && (o.prefixes_per_replica.1 - 1.0).abs() < 1e-9,
+            "{policy:?} {:?}",
+            o.prefixes_per_replica
+        );
+    }
+    // Nothing shared: no prefix counts.
+    let w6 = Spec { system_tokens: Span { min: 400, max: 800 }, ..small(Kind::W6) };
+    let none = run(&w6, 3, PolicyKind::RoundRobin, 2.0, 100).prefixes_per_replica;
+    assert!(none.0.to_bits() == 0 && none.1.to_bits() == 0, "{none:?}");
+}
+
+#[test]
 fn capacity_search_ends_and_grows_with_the_fleet() {
     let spec = small(Kind::W1);
     let search = Search { slo_s: 2.0, tolerance: 0.1, guess_per_replica: 2.0 };
