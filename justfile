@@ -208,6 +208,20 @@ bench-fleet *args:
         done
     done
 
+# Capacity in the fleet simulation at the HTTP comparison's scale (3 and 4 replicas, its 1,100-block caches, time scale 0.1 and SLO, three seeds; about 10 minutes on one core). Results: bench/results/fleet/bench-scale/, read by the report.
+bench-fleet-scale *args:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail-bench
+    for seed in 1 2 3; do
+        for w in w1 mix; do
+            target/release/inferrail-bench fleet --capacity --workload "$w" --replicas 3,4 --requests 4000 --seed "$seed" \
+                --time-scale 0.1 --kv-blocks 1100 --slo-ttft-ms 200 \
+                --policy cost_model,round_robin,least_request,prefix_hash,kv_aware,sglang_cache_aware,dynamo_kv,gie_default \
+                --out "bench/results/fleet/bench-scale/capacity-$w-seed$seed.json" {{args}}
+        done
+    done
+
 # The report (bench/report/routing/report.md and its PNG charts) from the committed results: the full routing comparison (runs/<workload>) when it is there, else the quick one; fleet, prediction and the overhead ladder. Flags go to `inferrail-bench report`.
 bench-report *args: setup
     #!/usr/bin/env bash

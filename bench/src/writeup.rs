@@ -36,6 +36,10 @@ pub struct ReportArgs {
     /// Folder of fleet-simulation results (capacity searches are `capacity-*.json`).
     #[arg(long, default_value = "bench/results/fleet")]
     pub fleet: PathBuf,
+    /// Folder of fleet-simulation capacity searches at the HTTP comparison's
+    /// scale (`just bench-fleet-scale`); missing: left out.
+    #[arg(long, default_value = "bench/results/fleet/bench-scale")]
+    pub fleet_scale: PathBuf,
     /// Folders of `compare --capacity` results on real simulators (every
     /// `capacity-*.json` in them); a missing folder: not measured.
     #[arg(long, value_delimiter = ',', default_value = "bench/results/routing/capacity,bench/results/routing/capacity-cost-model")]
@@ -190,6 +194,7 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
     anyhow::ensure!(!compare_files.is_empty(), "no routing-compare results in {:?}", args.routing);
     let routing = Contenders::new(&compare_files);
     let capacity: Vec<Loaded<FleetCapacity>> = inputs::load_dir_having(&args.fleet, "fleet-simulation", "capacity")?;
+    let capacity_scaled: Vec<Loaded<FleetCapacity>> = inputs::load_dir_having(&args.fleet_scale, "fleet-simulation", "capacity")?;
     let real_capacity = inputs::load_capacities(&args.real_capacity)?;
     let validation: Vec<Loaded<FleetRuns>> = inputs::load_dir_having(&args.validation, "fleet-simulation", "runs")?;
     let accuracy = args.prediction.exists().then(|| inputs::load::<Accuracy>(&args.prediction)).transpose()?;
@@ -233,7 +238,12 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
         ladder_section(&mut md, &args.out_dir, l)?;
     }
     if !capacity.is_empty() {
-        capacity_section(&mut md, &args.out_dir, &capacity)?;
+        capacity_section(&mut md, &args.out_dir, ("Fleet simulation: capacity at the SLO", ""), "fleet-capacity.png", &capacity)?;
+    }
+    if !capacity_scaled.is_empty() {
+        let intro = "The same searches on fleets like the HTTP comparison's: 3 and 4 replicas, its caches and its time scale, so its SLO. They show what the three real simulators' capacity (above) would be on other seeds, and with a fourth replica.";
+        let heading = ("Fleet simulation at the comparison's scale", intro);
+        capacity_section(&mut md, &args.out_dir, heading, "fleet-capacity-bench-scale.png", &capacity_scaled)?;
     }
     validation::section(&mut md, &routing, &validation)?;
     std::fs::write(args.out_dir.join("report.md"), md)?;
@@ -535,8 +545,19 @@ fn ladder_section(md: &mut String, out: &Path, l: &Loaded<Ladder>) -> anyhow::Re
     Ok(())
 }
 
-fn capacity_section(md: &mut String, out: &Path, capacity: &[Loaded<FleetCapacity>]) -> anyhow::Result<()> {
-    writeln!(md, "## Fleet simulation: capacity at the SLO\n")?;
+/// Capacity searches of the fleet simulation, grouped by workload, under a
+/// heading (its title, and a paragraph unless empty), with the chart `png`.
+fn capacity_section(
+    md: &mut String,
+    out: &Path,
+    (title, intro): (&str, &str),
+    png: &str,
+    capacity: &[Loaded<FleetCapacity>],
+) -> anyhow::Result<()> {
+    writeln!(md, "## {title}\n")?;
+    if !intro.is_empty() {
+        writeln!(md, "{intro}\n")?;
+    }
     writeln!(md, "Source: {}.\n", sources(capacity.iter().map(|f| (f.path.as_path(), f.value.commit.as_str()))))?;
     let mut groups = Vec::new();
     let mut rows: Vec<BTreeMap<String, Bar>> = Vec::new();
@@ -625,16 +646,8 @@ fn capacity_section(md: &mut String, out: &Path, capacity: &[Loaded<FleetCapacit
         }
     }
     let values = rows.iter().map(|row| policies.iter().map(|p| row.get(p).copied()).collect()).collect();
-    charts::bars(
-        &out.join("fleet-capacity.png"),
-        &Bars {
-            title: "Capacity at the SLO per replica (fleet simulation)",
-            y_label: "req/s per replica",
-            groups,
-            series: policies,
-            values,
-        },
-    )?;
-    writeln!(md, "![Fleet capacity](fleet-capacity.png)\n")?;
+    let chart_title = format!("{title}: req/s per replica");
+    charts::bars(&out.join(png), &Bars { title: &chart_title, y_label: "req/s per replica", groups, series: policies, values })?;
+    writeln!(md, "![{title}]({png})\n")?;
     Ok(())
 }

@@ -95,6 +95,14 @@ fn fixtures(name: &str, cost_model_p99_w1: f64, cost_model_capacity: f64) -> any
             "fixed_rate": 10.0, "replicas_needed": [["cost_model", 17], ["round_robin", 63]]
         }),
     )?;
+    write(
+        &dir.join("fleet-scale/capacity-mix-seed1.json"),
+        &json!({
+            "benchmark": "fleet-simulation", "commit": "def5678", "command": "inferrail-bench fleet --capacity --time-scale 0.1", "workload": {"workload": "mix"},
+            "seed": 1, "slo_ttft_ms": 200.0, "capacity": [["cost_model", [{"replicas": 3, "rate": 7.0}]], ["round_robin", [{"replicas": 3, "rate": 5.6}]]],
+            "fixed_rate": null, "replicas_needed": []
+        }),
+    )?;
     for w in ["w1", "mix"] {
         // The comparison's 0.5 req/s is 70% of this.
         write(&dir.join(format!("capacity/capacity-{w}-round_robin.json")), &real_capacity(w, "round_robin", 0.714))?;
@@ -138,6 +146,7 @@ fn fixtures(name: &str, cost_model_p99_w1: f64, cost_model_capacity: f64) -> any
     Ok(ReportArgs {
         routing: vec![routing],
         fleet: dir.join("fleet"),
+        fleet_scale: dir.join("fleet-scale"),
         real_capacity: vec![dir.join("capacity"), dir.join("capacity-cost-model")],
         validation: dir.join("validation"),
         prediction: dir.join("prediction/accuracy.json"),
@@ -161,6 +170,7 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
     pngs.sort();
     let expected = [
         "busiest-share.png",
+        "fleet-capacity-bench-scale.png",
         "fleet-capacity.png",
         "hit-rate-engines.png",
         "hit-rate-usage.png",
@@ -183,6 +193,12 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
     assert!(md.contains("commit `abc1234`") && md.contains("commit `def5678`") && md.contains("commit `aaa1111`"));
     assert!(md.contains("| w1 | cost_model | 2 |") && md.contains("1005 (1000–1010)"), "{md}");
     assert!(md.contains("GPUs saved by cost_model against round_robin: 46 of 63"));
+    // The searches at the comparison's scale have a section of their own, outside the checks.
+    let scaled = md.split("## Fleet simulation at the comparison's scale").nth(1).unwrap_or_default();
+    assert!(
+        scaled.contains("| cost_model | 7.00 (1.25x rr) |") && scaled.contains("inferrail-bench fleet --capacity --time-scale 0.1"),
+        "{md}"
+    );
     assert!(failed.is_empty(), "{failed:?}");
     assert!(md.contains("| 4.8 ms (5.0 ms over straight to the simulators) | pass |"), "{md}");
     assert!(md.contains("ran at time scale 0.1 (every modelled duration times 0.1), with the SLO scaled alike: TTFT at most 200 ms and TPOT at most 10 ms (2000 ms and 100 ms at scale 1). Inferrail read each engine's load every 10 ms"), "{md}");
@@ -289,6 +305,7 @@ fn missing_folders_read_as_not_measured() -> anyhow::Result<()> {
     let gone = args.out_dir.with_file_name("nowhere");
     args.real_capacity = vec![gone.join("capacity"), gone.join("capacity-cost-model")];
     args.validation = gone.join("validation");
+    args.fleet_scale = gone.join("fleet-scale");
     render(&args)?;
     let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
     for w in ["w1", "mix"] {
@@ -299,6 +316,7 @@ fn missing_folders_read_as_not_measured() -> anyhow::Result<()> {
     assert!(md.contains("Not measured: the results hold no `compare --capacity` search"), "{md}");
     assert!(md.contains("Not measured: the results hold no fleet simulation of the comparison's requests"), "{md}");
     assert!(!args.out_dir.join("real-capacity.png").exists());
+    assert!(!md.contains("at the comparison's scale") && !args.out_dir.join("fleet-capacity-bench-scale.png").exists(), "{md}");
     std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
     Ok(())
 }
