@@ -193,7 +193,7 @@ bench-routing *args: setup setup-sglang
     done
     $bench report --routing "$(IFS=,; echo "${dirs[*]}")"
 
-# Capacity in the fleet simulation: for every policy, the highest arrival rate with p99 TTFT within 2 s on W1 and mix at 4, 16 and 64 replicas, on three seeds (about 11 minutes a seed on one core). Results: bench/results/fleet/capacity-<workload>-seed<seed>.json; the report compares policies by their mean over the seeds.
+# Capacity in the fleet simulation: for every policy, the highest arrival rate with p99 TTFT within 2 s on W1 and mix at 4, 16 and 64 replicas, on three seeds (about 11 minutes a seed on one core). Results: bench/results/fleet/capacity-<workload>-seed<seed>.json; the report compares policies by the ratio of their sums over the seeds.
 bench-fleet *args:
     #!/usr/bin/env bash
     set -euo pipefail

@@ -200,7 +200,9 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
     let accuracy = args.prediction.exists().then(|| inputs::load::<Accuracy>(&args.prediction)).transpose()?;
     let ladder = args.overhead.exists().then(|| inputs::load::<Ladder>(&args.overhead)).transpose()?;
 
-    let checks = checks::all(&routing, &capacity, &real_capacity, ladder.as_ref());
+    let fleet = FleetWorkload::group(&capacity)?;
+    let fleet_scaled = FleetWorkload::group(&capacity_scaled)?;
+    let checks = checks::all(&routing, &fleet, &real_capacity, ladder.as_ref());
     let mut md = String::new();
     writeln!(md, "# Inferrail benchmark report\n")?;
     writeln!(
@@ -237,13 +239,13 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
     if let Some(l) = &ladder {
         ladder_section(&mut md, &args.out_dir, l)?;
     }
-    if !capacity.is_empty() {
-        capacity_section(&mut md, &args.out_dir, ("Fleet simulation: capacity at the SLO", ""), "fleet-capacity.png", &capacity)?;
+    if !fleet.is_empty() {
+        capacity_section(&mut md, &args.out_dir, ("Fleet simulation: capacity at the SLO", ""), "fleet-capacity.png", &fleet)?;
     }
-    if !capacity_scaled.is_empty() {
+    if !fleet_scaled.is_empty() {
         let intro = "The same searches on fleets like the HTTP comparison's: 3 and 4 replicas, its caches and its time scale, so its SLO. They show what the three real simulators' capacity (above) would be on other seeds, and with a fourth replica.";
         let heading = ("Fleet simulation at the comparison's scale", intro);
-        capacity_section(&mut md, &args.out_dir, heading, "fleet-capacity-bench-scale.png", &capacity_scaled)?;
+        capacity_section(&mut md, &args.out_dir, heading, "fleet-capacity-bench-scale.png", &fleet_scaled)?;
     }
     validation::section(&mut md, &routing, &validation)?;
     std::fs::write(args.out_dir.join("report.md"), md)?;
@@ -547,22 +549,17 @@ fn ladder_section(md: &mut String, out: &Path, l: &Loaded<Ladder>) -> anyhow::Re
 
 /// Capacity searches of the fleet simulation, grouped by workload, under a
 /// heading (its title, and a paragraph unless empty), with the chart `png`.
-fn capacity_section(
-    md: &mut String,
-    out: &Path,
-    (title, intro): (&str, &str),
-    png: &str,
-    capacity: &[Loaded<FleetCapacity>],
-) -> anyhow::Result<()> {
+fn capacity_section(md: &mut String, out: &Path, (title, intro): (&str, &str), png: &str, fleet: &[FleetWorkload]) -> anyhow::Result<()> {
     writeln!(md, "## {title}\n")?;
     if !intro.is_empty() {
         writeln!(md, "{intro}\n")?;
     }
-    writeln!(md, "Source: {}.\n", sources(capacity.iter().map(|f| (f.path.as_path(), f.value.commit.as_str()))))?;
+    let files = fleet.iter().flat_map(|g| &g.files);
+    writeln!(md, "Source: {}.\n", sources(files.map(|f| (f.path.as_path(), f.value.commit.as_str()))))?;
     let mut groups = Vec::new();
     let mut rows: Vec<BTreeMap<String, Bar>> = Vec::new();
     let mut policies: Vec<String> = Vec::new();
-    for g in FleetWorkload::group(capacity) {
+    for g in fleet {
         for f in &g.files {
             writeln!(md, "Command: `{}`\n", f.value.command)?;
         }
@@ -598,7 +595,7 @@ fn capacity_section(
                     let b = bar(&rates);
                     let spread = b.spread.map_or(String::new(), |(lo, hi)| format!("{lo:.2}–{hi:.2}; "));
                     match g.ratio(policy, "round_robin", n) {
-                        Some(r) if r.is_finite() => format!("{:.2} ({spread}{r:.2}x rr)", b.value),
+                        Some((r, _)) if r.is_finite() => format!("{:.2} ({spread}{r:.2}x rr)", b.value),
                         _ => cell(b, |x| format!("{x:.2}")),
                     }
                 })
@@ -646,7 +643,7 @@ fn capacity_section(
         }
     }
     let values = rows.iter().map(|row| policies.iter().map(|p| row.get(p).copied()).collect()).collect();
-    let chart_title = format!("{title}: req/s per replica");
+    let chart_title = format!("{title} (req/s per replica)");
     charts::bars(&out.join(png), &Bars { title: &chart_title, y_label: "req/s per replica", groups, series: policies, values })?;
     writeln!(md, "![{title}]({png})\n")?;
     Ok(())

@@ -90,8 +90,8 @@ pub struct Outcome {
     pub busiest_share: f64,
     /// The idlest replica's share of requests.
     pub idlest_share: f64,
-    /// How many shared prefixes a replica serves, on average over the
-    /// replicas, and on the replica that serves the most ([`prefixes_served`]).
+    /// How many shared prefixes a replica serves: the mean over the replicas
+    /// that served any, and the most on one (see `prefixes_served`).
     pub prefixes_per_replica: (f64, f64),
     /// Time to first token from arrival.
     pub ttft: Latency,

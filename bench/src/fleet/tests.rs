@@ -137,8 +137,10 @@ fn prefixes_per_replica_count_the_shared_prompts_each_replica_serves() {
     let hashed = run(&w1, 3, PolicyKind::PrefixHash, 2.0, 600);
     // Round robin sends each of the six prompts everywhere, about equally.
     assert!(blind.prefixes_per_replica.0 > 5.0, "{:?}", blind.prefixes_per_replica);
-    // Prefix hashing sends each prompt to one replica: the six are split among three.
-    assert!(hashed.prefixes_per_replica.1 <= 6.0 && hashed.prefixes_per_replica.0 <= 2.0 + 1e-9, "{:?}", hashed.prefixes_per_replica);
+    // Prefix hashing sends each prompt to one replica: the six are split
+    // among three, at most two a replica on average.
+    assert!(hashed.prefixes_per_replica.0 <= 2.0 + 1e-9, "{:?}", hashed.prefixes_per_replica);
+    assert!(hashed.prefixes_per_replica.0 < blind.prefixes_per_replica.0 / 2.0);
     // One system prompt: one prefix on every replica, whatever the policy.
     let one = Spec { system_prompts: 1, ..w1.clone() };
     for policy in [PolicyKind::RoundRobin, PolicyKind::CostModel] {

@@ -4,7 +4,7 @@
 
 use super::real::find;
 use super::{Contenders, mean};
-use crate::writeup::inputs::{FleetCapacity, FleetWorkload, Ladder, Loaded, RealCapacity};
+use crate::writeup::inputs::{FleetWorkload, Ladder, Loaded, RealCapacity};
 
 /// One check's outcome.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,12 +43,7 @@ fn pct(x: f64) -> String {
 }
 
 /// Every check, in the order.
-pub fn all(
-    routing: &Contenders,
-    capacity: &[Loaded<FleetCapacity>],
-    real: &[Loaded<RealCapacity>],
-    ladder: Option<&Loaded<Ladder>>,
-) -> Vec<Check> {
+pub fn all(routing: &Contenders, fleet: &[FleetWorkload], real: &[Loaded<RealCapacity>], ladder: Option<&Loaded<Ladder>>) -> Vec<Check> {
     let mut out = Vec::new();
     let p99 = |w: &str, c: &str| routing.get(w, c).map(|runs| mean(runs.iter().map(|r| r.summary.ttft.p99_ms)));
     for w in ["w1", "mix", "hot", "w6"] {
@@ -111,28 +106,26 @@ pub fn all(
         busiest.map_or("not measured (no hot run)".into(), pct),
         busiest.map(|b| b <= 0.37),
     ));
-    let fleet = FleetWorkload::group(capacity);
     for w in ["w1", "mix"] {
         let name = format!("fleet simulation: {HERO}'s capacity at the SLO on {w} is at least 1.33x round_robin's");
         let Some(g) = fleet.iter().find(|g| g.workload == w) else {
             out.push(check(name, ">= 1.33x", "not measured".into(), None));
             continue;
         };
-        let ratios: Vec<(usize, f64)> = g.sizes().into_iter().filter_map(|n| g.ratio(HERO, "round_robin", n).map(|r| (n, r))).collect();
+        let ratios: Vec<(usize, f64, usize)> =
+            g.sizes().into_iter().filter_map(|n| g.ratio(HERO, "round_robin", n).map(|(r, k)| (n, r, k))).collect();
         if ratios.is_empty() {
             out.push(check(name, ">= 1.33x", "a policy is missing".into(), None));
             continue;
         }
-        let seeds = match g.files.len() {
-            1 => "one seed".to_string(),
-            n => format!("summed over {n} seeds"),
+        let seeds = |k: usize| if k == 1 { "one seed".to_string() } else { format!("summed over {k} seeds") };
+        let measured = if ratios.iter().all(|(_, _, k)| *k == ratios[0].2) {
+            let each: Vec<String> = ratios.iter().map(|(n, r, _)| format!("{r:.2}x at {n}")).collect();
+            format!("{} ({})", each.join(", "), seeds(ratios[0].2))
+        } else {
+            ratios.iter().map(|(n, r, k)| format!("{r:.2}x at {n} ({})", seeds(*k))).collect::<Vec<_>>().join(", ")
         };
-        out.push(check(
-            name,
-            ">= 1.33x at every size",
-            format!("{} ({seeds})", ratios.iter().map(|(n, r)| format!("{r:.2}x at {n}")).collect::<Vec<_>>().join(", ")),
-            Some(ratios.iter().all(|(_, r)| *r >= 1.33)),
-        ));
+        out.push(check(name, ">= 1.33x at every size", measured, Some(ratios.iter().all(|(_, r, _)| *r >= 1.33))));
     }
     for w in ["w1", "mix"] {
         let found = find(real, w, HERO).zip(find(real, w, "round_robin"));

@@ -122,20 +122,37 @@ pub struct FleetWorkload<'a> {
 }
 
 impl FleetWorkload<'_> {
-    /// The searches grouped by workload, in the order each first appears.
-    pub fn group(capacity: &[Loaded<FleetCapacity>]) -> Vec<FleetWorkload<'_>> {
+    /// The searches grouped by workload, in the order each first appears,
+    /// each group's by seed. A seed searched twice, or SLOs that differ
+    /// within a workload, are an error: summed, they would skew the ratio.
+    pub fn group(capacity: &[Loaded<FleetCapacity>]) -> anyhow::Result<Vec<FleetWorkload<'_>>> {
         let mut out: Vec<FleetWorkload> = Vec::new();
         for f in capacity {
             let w = f.value.workload.workload.as_str();
             match out.iter_mut().find(|g| g.workload == w) {
-                Some(g) => g.files.push(f),
+                Some(g) => {
+                    let other = g.files[0];
+                    anyhow::ensure!(
+                        g.files.iter().all(|o| o.value.seed != f.value.seed),
+                        "{} and another file both search {w} on seed {}",
+                        f.path.display(),
+                        f.value.seed
+                    );
+                    anyhow::ensure!(
+                        other.value.slo_ttft_ms == f.value.slo_ttft_ms,
+                        "{} and {} search {w} against different SLOs",
+                        f.path.display(),
+                        other.path.display()
+                    );
+                    g.files.push(f);
+                }
                 None => out.push(FleetWorkload { workload: w, files: vec![f] }),
             }
         }
         for g in &mut out {
             g.files.sort_by_key(|f| f.value.seed);
         }
-        out
+        Ok(out)
     }
 
     /// Policies, in the order the searches name them.
@@ -165,13 +182,18 @@ impl FleetWorkload<'_> {
     }
 
     /// `policy`'s capacity over `base`'s on `replicas`, summed over the
-    /// seeds that searched both: how much more traffic it serves on the
-    /// same fleet, one lucky seed weighing no more than its share.
-    pub fn ratio(&self, policy: &str, base: &str, replicas: usize) -> Option<f64> {
+    /// seeds that searched both, and how many did: how much more traffic it
+    /// serves on the same fleet, one lucky seed weighing no more than its
+    /// share. None where no seed searched both, or both served nothing.
+    pub fn ratio(&self, policy: &str, base: &str, replicas: usize) -> Option<(f64, usize)> {
         let pairs: Vec<(f64, f64)> =
             self.files.iter().filter_map(|f| Self::rate(&f.value, policy, replicas).zip(Self::rate(&f.value, base, replicas))).collect();
         let (p, b) = pairs.iter().fold((0.0, 0.0), |(p, b), (x, y)| (p + x, b + y));
-        (!pairs.is_empty()).then(|| if b > 0.0 { p / b } else { f64::INFINITY })
+        match (b > 0.0, p > 0.0) {
+            (true, _) => Some((p / b, pairs.len())),
+            (false, true) => Some((f64::INFINITY, pairs.len())),
+            (false, false) => None,
+        }
     }
 }
 

@@ -223,8 +223,8 @@ fn fleet_capacity_over_seeds_is_compared_by_its_sums() -> anyhow::Result<()> {
         })
     };
     let row = |md: &str| md.lines().find(|l| l.contains("capacity at the SLO on mix")).unwrap_or_default().to_owned();
-    // Seed 2 written first: the table and the commands go by seed all the same.
-    write(&args.fleet.join("capacity-mix-seed2.json"), &mix(2, 1.0, 1.0))?;
+    // Seed 2's file sorts first by name: the table and the commands go by seed all the same.
+    write(&args.fleet.join("capacity-mix-a.json"), &mix(2, 1.0, 1.0))?;
     write(&args.fleet.join("capacity-mix-seed1.json"), &mix(1, 2.0, 1.0))?;
     render(&args)?;
     let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
@@ -239,6 +239,20 @@ fn fleet_capacity_over_seeds_is_compared_by_its_sums() -> anyhow::Result<()> {
     assert!(failed.iter().any(|f| f.contains("capacity at the SLO on mix")), "{failed:?}");
     // W1's single search is still read as one seed.
     assert!(md.contains("2.00x at 4, 2.00x at 16 (one seed)"), "{md}");
+    // A seed that did not search round robin counts in the mean, not in the ratio.
+    let mut alone = mix(4, 9.0, 1.0);
+    if let Some(c) = alone["capacity"].as_array_mut() {
+        c.truncate(1);
+    }
+    write(&args.fleet.join("capacity-mix-seed4.json"), &alone)?;
+    render(&args)?;
+    let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+    assert!(row(&md).contains("1.00x at 4 (summed over 3 seeds)"), "{}", row(&md));
+    assert!(md.contains("| cost_model | 3.12 (0.50–9.00; 1.00x rr) |"), "{md}");
+    // The same seed twice would count twice: refused, naming the file.
+    write(&args.fleet.join("capacity-mix-seed4-again.json"), &mix(4, 1.0, 1.0))?;
+    let err = render(&args).err().map(|e| format!("{e:#}")).unwrap_or_default();
+    assert!(err.contains("both search mix on seed 4"), "{err}");
     std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
     Ok(())
 }
