@@ -185,7 +185,7 @@ async fn start(
         None => {
             let config = logs.join("inferrail.yaml");
             let ports = processes::RouterPorts { ext_proc: EXT_PROC, admin: ADMIN, admin_grpc: ADMIN_GRPC };
-            let yaml = processes::router_config(
+            let (yaml, parsed) = processes::router_config(
                 contender,
                 &args.tokenizer,
                 seed,
@@ -205,7 +205,7 @@ async fn start(
             std::fs::write(&envoy, processes::envoy_config("envoy/local.yaml", &moves)?)?;
             let flags = ["-c", &envoy.display().to_string(), "--disable-hot-restart", "--log-level", "warn", "--concurrency", "1"];
             fleet.spawn("envoy", logs, &args.programs.envoy, &flags.map(str::to_string))?;
-            Some(inferrail_config::Config::parse(&yaml).map_err(|e| anyhow::anyhow!("the router's config: {e}"))?.load.interval_ms)
+            Some(parsed.load.interval_ms)
         }
     };
     let hello = serde_json::json!({"model": "inferrail/sim-8b", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1});

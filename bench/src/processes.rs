@@ -131,7 +131,8 @@ impl KvEventPorts {
 /// followed by its KV events when `kv_events` has its ports (exact mode),
 /// with the time scale's policy parameters and `overrides` laid over them as
 /// the model's own. Checked as the router will check it, so a bad override
-/// fails here rather than as a router that never starts.
+/// fails here rather than as a router that never starts; returns the YAML
+/// and the configuration it reads as.
 pub fn router_config(
     policy: &str,
     tokenizer: &str,
@@ -140,7 +141,7 @@ pub fn router_config(
     sims: &[u16],
     (time_scale, overrides): (f64, Option<&serde_json::Value>),
     kv_events: Option<&[KvEventPorts]>,
-) -> anyhow::Result<String> {
+) -> anyhow::Result<(String, inferrail_config::Config)> {
     let events = |i: usize| match kv_events.and_then(|e| e.get(i)) {
         Some(KvEventPorts { publish, replay }) => {
             format!(", kv_events: {{endpoint: 'tcp://127.0.0.1:{publish}', replay_endpoint: 'tcp://127.0.0.1:{replay}'}}")
@@ -168,8 +169,8 @@ pub fn router_config(
          models:\n  - {{name: inferrail/sim-8b, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}{own}}}\n\
          replicas:\n{replicas}"
     );
-    inferrail_config::Config::parse(&yaml).map_err(|e| anyhow::anyhow!("the router's config: {e}"))?;
-    Ok(yaml)
+    let config = inferrail_config::Config::parse(&yaml).map_err(|e| anyhow::anyhow!("the router's config: {e}"))?;
+    Ok((yaml, config))
 }
 
 /// The arguments of `python` for SGLang's router with `policy` on `port`
@@ -203,15 +204,15 @@ mod tests {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let events = [KvEventPorts { publish: 7001, replay: 7101 }, KvEventPorts { publish: 7002, replay: 7102 }];
         let params = crate::timescale::params(0.1);
-        let yaml = router_config("cost_model", "builtin:sim", 1, ports, &[8001, 8002], (0.1, None), Some(&events))?;
-        let config = inferrail_config::Config::parse(&yaml)?;
+        let (yaml, config) = router_config("cost_model", "builtin:sim", 1, ports, &[8001, 8002], (0.1, None), Some(&events))?;
+        assert_eq!(inferrail_config::Config::parse(&yaml)?, config, "the YAML reads as the configuration returned");
         let ip = "127.0.0.1".parse()?;
         let second = config.event_source("sim-2", ip).expect("sim-2 follows events");
         assert_eq!((second.endpoint.as_str(), second.bind), ("tcp://127.0.0.1:7002", false), "the router connects");
         assert_eq!(second.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:7102"));
         assert_eq!(config.routing.policies, params);
         assert_eq!(config.load.interval_ms, 10, "the engines' load is read ten times as often at a tenth of the time");
-        let plain = inferrail_config::Config::parse(&router_config("cost_model", "builtin:sim", 1, ports, &[8001], (0.1, None), None)?)?;
+        let (_, plain) = router_config("cost_model", "builtin:sim", 1, ports, &[8001], (0.1, None), None)?;
         assert_eq!(plain.event_source("sim-1", ip), None, "no events: approximate mode");
         // The simulator binds what the router connects to, as vLLM does for `*`.
         let [flag, json] = events[1].sim_flags();
@@ -224,11 +225,11 @@ mod tests {
     #[test]
     fn policy_overrides_change_only_what_they_name_and_bad_ones_fail_before_the_router_starts() -> anyhow::Result<()> {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
-        let with = |over: &str| -> anyhow::Result<String> {
+        let with = |over: &str| -> anyhow::Result<inferrail_config::Config> {
             let over = crate::timescale::parse_overrides(over).map_err(anyhow::Error::msg)?;
-            router_config("cost_model", "builtin:sim", 1, ports, &[8001], (0.1, Some(&over)), None)
+            Ok(router_config("cost_model", "builtin:sim", 1, ports, &[8001], (0.1, Some(&over)), None)?.1)
         };
-        let config = inferrail_config::Config::parse(&with(r#"{"cost_model": {"share_weight": 0, "hot_prefix": {"enabled": false}}}"#)?)?;
+        let config = with(r#"{"cost_model": {"share_weight": 0, "hot_prefix": {"enabled": false}}}"#)?;
         let (base, p) = (crate::timescale::params(0.1), config.params(0).map_err(|e| anyhow::anyhow!(e.join("; ")))?);
         assert_eq!(p.cost_model.share_weight, 0.0);
         assert!(!p.cost_model.hot_prefix.enabled);

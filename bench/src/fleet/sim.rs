@@ -130,11 +130,6 @@ fn slowest(mut phases: Vec<[u64; 3]>, share: f64) -> Phases {
     Phases { requests: n, queued_ms: mean(0), kv_wait_ms: mean(1), prefill_ms: mean(2) }
 }
 
-/// Leading blocks that name a prompt's root prefix, as `cost_model`'s hot
-/// prefixes are named by default: a shared system prompt, not a template's
-/// opening tokens.
-const ROOT_BLOCKS: usize = 16;
-
 /// How many shared prefixes each replica serves, as (mean over the replicas
 /// that served any, highest): a replica's count is the effective number of
 /// root prefixes among its requests (the exponential of their entropy), 1
@@ -220,6 +215,10 @@ struct World<'a> {
     measured: usize,
     /// Each engine's last read load.
     reports: Vec<Report>,
+    /// Leading blocks that name a prompt's root prefix, as `cost_model`
+    /// names hot prefixes by default: a shared system prompt, not a
+    /// template's opening tokens.
+    root_blocks: usize,
 }
 
 /// Runs `arrivals` through a cold fleet routed by `policy`.
@@ -326,6 +325,7 @@ impl<'a> World<'a> {
             exact: 0,
             measured: 0,
             reports: vec![Report { at: Duration::ZERO, load: EngineReport { running: 0, waiting: 0, kv_usage: 0.0 } }; setup.replicas],
+            root_blocks: inferrail_policy::cost_model::HotPrefix::default().blocks,
         })
     }
 
@@ -443,7 +443,7 @@ impl<'a> World<'a> {
         engine.queue.pop_front();
         engine.prefilling = Some(j);
         engine.requests += 1;
-        if let Some(&root) = hashes.get(ROOT_BLOCKS - 1) {
+        if let Some(&root) = hashes.get(self.root_blocks - 1) {
             *engine.roots.entry(root).or_default() += 1;
         }
         engine.prompt_tokens += len as u64;
