@@ -29,6 +29,16 @@
 //!   that state. Pressure never turns a hit into a miss: the miss would take
 //!   more KV room elsewhere.
 //!
+//! Copies: when some replica holds the request's root prefix, one without
+//! it that was sent another root within `hot_prefix.window_secs` is charged
+//! `copy_weight` times the prefill of what it would compute. Its cache
+//! serves that other prefix, and a copy there evicts it or squeezes the
+//! requests running on it; an idle replica is not charged, nor is any for
+//! a root nobody holds (a first copy, or a prompt shared with none). Without
+//! the charge a miss next to a holder still computing its first copy looks
+//! as cheap as waiting for it, and early copies leave replicas holding two
+//! prefixes that each keep hitting.
+//!
 //! Hot prefixes: the requests for each root prefix (its first
 //! `hot_prefix.blocks` blocks) and for all of them are counted in a decaying
 //! count-min sketch ([`crate::sketch`]). A root asked for by more than
@@ -71,6 +81,8 @@ pub struct Config {
     pub session_affinity: bool,
     /// Conversations remembered for affinity (least recent forgotten first).
     pub sessions: usize,
+    /// Charged, in prefills of what it would compute, to a replica without the root prefix that serves another.
+    pub copy_weight: f64,
     /// Hot prefix replication.
     pub hot_prefix: HotPrefix,
 }
@@ -99,6 +111,7 @@ impl Default for Config {
             short_prompt_tokens: 256,
             session_affinity: false,
             sessions: 100_000,
+            copy_weight: 0.25,
             hot_prefix: HotPrefix::default(),
         }
     }
@@ -113,8 +126,12 @@ impl Default for HotPrefix {
 impl Config {
     pub(crate) fn validate(&self, at: &str, p: &mut Vec<String>) {
         let h = &self.hot_prefix;
-        let non_negative =
-            [("decode_interference_ms", self.decode_interference_ms), ("epsilon", self.epsilon), ("share_weight", self.share_weight)];
+        let non_negative = [
+            ("decode_interference_ms", self.decode_interference_ms),
+            ("epsilon", self.epsilon),
+            ("share_weight", self.share_weight),
+            ("copy_weight", self.copy_weight),
+        ];
         for (name, v) in non_negative {
             if !(v.is_finite() && v >= 0.0) {
                 p.push(format!("{at}.{name}: {v} is not a non-negative number"));
@@ -141,6 +158,33 @@ impl Config {
 /// Recent requests per replica before shares count: fewer say nothing of load.
 const MIN_SHARE_EVIDENCE: f64 = 4.0;
 
+/// Replicas whose recent roots are remembered (least recently sent to forgotten first).
+const REPLICAS_REMEMBERED: usize = 4_096;
+
+/// The two most recent distinct root prefixes sent to a replica, each with
+/// when it was last sent there: enough to tell whether it served a root
+/// other than a given one since some time.
+#[derive(Debug, Clone, Copy)]
+struct Roots {
+    last: (u128, Duration),
+    before: Option<(u128, Duration)>,
+}
+
+impl Roots {
+    fn sent(&mut self, root: u128, now: Duration) {
+        if self.last.0 != root {
+            self.before = Some(self.last);
+        }
+        self.last = (root, now);
+    }
+
+    /// Whether a root other than `root` was sent there at or after `since`.
+    fn other_since(&self, root: u128, since: Duration) -> bool {
+        let other = if self.last.0 != root { Some(self.last) } else { self.before };
+        other.is_some_and(|(_, at)| at >= since)
+    }
+}
+
 /// See the module doc.
 #[derive(Debug)]
 pub struct CostModel {
@@ -150,6 +194,8 @@ pub struct CostModel {
     /// Requests each replica took recently, by key.
     taken: Mutex<Sketch>,
     sessions: Mutex<LruCache<String, u64>>,
+    /// Roots each replica was sent recently, by key.
+    roots: Mutex<LruCache<u64, Roots>>,
 }
 
 impl CostModel {
@@ -163,6 +209,7 @@ impl CostModel {
             demand: Mutex::new(Sketch::new(half_life)),
             taken: Mutex::new(Sketch::new(half_life)),
             sessions: Mutex::new(LruCache::new(sessions)),
+            roots: Mutex::new(LruCache::new(NonZeroUsize::new(REPLICAS_REMEMBERED).unwrap_or(NonZeroUsize::MIN))),
         }
     }
 
@@ -187,7 +234,7 @@ impl CostModel {
         let queue = c.queued_prefill_secs;
         let decode = self.config.decode_interference_ms * 1e-3 * f64::from(c.running());
         let prefill = prompt.map_or(0.0, |n| self.prefill.secs(n.saturating_sub(cached), cached.min(n)));
-        Score { total: queue + decode + prefill, terms: [queue, decode, prefill, 0.0, 0.0] }
+        Score { total: queue + decode + prefill, terms: [queue, decode, prefill, 0.0, 0.0, 0.0] }
     }
 }
 
@@ -197,7 +244,7 @@ impl RoutingPolicy for CostModel {
     }
 
     fn terms(&self) -> &'static [&'static str] {
-        &["queue", "decode", "prefill", "hot_credit", "share"]
+        &["queue", "decode", "prefill", "hot_credit", "share", "copy"]
     }
 
     fn guard(&self, req: &Request, c: &[Candidate], aside: &mut [Option<SetAside>]) -> Option<&'static str> {
@@ -264,8 +311,20 @@ impl RoutingPolicy for CostModel {
             *s = self.estimate(&c[i], req.prompt_tokens, c[i].cached_tokens);
         }
         if let Some((root, root_tokens)) = self.root(req) {
-            let owners = self.owners(root, offered.len()).min(offered.len());
+            // The copy term, for a root held somewhere, before the hot
+            // credit: a credited replica is priced as a holder.
+            let since = req.now.saturating_sub(Duration::from_secs_f64(self.config.hot_prefix.window_secs));
+            let roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
             let holders = offered.iter().filter(|&&i| c[i].cached_tokens >= root_tokens).count();
+            for (s, &i) in out.iter_mut().zip(offered) {
+                if holders > 0 && c[i].cached_tokens < root_tokens && roots.peek(&c[i].key).is_some_and(|r| r.other_since(root, since)) {
+                    let copy = self.config.copy_weight * s.terms[2];
+                    s.terms[5] = copy;
+                    s.total += copy;
+                }
+            }
+            drop(roots);
+            let owners = self.owners(root, offered.len()).min(offered.len());
             // A hot root held somewhere: the least loaded replicas without it
             // (queue, decode and share) are priced as if they held it too, up
             // to its owners. A root nobody holds, or one that is not hot, is
@@ -284,7 +343,7 @@ impl RoutingPolicy for CostModel {
                 for k in others.into_iter().take(owners - holders) {
                     let credited = self.estimate(&c[offered[k]], req.prompt_tokens, held);
                     let saved = out[k].total - credited.total;
-                    out[k] = Score { terms: [credited.terms[0], credited.terms[1], credited.terms[2], saved, 0.0], ..credited };
+                    out[k] = Score { terms: [credited.terms[0], credited.terms[1], credited.terms[2], saved, 0.0, 0.0], ..credited };
                 }
             }
         }
@@ -307,6 +366,13 @@ impl RoutingPolicy for CostModel {
         self.taken.lock().unwrap_or_else(|p| p.into_inner()).add(u128::from(c[winner].key), 1.0, req.now);
         if let Some((root, _)) = self.root(req) {
             self.demand.lock().unwrap_or_else(|p| p.into_inner()).add(root, 1.0, req.now);
+            let mut roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
+            match roots.get_mut(&c[winner].key) {
+                Some(r) => r.sent(root, req.now),
+                None => {
+                    roots.put(c[winner].key, Roots { last: (root, req.now), before: None });
+                }
+            }
         }
         if self.config.session_affinity
             && let Some(session) = req.session

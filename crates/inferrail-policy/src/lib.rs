@@ -123,13 +123,13 @@ pub struct Score {
     /// What ranks it.
     pub total: f64,
     /// Its parts, for explanations and logs.
-    pub terms: [f64; 5],
+    pub terms: [f64; 6],
 }
 
 impl Score {
     /// A score that is its only term.
     pub fn single(total: f64) -> Self {
-        Self { total, terms: [total, 0.0, 0.0, 0.0, 0.0] }
+        Self { total, terms: [total, 0.0, 0.0, 0.0, 0.0, 0.0] }
     }
 }
 

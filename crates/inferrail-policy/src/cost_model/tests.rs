@@ -258,3 +258,52 @@ fn a_hot_root_whose_holders_keep_up_is_not_copied() {
     p.score(&req(4_000), &c, &[0, 1, 2, 3], &mut r, &mut scores);
     assert!(scores.iter().all(|s| s.terms[3] == 0.0), "no credit while the holders keep up: {scores:?}");
 }
+
+#[test]
+fn a_miss_is_charged_for_a_copy_next_to_another_root_but_not_on_an_idle_replica() {
+    let p = policy(Config::default());
+    let a: &'static [u128] = (1..=40).collect::<Vec<_>>().leak();
+    let b: &'static [u128] = (101..=140).collect::<Vec<_>>().leak();
+    let req = |t_s: u64, blocks: &'static [u128]| Request {
+        now: Duration::from_secs(t_s),
+        prompt_tokens: Some(700),
+        blocks,
+        block_size: 16,
+        ..Request::default()
+    };
+    let mut r = rng(6);
+    // Replica 0 holds root A behind a queue that costs a tenth of a prefill
+    // more than computing the prompt on an idle replica; replica 1 was just
+    // sent root B, replica 2 nothing.
+    let mut c = fleet(&[0, 0, 0]);
+    c[0].cached_tokens = 640;
+    let full = Prefill::default().secs(700, 0);
+    let hit = Prefill::default().secs(60, 640);
+    c[0].queued_prefill_secs = 1.1 * full - hit;
+    p.picked(&req(10, b), &c, 1);
+    let mut scores = vec![Score::default(); 3];
+    p.score(&req(11, a), &c, &[0, 1, 2], &mut r, &mut scores);
+    assert_eq!(scores[0].terms[5], 0.0, "the holder copies nothing: {scores:?}");
+    assert!((scores[1].terms[5] - 0.25 * full).abs() < 1e-12, "a quarter of the prefill it would compute: {scores:?}");
+    assert_eq!(scores[2].terms[5], 0.0, "an idle replica serves no other root: {scores:?}");
+    assert_eq!(decide(&p, &req(11, a), &c, &mut r).unwrap()[0], 2, "the copy goes where it evicts nothing");
+    // A root nobody holds is no copy: a first placement, or a prompt shared with none.
+    let mut unheld = c.clone();
+    unheld[0].cached_tokens = 0;
+    p.score(&req(11, a), &unheld, &[0, 1, 2], &mut r, &mut scores);
+    assert!(scores.iter().all(|s| s.terms[5] == 0.0), "{scores:?}");
+    // Once replica 2 serves B too, waiting for the holder is cheaper than either copy.
+    p.picked(&req(12, b), &c, 2);
+    assert_eq!(decide(&p, &req(13, a), &c, &mut r).unwrap()[0], 0);
+    // A replica sent A after B still serves B; past the window, B is forgotten.
+    p.picked(&req(14, a), &c, 1);
+    p.score(&req(15, a), &c, &[0, 1, 2], &mut r, &mut scores);
+    assert!(scores[1].terms[5] > 0.0, "{scores:?}");
+    p.score(&req(12 + 61, a), &c, &[0, 1, 2], &mut r, &mut scores);
+    assert_eq!((scores[1].terms[5], scores[2].terms[5]), (0.0, 0.0), "B was last sent over a minute before: {scores:?}");
+    // Without the charge, the first copy is as likely to land next to B as not.
+    let blind = policy(Config { copy_weight: 0.0, ..Config::default() });
+    blind.picked(&req(10, b), &c, 1);
+    blind.score(&req(11, a), &c, &[0, 1, 2], &mut r, &mut scores);
+    assert_eq!(scores[1].total, scores[2].total, "{scores:?}");
+}
