@@ -159,7 +159,7 @@ impl Config {
 const MIN_SHARE_EVIDENCE: f64 = 4.0;
 
 /// Replicas whose recent roots are remembered (least recently sent to forgotten first).
-const REPLICAS_REMEMBERED: usize = 4_096;
+const REPLICAS_REMEMBERED: NonZeroUsize = NonZeroUsize::new(4_096).unwrap();
 
 /// The two most recent distinct root prefixes sent to a replica, each with
 /// when it was last sent there: enough to tell whether it served a root
@@ -209,7 +209,7 @@ impl CostModel {
             demand: Mutex::new(Sketch::new(half_life)),
             taken: Mutex::new(Sketch::new(half_life)),
             sessions: Mutex::new(LruCache::new(sessions)),
-            roots: Mutex::new(LruCache::new(NonZeroUsize::new(REPLICAS_REMEMBERED).unwrap_or(NonZeroUsize::MIN))),
+            roots: Mutex::new(LruCache::new(REPLICAS_REMEMBERED)),
         }
     }
 
@@ -313,17 +313,18 @@ impl RoutingPolicy for CostModel {
         if let Some((root, root_tokens)) = self.root(req) {
             // The copy term, for a root held somewhere, before the hot
             // credit: a credited replica is priced as a holder.
-            let since = req.now.saturating_sub(Duration::from_secs_f64(self.config.hot_prefix.window_secs));
-            let roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
             let holders = offered.iter().filter(|&&i| c[i].cached_tokens >= root_tokens).count();
-            for (s, &i) in out.iter_mut().zip(offered) {
-                if holders > 0 && c[i].cached_tokens < root_tokens && roots.peek(&c[i].key).is_some_and(|r| r.other_since(root, since)) {
-                    let copy = self.config.copy_weight * s.terms[2];
-                    s.terms[5] = copy;
-                    s.total += copy;
+            if holders > 0 {
+                let since = req.now.saturating_sub(Duration::from_secs_f64(self.config.hot_prefix.window_secs));
+                let roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
+                for (s, &i) in out.iter_mut().zip(offered) {
+                    if c[i].cached_tokens < root_tokens && roots.peek(&c[i].key).is_some_and(|r| r.other_since(root, since)) {
+                        let copy = self.config.copy_weight * s.terms[2];
+                        s.terms[5] = copy;
+                        s.total += copy;
+                    }
                 }
             }
-            drop(roots);
             let owners = self.owners(root, offered.len()).min(offered.len());
             // A hot root held somewhere: the least loaded replicas without it
             // (queue, decode and share) are priced as if they held it too, up
@@ -367,12 +368,7 @@ impl RoutingPolicy for CostModel {
         if let Some((root, _)) = self.root(req) {
             self.demand.lock().unwrap_or_else(|p| p.into_inner()).add(root, 1.0, req.now);
             let mut roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
-            match roots.get_mut(&c[winner].key) {
-                Some(r) => r.sent(root, req.now),
-                None => {
-                    roots.put(c[winner].key, Roots { last: (root, req.now), before: None });
-                }
-            }
+            roots.get_or_insert_mut(c[winner].key, || Roots { last: (root, req.now), before: None }).sent(root, req.now);
         }
         if self.config.session_affinity
             && let Some(session) = req.session

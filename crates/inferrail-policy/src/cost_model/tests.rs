@@ -9,6 +9,11 @@ fn policy(config: Config) -> CostModel {
     CostModel::new(config, Prefill::default())
 }
 
+/// A 700-token prompt at `now` whose blocks are `blocks` (16 tokens each).
+fn rooted(now: Duration, blocks: &'static [u128]) -> Request<'static> {
+    Request { now, prompt_tokens: Some(700), blocks, block_size: 16, ..Request::default() }
+}
+
 #[test]
 fn a_cached_replica_behind_a_long_queue_loses_to_an_idle_cold_one_and_wins_once_the_cold_one_is_busier() {
     // The design's worked example: 8,000 prompt tokens, 6,000 of them cached on replica 0.
@@ -138,13 +143,7 @@ fn a_hot_root_prefix_gets_more_owners_and_a_cold_one_stays_on_its_holder() {
     let mut c = fleet(&[0, 0, 0, 0]);
     c[0].cached_tokens = 640;
     let mut r = rng(3);
-    let at = |t_ms: u64, blocks: &'static [u128]| Request {
-        now: Duration::from_millis(t_ms),
-        prompt_tokens: Some(700),
-        blocks,
-        block_size: 16,
-        ..Request::default()
-    };
+    let at = |t_ms: u64, blocks: &'static [u128]| rooted(Duration::from_millis(t_ms), blocks);
     let (hot, cold): (&'static [u128], &'static [u128]) = (hot.leak(), cold.leak());
     assert_eq!(decide(&p, &at(0, hot), &c, &mut r).unwrap()[0], 0, "not hot yet: the holder wins");
     // Four requests in five ask for the hot root: 3.2 replicas' fair shares of 4; the cold one asks for 0.8.
@@ -240,13 +239,7 @@ fn a_hot_root_whose_holders_keep_up_is_not_copied() {
     c[0].cached_tokens = 640;
     c[1].cached_tokens = 640;
     let mut r = rng(4);
-    let req = |t_ms: u64| Request {
-        now: Duration::from_millis(t_ms),
-        prompt_tokens: Some(700),
-        blocks: hot,
-        block_size: 16,
-        ..Request::default()
-    };
+    let req = |t_ms: u64| rooted(Duration::from_millis(t_ms), hot);
     // Every request asks for the root (4 fair shares of 4: 4 owners), but
     // the requests went evenly to all four replicas: the two holders take
     // their fair share, no more.
@@ -264,13 +257,7 @@ fn a_miss_is_charged_for_a_copy_next_to_another_root_but_not_on_an_idle_replica(
     let p = policy(Config::default());
     let a: &'static [u128] = (1..=40).collect::<Vec<_>>().leak();
     let b: &'static [u128] = (101..=140).collect::<Vec<_>>().leak();
-    let req = |t_s: u64, blocks: &'static [u128]| Request {
-        now: Duration::from_secs(t_s),
-        prompt_tokens: Some(700),
-        blocks,
-        block_size: 16,
-        ..Request::default()
-    };
+    let req = |t_s: u64, blocks: &'static [u128]| rooted(Duration::from_secs(t_s), blocks);
     let mut r = rng(6);
     // Replica 0 holds root A behind a queue that costs a tenth of a prefill
     // more than computing the prompt on an idle replica; replica 1 was just
