@@ -12,7 +12,9 @@
 //!
 //! A replica in exact mode has no shadow in use: the engine's events say what
 //! it holds, and the requests the router sent and the engine has not
-//! reported claim their prompt blocks until they complete (ADR 0012). Either
+//! reported claim their prompt blocks until they complete (ADR 0012); the
+//! blocks those requests will evict before a new one starts are absent
+//! (ADR 0020). Either
 //! way the holder map is the one lookup reads, so a lookup costs the same in
 //! both modes.
 

@@ -21,8 +21,23 @@
 //! each prompt block of a recorded request counts as held until that request
 //! completes or is taken back, whatever the engine says meanwhile. A block is
 //! present for routing when the engine holds it or a live request claims it.
+//!
+//! Claims also say what the engine is about to evict (ADR 0020). The claimed
+//! blocks the engine does not hold, and one block for each live request (its
+//! prompt's partial last block, then the one it generates into), are what
+//! the requests sent will allocate before a request sent now starts; past
+//! the cache's empty room each allocation evicts the least recently freed
+//! block. So the view keeps the held blocks no request claims in the
+//! engine's eviction order and presents the ones those allocations will take
+//! as absent: a request sent now would not find them. The order follows the
+//! engine's frees: a request's claim ends with its blocks freed last first,
+//! what it generated (the blocks stored after its claimed ones) just before
+//! its prompt; a block stored after one nobody claims goes just before it.
+//! So a block's descendants are always evicted before it, and what is
+//! presented is still whole prefixes.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use foldhash::fast::FixedState;
 
@@ -155,14 +170,39 @@ impl TierBlocks {
     }
 }
 
+/// Where a free block stands in the engine's eviction order: released at
+/// `tick`, deepest first within a tick.
+type Stamp = (u64, Reverse<u32>);
+
 /// A replica's exact view; see the module doc.
 #[derive(Debug)]
 pub(super) struct Exact {
     block_size: usize,
+    /// Blocks in the engine's cache.
+    capacity: usize,
     /// The routing tier first, the others as they appear.
     tiers: Vec<TierBlocks>,
     /// Router hash -> live requests claiming it.
     claims: HashMap<BlockHash, u32, FoldState>,
+    /// Claimed blocks the routing tier does not hold: what the requests sent will allocate.
+    unheld: usize,
+    /// Live requests: each also holds or will take a block no event names
+    /// (its prompt's partial last block, then the one it generates into).
+    live: usize,
+    /// The routing tier's blocks no request claims, first to be evicted first.
+    free: BTreeSet<(Stamp, BlockHash)>,
+    /// Each free block's stamp.
+    stamps: HashMap<BlockHash, Stamp, FoldState>,
+    /// The free blocks the requests sent will evict: held, but absent for routing.
+    doomed: HashSet<BlockHash, FoldState>,
+    /// Free blocks stored after a claimed block (a request's generated
+    /// tokens), by that block: the engine frees them with the request, just
+    /// before its prompt, so they are stamped again when its claim ends.
+    trailing: HashMap<BlockHash, Vec<BlockHash>, FoldState>,
+    /// The claimed block each trailing block follows.
+    anchor: HashMap<BlockHash, BlockHash, FoldState>,
+    /// The last tick given out.
+    tick: u64,
 }
 
 /// A change in what the routing tier presents: the block, and whether it is now present.
@@ -172,7 +212,20 @@ impl Exact {
     /// An empty view of a cache of `blocks` blocks of `block_size` tokens
     /// (room for them is taken at once, up to 65,536).
     pub(super) fn new(block_size: usize, blocks: usize) -> Self {
-        Self { block_size, tiers: vec![TierBlocks::new(Tier::ROUTING, blocks.min(1 << 16))], claims: HashMap::default() }
+        Self {
+            block_size,
+            capacity: blocks,
+            tiers: vec![TierBlocks::new(Tier::ROUTING, blocks.min(1 << 16))],
+            claims: HashMap::default(),
+            unheld: 0,
+            live: 0,
+            free: BTreeSet::new(),
+            stamps: HashMap::default(),
+            doomed: HashSet::default(),
+            trailing: HashMap::default(),
+            anchor: HashMap::default(),
+            tick: 0,
+        }
     }
 
     /// Tokens per block.
@@ -182,14 +235,16 @@ impl Exact {
 
     /// Applies one event, pushing the routing tier's changes to `changes`.
     pub(super) fn apply(&mut self, event: &Event<'_>, changes: &mut Vec<Change>) -> Result<(), EventError> {
-        match event {
+        let applied = match event {
             Event::Stored(s) => self.store(s, changes),
             Event::Removed { hashes, tier } => self.remove(hashes, *tier, changes),
             Event::Cleared => {
                 self.clear(changes);
                 Ok(())
             }
-        }
+        };
+        self.settle(changes);
+        applied
     }
 
     fn store(&mut self, s: &Stored<'_>, changes: &mut Vec<Change>) -> Result<(), EventError> {
@@ -224,6 +279,8 @@ impl Exact {
             chain.push(router);
         }
         let mut child_added = false;
+        // Blocks the routing tier did not hold under any engine hash, for the eviction order.
+        let mut fresh = vec![false; chain.len()];
         for (i, (&e, &router)) in s.hashes.iter().zip(&chain).enumerate().rev() {
             let added = match engine.entry(e) {
                 std::collections::hash_map::Entry::Occupied(mut b) => {
@@ -237,8 +294,11 @@ impl Exact {
                     v.insert(Block { router, parent: up, copies: 1, children: u32::from(child_added), depth: depth + i as u32 });
                     let n = routed.entry(router).or_insert(0);
                     *n += 1;
-                    if routing && *n == 1 && !self.claims.contains_key(&router) {
-                        changes.push((router, true));
+                    if routing && *n == 1 {
+                        fresh[i] = true;
+                        if !self.claims.contains_key(&router) {
+                            changes.push((router, true));
+                        }
                     }
                     true
                 }
@@ -249,7 +309,50 @@ impl Exact {
         if child_added && let Some(b) = parent.and_then(|p| engine.get_mut(&p)) {
             b.children += 1;
         }
+        if routing {
+            let before = parent.and_then(|p| self.tiers[0].engine.get(&p)).map(|b| b.router);
+            self.stored_free(before, &chain, &fresh, depth);
+        }
         Ok(())
+    }
+
+    /// Newly held blocks of one chain enter the eviction order, or stop
+    /// counting as allocations to come when claimed. A free block goes just
+    /// before the free block it follows (same tick, deeper), so it is
+    /// evicted first; after a claimed block or none, at a new tick.
+    fn stored_free(&mut self, before: Option<BlockHash>, chain: &[BlockHash], fresh: &[bool], depth: u32) {
+        let mut tick = before.and_then(|h| self.stamps.get(&h)).map(|s| s.0);
+        let mut prev = before;
+        for (i, (&h, &fresh)) in chain.iter().zip(fresh).enumerate() {
+            if fresh && self.claims.contains_key(&h) {
+                self.unheld = self.unheld.saturating_sub(1);
+            } else if fresh {
+                let t = *tick.get_or_insert_with(|| {
+                    self.tick += 1;
+                    self.tick
+                });
+                let stamp = (t, Reverse(depth + i as u32));
+                self.stamps.insert(h, stamp);
+                self.free.insert((stamp, h));
+                // After a claimed block, or after a block that follows one.
+                let anchor = prev.and_then(|p| if self.claims.contains_key(&p) { Some(p) } else { self.anchor.get(&p).copied() });
+                if let Some(a) = anchor {
+                    self.anchor.insert(h, a);
+                    self.trailing.entry(a).or_default().push(h);
+                }
+            } else {
+                tick = self.stamps.get(&h).map(|s| s.0);
+            }
+            prev = Some(h);
+        }
+    }
+
+    /// A free block leaves the eviction order (claimed, or no longer held).
+    fn unfree(&mut self, h: BlockHash) {
+        if let Some(stamp) = self.stamps.remove(&h) {
+            self.free.remove(&(stamp, h));
+        }
+        self.anchor.remove(&h);
     }
 
     fn remove(&mut self, hashes: &[u64], tier: Tier<'_>, changes: &mut Vec<Change>) -> Result<(), EventError> {
@@ -276,8 +379,12 @@ impl Exact {
                 *n -= 1;
                 if *n == 0 {
                     routed.remove(&b.router);
-                    if routing && !self.claims.contains_key(&b.router) {
+                    if routing && self.claims.contains_key(&b.router) {
+                        self.unheld += 1;
+                    } else if routing {
                         changes.push((b.router, false));
+                        self.unfree(b.router);
+                        self.doomed.remove(&b.router);
                     }
                 }
             }
@@ -291,6 +398,12 @@ impl Exact {
             tb.engine.clear();
             tb.routed.clear();
         }
+        self.unheld = self.claims.len();
+        self.free.clear();
+        self.stamps.clear();
+        self.doomed.clear();
+        self.trailing.clear();
+        self.anchor.clear();
     }
 
     /// The tier's index, added empty when new.
@@ -304,32 +417,81 @@ impl Exact {
         }
     }
 
-    /// A request routed here claims its prompt's blocks.
+    /// A request routed here claims its prompt's blocks: the held ones leave
+    /// the eviction order, the others are allocations to come.
     pub(super) fn claim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) {
+        self.live += 1;
         for &h in keys {
             let n = self.claims.entry(h).or_insert(0);
             *n += 1;
-            if *n == 1 && !self.tiers[0].routed.contains_key(&h) {
-                changes.push((h, true));
+            if *n > 1 {
+                continue;
             }
-        }
-    }
-
-    /// The request completed or was taken back: its claims end.
-    pub(super) fn unclaim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) {
-        for h in keys {
-            let Some(n) = self.claims.get_mut(h) else { continue };
-            *n -= 1;
-            if *n == 0 {
-                self.claims.remove(h);
-                if !self.tiers[0].routed.contains_key(h) {
-                    changes.push((*h, false));
+            if !self.tiers[0].routed.contains_key(&h) {
+                self.unheld += 1;
+                changes.push((h, true));
+            } else if self.stamps.contains_key(&h) {
+                self.unfree(h);
+                if self.doomed.remove(&h) {
+                    changes.push((h, true));
                 }
             }
         }
+        self.settle(changes);
     }
 
-    /// Every block present for routing: held or claimed.
+    /// The request completed or was taken back: its claims end. The engine
+    /// frees a request's blocks last first, so its held blocks enter the
+    /// eviction order at a new tick, deepest first.
+    pub(super) fn unclaim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) {
+        self.live = self.live.saturating_sub(1);
+        self.tick += 1;
+        for (depth, h) in keys.iter().enumerate() {
+            let Some(n) = self.claims.get_mut(h) else { continue };
+            *n -= 1;
+            if *n > 0 {
+                continue;
+            }
+            self.claims.remove(h);
+            // What the request generated after this block goes with it, first.
+            for t in self.trailing.remove(h).unwrap_or_default() {
+                if let Some(old) = self.stamps.get(&t).copied().filter(|_| self.anchor.get(&t) == Some(h)) {
+                    self.free.remove(&(old, t));
+                    let stamp = (self.tick, old.1);
+                    self.stamps.insert(t, stamp);
+                    self.free.insert((stamp, t));
+                    self.anchor.remove(&t);
+                }
+            }
+            if self.tiers[0].routed.contains_key(h) {
+                let stamp = (self.tick, Reverse(depth as u32));
+                self.stamps.insert(*h, stamp);
+                self.free.insert((stamp, *h));
+            } else {
+                self.unheld = self.unheld.saturating_sub(1);
+                changes.push((*h, false));
+            }
+        }
+        self.settle(changes);
+    }
+
+    /// Presents as absent the free blocks that the allocations to come will
+    /// evict (those past the cache's room holding no prefix), and as present
+    /// again those they no longer will.
+    fn settle(&mut self, changes: &mut Vec<Change>) {
+        let room = self.capacity.saturating_sub(self.tiers[0].engine.len());
+        let evicted = (self.unheld + self.live).saturating_sub(room);
+        if evicted == 0 && self.doomed.is_empty() {
+            return;
+        }
+        let doomed: HashSet<BlockHash, FoldState> = self.free.iter().take(evicted).map(|&(_, h)| h).collect();
+        changes.extend(doomed.iter().filter(|h| !self.doomed.contains(*h)).map(|&h| (h, false)));
+        changes.extend(self.doomed.iter().filter(|h| !doomed.contains(*h)).map(|&h| (h, true)));
+        self.doomed = doomed;
+    }
+
+    /// Every block that may be present for routing: held or claimed (held
+    /// ones about to be evicted are not, but releasing them again is harmless).
     pub(super) fn present(&self) -> impl Iterator<Item = BlockHash> + '_ {
         let routed = &self.tiers[0].routed;
         routed.keys().copied().chain(self.claims.keys().copied().filter(|h| !routed.contains_key(h)))

@@ -22,11 +22,23 @@ fn stored<'a>(hashes: &'a [u64], parent: Option<u64>, tokens: &'a [u32], seed: B
 
 /// An exact index with one replica at slot 0 and another, approximate, at slot 1.
 fn index() -> KvIndex {
+    sized(64)
+}
+
+/// The same, with caches of `blocks` blocks.
+fn sized(blocks: usize) -> KvIndex {
     let index = KvIndex::new();
-    index.add_replica(0, 64);
-    index.add_replica(1, 64);
+    index.add_replica(0, blocks);
+    index.add_replica(1, blocks);
     assert!(index.enter_exact(0, BS));
     index
+}
+
+/// A request for `blocks` blocks of `variant` that the engine ran and stored, now over.
+fn ran(index: &KvIndex, seed: BlockHash, variant: u32, blocks: usize) {
+    let rec = index.record(0, &block_hashes(seed, &tokens(blocks, variant), BS), blocks, 0, 1);
+    store(index, seed, variant, 0, blocks, Tier::ROUTING).unwrap();
+    index.complete(&rec);
 }
 
 /// Stores `blocks` blocks of `variant`'s tokens at slot 0, starting after `from` blocks already stored.
@@ -156,6 +168,51 @@ fn a_claim_ends_with_the_request_even_when_its_status_never_comes() {
 }
 
 #[test]
+fn requests_sent_make_the_least_recently_freed_blocks_absent() {
+    // Ten blocks: A then B ran (8 held), so two are empty.
+    let index = sized(10);
+    let seed = salt(&["m", ""]);
+    let (a, b) = (0, 1);
+    ran(&index, seed, a, 4);
+    ran(&index, seed, b, 4);
+    assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (4, 4), "room for what nobody sent yet");
+    // C needs its 4 blocks and one to generate into: 3 past the empty ones, taken from A's tail.
+    let c = index.record(0, &block_hashes(seed, &tokens(4, 2), BS), 4, 0, 1);
+    assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (1, 4), "A was freed first, its last block first");
+    assert_eq!(matched(&index, seed, 2, 4), 4, "C's own blocks are claimed");
+    // D reuses A's first three blocks: they are in use again, and B's tail goes instead.
+    let d = index.record(0, &block_hashes(seed, &tokens(3, a), BS), 3, 0, 1);
+    assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (3, 1));
+    index.take_back(&d);
+    index.complete(&c);
+    assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (4, 4), "nothing is coming: everything held is there");
+}
+
+#[test]
+fn what_a_request_generated_is_evicted_with_it_just_before_its_prompt() {
+    let index = sized(12);
+    let seed = salt(&["m", ""]);
+    // R's prompt is 3 blocks; the engine stores 2 more it generated while Q runs and ends.
+    let r = index.record(0, &block_hashes(seed, &tokens(3, 0), BS), 3, 0, 1);
+    store(&index, seed, 0, 0, 5, Tier::ROUTING).unwrap();
+    ran(&index, seed, 1, 3);
+    index.complete(&r);
+    // 8 held, 4 empty; S needs 6 + 1: 3 evicted, all of Q, freed before R ended.
+    let s = index.record(0, &block_hashes(seed, &tokens(6, 2), BS), 6, 0, 1);
+    assert_eq!((matched(&index, seed, 1, 3), matched(&index, seed, 0, 5)), (0, 5));
+    index.take_back(&s);
+    // S needs 8 + 1: 5 evicted, Q's and then what R generated.
+    let s = index.record(0, &block_hashes(seed, &tokens(8, 2), BS), 8, 0, 1);
+    assert_eq!((matched(&index, seed, 1, 3), matched(&index, seed, 0, 5)), (0, 3));
+    // The engine evicts Q and stores S's blocks: what it will still evict is 2 of R's.
+    let q: Vec<u64> = block_hashes(seed, &tokens(3, 1), BS).iter().rev().map(|&h| engine(h)).collect();
+    index.apply(0, &Event::Removed { hashes: &q, tier: Tier::ROUTING }).unwrap();
+    assert_eq!(matched(&index, seed, 0, 5), 3);
+    index.take_back(&s);
+    assert_eq!(matched(&index, seed, 0, 5), 5);
+}
+
+#[test]
 fn leaving_exact_mode_keeps_what_was_known_or_nothing() {
     let index = index();
     let seed = salt(&["m", ""]);
@@ -202,11 +259,15 @@ fn op() -> impl Strategy<Value = Op> {
 proptest! {
     /// Four prompts share leading blocks (prompt `p` is prompt 0 with its
     /// blocks from `p` on changed); the engine stores and evicts from chain
-    /// tails, as it does; after every step each prompt's match is the naive
-    /// count of its leading blocks held or claimed.
+    /// tails, as it does. After every step each prompt's match is the count
+    /// of its leading blocks present; every claimed block is present and
+    /// every present block held or claimed; and of the held blocks nobody
+    /// claims, as many are absent as the requests sent will evict: their
+    /// blocks not held and one more each, past the cache's empty room (none
+    /// when the cache is large).
     #[test]
-    fn exact_mode_matches_a_naive_model(ops in proptest::collection::vec(op(), 1..80)) {
-        let index = index();
+    fn exact_mode_matches_a_naive_model(ops in proptest::collection::vec(op(), 1..80), blocks in prop_oneof![Just(8usize), Just(12), Just(64)]) {
+        let index = sized(blocks);
         let seed = salt(&["m", ""]);
         let prompts: Vec<Vec<u32>> = (0..4usize).map(|p| {
             let mut t = tokens(6, 0);
@@ -248,9 +309,24 @@ proptest! {
                 Op::Complete => if !sent.is_empty() { index.complete(&sent.remove(0).0) },
             }
             let claimed: HashSet<BlockHash> = sent.iter().flat_map(|(_, k)| k.iter().copied()).collect();
+            let holders = index.holders.pin();
+            let present = |h: &BlockHash| holders.get(h).is_some_and(|b| b.has(0));
             for h in &hashes {
-                let want = h.iter().take_while(|x| held.contains_key(x) || claimed.contains(x)).count();
+                let want = h.iter().take_while(|x| present(x)).count();
                 prop_assert_eq!(index.matched(h, &[0 as Slot])[0], want);
+            }
+            let every: HashSet<BlockHash> = hashes.iter().flatten().copied().collect();
+            for h in &every {
+                prop_assert!(!claimed.contains(h) || present(h), "claimed blocks are present");
+                prop_assert!(!present(h) || claimed.contains(h) || held.contains_key(h), "present blocks are held or claimed");
+            }
+            let free = held.keys().filter(|h| !claimed.contains(*h)).count();
+            let unheld = claimed.iter().filter(|h| !held.contains_key(*h)).count();
+            let evicted = (unheld + sent.len()).saturating_sub(blocks.saturating_sub(held.len())).min(free);
+            let absent = held.keys().filter(|h| !present(h)).count();
+            prop_assert_eq!(absent, evicted);
+            if blocks == 64 {
+                prop_assert_eq!(absent, 0);
             }
         }
     }
