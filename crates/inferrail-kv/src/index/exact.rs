@@ -476,8 +476,8 @@ impl Exact {
     }
 
     /// Presents as absent the free blocks that the allocations to come will
-    /// evict (those past the cache's room holding no prefix), and as present
-    /// again those they no longer will.
+    /// evict once the cache's empty room is used up, and as present again
+    /// those they no longer will.
     fn settle(&mut self, changes: &mut Vec<Change>) {
         let room = self.capacity.saturating_sub(self.tiers[0].engine.len());
         let evicted = (self.unheld + self.live).saturating_sub(room);
