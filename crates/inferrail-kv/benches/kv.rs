@@ -135,7 +135,46 @@ fn events(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, hashing, lookup, events);
+/// A request sent to an exact replica whose 16,384-block cache is full of
+/// blocks nobody claims (64 prompts of 256 blocks, freed one after another):
+/// its 512 new blocks make the 513 least recently freed ones absent, and
+/// its end brings them back (ADR 0020). One iteration claims and ends it.
+fn in_flight(c: &mut Criterion) {
+    const BS: usize = 16;
+    let index = KvIndex::new();
+    index.add_replica(0, 1 << 14);
+    index.enter_exact(0, BS);
+    for p in 0..64u32 {
+        let tokens: Vec<u32> = (0..(256 * BS) as u32).map(|t| t.wrapping_mul(2_654_435_761) ^ (p << 20)).collect();
+        let router = block_hashes(7, &tokens, BS);
+        let hashes: Vec<u64> = router.iter().map(|&h| h as u64).collect();
+        let rec = index.record(0, &router, router.len(), 0, 1);
+        index
+            .apply(
+                0,
+                &Event::Stored(Stored { hashes: &hashes, parent: None, tokens: &tokens, block_size: BS, seed: 7, tier: Tier::ROUTING }),
+            )
+            .expect("applies");
+        index.end_claim(&rec);
+    }
+    let fresh: Vec<u32> = (0..(512 * BS) as u32).map(|t| t.wrapping_mul(2_246_822_519)).collect();
+    let fresh = block_hashes(7, &fresh, BS);
+    let held = block_hashes(7, &(0..(256 * BS) as u32).map(|t| t.wrapping_mul(2_654_435_761)).collect::<Vec<_>>(), BS);
+    assert_eq!(index.matched(&held, &[0]), [256], "the first prompt is held");
+    let rec = index.record(0, &fresh, fresh.len(), 0, 1);
+    assert_eq!(index.matched(&held, &[0]), [0], "the first prompt, freed first, would be evicted");
+    index.end_claim(&rec);
+    let mut g = c.benchmark_group("events");
+    g.bench_function("claim and end 512 blocks on a full 16,384-block cache", |b| {
+        b.iter(|| {
+            let rec = index.record(0, std::hint::black_box(&fresh), fresh.len(), 0, 1);
+            index.end_claim(&rec);
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, hashing, lookup, events, in_flight);
 
 fn main() {
     memory();
