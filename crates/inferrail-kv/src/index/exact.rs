@@ -270,6 +270,8 @@ impl Exact {
             },
         };
         let routing = t == 0;
+        // The router hash of the parent in this tier, for the eviction order.
+        let before = parent.map(|_| router);
         let TierBlocks { engine, routed, .. } = &mut self.tiers[t];
         // Router hashes first; then the blocks last first, so each learns
         // whether the block after it was new (its child) without a second lookup.
@@ -310,7 +312,6 @@ impl Exact {
             b.children += 1;
         }
         if routing {
-            let before = parent.and_then(|p| self.tiers[0].engine.get(&p)).map(|b| b.router);
             self.stored_free(before, &chain, &fresh, depth);
         }
         Ok(())
@@ -331,9 +332,7 @@ impl Exact {
                     self.tick += 1;
                     self.tick
                 });
-                let stamp = (t, Reverse(depth + i as u32));
-                self.stamps.insert(h, stamp);
-                self.free.insert((stamp, h));
+                self.stamp(h, (t, Reverse(depth + i as u32)));
                 // After a claimed block, or after a block that follows one.
                 let anchor = prev.and_then(|p| if self.claims.contains_key(&p) { Some(p) } else { self.anchor.get(&p).copied() });
                 if let Some(a) = anchor {
@@ -347,12 +346,22 @@ impl Exact {
         }
     }
 
-    /// A free block leaves the eviction order (claimed, or no longer held).
-    fn unfree(&mut self, h: BlockHash) {
+    /// A free block takes its place in the eviction order, or moves there.
+    fn stamp(&mut self, h: BlockHash, stamp: Stamp) {
+        if let Some(old) = self.stamps.insert(h, stamp) {
+            self.free.remove(&(old, h));
+        }
+        self.free.insert((stamp, h));
+    }
+
+    /// A block leaves the eviction order (claimed, or no longer held);
+    /// returns whether it was about to be evicted (and so absent).
+    fn unfree(&mut self, h: BlockHash) -> bool {
         if let Some(stamp) = self.stamps.remove(&h) {
             self.free.remove(&(stamp, h));
         }
         self.anchor.remove(&h);
+        self.doomed.remove(&h)
     }
 
     fn remove(&mut self, hashes: &[u64], tier: Tier<'_>, changes: &mut Vec<Change>) -> Result<(), EventError> {
@@ -384,7 +393,6 @@ impl Exact {
                     } else if routing {
                         changes.push((b.router, false));
                         self.unfree(b.router);
-                        self.doomed.remove(&b.router);
                     }
                 }
             }
@@ -430,11 +438,8 @@ impl Exact {
             if !self.tiers[0].routed.contains_key(&h) {
                 self.unheld += 1;
                 changes.push((h, true));
-            } else if self.stamps.contains_key(&h) {
-                self.unfree(h);
-                if self.doomed.remove(&h) {
-                    changes.push((h, true));
-                }
+            } else if self.unfree(h) {
+                changes.push((h, true));
             }
         }
         self.settle(changes);
@@ -456,17 +461,12 @@ impl Exact {
             // What the request generated after this block goes with it, first.
             for t in self.trailing.remove(h).unwrap_or_default() {
                 if let Some(old) = self.stamps.get(&t).copied().filter(|_| self.anchor.get(&t) == Some(h)) {
-                    self.free.remove(&(old, t));
-                    let stamp = (self.tick, old.1);
-                    self.stamps.insert(t, stamp);
-                    self.free.insert((stamp, t));
+                    self.stamp(t, (self.tick, old.1));
                     self.anchor.remove(&t);
                 }
             }
             if self.tiers[0].routed.contains_key(h) {
-                let stamp = (self.tick, Reverse(depth as u32));
-                self.stamps.insert(*h, stamp);
-                self.free.insert((stamp, *h));
+                self.stamp(*h, (self.tick, Reverse(depth as u32)));
             } else {
                 self.unheld = self.unheld.saturating_sub(1);
                 changes.push((*h, false));
