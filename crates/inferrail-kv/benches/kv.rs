@@ -139,8 +139,6 @@ fn events(c: &mut Criterion) {
 /// blocks nobody claims (64 prompts of 256 blocks, freed one after another):
 /// its 512 new blocks make the 513 least recently freed ones absent, and
 /// its end brings them back (ADR 0020). One iteration claims and ends it.
-/// Then the shared blocks such a request would evict, counted without
-/// sending it (ADR 0021): a walk of 513 blocks of the eviction order.
 fn in_flight(c: &mut Criterion) {
     const BS: usize = 16;
     let index = KvIndex::new();
@@ -158,10 +156,6 @@ fn in_flight(c: &mut Criterion) {
             )
             .expect("applies");
         index.end_claim(&rec);
-        if p == 0 {
-            // Asked for again: its blocks are a shared prefix, worth keeping (ADR 0021).
-            index.end_claim(&index.record(0, &router, router.len(), 0, 1));
-        }
     }
     let fresh: Vec<u32> = (0..(512 * BS) as u32).map(|t| t.wrapping_mul(2_246_822_519)).collect();
     let fresh = block_hashes(7, &fresh, BS);
@@ -170,16 +164,12 @@ fn in_flight(c: &mut Criterion) {
     let rec = index.record(0, &fresh, fresh.len(), 0, 1);
     assert_eq!(index.matched(&held, &[0]), [0], "the first prompt, freed first, would be evicted");
     index.end_claim(&rec);
-    assert_eq!(index.displaced(0, &fresh, 0), 256, "the 513 blocks it would evict start with the reused prompt");
     let mut g = c.benchmark_group("events");
     g.bench_function("claim and end 512 blocks on a full 16,384-block cache", |b| {
         b.iter(|| {
             let rec = index.record(0, std::hint::black_box(&fresh), fresh.len(), 0, 1);
             index.end_claim(&rec);
         })
-    });
-    g.bench_function("displaced by 512 new blocks on a full 16,384-block cache", |b| {
-        b.iter(|| index.displaced(0, std::hint::black_box(&fresh), 0))
     });
     g.finish();
 }

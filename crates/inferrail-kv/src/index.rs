@@ -14,13 +14,11 @@
 //! it holds, and the requests the router sent and the engine has not
 //! reported claim their prompt blocks until they complete (ADR 0012); the
 //! blocks those requests will evict before a new one starts are absent
-//! (ADR 0020). Both kinds of view also say which shared blocks (ones a
-//! request reused) a new request would evict, in the engine's eviction
-//! order, for the cost of taking them away (ADR 0021). Either
+//! (ADR 0020). Either
 //! way the holder map is the one lookup reads, so a lookup costs the same in
 //! both modes.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -491,21 +489,6 @@ impl KvIndex {
         slots.iter().map(|&s| depth_of[s as usize]).collect()
     }
 
-    /// Blocks of shared prefixes (blocks some request reused) that a request
-    /// sent to `slot` now would evict, beyond those the requests already
-    /// sent will: it claims or holds the first `matched` blocks of `prompt`
-    /// and allocates the rest, and the engine makes room by evicting the
-    /// least recently freed blocks. What is evicted will be computed again
-    /// when its prefix is next asked for.
-    pub fn displaced(&self, slot: Slot, prompt: &[BlockHash], matched: usize) -> usize {
-        let replicas = self.lock();
-        let Some(rep) = replicas.get(&slot) else { return 0 };
-        match &rep.exact {
-            Some(exact) => exact.displaced(prompt, matched),
-            None => rep.shadow.displaced(prompt, matched),
-        }
-    }
-
     /// Blocks the index holds, over every replica (an exact replica's in every tier).
     pub fn entries(&self) -> usize {
         self.lock().values().map(|r| r.shadow.len() + r.exact.as_ref().map_or(0, Exact::len)).sum()
@@ -534,15 +517,6 @@ impl KvIndex {
             release(&holders, h, slot);
         }
     }
-}
-
-/// Of the first `n` blocks of `order` that are not in `keep`, how many are `reused`.
-fn count_reused(order: impl Iterator<Item = BlockHash>, keep: &[BlockHash], n: usize, reused: impl Fn(BlockHash) -> bool) -> usize {
-    if n == 0 {
-        return 0;
-    }
-    let kept: HashSet<BlockHash, FoldState> = keep.iter().copied().collect();
-    order.filter(|h| !kept.contains(h)).take(n).filter(|&h| reused(h)).count()
 }
 
 type Holders<'a, G> = papaya::HashMapRef<'a, BlockHash, Bits, FoldState, G>;

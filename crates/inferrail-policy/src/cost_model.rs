@@ -39,13 +39,6 @@
 //! as cheap as waiting for it, and early copies leave replicas holding two
 //! prefixes that each keep hitting.
 //!
-//! Displacement: a replica pays `displace_weight` times the prefill of the
-//! shared prefixes the request would evict there (blocks some request
-//! reused, taken in the engine's eviction order once its empty room is used
-//! up; [`crate::Displaced`]): they are computed again when next asked for,
-//! there or elsewhere. The KV index is asked from the best score up, only
-//! while a candidate could still win.
-//!
 //! Hot prefixes: the requests for each root prefix (its first
 //! `hot_prefix.blocks` blocks) and for all of them are counted in a decaying
 //! count-min sketch ([`crate::sketch`]). A root asked for by more than
@@ -90,8 +83,6 @@ pub struct Config {
     pub sessions: usize,
     /// Charged, in prefills of what it would compute, to a replica without the root prefix that serves another.
     pub copy_weight: f64,
-    /// Charged, in prefills of those tokens, for the tokens of shared prefixes a replica would evict to take the request.
-    pub displace_weight: f64,
     /// Hot prefix replication.
     pub hot_prefix: HotPrefix,
 }
@@ -121,7 +112,6 @@ impl Default for Config {
             session_affinity: false,
             sessions: 100_000,
             copy_weight: 0.25,
-            displace_weight: 1.0,
             hot_prefix: HotPrefix::default(),
         }
     }
@@ -141,7 +131,6 @@ impl Config {
             ("epsilon", self.epsilon),
             ("share_weight", self.share_weight),
             ("copy_weight", self.copy_weight),
-            ("displace_weight", self.displace_weight),
         ];
         for (name, v) in non_negative {
             if !(v.is_finite() && v >= 0.0) {
@@ -245,32 +234,7 @@ impl CostModel {
         let queue = c.queued_prefill_secs;
         let decode = self.config.decode_interference_ms * 1e-3 * f64::from(c.running());
         let prefill = prompt.map_or(0.0, |n| self.prefill.secs(n.saturating_sub(cached), cached.min(n)));
-        Score { total: queue + decode + prefill, terms: [queue, decode, prefill, 0.0, 0.0, 0.0, 0.0] }
-    }
-}
-
-impl CostModel {
-    /// The displacement term, asked of the candidates from the best score
-    /// up while one could still win: the term only adds, so a candidate
-    /// that already scores above the best total so far cannot, and a large
-    /// fleet asks the index of a few replicas, not all.
-    fn displace(&self, req: &Request, offered: &[usize], out: &mut [Score]) {
-        let Some(displaced) = req.displaced.filter(|_| self.config.displace_weight > 0.0) else { return };
-        let mut by_score: Vec<usize> = (0..offered.len()).collect();
-        by_score.sort_by(|&a, &b| out[a].total.total_cmp(&out[b].total));
-        let mut best = f64::INFINITY;
-        for k in by_score {
-            if out[k].total > best {
-                break;
-            }
-            let tokens = (displaced.0)(offered[k]);
-            if tokens > 0 {
-                let charge = self.config.displace_weight * self.prefill.secs(tokens, 0);
-                out[k].terms[6] = charge;
-                out[k].total += charge;
-            }
-            best = best.min(out[k].total);
-        }
+        Score { total: queue + decode + prefill, terms: [queue, decode, prefill, 0.0, 0.0, 0.0] }
     }
 }
 
@@ -280,7 +244,7 @@ impl RoutingPolicy for CostModel {
     }
 
     fn terms(&self) -> &'static [&'static str] {
-        &["queue", "decode", "prefill", "hot_credit", "share", "copy", "displace"]
+        &["queue", "decode", "prefill", "hot_credit", "share", "copy"]
     }
 
     fn guard(&self, req: &Request, c: &[Candidate], aside: &mut [Option<SetAside>]) -> Option<&'static str> {
@@ -380,7 +344,7 @@ impl RoutingPolicy for CostModel {
                 for k in others.into_iter().take(owners - holders) {
                     let credited = self.estimate(&c[offered[k]], req.prompt_tokens, held);
                     let saved = out[k].total - credited.total;
-                    out[k] = Score { terms: [credited.terms[0], credited.terms[1], credited.terms[2], saved, 0.0, 0.0, 0.0], ..credited };
+                    out[k] = Score { terms: [credited.terms[0], credited.terms[1], credited.terms[2], saved, 0.0, 0.0], ..credited };
                 }
             }
         }
@@ -388,7 +352,6 @@ impl RoutingPolicy for CostModel {
             s.terms[4] = sh;
             s.total += sh;
         }
-        self.displace(req, offered, out);
         if self.config.session_affinity
             && let Some(session) = req.session
             && let Some(&home) = self.sessions.lock().unwrap_or_else(|p| p.into_inner()).peek(session)

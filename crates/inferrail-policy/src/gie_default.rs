@@ -169,7 +169,7 @@ impl RoutingPolicy for GieDefault {
             let queue = if max > min { (max - waiting(&c[i])) / (max - min) } else { 1.0 };
             let kv = 1.0 - c[i].engine.map_or(0.0, |e| e.kv_usage.clamp(0.0, 1.0));
             let prefix = if hashes.is_empty() { 0.0 } else { m as f64 / hashes.len() as f64 };
-            let terms = [-cfg.queue_weight * queue, -cfg.kv_weight * kv, -cfg.prefix_weight * prefix, 0.0, 0.0, 0.0, 0.0];
+            let terms = [-cfg.queue_weight * queue, -cfg.kv_weight * kv, -cfg.prefix_weight * prefix, 0.0, 0.0, 0.0];
             *s = Score { total: terms.iter().sum(), terms };
         }
         None

@@ -115,21 +115,6 @@ pub struct Request<'a> {
     /// The prompt as text, for policies that match characters rather than
     /// tokens (given only to those whose [`RoutingPolicy::wants_text`] says so).
     pub text: Option<&'a str>,
-    /// What the prompt would evict on each candidate, when the KV index can say.
-    pub displaced: Option<Displaced<'a>>,
-}
-
-/// Tokens of shared prefixes (blocks some request reused) that the request
-/// would evict on a candidate (by index into the candidates), beyond what the
-/// requests already sent evict there. Asked per candidate, as each answer
-/// walks the replica's eviction order under the index's lock.
-#[derive(Clone, Copy)]
-pub struct Displaced<'a>(pub &'a dyn Fn(usize) -> usize);
-
-impl std::fmt::Debug for Displaced<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Displaced(..)")
-    }
 }
 
 /// A candidate's score: lower is better; `terms` are named by the policy's [`RoutingPolicy::terms`].
@@ -138,13 +123,13 @@ pub struct Score {
     /// What ranks it.
     pub total: f64,
     /// Its parts, for explanations and logs.
-    pub terms: [f64; 7],
+    pub terms: [f64; 6],
 }
 
 impl Score {
     /// A score that is its only term.
     pub fn single(total: f64) -> Self {
-        Self { total, terms: [total, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] }
+        Self { total, terms: [total, 0.0, 0.0, 0.0, 0.0, 0.0] }
     }
 }
 
@@ -239,7 +224,7 @@ pub trait RoutingPolicy: Send + Sync {
     /// The policy's name, as configured and as metrics label it.
     fn name(&self) -> &'static str;
 
-    /// Names of the score's terms, in order (at most seven).
+    /// Names of the score's terms, in order (at most four).
     fn terms(&self) -> &'static [&'static str];
 
     /// Whether it reads [`Request::text`].

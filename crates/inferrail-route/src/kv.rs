@@ -148,15 +148,6 @@ impl Kv {
         cached
     }
 
-    /// Tokens of shared prefixes that the prompt, sent to `at` where
-    /// `cached_tokens` of it are predicted cached, would evict there
-    /// (see [`KvIndex::displaced`]).
-    pub fn displaced(&self, p: &Prediction, at: Place, cached_tokens: usize) -> usize {
-        let bs = at.block_size.max(1);
-        let hashes = p.blocks(bs).unwrap_or_default();
-        self.index.displaced(at.slot, hashes, cached_tokens / bs) * bs
-    }
-
     /// Records the prompt at the place it goes to.
     pub fn record(&self, p: &Prediction, at: Place) -> Record {
         let bs = at.block_size;

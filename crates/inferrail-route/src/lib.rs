@@ -25,9 +25,7 @@ use std::time::Duration;
 
 use inferrail_config::Config;
 use inferrail_kv::mode::{Mode, Reason};
-use inferrail_policy::{
-    Candidate, Displaced, EngineReport, NoReplica, Params, Request, RoutingPolicy, Score, SetAside, TextKind, eligibility, order,
-};
+use inferrail_policy::{Candidate, EngineReport, NoReplica, Params, Request, RoutingPolicy, Score, SetAside, TextKind, eligibility, order};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -151,7 +149,6 @@ impl Plan {
             block_size: self.block_size,
             session: self.session.as_deref(),
             text: self.text.as_deref(),
-            displaced: None,
         }
     }
 }
@@ -357,11 +354,7 @@ impl Core {
             plan.set_aside = aside;
             return plan;
         }
-        let displaced = |i: usize| match &plan.prediction {
-            Some(p) => self.kv.displaced(p, places[i], plan.candidates[i].cached_tokens),
-            None => 0,
-        };
-        let req = Request { displaced: Some(Displaced(&displaced)), ..plan.request() };
+        let req = plan.request();
         let waived = model.policy.guard(&req, &plan.candidates, &mut aside);
         let offered: Vec<usize> = (0..aside.len()).filter(|&i| aside[i].is_none()).collect();
         let mut scores = vec![Score::default(); offered.len()];

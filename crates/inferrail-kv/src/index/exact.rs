@@ -201,9 +201,6 @@ pub(super) struct Exact {
     trailing: HashMap<BlockHash, Vec<BlockHash>, FoldState>,
     /// The claimed block each trailing block follows.
     anchor: HashMap<BlockHash, BlockHash, FoldState>,
-    /// Held blocks a request claimed while the engine held them (or while
-    /// another request claimed them): a shared prefix, worth keeping.
-    reused: HashSet<BlockHash, FoldState>,
     /// The last tick given out.
     tick: u64,
 }
@@ -227,7 +224,6 @@ impl Exact {
             doomed: HashSet::default(),
             trailing: HashMap::default(),
             anchor: HashMap::default(),
-            reused: HashSet::default(),
             tick: 0,
         }
     }
@@ -398,9 +394,6 @@ impl Exact {
                         changes.push((b.router, false));
                         self.unfree(b.router);
                     }
-                    if routing {
-                        self.reused.remove(&b.router);
-                    }
                 }
             }
         }
@@ -419,7 +412,6 @@ impl Exact {
         self.doomed.clear();
         self.trailing.clear();
         self.anchor.clear();
-        self.reused.clear();
     }
 
     /// The tier's index, added empty when new.
@@ -440,14 +432,10 @@ impl Exact {
         for &h in keys {
             let n = self.claims.entry(h).or_insert(0);
             *n += 1;
-            let held = self.tiers[0].routed.contains_key(&h);
-            if held {
-                self.reused.insert(h);
-            }
             if *n > 1 {
                 continue;
             }
-            if !held {
+            if !self.tiers[0].routed.contains_key(&h) {
                 self.unheld += 1;
                 changes.push((h, true));
             } else if self.unfree(h) {
@@ -500,21 +488,6 @@ impl Exact {
         changes.extend(doomed.iter().filter(|h| !self.doomed.contains(*h)).map(|&h| (h, false)));
         changes.extend(self.doomed.iter().filter(|h| !doomed.contains(*h)).map(|&h| (h, true)));
         self.doomed = doomed;
-    }
-
-    /// Reused blocks (see `reused`) that a new request would evict, beyond
-    /// those the requests sent will: one that claims `prompt`, of which it
-    /// finds the first `matched` blocks cached, allocates its other blocks
-    /// and one more (its partial last block, then its output), taking the
-    /// least recently freed blocks once the empty room is used up. The
-    /// cached blocks it claims are not evicted.
-    pub(super) fn displaced(&self, prompt: &[BlockHash], matched: usize) -> usize {
-        let room = self.capacity.saturating_sub(self.tiers[0].engine.len());
-        let allocated = prompt.len().saturating_sub(matched) + 1;
-        let evicted = (self.unheld + self.live + allocated).saturating_sub(room);
-        let more = evicted.saturating_sub(self.doomed.len());
-        let rest = self.free.iter().skip(self.doomed.len()).map(|&(_, h)| h);
-        super::count_reused(rest, &prompt[..matched.min(prompt.len())], more, |h| self.reused.contains(&h))
     }
 
     /// Every block that may be present for routing: held or claimed (held

@@ -8,7 +8,6 @@
 //! hashed and compared through the slab. A general LRU map would spend a
 //! heap allocation and two pointers a block, and keep every key twice.
 
-use std::collections::HashSet;
 use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
@@ -56,23 +55,12 @@ pub(super) struct Shadow {
     newest: u32,
     oldest: u32,
     unused: u32,
-    /// Blocks a request took while the shadow held them: a shared prefix, worth keeping.
-    reused: HashSet<BlockHash, FoldState>,
 }
 
 impl Shadow {
     /// An empty shadow that holds up to `cap` blocks (at least one).
     pub(super) fn new(cap: usize) -> Self {
-        Shadow {
-            nodes: Vec::new(),
-            table: HashTable::new(),
-            cap: cap.max(1),
-            in_use: 0,
-            newest: NIL,
-            oldest: NIL,
-            unused: NIL,
-            reused: HashSet::default(),
-        }
+        Shadow { nodes: Vec::new(), table: HashTable::new(), cap: cap.max(1), in_use: 0, newest: NIL, oldest: NIL, unused: NIL }
     }
 
     pub(super) fn cap(&self) -> usize {
@@ -91,9 +79,7 @@ impl Shadow {
 
     /// Bytes this shadow has allocated.
     pub(super) fn bytes(&self) -> usize {
-        self.nodes.capacity() * size_of::<Node>()
-            + self.table.capacity() * (size_of::<u32>() + 1)
-            + self.reused.capacity() * (size_of::<BlockHash>() + 1)
+        self.nodes.capacity() * size_of::<Node>() + self.table.capacity() * (size_of::<u32>() + 1)
     }
 
     fn find(&self, h: BlockHash) -> Option<u32> {
@@ -108,7 +94,6 @@ impl Shadow {
     /// One more running request holds a block; false if the block is not held.
     pub(super) fn hold(&mut self, h: BlockHash) -> bool {
         let Some(i) = self.find(h) else { return false };
-        self.reused.insert(h);
         if self.nodes[i as usize].older == IN_USE {
             self.nodes[i as usize].newer = (self.nodes[i as usize].newer + 1) | SHARED;
         } else {
@@ -202,7 +187,6 @@ impl Shadow {
         let nodes = &self.nodes;
         let Ok(entry) = self.table.find_entry(hash(h), |&i| nodes[i as usize].key == key) else { return false };
         let (i, _) = entry.remove();
-        self.reused.remove(&h);
         if self.nodes[i as usize].older == IN_USE {
             self.in_use -= 1;
         } else {
@@ -211,19 +195,6 @@ impl Shadow {
         self.nodes[i as usize].older = self.unused;
         self.unused = i;
         true
-    }
-
-    /// Reused blocks a request that takes `prompt`, of which the first
-    /// `matched` blocks are held, would evict: it holds those and adds the
-    /// rest and one more (its partial last block), evicting the least
-    /// recently freed blocks once the pool is full.
-    pub(super) fn displaced(&self, prompt: &[BlockHash], matched: usize) -> usize {
-        let matched = matched.min(prompt.len());
-        let evicted = (self.len() + prompt.len() - matched + 1).saturating_sub(self.cap);
-        let order =
-            std::iter::successors(Some(self.oldest).filter(|&i| i != NIL), |&i| Some(self.nodes[i as usize].newer).filter(|&n| n != NIL));
-        let blocks = order.map(|i| join(self.nodes[i as usize].key));
-        super::count_reused(blocks, &prompt[..matched], evicted, |h| self.reused.contains(&h))
     }
 
     /// Every block held, in no particular order.

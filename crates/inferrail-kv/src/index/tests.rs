@@ -399,27 +399,3 @@ fn a_record_from_before_a_restart_changes_nothing() {
     index.take_back(&new);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [0]);
 }
-
-#[test]
-fn a_request_displaces_the_reused_blocks_it_would_evict_but_not_those_it_reuses() {
-    let index = KvIndex::new();
-    index.add_replica(0, 10);
-    // A ran twice (its blocks were reused), then B once: eight held, two empty.
-    let (a, b) = (chain(0, 4), chain(1, 4));
-    index.complete(&index.record(0, &a, 4, 0, 0));
-    index.complete(&index.record(0, &a, 4, 0, 0));
-    index.complete(&index.record(0, &b, 4, 0, 0));
-    assert_eq!(index.displaced(0, &chain(2, 1), 0), 0, "two blocks fit in the empty room");
-    // Four new blocks and a partial one: A's last three go, and they were reused.
-    assert_eq!(index.displaced(0, &chain(2, 4), 0), 3);
-    // Eight new and a partial one: all of A and three of B, which nobody reused.
-    assert_eq!(index.displaced(0, &chain(2, 8), 0), 4);
-    // A again with three more blocks: it holds A, so the three go from B.
-    let longer: Vec<BlockHash> = a.iter().copied().chain(chain(3, 3)).collect();
-    assert_eq!(index.displaced(0, &longer, 4), 0);
-    assert_eq!(index.displaced(0, &longer, 0), 4, "were A not held, all of it would go");
-    // B reused: now it is worth keeping too.
-    index.complete(&index.record(0, &b, 4, 0, 0));
-    assert_eq!(index.displaced(0, &chain(2, 8), 0), 7);
-    assert_eq!(index.displaced(9, &chain(2, 8), 0), 0, "an unknown replica displaces nothing");
-}

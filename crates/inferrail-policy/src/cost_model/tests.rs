@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::testing::{fleet, rng};
-use crate::{Displaced, EngineReport, decide};
+use crate::{EngineReport, decide};
 use proptest::prelude::*;
 
 fn policy(config: Config) -> CostModel {
@@ -293,35 +293,4 @@ fn a_miss_is_charged_for_a_copy_next_to_another_root_but_not_on_an_idle_replica(
     blind.picked(&req(10, b), &c, 1);
     blind.score(&req(11, a), &c, &[0, 1, 2], &mut r, &mut scores);
     assert_eq!(scores[1].total, scores[2].total, "{scores:?}");
-}
-
-#[test]
-fn a_miss_is_charged_for_the_shared_prefixes_it_would_evict_asked_only_where_it_could_still_win() {
-    let p = policy(Config::default());
-    let req = Request { prompt_tokens: Some(2_000), ..Request::default() };
-    // Replica 0 would evict 1,500 tokens of shared prefixes, 1 none, 2 is
-    // the same but for a queue longer than the charge.
-    let evicts = [1_500, 0, 0];
-    let asked = std::sync::Mutex::new(Vec::new());
-    let displaced = |i: usize| {
-        asked.lock().unwrap().push(i);
-        evicts[i]
-    };
-    let mut c = fleet(&[0, 0, 0]);
-    c[0].queued_prefill_secs = 0.0;
-    c[1].queued_prefill_secs = 0.001;
-    c[2].queued_prefill_secs = 1.0;
-    let with = Request { displaced: Some(Displaced(&displaced)), ..req };
-    let mut scores = vec![Score::default(); 3];
-    p.score(&with, &c, &[0, 1, 2], &mut rng(7), &mut scores);
-    let charge = Prefill::default().secs(1_500, 0);
-    assert!((scores[0].terms[6] - charge).abs() < 1e-12, "{scores:?}");
-    assert_eq!((scores[1].terms[6], scores[2].terms[6]), (0.0, 0.0));
-    assert!(scores[1].total < scores[0].total, "the replica that evicts nothing wins: {scores:?}");
-    // Replica 2 scores above the best total before its charge: never asked.
-    assert_eq!(*asked.lock().unwrap(), [0, 1]);
-    // Without the weight (or an index to ask), the queue alone decides.
-    let blind = policy(Config { displace_weight: 0.0, ..Config::default() });
-    assert_eq!(decide(&blind, &with, &c, &mut rng(7)).unwrap()[0], 0);
-    assert_eq!(decide(&p, &req, &c, &mut rng(7)).unwrap()[0], 0);
 }

@@ -327,35 +327,3 @@ proptest! {
         }
     }
 }
-
-#[test]
-fn a_request_displaces_the_reused_blocks_its_allocations_would_evict() {
-    let index = sized(10);
-    let seed = salt(&["m", ""]);
-    let hashes = |variant: u32, blocks: usize| block_hashes(seed, &tokens(blocks, variant), BS);
-    // A ran, then was reused (the engine found it cached and stored nothing), then B ran.
-    let (a, b) = (0, 1);
-    ran(&index, seed, a, 4);
-    index.complete(&index.record(0, &hashes(a, 4), 4, 0, 1));
-    ran(&index, seed, b, 4);
-    // Four new blocks and one to generate into take the two empty ones and
-    // evict three: A's tail, freed first.
-    assert_eq!(index.displaced(0, &hashes(2, 4), 0), 3);
-    // A with three more: A is claimed, not evicted; B's tail goes, never reused.
-    let mut longer = tokens(4, a);
-    longer.extend(tokens(3, 3));
-    let longer = block_hashes(seed, &longer, BS);
-    assert_eq!(index.displaced(0, &longer, 4), 0);
-    // A request in flight takes three of A's blocks already; a next one of
-    // two new blocks evicts three more: A's first and B's last two.
-    let c = index.record(0, &hashes(2, 4), 4, 0, 1);
-    assert_eq!(matched(&index, seed, a, 4), 1);
-    assert_eq!(index.displaced(0, &hashes(4, 2), 0), 1);
-    index.take_back(&c);
-    assert_eq!(index.displaced(0, &hashes(4, 1), 0), 0, "room for one new block again");
-    // Once the engine evicts A, nothing it held counts as reused.
-    let gone: Vec<u64> = hashes(a, 4).iter().rev().map(|&h| engine(h)).collect();
-    index.apply(0, &Event::Removed { hashes: &gone, tier: Tier::ROUTING }).unwrap();
-    ran(&index, seed, a, 4);
-    assert_eq!(index.displaced(0, &hashes(2, 8), 0), 0);
-}
