@@ -144,8 +144,10 @@ fn in_flight(c: &mut Criterion) {
     let index = KvIndex::new();
     index.add_replica(0, 1 << 14);
     index.enter_exact(0, BS);
+    // The tokens of prompt `p`, 256 blocks.
+    let prompt = |p: u32| -> Vec<u32> { (0..(256 * BS) as u32).map(|t| t.wrapping_mul(2_654_435_761) ^ (p << 20)).collect() };
     for p in 0..64u32 {
-        let tokens: Vec<u32> = (0..(256 * BS) as u32).map(|t| t.wrapping_mul(2_654_435_761) ^ (p << 20)).collect();
+        let tokens = prompt(p);
         let router = block_hashes(7, &tokens, BS);
         let hashes: Vec<u64> = router.iter().map(|&h| h as u64).collect();
         let rec = index.record(0, &router, router.len(), 0, 1);
@@ -159,7 +161,7 @@ fn in_flight(c: &mut Criterion) {
     }
     let fresh: Vec<u32> = (0..(512 * BS) as u32).map(|t| t.wrapping_mul(2_246_822_519)).collect();
     let fresh = block_hashes(7, &fresh, BS);
-    let held = block_hashes(7, &(0..(256 * BS) as u32).map(|t| t.wrapping_mul(2_654_435_761)).collect::<Vec<_>>(), BS);
+    let held = block_hashes(7, &prompt(0), BS);
     assert_eq!(index.matched(&held, &[0]), [256], "the first prompt is held");
     let rec = index.record(0, &fresh, fresh.len(), 0, 1);
     assert_eq!(index.matched(&held, &[0]), [0], "the first prompt, freed first, would be evicted");
