@@ -21,13 +21,16 @@
 //!   over the `n` offered replicas (consistent hashing with bounded loads;
 //!   the least loaded always qualifies);
 //! - KV pressure: never a replica whose engine reports more than `kappa` of
-//!   its KV cache in use, or fewer free tokens than the prompt would compute
-//!   there (it would wait for running requests to finish before it starts,
-//!   and hold up every request queued behind it), for a prompt with more
-//!   than `short_prompt_tokens` to compute there and at least as many as on
-//!   some replica not under pressure, unless every remaining replica is in
-//!   that state. Pressure never turns a hit into a miss: the miss would take
-//!   more KV room elsewhere.
+//!   its KV cache in use, or fewer free tokens than the whole prompt (it
+//!   would wait for running requests to finish before it starts, and hold
+//!   up every request queued behind it; the cached blocks it reuses leave
+//!   the free pool too unless a running request holds them, which the
+//!   router cannot tell), for a prompt with more than `short_prompt_tokens`
+//!   to compute there, unless it holds most of the prompt (it would compute
+//!   at most half as many tokens as every replica not under pressure) or
+//!   every remaining replica is in that state. Pressure never turns a hit
+//!   into a miss: the miss would take more KV room elsewhere; a few shared
+//!   blocks are not worth the wait.
 //!
 //! Copies: when some replica holds the request's root prefix, one without
 //! it that was sent another root within `hot_prefix.window_secs` is charged
@@ -266,13 +269,15 @@ impl RoutingPolicy for CostModel {
         // Tokens the prompt would compute on a replica.
         let new = |x: &Candidate| prompt.saturating_sub(x.cached_tokens);
         let long = |x: &Candidate| new(x) > self.config.short_prompt_tokens;
-        // Above kappa, or without free room for what it would compute (it would wait for running requests to finish).
+        // Above kappa, or without free room for the whole prompt (it would
+        // wait for running requests to finish): its cached blocks leave the
+        // free pool too, unless a running request holds them.
         let full = |x: &Candidate| {
             let e = x.engine?;
             if e.kv_usage > self.config.kappa {
                 return Some(SetAside::KvPressure { usage: e.kv_usage });
             }
-            x.free_kv_tokens().filter(|&free| new(x) as u64 > free).map(|free| SetAside::KvRoom { free_tokens: free })
+            x.free_kv_tokens().filter(|&free| prompt as u64 > free).map(|free| SetAside::KvRoom { free_tokens: free })
         };
         let remaining = || c.iter().zip(aside.iter()).filter(|(_, a)| a.is_none()).map(|(x, _)| x);
         // Not under pressure somewhere: the fewest tokens such a replica computes.
@@ -280,13 +285,14 @@ impl RoutingPolicy for CostModel {
             return remaining().any(&long).then_some("kv_waived");
         };
         // Pressure never turns a hit into a miss: a full replica that would
-        // compute fewer of the prompt's tokens than every other stays, since
-        // computing more elsewhere takes more KV room there (and, on a small
-        // fleet, evicts another prefix that will be asked for).
+        // compute at most half the tokens every other computes stays, since
+        // computing them elsewhere takes more KV room there (and, on a small
+        // fleet, evicts another prefix that will be asked for). A smaller
+        // saving is not worth waiting for room.
         for (x, a) in c.iter().zip(aside.iter_mut()) {
             if a.is_none()
                 && long(x)
-                && new(x) >= fewest
+                && new(x) * 2 > fewest
                 && let Some(why) = full(x)
             {
                 *a = Some(why);

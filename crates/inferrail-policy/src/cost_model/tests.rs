@@ -58,35 +58,37 @@ fn kv_pressure_sets_aside_a_full_cache_for_long_uncached_prompts_unless_every_re
 }
 
 #[test]
-fn kv_pressure_sets_aside_a_replica_without_room_for_what_the_prompt_computes_there() {
+fn kv_pressure_sets_aside_a_replica_without_room_for_the_whole_prompt() {
     let p = policy(Config::default());
-    // 8,000 prompt tokens; both caches hold 14,000 tokens and are half in use
-    // (7,000 free), far below kappa.
+    // 8,000 prompt tokens; both caches hold 14,000 tokens, the first half in
+    // use (7,000 free), far below kappa, the other empty.
     let req = Request { prompt_tokens: Some(8_000), ..Request::default() };
-    let half = Some(EngineReport { running: 1, waiting: 0, kv_usage: 0.5 });
+    let used = |kv_usage| Some(EngineReport { running: 1, waiting: 0, kv_usage });
     let mut c = fleet(&[1, 1]);
     for x in &mut c {
-        (x.engine, x.kv_capacity_tokens) = (half, 14_000);
+        (x.engine, x.kv_capacity_tokens) = (used(0.5), 14_000);
     }
-    c[1].engine = Some(EngineReport { running: 0, waiting: 0, kv_usage: 0.0 });
+    c[1].engine = used(0.0);
     let mut aside = vec![None; 2];
     assert_eq!(p.guard(&req, &c, &mut aside), None);
-    assert_eq!(aside, [Some(SetAside::KvRoom { free_tokens: 7_000 }), None], "8,000 new tokens do not fit in 7,000 free");
-    // It fits once 1,500 of it is cached there: 6,500 new tokens.
+    assert_eq!(aside, [Some(SetAside::KvRoom { free_tokens: 7_000 }), None], "8,000 tokens do not fit in 7,000 free");
+    // 1,500 of it cached there does not make room: the engine takes those
+    // blocks out of its free pool too when no running request holds them.
     c[0].cached_tokens = 1_500;
     let mut aside = vec![None; 2];
     p.guard(&req, &c, &mut aside);
-    assert_eq!(aside, [None, None]);
-    // Unless a request sent after the engine's report takes 1,000 of the
-    // room (and the other replica holds as much of the prompt).
-    c[0].unreported_kv_tokens = 1_000;
-    c[1].cached_tokens = 1_500;
+    assert_eq!(aside, [Some(SetAside::KvRoom { free_tokens: 7_000 }), None]);
+    // 40% in use: 8,400 free, room for all of it.
+    c[0].engine = used(0.4);
     let mut aside = vec![None; 2];
     p.guard(&req, &c, &mut aside);
-    assert_eq!(aside, [Some(SetAside::KvRoom { free_tokens: 6_000 }), None], "6,500 new tokens do not fit in 7,000 - 1,000");
-    (c[0].unreported_kv_tokens, c[1].cached_tokens) = (0, 0);
+    assert_eq!(aside, [None, None]);
+    // Unless a request sent after the engine's report takes 1,000 of the room.
+    c[0].unreported_kv_tokens = 1_000;
+    let mut aside = vec![None; 2];
+    p.guard(&req, &c, &mut aside);
+    assert_eq!(aside, [Some(SetAside::KvRoom { free_tokens: 7_400 }), None], "8,000 tokens do not fit in 8,400 - 1,000");
     // Without the cache's size the engine's usage says nothing of room.
-    c[0].cached_tokens = 0;
     c[0].kv_capacity_tokens = 0;
     let mut aside = vec![None; 2];
     p.guard(&req, &c, &mut aside);
@@ -94,7 +96,7 @@ fn kv_pressure_sets_aside_a_replica_without_room_for_what_the_prompt_computes_th
 }
 
 #[test]
-fn kv_pressure_never_turns_a_hit_into_a_miss() {
+fn kv_pressure_never_turns_a_hit_into_a_miss_but_a_few_shared_blocks_are_not_a_hit() {
     let p = policy(Config::default());
     let full = Some(EngineReport { running: 9, waiting: 2, kv_usage: 0.97 });
     // 8,000 prompt tokens: the full replica holds the 7,600-token system
@@ -106,7 +108,18 @@ fn kv_pressure_never_turns_a_hit_into_a_miss() {
     let mut aside = vec![None; 2];
     assert_eq!(p.guard(&req, &c, &mut aside), None);
     assert_eq!(aside, [None, None], "computing 8,000 tokens elsewhere takes more room than 400 here");
+    // Half of it cached is still a hit: 4,000 tokens here against 8,000.
+    c[0].cached_tokens = 4_000;
+    let mut aside = vec![None; 2];
+    p.guard(&req, &c, &mut aside);
+    assert_eq!(aside, [None, None]);
+    // Less than half is not worth waiting for room: 4,016 tokens against 8,000.
+    c[0].cached_tokens = 3_984;
+    let mut aside = vec![None; 2];
+    p.guard(&req, &c, &mut aside);
+    assert_eq!(aside, [Some(SetAside::KvPressure { usage: 0.97 }), None]);
     // One below kappa that holds as much: the full one is set aside, and no hit is lost.
+    c[0].cached_tokens = 7_600;
     c[1].cached_tokens = 7_600;
     let mut aside = vec![None; 2];
     p.guard(&req, &c, &mut aside);
