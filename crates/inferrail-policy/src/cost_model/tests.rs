@@ -9,6 +9,12 @@ fn policy(config: Config) -> CostModel {
     CostModel::new(config, Prefill::default())
 }
 
+/// What the guard says of `req` on `c`, and which replicas it sets aside.
+fn guarded(p: &CostModel, req: &Request, c: &[Candidate]) -> (Option<&'static str>, Vec<Option<SetAside>>) {
+    let mut aside = vec![None; c.len()];
+    (p.guard(req, c, &mut aside), aside)
+}
+
 /// A 700-token prompt at `now` whose blocks are `blocks` (16 tokens each).
 fn rooted(now: Duration, blocks: &'static [u128]) -> Request<'static> {
     Request { now, prompt_tokens: Some(700), blocks, block_size: 16, ..Request::default() }
@@ -38,22 +44,18 @@ fn kv_pressure_sets_aside_a_full_cache_for_long_uncached_prompts_unless_every_re
     let mut c = fleet(&[0, 5]);
     c[0].engine = full;
     let long = Request { prompt_tokens: Some(2_000), ..Request::default() };
-    let mut aside = vec![None; 2];
-    assert_eq!(p.guard(&long, &c, &mut aside), None);
+    let (waived, aside) = guarded(&p, &long, &c);
+    assert_eq!(waived, None);
     assert_eq!(aside, [Some(SetAside::KvPressure { usage: 0.97 }), None]);
     // A short prompt, or one mostly cached there, is spared.
-    let mut aside = vec![None; 2];
-    p.guard(&Request { prompt_tokens: Some(200), ..long }, &c, &mut aside);
-    assert_eq!(aside, [None, None]);
+    assert_eq!(guarded(&p, &Request { prompt_tokens: Some(200), ..long }, &c).1, [None, None]);
     c[0].cached_tokens = 1_900;
-    let mut aside = vec![None; 2];
-    p.guard(&long, &c, &mut aside);
-    assert_eq!(aside, [None, None]);
+    assert_eq!(guarded(&p, &long, &c).1, [None, None]);
     // Every replica under pressure: the guard is waived, and says so.
     c[0].cached_tokens = 0;
     c[1].engine = full;
-    let mut aside = vec![None; 2];
-    assert_eq!(p.guard(&long, &c, &mut aside), Some("kv_waived"));
+    let (waived, aside) = guarded(&p, &long, &c);
+    assert_eq!(waived, Some("kv_waived"));
     assert_eq!(aside, [None, None]);
 }
 
@@ -69,30 +71,22 @@ fn kv_pressure_sets_aside_a_replica_without_room_for_the_whole_prompt() {
         (x.engine, x.kv_capacity_tokens) = (used(0.5), 14_000);
     }
     c[1].engine = used(0.0);
-    let mut aside = vec![None; 2];
-    assert_eq!(p.guard(&req, &c, &mut aside), None);
+    let (waived, aside) = guarded(&p, &req, &c);
+    assert_eq!(waived, None);
     assert_eq!(aside, [Some(SetAside::KvRoom { free_tokens: 7_000 }), None], "8,000 tokens do not fit in 7,000 free");
     // 1,500 of it cached there does not make room: the engine takes those
     // blocks out of its free pool too when no running request holds them.
     c[0].cached_tokens = 1_500;
-    let mut aside = vec![None; 2];
-    p.guard(&req, &c, &mut aside);
-    assert_eq!(aside, [Some(SetAside::KvRoom { free_tokens: 7_000 }), None]);
+    assert_eq!(guarded(&p, &req, &c).1, [Some(SetAside::KvRoom { free_tokens: 7_000 }), None]);
     // 40% in use: 8,400 free, room for all of it.
     c[0].engine = used(0.4);
-    let mut aside = vec![None; 2];
-    p.guard(&req, &c, &mut aside);
-    assert_eq!(aside, [None, None]);
+    assert_eq!(guarded(&p, &req, &c).1, [None, None]);
     // Unless a request sent after the engine's report takes 1,000 of the room.
     c[0].unreported_kv_tokens = 1_000;
-    let mut aside = vec![None; 2];
-    p.guard(&req, &c, &mut aside);
-    assert_eq!(aside, [Some(SetAside::KvRoom { free_tokens: 7_400 }), None], "8,000 tokens do not fit in 8,400 - 1,000");
+    assert_eq!(guarded(&p, &req, &c).1, [Some(SetAside::KvRoom { free_tokens: 7_400 }), None], "8,000 tokens do not fit in 8,400 - 1,000");
     // Without the cache's size the engine's usage says nothing of room.
     c[0].kv_capacity_tokens = 0;
-    let mut aside = vec![None; 2];
-    p.guard(&req, &c, &mut aside);
-    assert_eq!(aside, [None, None]);
+    assert_eq!(guarded(&p, &req, &c).1, [None, None]);
 }
 
 #[test]
@@ -105,25 +99,19 @@ fn kv_pressure_never_turns_a_hit_into_a_miss_but_a_few_shared_blocks_are_not_a_h
     let mut c = fleet(&[6, 1]);
     c[0].engine = full;
     c[0].cached_tokens = 7_600;
-    let mut aside = vec![None; 2];
-    assert_eq!(p.guard(&req, &c, &mut aside), None);
+    let (waived, aside) = guarded(&p, &req, &c);
+    assert_eq!(waived, None);
     assert_eq!(aside, [None, None], "computing 8,000 tokens elsewhere takes more room than 400 here");
     // Half of it cached is still a hit: 4,000 tokens here against 8,000.
     c[0].cached_tokens = 4_000;
-    let mut aside = vec![None; 2];
-    p.guard(&req, &c, &mut aside);
-    assert_eq!(aside, [None, None]);
+    assert_eq!(guarded(&p, &req, &c).1, [None, None]);
     // Less than half is not worth waiting for room: 4,016 tokens against 8,000.
     c[0].cached_tokens = 3_984;
-    let mut aside = vec![None; 2];
-    p.guard(&req, &c, &mut aside);
-    assert_eq!(aside, [Some(SetAside::KvPressure { usage: 0.97 }), None]);
+    assert_eq!(guarded(&p, &req, &c).1, [Some(SetAside::KvPressure { usage: 0.97 }), None]);
     // One below kappa that holds as much: the full one is set aside, and no hit is lost.
     c[0].cached_tokens = 7_600;
     c[1].cached_tokens = 7_600;
-    let mut aside = vec![None; 2];
-    p.guard(&req, &c, &mut aside);
-    assert_eq!(aside, [Some(SetAside::KvPressure { usage: 0.97 }), None]);
+    assert_eq!(guarded(&p, &req, &c).1, [Some(SetAside::KvPressure { usage: 0.97 }), None]);
 }
 
 #[test]
