@@ -489,6 +489,25 @@ impl KvIndex {
         slots.iter().map(|&s| depth_of[s as usize]).collect()
     }
 
+    /// Of the first `depth` blocks of `hashes` each `(slot, depth)` holds,
+    /// how many a request in flight there holds: the engine reuses those
+    /// without taking them out of its free pool. A request holds a whole
+    /// prefix of its prompt, so these are leading blocks too, found by
+    /// bisection.
+    pub fn held(&self, hashes: &[BlockHash], at: &[(Slot, usize)]) -> Vec<usize> {
+        let replicas = self.lock();
+        at.iter()
+            .map(|&(slot, depth)| {
+                let Some(rep) = replicas.get(&slot) else { return 0 };
+                let prefix = &hashes[..depth.min(hashes.len())];
+                match &rep.exact {
+                    Some(exact) => prefix.partition_point(|&h| exact.claimed(h)),
+                    None => prefix.partition_point(|&h| rep.shadow.in_use(h) == Some(true)),
+                }
+            })
+            .collect()
+    }
+
     /// Blocks the index holds, over every replica (an exact replica's in every tier).
     pub fn entries(&self) -> usize {
         self.lock().values().map(|r| r.shadow.len() + r.exact.as_ref().map_or(0, Exact::len)).sum()

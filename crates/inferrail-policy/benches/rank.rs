@@ -18,6 +18,7 @@ fn fleet(n: usize) -> Vec<Candidate> {
             max_pending: 64,
             healthy: i % 17 != 5,
             cached_tokens: (i * 997) % 8_000,
+            held_cached_tokens: 0,
             queued_prefill_secs: (i % 5) as f64 * 0.1,
             prompt_tokens_in_flight: (i * 311 % 5_000) as u64,
             kv_capacity_tokens: 0,

@@ -21,16 +21,16 @@
 //!   over the `n` offered replicas (consistent hashing with bounded loads;
 //!   the least loaded always qualifies);
 //! - KV pressure: never a replica whose engine reports more than `kappa` of
-//!   its KV cache in use, or fewer free tokens than the whole prompt (it
+//!   its KV cache in use, or fewer free tokens than the prompt takes (it
 //!   would wait for running requests to finish before it starts, and hold
 //!   up every request queued behind it; the cached blocks it reuses leave
-//!   the free pool too unless a running request holds them, which the
-//!   router cannot tell), for a prompt with more than `short_prompt_tokens`
-//!   to compute there, unless it holds most of the prompt (it would compute
-//!   at most half as many tokens as every replica not under pressure) or
-//!   every remaining replica is in that state. Pressure never turns a hit
-//!   into a miss: the miss would take more KV room elsewhere; a few shared
-//!   blocks are not worth the wait.
+//!   the free pool too, but for those a request in flight holds), for a
+//!   prompt with more than `short_prompt_tokens` to compute there, unless
+//!   it holds most of the prompt (it would compute at most a quarter as
+//!   many tokens as every replica not under pressure) or every remaining
+//!   replica is in that state. Pressure never turns a hit into a miss: the
+//!   miss would take more KV room elsewhere; a few shared blocks, or half
+//!   the prompt, are not worth the wait.
 //!
 //! Copies: when some replica holds the request's root prefix, one without
 //! it that was sent another root within `hot_prefix.window_secs` is charged
@@ -158,6 +158,11 @@ impl Config {
     }
 }
 
+/// A replica short of KV room keeps a long prompt only when every replica
+/// with room would compute at least this many times as many of its tokens:
+/// a smaller saving is not worth waiting for running requests to finish.
+const HIT_SAVES: usize = 4;
+
 /// Recent requests per replica before shares count: fewer say nothing of load.
 const MIN_SHARE_EVIDENCE: f64 = 4.0;
 
@@ -269,15 +274,16 @@ impl RoutingPolicy for CostModel {
         // Tokens the prompt would compute on a replica.
         let new = |x: &Candidate| prompt.saturating_sub(x.cached_tokens);
         let long = |x: &Candidate| new(x) > self.config.short_prompt_tokens;
-        // Above kappa, or without free room for the whole prompt (it would
-        // wait for running requests to finish): its cached blocks leave the
-        // free pool too, unless a running request holds them.
+        // Above kappa, or without free room for the prompt (it would wait
+        // for running requests to finish): its cached blocks leave the free
+        // pool too, but for those a request in flight holds.
         let full = |x: &Candidate| {
             let e = x.engine?;
             if e.kv_usage > self.config.kappa {
                 return Some(SetAside::KvPressure { usage: e.kv_usage });
             }
-            x.free_kv_tokens().filter(|&free| prompt as u64 > free).map(|free| SetAside::KvRoom { free_tokens: free })
+            let need = prompt.saturating_sub(x.held_cached_tokens) as u64;
+            x.free_kv_tokens().filter(|&free| need > free).map(|free| SetAside::KvRoom { free_tokens: free })
         };
         let remaining = || c.iter().zip(aside.iter()).filter(|(_, a)| a.is_none()).map(|(x, _)| x);
         // Not under pressure somewhere: the fewest tokens such a replica computes.
@@ -285,14 +291,14 @@ impl RoutingPolicy for CostModel {
             return remaining().any(&long).then_some("kv_waived");
         };
         // Pressure never turns a hit into a miss: a full replica that would
-        // compute at most half the tokens every other computes stays, since
+        // compute at most a quarter of the tokens every other computes stays, since
         // computing them elsewhere takes more KV room there (and, on a small
         // fleet, evicts another prefix that will be asked for). A smaller
         // saving is not worth waiting for room.
         for (x, a) in c.iter().zip(aside.iter_mut()) {
             if a.is_none()
                 && long(x)
-                && new(x) * 2 > fewest
+                && new(x) * HIT_SAVES > fewest
                 && let Some(why) = full(x)
             {
                 *a = Some(why);

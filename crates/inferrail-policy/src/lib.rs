@@ -52,6 +52,9 @@ pub struct Candidate {
     pub healthy: bool,
     /// Prompt tokens the KV index predicts it holds (0 without a prediction).
     pub cached_tokens: usize,
+    /// Of those, the ones in blocks a request in flight there holds: the
+    /// engine reuses them without taking room from its free pool.
+    pub held_cached_tokens: usize,
     /// Prefill the router has sent it and that is not done yet, seconds.
     pub queued_prefill_secs: f64,
     /// Prompt tokens of the requests in flight there.
@@ -59,8 +62,8 @@ pub struct Candidate {
     /// Tokens its KV cache holds, configured or from the engine (0 when unknown).
     pub kv_capacity_tokens: u64,
     /// KV tokens the requests sent to it after the engine's report was read
-    /// will take (their prompts less their predicted cached tokens): room
-    /// that the report still counts as free.
+    /// will take (their prompts less the cached tokens requests in flight
+    /// hold): room that the report still counts as free.
     pub unreported_kv_tokens: u64,
     /// The engine's own last report, only while it is fresh.
     pub engine: Option<EngineReport>,
@@ -463,6 +466,7 @@ pub(crate) mod testing {
             max_pending: 100,
             healthy: true,
             cached_tokens: 0,
+            held_cached_tokens: 0,
             queued_prefill_secs: 0.0,
             prompt_tokens_in_flight: 0,
             kv_capacity_tokens: 0,

@@ -220,8 +220,9 @@ impl Replica {
     }
 
     /// What a policy sees of it at `now`, with the prompt's predicted cached
-    /// tokens there and the engine's report when it is fresh.
-    pub fn candidate(&self, now: Duration, cached_tokens: usize, engine: Option<Report>) -> Candidate {
+    /// tokens there (and of those, the ones requests in flight hold) and the
+    /// engine's report when it is fresh.
+    pub fn candidate(&self, now: Duration, (cached_tokens, held_cached_tokens): (usize, usize), engine: Option<Report>) -> Candidate {
         Candidate {
             key: self.key,
             in_flight: self.in_flight.load(Ordering::Relaxed),
@@ -230,6 +231,7 @@ impl Replica {
             max_pending: self.limits.max_pending,
             healthy: self.healthy(now.as_millis() as u64),
             cached_tokens,
+            held_cached_tokens,
             queued_prefill_secs: self.queued_prefill().as_secs_f64(),
             prompt_tokens_in_flight: self.prompt_tokens(),
             kv_capacity_tokens: (self.blocks(0) * self.block_size(0)) as u64,
@@ -432,7 +434,7 @@ mod tests {
     }
 
     fn counts(r: &Replica) -> (u32, u32, u64) {
-        let c = r.candidate(Duration::ZERO, 0, None);
+        let c = r.candidate(Duration::ZERO, (0, 0), None);
         (c.in_flight, c.pending, r.prompt_tokens())
     }
 
@@ -443,27 +445,27 @@ mod tests {
         let report = |at| Some(Report { at, load: inferrail_policy::EngineReport { running: 0, waiting: 0, kv_usage: 0.0 } });
         r.sent_kv(ms(1_000), 300);
         r.sent_kv(ms(1_050), 200);
-        assert_eq!(r.candidate(ms(1_060), 0, report(ms(1_000))).unreported_kv_tokens, 200, "the first was sent before the report");
-        assert_eq!(r.candidate(ms(1_060), 0, report(ms(900))).unreported_kv_tokens, 500);
+        assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(1_000))).unreported_kv_tokens, 200, "the first was sent before the report");
+        assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(900))).unreported_kv_tokens, 500);
         // A request over has freed its blocks: it takes no room the report counts as free.
         let lease = Lease::new(r.clone(), 0, 400);
         lease.sent_kv(ms(1_055), 400);
-        assert_eq!(r.candidate(ms(1_060), 0, report(ms(900))).unreported_kv_tokens, 900);
+        assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(900))).unreported_kv_tokens, 900);
         lease.release();
-        assert_eq!(r.candidate(ms(1_060), 0, report(ms(900))).unreported_kv_tokens, 500, "released, it counts no more");
-        assert_eq!(r.candidate(ms(1_060), 0, None).unreported_kv_tokens, 0, "no report, nothing to correct");
+        assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(900))).unreported_kv_tokens, 500, "released, it counts no more");
+        assert_eq!(r.candidate(ms(1_060), (0, 0), None).unreported_kv_tokens, 0, "no report, nothing to correct");
         // Sends older than any fresh report are let go.
         r.sent_kv(ms(1_000) + FRESH + ms(20), 7);
         assert_eq!(r.sent_kv.lock().unwrap().len(), 3, "the send at 1,000 ms can predate no fresh report");
-        assert_eq!(r.candidate(ms(1_400), 0, report(ms(1_200))).unreported_kv_tokens, 7);
+        assert_eq!(r.candidate(ms(1_400), (0, 0), report(ms(1_200))).unreported_kv_tokens, 7);
     }
 
     #[test]
     fn a_candidate_knows_its_kv_cache_size_once_the_engine_reported_it() {
         let r = replica(vec![0]);
-        assert_eq!(r.candidate(Duration::ZERO, 0, None).kv_capacity_tokens, 0, "unknown until reported");
+        assert_eq!(r.candidate(Duration::ZERO, (0, 0), None).kv_capacity_tokens, 0, "unknown until reported");
         r.learn_cache(16, 1_100);
-        assert_eq!(r.candidate(Duration::ZERO, 0, None).kv_capacity_tokens, 17_600);
+        assert_eq!(r.candidate(Duration::ZERO, (0, 0), None).kv_capacity_tokens, 17_600);
     }
 
     #[test]
@@ -497,7 +499,7 @@ mod tests {
         let r = replica(vec![0]);
         let lease = Lease::new(r.clone(), 0, 700);
         assert_eq!(counts(&r), (1, 1, 700));
-        assert!(!r.candidate(Duration::ZERO, 0, None).has_room(), "max_pending is 1");
+        assert!(!r.candidate(Duration::ZERO, (0, 0), None).has_room(), "max_pending is 1");
         assert!(lease.first_byte());
         assert!(!lease.first_byte());
         assert_eq!(counts(&r), (1, 0, 700));

@@ -133,16 +133,21 @@ impl Kv {
         Prediction { prompt_tokens: prompt.ids.len(), output_tokens, hashes }
     }
 
-    /// Predicted cached tokens of the prompt at each place, one index pass per block size.
-    pub fn cached(&self, p: &Prediction, places: &[Place]) -> Vec<usize> {
-        let mut cached = vec![0; places.len()];
+    /// Predicted cached tokens of the prompt at each place, and of those the
+    /// ones a request in flight there holds; one index pass per block size.
+    pub fn cached(&self, p: &Prediction, places: &[Place]) -> Vec<(usize, usize)> {
+        let mut cached = vec![(0, 0); places.len()];
         let mut slots: Vec<Slot> = Vec::with_capacity(places.len());
         for (bs, hashes) in &p.hashes {
             slots.clear();
             slots.extend(places.iter().filter(|pl| pl.block_size == *bs).map(|pl| pl.slot));
             let at = places.iter().enumerate().filter(|(_, pl)| pl.block_size == *bs).map(|(i, _)| i);
-            for (i, matched) in at.zip(self.index.matched(hashes, &slots)) {
-                cached[i] = predicted_cached_tokens(matched, p.prompt_tokens, *bs);
+            let hits: Vec<(usize, (Slot, usize))> =
+                at.zip(slots.iter().copied().zip(self.index.matched(hashes, &slots))).filter(|(_, (_, matched))| *matched > 0).collect();
+            let depths: Vec<(Slot, usize)> = hits.iter().map(|&(_, d)| d).collect();
+            for ((i, (_, matched)), held) in hits.into_iter().zip(self.index.held(hashes, &depths)) {
+                let tokens = predicted_cached_tokens(matched, p.prompt_tokens, *bs);
+                cached[i] = (tokens, (held * bs).min(tokens));
             }
         }
         cached
@@ -205,12 +210,12 @@ mod tests {
         let p = kv.prepare("m", &prompt(100), [16, 32, 16]);
         assert_eq!(p.hashes.len(), 2, "hashed once per block size");
         kv.record(&p, pa);
-        assert_eq!(kv.cached(&p, &[pa, pb]), [96, 0]);
+        assert_eq!(kv.cached(&p, &[pa, pb]), [(96, 96), (0, 0)], "the request recorded holds its blocks until it completes");
         kv.clear(a);
-        assert_eq!(kv.cached(&p, &[pa, pb]), [0, 0]);
+        assert_eq!(kv.cached(&p, &[pa, pb]), [(0, 0), (0, 0)]);
         let salted = kv.prepare("m", &Prompt { cache_salt: Some("s".into()), ..prompt(100) }, [16]);
         kv.record(&p, pa);
-        assert_eq!(kv.cached(&salted, &[pa]), [0], "a cache salt keeps blocks apart");
+        assert_eq!(kv.cached(&salted, &[pa]), [(0, 0)], "a cache salt keeps blocks apart");
     }
 
     #[test]

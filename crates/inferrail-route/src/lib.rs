@@ -314,7 +314,7 @@ impl Core {
         let places: Vec<Place> = replicas.iter().map(|r| self.place(r)).collect();
         let cached = match &view.prediction {
             Some(p) => self.kv.cached(p, &places),
-            None => vec![0; replicas.len()],
+            None => vec![(0, 0); replicas.len()],
         };
         let reports: Vec<Option<(Report, Duration)>> =
             replicas.iter().map(|r| reports(r).map(|rep| (rep, now.saturating_sub(rep.at)))).collect();
@@ -388,7 +388,9 @@ impl Core {
         let prefill = Duration::from_secs_f64(prefill);
         let lease = Arc::new(Lease::new(won.clone(), plan.model, prompt_tokens.unwrap_or(0) as u64));
         lease.queue_prefill(prefill);
-        lease.sent_kv(plan.now, prompt_tokens.map_or(0, |n| n.saturating_sub(cached)) as u64);
+        // It takes free room for its prompt but the cached blocks requests in flight hold.
+        let held = plan.candidates[winner].held_cached_tokens;
+        lease.sent_kv(plan.now, prompt_tokens.map_or(0, |n| n.saturating_sub(held)) as u64);
         // The first byte can come once the prefill queued ahead and this one's are done.
         lease.set_estimate(won.queued_prefill());
         let picked = &plan.order[..plan.order.len().min(1 + self.fallbacks)];

@@ -445,6 +445,11 @@ impl Exact {
         self.settle(changes);
     }
 
+    /// Whether a request in flight claims a block.
+    pub(super) fn claimed(&self, h: BlockHash) -> bool {
+        self.claims.contains_key(&h)
+    }
+
     /// The request completed or was taken back: its claims end. The engine
     /// frees a request's blocks last first, so its held blocks enter the
     /// eviction order at a new tick, deepest first.

@@ -192,6 +192,12 @@ impl Naive {
         let Some(pool) = self.replicas.get(&slot) else { return 0 };
         hashes.iter().take_while(|&&h| pool.contains(h)).count()
     }
+
+    /// Of the first `depth` blocks, those a running request holds, wherever they are.
+    fn held(&self, hashes: &[BlockHash], slot: Slot, depth: usize) -> usize {
+        let Some(pool) = self.replicas.get(&slot) else { return 0 };
+        hashes[..depth].iter().filter(|h| pool.in_use.contains_key(h)).count()
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -292,7 +298,10 @@ proptest! {
                 let hashes = chain(family, 8);
                 let slots: Vec<Slot> = (0..4).collect();
                 let want: Vec<usize> = slots.iter().map(|&s| naive.matched(&hashes, s)).collect();
-                prop_assert_eq!(index.matched(&hashes, &slots), want);
+                prop_assert_eq!(index.matched(&hashes, &slots), want.clone());
+                let at: Vec<(Slot, usize)> = slots.iter().copied().zip(want).collect();
+                let held: Vec<usize> = at.iter().map(|&(s, d)| naive.held(&hashes, s, d)).collect();
+                prop_assert_eq!(index.held(&hashes, &at), held);
             }
             prop_assert_eq!(index.entries(), naive.replicas.values().map(|p| p.free.len() + p.in_use.len()).sum::<usize>());
         }

@@ -60,7 +60,7 @@ fn kv_pressure_sets_aside_a_full_cache_for_long_uncached_prompts_unless_every_re
 }
 
 #[test]
-fn kv_pressure_sets_aside_a_replica_without_room_for_the_whole_prompt() {
+fn kv_pressure_sets_aside_a_replica_without_room_for_the_prompt() {
     let p = policy(Config::default());
     // 8,000 prompt tokens; both caches hold 14,000 tokens, the first half in
     // use (7,000 free), far below kappa, the other empty.
@@ -78,6 +78,12 @@ fn kv_pressure_sets_aside_a_replica_without_room_for_the_whole_prompt() {
     // blocks out of its free pool too when no running request holds them.
     c[0].cached_tokens = 1_500;
     assert_eq!(guarded(&p, &req, &c).1, [Some(SetAside::KvRoom { free_tokens: 7_000 }), None]);
+    // Those a request in flight holds take no free room: 7,000 left to find, and found.
+    c[0].held_cached_tokens = 1_000;
+    assert_eq!(guarded(&p, &req, &c).1, [None, None], "8,000 less 1,000 held fits in 7,000");
+    c[0].held_cached_tokens = 999;
+    assert_eq!(guarded(&p, &req, &c).1, [Some(SetAside::KvRoom { free_tokens: 7_000 }), None]);
+    c[0].held_cached_tokens = 0;
     // 40% in use: 8,400 free, room for all of it.
     c[0].engine = used(0.4);
     assert_eq!(guarded(&p, &req, &c).1, [None, None]);
@@ -102,11 +108,14 @@ fn kv_pressure_never_turns_a_hit_into_a_miss_but_a_few_shared_blocks_are_not_a_h
     let (waived, aside) = guarded(&p, &req, &c);
     assert_eq!(waived, None);
     assert_eq!(aside, [None, None], "computing 8,000 tokens elsewhere takes more room than 400 here");
-    // Half of it cached is still a hit: 4,000 tokens here against 8,000.
-    c[0].cached_tokens = 4_000;
+    // Three quarters of it cached is still a hit: 2,000 tokens here against 8,000.
+    c[0].cached_tokens = 6_000;
     assert_eq!(guarded(&p, &req, &c).1, [None, None]);
-    // Less than half is not worth waiting for room: 4,016 tokens against 8,000.
-    c[0].cached_tokens = 3_984;
+    // Less is not worth waiting for room: 2,016 tokens against 8,000.
+    c[0].cached_tokens = 5_984;
+    assert_eq!(guarded(&p, &req, &c).1, [Some(SetAside::KvPressure { usage: 0.97 }), None]);
+    // Half of it cached is not either.
+    c[0].cached_tokens = 4_000;
     assert_eq!(guarded(&p, &req, &c).1, [Some(SetAside::KvPressure { usage: 0.97 }), None]);
     // One below kappa that holds as much: the full one is set aside, and no hit is lost.
     c[0].cached_tokens = 7_600;

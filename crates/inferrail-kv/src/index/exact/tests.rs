@@ -131,15 +131,21 @@ fn a_request_sent_claims_its_blocks_until_it_completes() {
     let prompt = block_hashes(seed, &tokens(4, 0), BS);
     let rec = index.record(0, &prompt, 4, 0, 1);
     assert_eq!(matched(&index, seed, 0, 4), 4, "predicted before the engine says anything");
+    assert_eq!(index.held(&prompt, &[(0, 4), (1, 0)]), [4, 0], "and held by the request");
     store(&index, seed, 0, 0, 2, Tier::ROUTING).unwrap();
     index.apply(0, &Event::Cleared).unwrap();
     assert_eq!(matched(&index, seed, 0, 4), 4, "still claimed while the request runs");
     store(&index, seed, 0, 0, 3, Tier::ROUTING).unwrap();
     index.complete(&rec);
     assert_eq!(matched(&index, seed, 0, 4), 3, "once it completes, only what the engine holds");
+    assert_eq!(index.held(&prompt, &[(0, 3)]), [0], "held by no request in flight");
     let refused = index.record(0, &prompt, 4, 0, 1);
     index.take_back(&refused);
     assert_eq!(matched(&index, seed, 0, 4), 3);
+    let shorter = index.record(0, &prompt[..2], 2, 0, 1);
+    assert_eq!(index.held(&prompt, &[(0, 3)]), [2], "the claimed prefix is held, the block after it is not");
+    index.complete(&shorter);
+    assert_eq!(index.held(&prompt, &[(0, 3)]), [0]);
 }
 
 #[test]
