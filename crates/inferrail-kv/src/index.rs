@@ -493,12 +493,15 @@ impl KvIndex {
     /// how many a request in flight there holds: the engine reuses those
     /// without taking them out of its free pool. A request holds a whole
     /// prefix of its prompt, so these are leading blocks too, found by
-    /// bisection.
+    /// bisection. Without a match anywhere the replicas are not locked.
     pub fn held(&self, hashes: &[BlockHash], at: &[(Slot, usize)]) -> Vec<usize> {
+        if at.iter().all(|&(_, depth)| depth == 0) {
+            return vec![0; at.len()];
+        }
         let replicas = self.lock();
         at.iter()
             .map(|&(slot, depth)| {
-                let Some(rep) = replicas.get(&slot) else { return 0 };
+                let Some(rep) = replicas.get(&slot).filter(|_| depth > 0) else { return 0 };
                 let prefix = &hashes[..depth.min(hashes.len())];
                 match &rep.exact {
                     Some(exact) => prefix.partition_point(|&h| exact.claimed(h)),

@@ -291,10 +291,10 @@ impl RoutingPolicy for CostModel {
             return remaining().any(&long).then_some("kv_waived");
         };
         // Pressure never turns a hit into a miss: a full replica that would
-        // compute at most a quarter of the tokens every other computes stays, since
-        // computing them elsewhere takes more KV room there (and, on a small
-        // fleet, evicts another prefix that will be asked for). A smaller
-        // saving is not worth waiting for room.
+        // compute at most a quarter of the tokens every other computes
+        // stays, since computing them elsewhere takes more KV room there
+        // (and, on a small fleet, evicts another prefix that will be asked
+        // for). A smaller saving is not worth waiting for room.
         for (x, a) in c.iter().zip(aside.iter_mut()) {
             if a.is_none()
                 && long(x)

@@ -142,10 +142,8 @@ impl Kv {
             slots.clear();
             slots.extend(places.iter().filter(|pl| pl.block_size == *bs).map(|pl| pl.slot));
             let at = places.iter().enumerate().filter(|(_, pl)| pl.block_size == *bs).map(|(i, _)| i);
-            let hits: Vec<(usize, (Slot, usize))> =
-                at.zip(slots.iter().copied().zip(self.index.matched(hashes, &slots))).filter(|(_, (_, matched))| *matched > 0).collect();
-            let depths: Vec<(Slot, usize)> = hits.iter().map(|&(_, d)| d).collect();
-            for ((i, (_, matched)), held) in hits.into_iter().zip(self.index.held(hashes, &depths)) {
+            let depths: Vec<(Slot, usize)> = slots.iter().copied().zip(self.index.matched(hashes, &slots)).collect();
+            for ((i, &(_, matched)), held) in at.zip(&depths).zip(self.index.held(hashes, &depths)) {
                 let tokens = predicted_cached_tokens(matched, p.prompt_tokens, *bs);
                 cached[i] = (tokens, (held * bs).min(tokens));
             }
