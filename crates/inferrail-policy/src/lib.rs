@@ -5,12 +5,12 @@
 //! the [`Request`]. It may set candidates aside with a typed [`SetAside`]
 //! reason ([`RoutingPolicy::guard`]), then gives every remaining candidate a
 //! [`Score`] split into named terms, lower is better. Ordering the scores,
-//! with ties to fewer requests in flight and then to chance, is [`order`]'s
-//! job, the same for every policy. A policy that keeps state across
-//! decisions (round robin's counter, sessions, the hot-prefix sketch) updates
-//! it only in [`RoutingPolicy::picked`], after a decision is committed, so
-//! that scoring can be replayed to explain a decision without changing the
-//! next one. Randomness comes from a generator the caller passes in (seeded,
+//! with ties to fewer requests in flight and then to the prompt (else to
+//! chance), is [`order`]'s job, the same for every policy. A policy that
+//! keeps state across decisions (round robin's counter, sessions, the
+//! hot-prefix sketch) updates it only in [`RoutingPolicy::picked`], after a
+//! decision is committed, so that scoring can be replayed to explain a
+//! decision without changing the next one. Randomness comes from a generator the caller passes in (seeded,
 //! so a seed replays the same choices). No I/O happens here.
 #![forbid(unsafe_code)]
 
@@ -296,18 +296,42 @@ impl TextKind {
 }
 
 /// The best `k` of `offered` (all of them when fewer), best first: by score,
-/// then fewer requests in flight, then at random. Selecting the top `k`
+/// then fewer requests in flight, then by the weight of the prompt's `last`
+/// full block on each replica (rendezvous hashing), else at random. Ties
+/// that follow the prompt rather than a draw make every router with the
+/// same view pick the same replica. The last block names the whole prompt,
+/// so different prompts still spread as they would at random, shared
+/// prefix or not: a cache-blind policy stays blind. Selecting the top `k`
 /// before sorting them keeps a decision over hundreds of replicas linear.
-pub fn order(candidates: &[Candidate], offered: &[usize], scores: &[Score], k: usize, rng: &mut StdRng) -> Vec<usize> {
-    let mut keyed: Vec<(f64, u32, u32, usize)> =
-        offered.iter().zip(scores).map(|(&i, s)| (s.total, candidates[i].in_flight, rng.next_u32(), i)).collect();
-    let cmp = |a: &(f64, u32, u32, usize), b: &(f64, u32, u32, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2));
+pub fn order(
+    candidates: &[Candidate],
+    offered: &[usize],
+    scores: &[Score],
+    k: usize,
+    last: Option<BlockHash>,
+    rng: &mut StdRng,
+) -> Vec<usize> {
+    let mut tie = |c: &Candidate| match last {
+        Some(last) => weight(last, c.key),
+        None => rng.next_u64(),
+    };
+    let mut keyed: Vec<(f64, u32, u64, usize)> =
+        offered.iter().zip(scores).map(|(&i, s)| (s.total, candidates[i].in_flight, tie(&candidates[i]), i)).collect();
+    let cmp = |a: &(f64, u32, u64, usize), b: &(f64, u32, u64, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2));
     if k < keyed.len() {
         keyed.select_nth_unstable_by(k, cmp);
         keyed.truncate(k);
     }
     keyed.sort_unstable_by(cmp);
     keyed.into_iter().map(|k| k.3).collect()
+}
+
+/// A well-mixed 64-bit weight of a prefix on a replica (splitmix64's finalizer), for rendezvous hashing.
+fn weight(prefix: BlockHash, key: u64) -> u64 {
+    let mut z = (prefix as u64) ^ ((prefix >> 64) as u64).rotate_left(29) ^ key;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// The engine's prefill cost: `a*u + b*u*(c + u/2) + d` seconds for `u`
@@ -449,7 +473,7 @@ pub fn decide(policy: &dyn RoutingPolicy, req: &Request, candidates: &[Candidate
     let offered: Vec<usize> = (0..candidates.len()).filter(|&i| aside[i].is_none()).collect();
     let mut scores = vec![Score::default(); offered.len()];
     policy.score(req, candidates, &offered, rng, &mut scores);
-    Ok(order(candidates, &offered, &scores, usize::MAX, rng))
+    Ok(order(candidates, &offered, &scores, usize::MAX, req.blocks.last().copied(), rng))
 }
 
 #[cfg(test)]
@@ -515,11 +539,28 @@ mod tests {
         let mut wins = [0; 3];
         let mut r = rng(5);
         for _ in 0..300 {
-            let o = order(&c, &[0, 1, 2], &scores, 3, &mut r);
+            let o = order(&c, &[0, 1, 2], &scores, 3, None, &mut r);
             assert_eq!(o[2], 0, "the busiest is last on equal scores");
             wins[o[0]] += 1;
         }
         assert!(wins[1] > 100 && wins[2] > 100, "{wins:?}");
+    }
+
+    #[test]
+    fn ties_follow_the_prompts_last_block_whatever_the_draws() {
+        let c = fleet(&[4, 2, 2]);
+        let scores = [Score::single(1.0); 3];
+        let mut wins = [0; 3];
+        for last in 0..300u128 {
+            let last = last << 70 | last;
+            let first = order(&c, &[0, 1, 2], &scores, 3, Some(last), &mut rng(1));
+            assert_eq!(first[2], 0, "the busiest is still last on equal scores");
+            for seed in 2..5 {
+                assert_eq!(order(&c, &[0, 1, 2], &scores, 3, Some(last), &mut rng(seed)), first, "another router, the same order");
+            }
+            wins[first[0]] += 1;
+        }
+        assert!(wins[1] > 100 && wins[2] > 100, "prompts spread over the tied replicas: {wins:?}");
     }
 
     proptest! {
@@ -532,8 +573,9 @@ mod tests {
             let c = fleet(&totals.iter().map(|t| t.1).collect::<Vec<_>>());
             let scores: Vec<Score> = totals.iter().map(|t| Score::single(f64::from(t.0))).collect();
             let offered: Vec<usize> = (0..c.len()).collect();
-            let all = order(&c, &offered, &scores, usize::MAX, &mut rng(seed));
-            let best = order(&c, &offered, &scores, k, &mut rng(seed));
+            let last = (seed % 2 == 0).then_some(u128::from(seed));
+            let all = order(&c, &offered, &scores, usize::MAX, last, &mut rng(seed));
+            let best = order(&c, &offered, &scores, k, last, &mut rng(seed));
             prop_assert_eq!(&best[..], &all[..k.min(all.len())]);
         }
 

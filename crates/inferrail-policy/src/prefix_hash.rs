@@ -12,7 +12,7 @@ use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 
 use crate::p2c::two_choices;
-use crate::{Candidate, Request, RoutingPolicy, Score};
+use crate::{Candidate, Request, RoutingPolicy, Score, weight};
 
 /// `prefix_hash` parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -47,14 +47,6 @@ impl PrefixHash {
     pub fn new(config: Config) -> Self {
         Self { config }
     }
-}
-
-/// A well-mixed 64-bit weight of a prefix on a replica (splitmix64's finalizer).
-fn weight(prefix: u128, key: u64) -> u64 {
-    let mut z = (prefix as u64) ^ ((prefix >> 64) as u64).rotate_left(29) ^ key;
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 impl RoutingPolicy for PrefixHash {

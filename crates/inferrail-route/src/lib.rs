@@ -360,7 +360,7 @@ impl Core {
         let mut scores = vec![Score::default(); offered.len()];
         let mut rng = plan.rng.clone();
         let steer = model.policy.score(&req, &plan.candidates, &offered, &mut rng, &mut scores);
-        let ranked = order(&plan.candidates, &offered, &scores, k, &mut rng);
+        let ranked = order(&plan.candidates, &offered, &scores, k, req.blocks.last().copied(), &mut rng);
         let mut all_scores = vec![None; aside.len()];
         for (&i, s) in offered.iter().zip(scores) {
             all_scores[i] = Some(s);

@@ -8,10 +8,11 @@ a time, seeded) on three simulators whose caches hold about two of the
 prompts each, cache-aware routing (kv_aware). Measured: the share of prompt
 tokens served from cache (usage cached_tokens / prompt_tokens) after a
 warm-up, for one and two routers in exact and in approximate mode. In exact
-mode both routers see what the engines hold, whoever routed it, so two do
-as well as one (within 2 points; they differ only in how ties among
-replicas holding nothing are broken) and every exact claim holds; in
-approximate mode each router knows only its own decisions.
+mode both routers see what the engines hold, whoever routed it, and break
+ties by the prompt rather than by a draw of their own, so two make the
+decisions one makes: the same cached share (within 2 points, allowing for
+a view that differs while events are in flight) and every exact claim
+holds; in approximate mode each router knows only its own decisions.
 
 Envoy opens two ext_proc streams a request (route, then observe) and
 balances each on its own: with two routers the observe stream, which
