@@ -147,6 +147,8 @@ fn explanation(router: &Router, e: &Explained) -> pb::ExplainResponse {
                 }),
                 rank: plan.order.iter().position(|&o| o == i).map_or(0, |p| p as u32 + 1),
                 kv_mode: r.kv_mode().as_str().to_string(),
+                held_cached_tokens: c.held_cached_tokens as u64,
+                free_kv_tokens: c.free_kv_tokens(),
             }
         })
         .collect();
@@ -168,7 +170,7 @@ fn deciding_term(plan: &Plan) -> &'static str {
     let ahead = plan.terms.iter().zip(w.terms.iter().zip(r.terms)).map(|(name, (w, r))| (name, r - w));
     match ahead.max_by(|a, b| a.1.total_cmp(&b.1)) {
         Some((name, d)) if d > 0.0 => name,
-        // No term ahead: the tie-break (fewer in flight, then chance) decided.
+        // No term ahead: the tie-break (fewer in flight, then the prompt's last block) decided.
         _ => "tie_break",
     }
 }
@@ -204,3 +206,6 @@ fn fleet(router: &Router) -> pb::ReplicasResponse {
         .collect();
     pb::ReplicasResponse { replicas }
 }
+
+#[cfg(test)]
+mod tests;

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use inferrail_config::Config;
 use inferrail_tokenize::chat::Endpoint;
+use serde_json::{Value, json};
 
 use crate::router::Router;
 
@@ -47,6 +48,8 @@ async fn at_full_sampling_under_1000_decisions_a_second_every_decision_is_logged
     );
     assert_eq!(first["candidates"].as_array().unwrap().len(), 2);
     assert!(first["candidates"][0]["terms"]["prefill"].as_f64().unwrap() > 0.0);
+    // No request in flight holds the prompt, and no engine has reported its free room.
+    assert_eq!((&first["candidates"][0]["held_cached_tokens"], &first["candidates"][0]["free_kv_tokens"]), (&json!(0), &Value::Null));
     assert!(["a", "b"].contains(&first["winner"].as_str().unwrap()));
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(!text.contains("otters"), "the prompt is never logged");
