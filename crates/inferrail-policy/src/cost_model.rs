@@ -13,7 +13,7 @@
 //! win, so a holder keeps its prefix against a miss unless it is far over
 //! its share, ties among holders go to the least busy, and new prefixes go
 //! where there is room. Lowest wins; ties go to fewer requests in flight,
-//! then to chance.
+//! then by the prompt ([`crate::order`]).
 //!
 //! Guards, before scoring:
 //! - bounded load: never a replica that would hold more than
