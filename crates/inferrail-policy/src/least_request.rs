@@ -1,5 +1,6 @@
-//! `least_request`: fewest requests in flight first; ties at random (the
-//! shared tie-break of [`crate::order`]), so equal loads share traffic evenly.
+//! `least_request`: fewest requests in flight first; ties by the shared
+//! tie-break of [`crate::order`] (a weight of the prompt's last full block
+//! on each replica), so equal loads share traffic evenly.
 
 use rand::rngs::StdRng;
 

@@ -153,9 +153,10 @@ pub enum SetAside {
         /// The reported usage.
         usage: f64,
     },
-    /// Its engine has fewer free KV tokens than the prompt, long and uncached there, would compute.
+    /// Its engine has fewer free KV tokens than the prompt, long and uncached
+    /// there, needs: the prompt less the cached tokens a request in flight holds.
     KvRoom {
-        /// Free tokens by the engine's report.
+        /// Free tokens as [`Candidate::free_kv_tokens`] counts them.
         free_tokens: u64,
     },
 }
@@ -296,12 +297,13 @@ impl TextKind {
 }
 
 /// The best `k` of `offered` (all of them when fewer), best first: by score,
-/// then fewer requests in flight, then by the weight of the prompt's `last`
-/// full block on each replica (rendezvous hashing), else at random. Ties
-/// that follow the prompt rather than a draw make every router with the
-/// same view pick the same replica. The last block names the whole prompt,
-/// so different prompts still spread as they would at random, shared
-/// prefix or not: a cache-blind policy stays blind. Selecting the top `k`
+/// then fewer requests in flight, then the lowest weight of the prompt's
+/// `last` full block on each replica (rendezvous hashing), or at random for
+/// a prompt without a full block. Ties that follow the prompt rather than a
+/// draw make every router with the same view pick the same replica. The
+/// last full block's hash chains over every block before it, so prompts
+/// that differ before it spread as they would at random, shared prefix or
+/// not: a cache-blind policy stays blind. Selecting the top `k`
 /// before sorting them keeps a decision over hundreds of replicas linear.
 pub fn order(
     candidates: &[Candidate],
@@ -371,7 +373,7 @@ pub enum PolicyKind {
     RoundRobin,
     /// Uniformly at random.
     Random,
-    /// Fewest requests in flight, ties at random.
+    /// Fewest requests in flight, ties by [`order`]'s tie-break.
     LeastRequest,
     /// The better of two chosen at random.
     P2c,

@@ -18,7 +18,7 @@
 //!
 //! Ties go to the first in list order, as SGLang's `min_by_key` does: the
 //! winner scores 0 and the others follow by load then list position, so the
-//! scores never tie and `order`'s random tie-break never applies. After a
+//! scores never tie and `order`'s tie-break never applies. After a
 //! committed decision ([`RoutingPolicy::picked`]) the winner owns the whole
 //! text (SGLang inserts it on both paths). Every `eviction_interval_secs`
 //! (checked at commits; 0 = at every commit) each worker holding more than

@@ -170,7 +170,7 @@ fn deciding_term(plan: &Plan) -> &'static str {
     let ahead = plan.terms.iter().zip(w.terms.iter().zip(r.terms)).map(|(name, (w, r))| (name, r - w));
     match ahead.max_by(|a, b| a.1.total_cmp(&b.1)) {
         Some((name, d)) if d > 0.0 => name,
-        // No term ahead: the tie-break (fewer in flight, then the prompt's last block) decided.
+        // No term ahead: the tie-break (fewer in flight, then the prompt's last full block, else a draw) decided.
         _ => "tie_break",
     }
 }

@@ -49,7 +49,7 @@ replicas:
     r.complete(&lease);
     let out = explanation(&r, &r.explain(BODY, Endpoint::Completions, None).await.unwrap());
     let t = candidate(&out, &took);
-    assert_eq!((t.predicted_cached_tokens, t.held_cached_tokens), (cached, 0));
+    assert_eq!((t.predicted_cached_tokens, t.held_cached_tokens, t.free_kv_tokens), (cached, 0, Some(128)));
 
     // Without a report there is no free room to show.
     r.loads.remove(&took);
