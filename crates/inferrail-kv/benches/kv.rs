@@ -48,6 +48,34 @@ fn lookup(c: &mut Criterion) {
     });
 }
 
+/// The overhead ladder's long prompts, in approximate mode: each request a
+/// new prompt of 2,344 blocks (220 KB of chat, 37,500 tokens) on one of
+/// three replicas of 1,048,576 blocks each (the ladder's simulators), full,
+/// so every block it adds evicts one; the lookup over all three included.
+fn long_prompts(c: &mut Criterion) {
+    const BLOCKS: u128 = 2344;
+    let index = KvIndex::new();
+    for s in 0..3 {
+        index.add_replica(s, 1 << 20);
+    }
+    let mut n = 0u128;
+    let mut request = move || {
+        n += 1;
+        let prompt: Vec<u128> = (0..BLOCKS).map(|k| (n << 64) | k).collect();
+        let slot = (n % 3) as u32;
+        std::hint::black_box(index.matched(&prompt, &[0, 1, 2]));
+        index.complete(&index.record(slot, &prompt, prompt.len(), 0, 1));
+    };
+    // Enough to fill every replica.
+    for _ in 0..3 * (1 << 20) / BLOCKS + 3 {
+        request();
+    }
+    let mut g = c.benchmark_group("long prompts");
+    g.throughput(Throughput::Elements(BLOCKS as u64));
+    g.bench_function("look up, record and complete 2,344 new blocks on full 1,048,576-block replicas", |b| b.iter(&mut request));
+    g.finish();
+}
+
 /// The median and 99th percentile of 100,000 timed calls (criterion reports
 /// means and medians; the lookup's target is a p99). Each time includes a
 /// clock read, tens of nanoseconds.
@@ -176,7 +204,7 @@ fn in_flight(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, hashing, lookup, events, in_flight);
+criterion_group!(benches, hashing, lookup, events, in_flight, long_prompts);
 
 fn main() {
     memory();

@@ -138,6 +138,12 @@ impl KvIndex {
         if let Some(old) = replicas.insert(slot, self.new_replica(capacity)) {
             self.drop_all(slot, old);
         }
+        // The map holds no more blocks than the replicas together: room for
+        // them now spares the lookups that would wait while a large table
+        // is copied to grow (churn still copies it now and then: papaya
+        // does not reuse a removed entry's slot).
+        let most: usize = replicas.values().map(|r| r.shadow.cap()).sum();
+        self.holders.pin().reserve(most.saturating_sub(self.holders.len()));
     }
 
     fn new_replica(&self, capacity: usize) -> Replica {
@@ -198,7 +204,7 @@ impl KvIndex {
         self.drop_all(slot, old);
         let holders = self.holders.pin();
         for h in replicas.get(&slot).into_iter().flat_map(|r| r.shadow.blocks()) {
-            holders.update_or_insert_with(h, |bits| bits.with(slot), || Bits::default().with(slot));
+            add(&holders, h, slot);
         }
     }
 
@@ -233,7 +239,7 @@ impl KvIndex {
         let holders = self.holders.pin();
         for &(h, present) in changes {
             if present {
-                holders.update_or_insert_with(h, |bits| bits.with(slot), || Bits::default().with(slot));
+                add(&holders, h, slot);
             } else {
                 release(&holders, h, slot);
             }
@@ -318,38 +324,38 @@ impl KvIndex {
         for &h in &prompt[..reused] {
             shadow.hold(h);
         }
-        let (fresh, evicted) = self.take_fresh(shadow, need, &prompt[reused..]);
+        let fresh = self.take_fresh(shadow, slot, need, &prompt[reused..]);
         let mut keys: Vec<BlockHash> = prompt[..reused].to_vec();
         keys.extend(fresh);
-        let holders = self.holders.pin();
-        for h in keys[reused..].iter().filter(|h| !is_placeholder(**h)) {
-            holders.update_or_insert_with(*h, |bits| bits.with(slot), || Bits::default().with(slot));
-        }
-        // A block evicted and then named again by the same request stays held.
-        for h in evicted.into_iter().filter(|&h| !shadow.contains(h)) {
-            release(&holders, h, slot);
-        }
         Some((keys, reused))
     }
 
-    /// Takes up to `n` fresh blocks while some block is not in use; returns
-    /// them and the real blocks they evicted. Room for all of them is made
-    /// first: what they evict is chosen before any of them is named. Each
-    /// takes the next of `names` (the prompt's blocks), unless the shadow
-    /// holds that one already (its prefix was evicted: the block caches
-    /// nothing) or `names` has run out; a placeholder names it then.
-    fn take_fresh(&self, shadow: &mut Shadow, n: usize, names: &[BlockHash]) -> (Vec<BlockHash>, Vec<BlockHash>) {
+    /// Takes up to `n` fresh blocks on `slot` while some block is not in
+    /// use, and returns them. Room for all of them is made first: what they
+    /// evict is chosen (and leaves the holder map) before any of them is
+    /// named. Each takes the next of `names` (the prompt's blocks), unless
+    /// the shadow holds that one already (its prefix was evicted: the block
+    /// caches nothing) or `names` has run out; a placeholder names it then.
+    fn take_fresh(&self, shadow: &mut Shadow, slot: Slot, n: usize, names: &[BlockHash]) -> Vec<BlockHash> {
         let mut evicted = Vec::new();
         let room = shadow.make_room(n, &mut evicted);
-        evicted.retain(|&h| !is_placeholder(h));
+        let holders = self.holders.pin();
+        for h in evicted.into_iter().filter(|&h| !is_placeholder(h)) {
+            release(&holders, h, slot);
+        }
         let mut fresh = Vec::with_capacity(room);
         for i in 0..room {
-            let key = names.get(i).copied().filter(|&h| !shadow.contains(h)).unwrap_or_else(|| self.placeholder());
+            // The slot's bit in the holder map is whether its shadow holds
+            // the block: one probe asks and, when it does not, adds it.
+            let key = match names.get(i) {
+                Some(&h) if add(&holders, h, slot) => h,
+                _ => self.placeholder(),
+            };
             // Cannot fail: `make_room` left room for it.
             let _ = shadow.push(key);
             fresh.push(key);
         }
-        (fresh, evicted)
+        fresh
     }
 
     /// A key for a block no prompt can match.
@@ -375,11 +381,7 @@ impl KvIndex {
         };
         // Generated tokens' blocks, the request's last, are freed first.
         let shadow = &mut rep.shadow;
-        let holders = self.holders.pin();
-        let (generated, evicted) = self.take_fresh(shadow, output, &[]);
-        for h in evicted {
-            release(&holders, h, recorded.slot);
-        }
+        let generated = self.take_fresh(shadow, recorded.slot, output, &[]);
         for &h in generated.iter().rev().chain(keys.iter().rev()) {
             shadow.release(h);
         }
@@ -516,13 +518,18 @@ impl KvIndex {
         self.lock().values().map(|r| r.shadow.len() + r.exact.as_ref().map_or(0, Exact::len)).sum()
     }
 
-    /// Bytes the index has allocated: the shadows' exactly, the holder map's
-    /// by its entries (papaya does not say its table's size; its tables run
-    /// 40-85% full, so 16 bytes of table a block is allowed).
+    /// Bytes the index has allocated: the shadows' exactly, the holder
+    /// map's estimated (papaya does not say its table's size): an entry on
+    /// the heap a block, and a table of 9-byte slots reserved for every
+    /// replica's capacity, kept under three quarters full (churn may double
+    /// it).
     pub fn bytes(&self) -> usize {
-        let shadows: usize = self.lock().values().map(|r| r.shadow.bytes() + r.exact.as_ref().map_or(0, Exact::bytes)).sum();
-        let entry = size_of::<(BlockHash, Bits)>().next_multiple_of(16) + 16;
-        shadows + self.holders.len() * entry
+        let replicas = self.lock();
+        let shadows: usize = replicas.values().map(|r| r.shadow.bytes() + r.exact.as_ref().map_or(0, Exact::bytes)).sum();
+        let most = replicas.values().map(|r| r.shadow.cap()).sum::<usize>().max(self.holders.len());
+        let entry = size_of::<(BlockHash, Bits)>().next_multiple_of(16);
+        let table = (most * 4 / 3).next_power_of_two() * (size_of::<usize>() + 1);
+        shadows + self.holders.len() * entry + table
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, Replica>> {
@@ -542,6 +549,16 @@ impl KvIndex {
 }
 
 type Holders<'a, G> = papaya::HashMapRef<'a, BlockHash, Bits, FoldState, G>;
+
+/// `slot` holds `h` from now on; false if it did already.
+fn add<G: papaya::Guard>(holders: &Holders<'_, G>, h: BlockHash, slot: Slot) -> bool {
+    let added = holders.compute(h, |entry| match entry {
+        Some((_, bits)) if bits.has(slot) => papaya::Operation::Abort(()),
+        Some((_, bits)) => papaya::Operation::Insert(bits.with(slot)),
+        None => papaya::Operation::Insert(Bits::default().with(slot)),
+    });
+    !matches!(added, papaya::Compute::Aborted(()))
+}
 
 /// `slot` no longer holds `h`.
 fn release<G: papaya::Guard>(holders: &Holders<'_, G>, h: BlockHash, slot: Slot) {

@@ -1,7 +1,8 @@
 //! One replica's shadow of its KV cache, kept as the engine keeps its block
 //! pool: blocks held by running requests cannot be evicted; the others wait
 //! in a queue, least recently freed first out, and keep their prefix until
-//! they are reused. About 30 bytes a block.
+//! they are reused. About 30 bytes a block, taken for the whole capacity
+//! when the first block comes.
 //!
 //! Blocks live in a slab (one array of nodes, linked in freeing order by
 //! index, not pointer) and a hash table holds only each block's node index,
@@ -123,9 +124,9 @@ impl Shadow {
     /// how many fit now (at most `n`). The next pushes, up to that many,
     /// evict nothing.
     pub(super) fn make_room(&mut self, n: usize, evicted: &mut Vec<BlockHash>) -> usize {
-        while self.len() + n > self.cap && self.oldest != NIL {
-            let oldest = join(self.nodes[self.oldest as usize].key);
-            self.remove(oldest);
+        while self.len() + n > self.cap
+            && let Some(oldest) = self.evict_oldest()
+        {
             evicted.push(oldest);
         }
         n.min(self.cap - self.len())
@@ -136,18 +137,15 @@ impl Shadow {
     /// every block is in use.
     pub(super) fn push(&mut self, h: BlockHash) -> Result<Option<BlockHash>, Full> {
         debug_assert!(!self.contains(h), "push takes a block not held");
-        let evicted = if self.len() == self.cap {
-            let oldest = self.nodes.get(self.oldest as usize).ok_or(Full)?.key;
-            self.remove(join(oldest));
-            Some(join(oldest))
-        } else {
-            None
-        };
+        let evicted = if self.len() == self.cap { Some(self.evict_oldest().ok_or(Full)?) } else { None };
         let node = Node { key: split(h), newer: 0, older: 0 };
         let i = if self.unused == NIL {
-            if self.nodes.len() == self.nodes.capacity() {
-                // Grow by doubling, but never past the capacity a full shadow needs.
-                self.nodes.reserve_exact(self.nodes.len().max(16).min(self.cap - self.nodes.len()));
+            if self.nodes.capacity() == 0 {
+                // The first block takes room for a full shadow: growing one
+                // later would copy it all while every request waits. An
+                // exact replica's shadow is never pushed to and takes none.
+                self.nodes.reserve_exact(self.cap);
+                self.table = HashTable::with_capacity(self.cap);
             }
             self.nodes.push(node);
             u32::try_from(self.nodes.len() - 1).unwrap_or(NIL)
@@ -187,6 +185,24 @@ impl Shadow {
         let nodes = &self.nodes;
         let Ok(entry) = self.table.find_entry(hash(h), |&i| nodes[i as usize].key == key) else { return false };
         let (i, _) = entry.remove();
+        self.free_node(i);
+        true
+    }
+
+    /// Removes the least recently freed block and returns it; `None` when every block is in use.
+    fn evict_oldest(&mut self) -> Option<BlockHash> {
+        let i = self.oldest;
+        let h = join(self.nodes.get(i as usize)?.key);
+        // The node is known: the table's entries are compared by index, not through the slab.
+        if let Ok(entry) = self.table.find_entry(hash(h), |&j| j == i) {
+            entry.remove();
+        }
+        self.free_node(i);
+        Some(h)
+    }
+
+    /// A node whose block left the table goes back to the unused ones.
+    fn free_node(&mut self, i: u32) {
         if self.nodes[i as usize].older == IN_USE {
             self.in_use -= 1;
         } else {
@@ -194,7 +210,6 @@ impl Shadow {
         }
         self.nodes[i as usize].older = self.unused;
         self.unused = i;
-        true
     }
 
     /// Every block held, in no particular order.
