@@ -30,6 +30,11 @@ use shadow::Shadow;
 mod exact;
 mod shadow;
 
+/// Most blocks a shadow, and the holder map, take room for before they
+/// hold any (about 100 MB of slab): an engine's report of its cache is
+/// input, and an absurd one must not allocate the router's memory away.
+const UP_FRONT: usize = 1 << 22;
+
 /// A replica's slot in the index.
 pub type Slot = u32;
 
@@ -142,7 +147,7 @@ impl KvIndex {
         // them now spares the lookups that would wait while a large table
         // is copied to grow (churn still copies it now and then: papaya
         // does not reuse a removed entry's slot).
-        let most: usize = replicas.values().map(|r| r.shadow.cap()).sum();
+        let most = replicas.values().map(|r| r.shadow.cap()).fold(0, usize::saturating_add).min(UP_FRONT);
         self.holders.pin().reserve(most.saturating_sub(self.holders.len()));
     }
 
@@ -526,7 +531,7 @@ impl KvIndex {
     pub fn bytes(&self) -> usize {
         let replicas = self.lock();
         let shadows: usize = replicas.values().map(|r| r.shadow.bytes() + r.exact.as_ref().map_or(0, Exact::bytes)).sum();
-        let most = replicas.values().map(|r| r.shadow.cap()).sum::<usize>().max(self.holders.len());
+        let most = replicas.values().map(|r| r.shadow.cap()).fold(0, usize::saturating_add).min(UP_FRONT).max(self.holders.len());
         let entry = size_of::<(BlockHash, Bits)>().next_multiple_of(16);
         let table = (most * 4 / 3).next_power_of_two() * (size_of::<usize>() + 1);
         shadows + self.holders.len() * entry + table

@@ -2,7 +2,7 @@
 //! pool: blocks held by running requests cannot be evicted; the others wait
 //! in a queue, least recently freed first out, and keep their prefix until
 //! they are reused. About 30 bytes a block, taken for the whole capacity
-//! when the first block comes.
+//! (up to `UP_FRONT` blocks) when the first block comes.
 //!
 //! Blocks live in a slab (one array of nodes, linked in freeing order by
 //! index, not pointer) and a hash table holds only each block's node index,
@@ -13,7 +13,7 @@ use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
 
-use super::FoldState;
+use super::{FoldState, UP_FRONT};
 use crate::hash::BlockHash;
 
 /// No node.
@@ -140,12 +140,20 @@ impl Shadow {
         let evicted = if self.len() == self.cap { Some(self.evict_oldest().ok_or(Full)?) } else { None };
         let node = Node { key: split(h), newer: 0, older: 0 };
         let i = if self.unused == NIL {
-            if self.nodes.capacity() == 0 {
-                // The first block takes room for a full shadow: growing one
-                // later would copy it all while every request waits. An
+            if self.nodes.len() == self.nodes.capacity() {
+                // The first block takes room for a full shadow (up to
+                // `UP_FRONT` blocks, whatever the engine claims): growing
+                // one later would copy it all while every request waits. An
                 // exact replica's shadow is never pushed to and takes none.
-                self.nodes.reserve_exact(self.cap);
-                self.table = HashTable::with_capacity(self.cap);
+                // Past that, grow by doubling, never past the capacity.
+                let more = match self.nodes.capacity() {
+                    0 => self.cap.min(UP_FRONT),
+                    n => n.min(self.cap - n),
+                };
+                if self.table.capacity() == 0 {
+                    self.table = HashTable::with_capacity(more);
+                }
+                self.nodes.reserve_exact(more);
             }
             self.nodes.push(node);
             u32::try_from(self.nodes.len() - 1).unwrap_or(NIL)

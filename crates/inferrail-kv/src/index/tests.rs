@@ -408,3 +408,16 @@ fn a_record_from_before_a_restart_changes_nothing() {
     index.take_back(&new);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [0]);
 }
+
+#[test]
+fn an_absurd_reported_capacity_takes_no_absurd_room() {
+    // An engine that claims more blocks than memory could hold: the index
+    // takes room for at most `UP_FRONT` blocks and still answers (an
+    // allocation of the claimed size would abort the router).
+    let index = KvIndex::new();
+    index.add_replica(0, usize::MAX / 2);
+    index.add_replica(1, usize::MAX / 2);
+    index.complete(&index.record(0, &chain(0, 8), 8, 0, 1));
+    assert_eq!(index.matched(&chain(0, 8), &[0, 1]), [8, 0]);
+    assert!(index.bytes() < 1 << 30, "{} bytes", index.bytes());
+}
