@@ -147,8 +147,7 @@ impl KvIndex {
         // them now spares the lookups that would wait while a large table
         // is copied to grow (churn still copies it now and then: papaya
         // does not reuse a removed entry's slot).
-        let most = replicas.values().map(|r| r.shadow.cap()).fold(0, usize::saturating_add).min(UP_FRONT);
-        self.holders.pin().reserve(most.saturating_sub(self.holders.len()));
+        self.holders.pin().reserve(room_up_front(&replicas).saturating_sub(self.holders.len()));
     }
 
     fn new_replica(&self, capacity: usize) -> Replica {
@@ -531,7 +530,7 @@ impl KvIndex {
     pub fn bytes(&self) -> usize {
         let replicas = self.lock();
         let shadows: usize = replicas.values().map(|r| r.shadow.bytes() + r.exact.as_ref().map_or(0, Exact::bytes)).sum();
-        let most = replicas.values().map(|r| r.shadow.cap()).fold(0, usize::saturating_add).min(UP_FRONT).max(self.holders.len());
+        let most = room_up_front(&replicas).max(self.holders.len());
         let entry = size_of::<(BlockHash, Bits)>().next_multiple_of(16);
         let table = (most * 4 / 3).next_power_of_two() * (size_of::<usize>() + 1);
         shadows + self.holders.len() * entry + table
@@ -551,6 +550,12 @@ impl KvIndex {
             release(&holders, h, slot);
         }
     }
+}
+
+/// The blocks the holder map takes room for up front: every replica full,
+/// up to `UP_FRONT`.
+fn room_up_front(replicas: &HashMap<Slot, Replica>) -> usize {
+    replicas.values().map(|r| r.shadow.cap()).fold(0, usize::saturating_add).min(UP_FRONT)
 }
 
 type Holders<'a, G> = papaya::HashMapRef<'a, BlockHash, Bits, FoldState, G>;
