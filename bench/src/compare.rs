@@ -315,7 +315,6 @@ impl Bench {
 fn capacity(bench: &Bench) -> anyhow::Result<()> {
     let args = &bench.args;
     let rt = tokio::runtime::Handle::current();
-    let mut rows = Vec::new();
     for &kind in &args.workloads {
         let spec = Spec { workload: kind, ..args.spec.clone() };
         for contender in &args.contenders {
@@ -330,18 +329,30 @@ fn capacity(bench: &Bench) -> anyhow::Result<()> {
             })?;
             let name = format!("capacity-{}-{contender}", format!("{kind:?}").to_lowercase()).replace(':', "-");
             eprintln!("{name}: {:.3} req/s within p99 TTFT {} ms ({} probes)", found.rate, bench.slo.ttft_ms, found.probes);
-            rows.push(format!(
-                "| {contender} | {} | {:.3} | {:.3} | {} |",
-                format!("{kind:?}").to_lowercase(),
-                found.rate,
-                found.missed_at,
-                found.probes
-            ));
             crate::report::save(&args.out_dir.join(format!("{name}.json")), &found)?;
         }
     }
     let header = "| contender | workload | capacity req/s | missed at req/s | probes |\n|---|---|---|---|---|";
-    write_table(&args.out_dir.join("capacity.md"), header, rows.into_iter())
+    write_table(&args.out_dir.join("capacity.md"), header, capacity_rows(&args.out_dir)?.into_iter())
+}
+
+/// A table row for every search in `dir` (`capacity-<workload>-<contender>.json`),
+/// earlier runs' too: a recipe may search workloads in separate runs, each
+/// from its own first guess.
+fn capacity_rows(dir: &Path) -> anyhow::Result<Vec<String>> {
+    let mut rows = Vec::new();
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?.map(|e| e.map(|e| e.path())).collect::<Result<_, _>>()?;
+    paths.sort();
+    for path in paths {
+        let Some(stem) = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("capacity-")?.strip_suffix(".json")) else {
+            continue;
+        };
+        let Some((workload, contender)) = stem.split_once('-') else { continue };
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?).with_context(|| path.display().to_string())?;
+        let num = |k: &str| v[k].as_f64().with_context(|| format!("{}: no {k}", path.display()));
+        rows.push(format!("| {contender} | {workload} | {:.3} | {:.3} | {} |", num("rate")?, num("missed_at")?, num("probes")?));
+    }
+    Ok(rows)
 }
 
 /// Prints a table and writes it as Markdown.
@@ -371,4 +382,27 @@ fn row(contender: &str, kind: Kind, m: &Measured) -> String {
         pct(m.engines.as_ref().and_then(|e| e.busiest_share)),
         pct(Some(s.goodput.share)),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_capacity_table_lists_every_search_in_the_folder() -> anyhow::Result<()> {
+        let dir = std::env::temp_dir().join(format!("inferrail-capacity-rows-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        // Two runs' searches (a peer's name written with `-`), the table itself and a probe's logs.
+        std::fs::write(dir.join("capacity-w2-round_robin.json"), r#"{"rate": 60.0, "missed_at": 66.0, "probes": 5}"#)?;
+        std::fs::write(dir.join("capacity-w1-sglang-cache_aware.json"), r#"{"rate": 5.25, "missed_at": 5.5, "probes": 6}"#)?;
+        std::fs::write(dir.join("capacity.md"), "| an earlier table |")?;
+        std::fs::create_dir_all(dir.join("logs"))?;
+        let rows = capacity_rows(&dir)?;
+        assert_eq!(rows, ["| sglang-cache_aware | w1 | 5.250 | 5.500 | 6 |", "| round_robin | w2 | 60.000 | 66.000 | 5 |"]);
+        // A search without its rate is an error, not a row of zeros.
+        std::fs::write(dir.join("capacity-w6-round_robin.json"), r#"{"missed_at": 7.5, "probes": 5}"#)?;
+        assert!(capacity_rows(&dir).is_err());
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
 }

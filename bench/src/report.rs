@@ -22,16 +22,20 @@ pub struct Latency {
     pub mean_ms: f64,
 }
 
+/// The nearest-rank quantile `q` of a sorted sample (0 for none).
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
 /// Summarizes a sample (nearest-rank percentiles).
 pub fn latency(mut sample: Vec<Duration>) -> Latency {
     sample.sort_unstable();
-    let at = |q: f64| {
-        if sample.is_empty() {
-            return 0.0;
-        }
-        let rank = ((q * sample.len() as f64).ceil() as usize).clamp(1, sample.len());
-        sample[rank - 1].as_secs_f64() * 1e3
-    };
+    let ms: Vec<f64> = sample.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+    let at = |q: f64| quantile(&ms, q);
     let mean_ms = if sample.is_empty() { 0.0 } else { sample.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e3 / sample.len() as f64 };
     Latency { count: sample.len(), p50_ms: at(0.50), p90_ms: at(0.90), p99_ms: at(0.99), max_ms: at(1.0), mean_ms }
 }

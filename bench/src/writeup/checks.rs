@@ -3,7 +3,7 @@
 //! is not in the results says so instead of passing.
 
 use super::real::find;
-use super::{Contenders, mean};
+use super::{Contenders, mean, ttft_p99};
 use crate::writeup::inputs::{FleetWorkload, Ladder, Loaded, RealCapacity};
 
 /// One check's outcome.
@@ -45,7 +45,8 @@ fn pct(x: f64) -> String {
 /// Every check, in the order.
 pub fn all(routing: &Contenders, fleet: &[FleetWorkload], real: &[Loaded<RealCapacity>], ladder: Option<&Loaded<Ladder>>) -> Vec<Check> {
     let mut out = Vec::new();
-    let p99 = |w: &str, c: &str| routing.get(w, c).map(|runs| mean(runs.iter().map(|r| r.summary.ttft.p99_ms)));
+    // Over every repetition's requests together.
+    let p99 = |w: &str, c: &str| routing.get(w, c).map(|runs| ttft_p99(runs).value);
     for w in ["w1", "mix", "hot", "w6"] {
         let name = format!("{HERO} has the lowest p99 TTFT of all contenders on {w}");
         let others: Vec<(String, f64)> =

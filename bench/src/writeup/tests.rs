@@ -189,9 +189,10 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
         assert!(md.contains(&format!("]({png})")), "the report does not show {png}");
         assert_eq!(png_size(&std::fs::read(args.out_dir.join(png))?)?, charts::SIZE, "{png}");
     }
-    // Sources and computed values, with the spread over the two repetitions.
+    // Sources and computed values, with the spread over the two repetitions:
+    // the p99 of their 20 requests together is the slower one's slowest.
     assert!(md.contains("commit `abc1234`") && md.contains("commit `def5678`") && md.contains("commit `aaa1111`"));
-    assert!(md.contains("| w1 | cost_model | 2 |") && md.contains("1005 (1000–1010)"), "{md}");
+    assert!(md.contains("| w1 | cost_model | 2 |") && md.contains("1010 (1000–1010)"), "{md}");
     assert!(md.contains("GPUs saved by cost_model against round_robin: 46 of 63"));
     // The searches at the comparison's scale have a section of their own, outside the checks.
     let scaled = md.split("## Fleet simulation at the comparison's scale").nth(1).unwrap_or_default();
@@ -332,5 +333,32 @@ fn missing_folders_read_as_not_measured() -> anyhow::Result<()> {
     assert!(!args.out_dir.join("real-capacity.png").exists());
     assert!(!md.contains("at the comparison's scale") && !args.out_dir.join("fleet-capacity-bench-scale.png").exists(), "{md}");
     std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
+    Ok(())
+}
+
+/// A repetition of 100 requests at 10 ms with `slow` of them at 500 ms.
+fn run_with_slow(rep: u64, slow: usize, per_request: bool) -> anyhow::Result<CompareRun> {
+    let ttfts: Vec<f64> = (0..100).map(|i| if i < slow { 500.0 } else { 10.0 }).collect();
+    let p99 = if slow >= 2 { 500.0 } else { 10.0 };
+    let mut v = compare_run("w1", "cost_model", rep, p99, 0.9, 0.35);
+    v["ttft_ms"] = if per_request { json!(ttfts) } else { json!([]) };
+    Ok(serde_json::from_value(v)?)
+}
+
+#[test]
+fn ttft_percentiles_pool_every_repetitions_requests() -> anyhow::Result<()> {
+    // One repetition's p99 is 500 ms (three slow requests in 100), the
+    // others' 10: their mean is 173 ms, but of the 300 requests together
+    // only three are slow, so the pooled p99 is 10 ms.
+    let runs = [run_with_slow(0, 3, true)?, run_with_slow(1, 0, true)?, run_with_slow(2, 0, true)?];
+    let p99 = ttft_p99(&runs);
+    assert_eq!(p99.value, 10.0);
+    assert_eq!(p99.spread, Some((10.0, 500.0)));
+    // A fourth slow request in another repetition puts the pooled p99 at 500.
+    let runs = [run_with_slow(0, 3, true)?, run_with_slow(1, 1, true)?, run_with_slow(2, 0, true)?];
+    assert_eq!(ttft_p99(&runs).value, 500.0);
+    // Results without per-request TTFTs: the mean of the repetitions' own.
+    let runs = [run_with_slow(0, 3, false)?, run_with_slow(1, 0, false)?, run_with_slow(2, 0, false)?];
+    assert!((ttft_p99(&runs).value - 520.0 / 3.0).abs() < 1e-9);
     Ok(())
 }
