@@ -70,21 +70,36 @@ pub struct Contenders {
 }
 
 impl Contenders {
-    fn new(files: &[Loaded<CompareRun>]) -> Self {
+    /// Repetitions of one contender on one workload are pooled: they must
+    /// share a rate (a folder holding an earlier run's files at another
+    /// rate is an error, not a silent mixture).
+    fn new(files: &[Loaded<CompareRun>]) -> anyhow::Result<Self> {
         let mut runs: BTreeMap<(String, String), Vec<CompareRun>> = BTreeMap::new();
         let mut order: Vec<String> = Vec::new();
+        let mut rates: BTreeMap<(String, String), (f64, &Path)> = BTreeMap::new();
         for f in files {
             let r = &f.value;
+            let key = (r.workload.clone(), r.contender.clone());
+            let (rate, first) = *rates.entry(key.clone()).or_insert((r.rate, &f.path));
+            anyhow::ensure!(
+                rate == r.rate,
+                "{} and {}: {} on {} at {rate} and {} req/s; repetitions are pooled, so rerun or remove one",
+                first.display(),
+                f.path.display(),
+                r.contender,
+                r.workload,
+                r.rate
+            );
             if !order.contains(&r.contender) {
                 order.push(r.contender.clone());
             }
-            runs.entry((r.workload.clone(), r.contender.clone())).or_default().push(r.clone());
+            runs.entry(key).or_default().push(r.clone());
         }
         for reps in runs.values_mut() {
             reps.sort_by_key(|r| r.rep);
         }
         order.sort_by_key(|c| contender_rank(c));
-        Self { runs, order }
+        Ok(Self { runs, order })
     }
 
     /// The repetitions of `contender` on `workload`.
@@ -140,19 +155,31 @@ fn bar(values: &[f64]) -> Bar {
     Bar { value: mean(values.iter().copied()), spread }
 }
 
+/// The measured TTFTs of every repetition together, sorted; none when a
+/// repetition's result predates per-request TTFTs.
+fn pooled_ttfts(runs: &[CompareRun]) -> Option<Vec<f64>> {
+    let mut all = Vec::new();
+    for r in runs {
+        all.extend_from_slice(r.ttft_ms.as_deref()?);
+    }
+    all.sort_by(f64::total_cmp);
+    Some(all)
+}
+
 /// A TTFT percentile (`q`) of one contender on one workload over the
 /// measured requests of all its repetitions together (nearest rank), with
 /// the repetitions' own (`own`) as the spread. A 25-second repetition at
-/// 70% load holds about a hundred requests, so its p99 is its slowest
-/// request or next to it, and the mean of three such is the mean of three
-/// maxima; pooled, the p99 rests on three hundred. Results without
-/// per-request TTFTs give the mean of the repetitions' own.
+/// 70% load holds 100-150 requests, so its p99 is its slowest request or
+/// next to it, and the mean of three such is the mean of three maxima;
+/// pooled, the p99 rests on three to four hundred. Results without
+/// per-request TTFTs give the mean of the repetitions' own; no request
+/// served at all, infinity (never the best).
 pub fn ttft(runs: &[CompareRun], q: f64, own: fn(&inputs::Latency) -> f64) -> Bar {
     let mut b = bar(&runs.iter().map(|r| own(&r.summary.ttft)).collect::<Vec<_>>());
-    if !runs.is_empty() && runs.iter().all(|r| !r.ttft_ms.is_empty()) {
-        let mut all: Vec<f64> = runs.iter().flat_map(|r| r.ttft_ms.iter().copied()).collect();
-        all.sort_by(f64::total_cmp);
-        b.value = crate::report::quantile(&all, q);
+    match pooled_ttfts(runs) {
+        Some(all) if all.is_empty() => b.value = f64::INFINITY,
+        Some(all) => b.value = crate::report::quantile(&all, q),
+        None => {}
     }
     b
 }
@@ -220,7 +247,7 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
         compare_files.extend(inputs::load_dir::<CompareRun>(dir, "routing-compare")?);
     }
     anyhow::ensure!(!compare_files.is_empty(), "no routing-compare results in {:?}", args.routing);
-    let routing = Contenders::new(&compare_files);
+    let routing = Contenders::new(&compare_files)?;
     let capacity: Vec<Loaded<FleetCapacity>> = inputs::load_dir_having(&args.fleet, "fleet-simulation", "capacity")?;
     let capacity_scaled: Vec<Loaded<FleetCapacity>> = inputs::load_dir_having(&args.fleet_scale, "fleet-simulation", "capacity")?;
     let real_capacity = inputs::load_capacities(&args.real_capacity)?;
@@ -235,7 +262,7 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
     writeln!(md, "# Inferrail benchmark report\n")?;
     writeln!(
         md,
-        "Made by `inferrail-bench report` from the committed JSON results alone (regenerate: `just bench-report`). Every section names the result files and the commits that produced them; where a workload was repeated with new seeds, values are the mean over repetitions with the lowest and highest in parentheses, and bars carry a whisker over that spread.\n"
+        "Made by `inferrail-bench report` from the committed JSON results alone (regenerate: `just bench-report`). Every section names the result files and the commits that produced them; where a workload was repeated with new seeds, values are the mean over repetitions with the lowest and highest in parentheses, and bars carry a whisker over that spread; TTFT percentiles are taken over the requests of all repetitions together, with the repetitions' own lowest and highest in parentheses.\n"
     )?;
     writeln!(md, "{}\n", time_scale(&compare_files))?;
     writeln!(md, "## Must-show checks (issue 11)\n")?;
@@ -374,16 +401,17 @@ fn routing_section(
             .into_iter()
             .map(|c| {
                 let runs = routing.get(w, &c).unwrap_or_default();
-                let mut all: Vec<f64> = runs.iter().flat_map(|r| r.ttft_ms.iter().copied()).collect();
-                let points = if all.is_empty() {
-                    // Older results hold percentiles only: the distribution through them.
-                    let l = runs.iter().map(|r| &r.summary.ttft);
-                    let q = |f: &dyn Fn(&inputs::Latency) -> f64| mean(l.clone().map(f));
-                    vec![(q(&|l| l.p50_ms), 0.5), (q(&|l| l.p90_ms), 0.9), (q(&|l| l.p99_ms), 0.99), (q(&|l| l.max_ms), 1.0)]
-                } else {
-                    all.sort_by(f64::total_cmp);
-                    let n = all.len() as f64;
-                    all.iter().enumerate().map(|(i, &x)| (x, (i + 1) as f64 / n)).collect()
+                let points = match pooled_ttfts(runs) {
+                    Some(all) => {
+                        let n = all.len() as f64;
+                        all.iter().enumerate().map(|(i, &x)| (x, (i + 1) as f64 / n)).collect()
+                    }
+                    None => {
+                        // Older results hold percentiles only: the distribution through them.
+                        let l = runs.iter().map(|r| &r.summary.ttft);
+                        let q = |f: &dyn Fn(&inputs::Latency) -> f64| mean(l.clone().map(f));
+                        vec![(q(&|l| l.p50_ms), 0.5), (q(&|l| l.p90_ms), 0.9), (q(&|l| l.p99_ms), 0.99), (q(&|l| l.max_ms), 1.0)]
+                    }
                 };
                 (c, points)
             })
@@ -393,7 +421,7 @@ fn routing_section(
             &out.join(&file),
             &Cdf { title: &format!("TTFT distribution, {w} (all repetitions)"), x_label: "time to first token, ms (log)", lines },
         )?;
-        let sampled = routing.contenders(w).iter().all(|c| routing.get(w, c).unwrap_or_default().iter().all(|r| !r.ttft_ms.is_empty()));
+        let sampled = routing.contenders(w).iter().all(|c| pooled_ttfts(routing.get(w, c).unwrap_or_default()).is_some());
         let how = if sampled {
             "every measured request"
         } else {

@@ -48,9 +48,10 @@ pub struct CompareRun {
     #[serde(default)]
     pub prefix_all: Option<Prefix>,
     pub engines: Option<Engines>,
-    /// Every measured TTFT (results written before it was recorded lack it).
+    /// Every measured TTFT (results written before it was recorded lack it;
+    /// a run none of whose requests succeeded has none).
     #[serde(default)]
-    pub ttft_ms: Vec<f64>,
+    pub ttft_ms: Option<Vec<f64>>,
 }
 
 /// The SLO a run was measured against, milliseconds.

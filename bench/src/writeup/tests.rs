@@ -341,7 +341,11 @@ fn run_with_slow(rep: u64, slow: usize, per_request: bool) -> anyhow::Result<Com
     let ttfts: Vec<f64> = (0..100).map(|i| if i < slow { 500.0 } else { 10.0 }).collect();
     let p99 = if slow >= 2 { 500.0 } else { 10.0 };
     let mut v = compare_run("w1", "cost_model", rep, p99, 0.9, 0.35);
-    v["ttft_ms"] = if per_request { json!(ttfts) } else { json!([]) };
+    if per_request {
+        v["ttft_ms"] = json!(ttfts);
+    } else if let Some(fields) = v.as_object_mut() {
+        fields.remove("ttft_ms");
+    }
     Ok(serde_json::from_value(v)?)
 }
 
@@ -360,5 +364,30 @@ fn ttft_percentiles_pool_every_repetitions_requests() -> anyhow::Result<()> {
     // Results without per-request TTFTs: the mean of the repetitions' own.
     let runs = [run_with_slow(0, 3, false)?, run_with_slow(1, 0, false)?, run_with_slow(2, 0, false)?];
     assert!((ttft_p99(&runs).value - 520.0 / 3.0).abs() < 1e-9);
+    // Repetitions that served nothing have no percentile to win with.
+    let mut failed = compare_run("w1", "cost_model", 0, 0.0, 0.0, 0.0);
+    failed["ttft_ms"] = json!([]);
+    let runs: [CompareRun; 2] = [serde_json::from_value(failed.clone())?, serde_json::from_value(failed)?];
+    assert_eq!(ttft_p99(&runs).value, f64::INFINITY);
+    Ok(())
+}
+
+#[test]
+fn repetitions_at_another_rate_are_not_pooled() -> anyhow::Result<()> {
+    let args = fixtures("stale-rate", 1000.0, 1.0)?;
+    // A third W1 repetition of cost_model left from a run at another rate.
+    let mut stale = compare_run("w1", "cost_model", 2, 500.0, 0.9, 0.35);
+    stale["rate"] = json!(0.7);
+    let path = args.routing[0].join("w1-cost_model-rep2.json");
+    write(&path, &stale)?;
+    let e = render(&args).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("w1-cost_model-rep2.json") && e.contains("at 0.5 and 0.7 req/s"), "{e}");
+    // At the same rate it is a third repetition.
+    stale["rate"] = json!(0.5);
+    write(&path, &stale)?;
+    render(&args)?;
+    let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+    assert!(md.contains("| w1 | cost_model | 3 |"), "{md}");
+    std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
     Ok(())
 }
