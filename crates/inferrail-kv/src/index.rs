@@ -68,8 +68,9 @@ enum Request {
     Waiting { prompt: Vec<BlockHash>, reusable: usize, partial: usize, output: usize },
     /// Running: holds its blocks, the reused ones first.
     Running { keys: Vec<BlockHash>, reused: usize, output: usize },
-    /// Sent to a replica in exact mode: claims its prompt blocks.
-    Claiming { keys: Vec<BlockHash> },
+    /// Sent to a replica in exact mode: claims its prompt blocks; `hole`:
+    /// its tokens will end inside a block, which the engine frees unnamed.
+    Claiming { keys: Vec<BlockHash>, hole: bool },
 }
 
 /// Hashes a block hash with two multiplies: a block hash is uniform already
@@ -256,7 +257,8 @@ impl KvIndex {
     /// but the last when the prompt ends on a block boundary: it always
     /// computes the last prompt token); `partial` more blocks (the prompt's
     /// partial last block) take room but can never be matched, and `output`
-    /// blocks of generated tokens are taken as it completes. As in the
+    /// blocks of generated tokens are taken as it completes; `ends_partial`:
+    /// its last block (prompt and output) is not full. As in the
     /// engine, a request that fits beside the running ones holds its blocks
     /// until it completes: reused blocks cannot be evicted meanwhile, fresh
     /// blocks take the least recently freed ones, and a fresh block whose
@@ -264,14 +266,14 @@ impl KvIndex {
     /// comes behind one waiting, waits its turn in a queue, first come
     /// first, and starts when completions make room for it (at the latest
     /// when it completes).
-    pub fn record(&self, slot: Slot, prompt: &[BlockHash], reusable: usize, partial: usize, output: usize) -> Recorded {
+    pub fn record(&self, slot: Slot, prompt: &[BlockHash], reusable: usize, partial: usize, output: usize, ends_partial: bool) -> Recorded {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&slot) else { return Recorded { slot, ..Recorded::default() } };
         let request = self.ids.fetch_add(1, Ordering::Relaxed);
         if let Some(exact) = &mut rep.exact {
             let mut changes = Vec::new();
             exact.claim(prompt, &mut changes);
-            rep.requests.insert(request, Request::Claiming { keys: prompt.to_vec() });
+            rep.requests.insert(request, Request::Claiming { keys: prompt.to_vec(), hole: ends_partial });
             self.present(slot, &changes);
             return Recorded { slot, replica: rep.id, request };
         }
@@ -380,7 +382,7 @@ impl KvIndex {
                 rep.queue.retain(|&r| r != recorded.request);
                 (self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).map(|(k, _)| k).unwrap_or_default(), output)
             }
-            Some(Request::Claiming { keys }) => return self.unclaim(recorded.slot, rep, &keys),
+            Some(Request::Claiming { keys, hole }) => return self.unclaim(recorded.slot, rep, &keys, hole),
             None => return,
         };
         // Generated tokens' blocks, the request's last, are freed first.
@@ -415,7 +417,8 @@ impl KvIndex {
                 }
             }
             Some(Request::Waiting { .. }) => rep.queue.retain(|&r| r != recorded.request),
-            Some(Request::Claiming { keys }) => return self.unclaim(recorded.slot, rep, &keys),
+            // The engine never ran it: it freed no partial block.
+            Some(Request::Claiming { keys, .. }) => return self.unclaim(recorded.slot, rep, &keys, false),
             None => return,
         }
         self.admit_waiting(recorded.slot, rep);
@@ -433,16 +436,16 @@ impl KvIndex {
         if !matches!(rep.requests.get(&recorded.request), Some(Request::Claiming { .. })) {
             return false;
         }
-        let Some(Request::Claiming { keys }) = rep.requests.remove(&recorded.request) else { return false };
-        self.unclaim(recorded.slot, rep, &keys);
+        let Some(Request::Claiming { keys, hole }) = rep.requests.remove(&recorded.request) else { return false };
+        self.unclaim(recorded.slot, rep, &keys, hole);
         true
     }
 
     /// A request sent to an exact replica ends its claims.
-    fn unclaim(&self, slot: Slot, rep: &mut Replica, keys: &[BlockHash]) {
+    fn unclaim(&self, slot: Slot, rep: &mut Replica, keys: &[BlockHash], hole: bool) {
         let Some(exact) = &mut rep.exact else { return };
         let mut changes = Vec::new();
-        exact.unclaim(keys, &mut changes);
+        exact.unclaim(keys, hole, &mut changes);
         self.present(slot, &changes);
     }
 

@@ -160,7 +160,8 @@ impl Kv {
         let prompt_blocks = n.div_ceil(bs);
         let output_blocks = (n + p.output_tokens - 1).div_ceil(bs).saturating_sub(prompt_blocks);
         let partial = prompt_blocks.saturating_sub(hashes.len());
-        Record(self.index.record(at.slot, hashes, n.saturating_sub(1) / bs, partial, output_blocks))
+        let ends_partial = !(n + p.output_tokens).saturating_sub(1).is_multiple_of(bs);
+        Record(self.index.record(at.slot, hashes, n.saturating_sub(1) / bs, partial, output_blocks, ends_partial))
     }
 
     /// The engine refused or failed the request: forget what it recorded.

@@ -258,7 +258,7 @@ proptest! {
             match op {
                 Op::Record { slot, family, len, reusable, partial, output } => {
                     let hashes = chain(family, len);
-                    let recorded = index.record(slot, &hashes, reusable, partial, output);
+                    let recorded = index.record(slot, &hashes, reusable, partial, output, false);
                     let flight = naive.record(slot, &hashes, reusable, partial, output, &mut next);
                     let real = |v: &[BlockHash]| -> (Vec<BlockHash>, usize) {
                         let mut r: Vec<BlockHash> = v.iter().copied().filter(|h| hashes.contains(h)).collect();
@@ -312,8 +312,8 @@ proptest! {
 fn a_long_prefix_is_evicted_from_its_tail() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
-    index.complete(&index.record(0, &chain(0, 4), 4, 0, 0));
-    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0));
+    index.complete(&index.record(0, &chain(0, 4), 4, 0, 0, false));
+    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0, false));
     assert_eq!(index.matched(&chain(0, 4), &[0]), [3]);
 }
 
@@ -322,12 +322,12 @@ fn partial_and_generated_blocks_take_room() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
     // Two full blocks and two more the index cannot name: the shadow is full.
-    index.complete(&index.record(0, &chain(0, 2), 2, 0, 2));
+    index.complete(&index.record(0, &chain(0, 2), 2, 0, 2, false));
     assert_eq!(index.entries(), 4);
     // One fresh block evicts the least recent: the first request's last (unnamed) block.
-    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0));
+    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0, false));
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
-    index.complete(&index.record(0, &chain(2, 2), 2, 0, 0));
+    index.complete(&index.record(0, &chain(2, 2), 2, 0, 0, false));
     assert_eq!(index.matched(&chain(0, 2), &[0]), [1], "then its tail");
 }
 
@@ -335,10 +335,10 @@ fn partial_and_generated_blocks_take_room() {
 fn a_fully_cached_prompt_recomputes_its_last_block_without_moving_it() {
     let index = KvIndex::new();
     index.add_replica(0, 8);
-    index.complete(&index.record(0, &chain(0, 2), 1, 0, 0));
+    index.complete(&index.record(0, &chain(0, 2), 1, 0, 0, false));
     // The same prompt again, its last block not reusable: the engine fills a
     // fresh block that caches nothing, and the old one keeps its place.
-    let r = index.record(0, &chain(0, 2), 1, 0, 0);
+    let r = index.record(0, &chain(0, 2), 1, 0, 0, false);
     let added = index.added(&r);
     assert_eq!(added.len(), 1);
     assert!(!chain(0, 2).contains(&added[0]));
@@ -361,7 +361,7 @@ fn slots_past_the_first_64_are_searched_too() {
     for (i, &s) in slots.iter().enumerate() {
         index.add_replica(s, 100);
         let held = &prompt[..i * 9];
-        index.complete(&index.record(s, held, held.len(), 0, 0));
+        index.complete(&index.record(s, held, held.len(), 0, 0, false));
     }
     assert_eq!(index.matched(&prompt, &slots), vec![0, 9, 18, 27, 36]);
     assert_eq!(index.matched(&prompt, &[200, 64]), vec![36, 18], "any subset, in the order asked");
@@ -369,7 +369,7 @@ fn slots_past_the_first_64_are_searched_too() {
     index.clear_replica(200);
     assert_eq!(index.matched(&prompt, &slots), vec![0, 9, 0, 27, 0]);
     // Blocks shared by slots in different words keep the other holders when one lets go.
-    index.complete(&index.record(130, &prompt[..5], 5, 0, 0));
+    index.complete(&index.record(130, &prompt[..5], 5, 0, 0, false));
     index.remove_replica(63);
     assert_eq!(index.matched(&prompt, &[63, 130]), vec![0, 27]);
 }
@@ -378,9 +378,9 @@ fn slots_past_the_first_64_are_searched_too() {
 fn blocks_of_running_requests_are_not_evicted() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
-    let first = index.record(0, &chain(0, 3), 3, 0, 0);
+    let first = index.record(0, &chain(0, 3), 3, 0, 0, false);
     // Three more blocks do not fit beside the running request's: the engine queues the second request.
-    let second = index.record(0, &chain(1, 3), 3, 0, 0);
+    let second = index.record(0, &chain(1, 3), 3, 0, 0, false);
     assert!(index.added(&second).is_empty());
     assert_eq!(index.matched(&chain(0, 3), &[0]), [3], "the running request's blocks stay");
     assert_eq!(index.matched(&chain(1, 3), &[0]), [0], "a queued request holds nothing");
@@ -390,9 +390,9 @@ fn blocks_of_running_requests_are_not_evicted() {
     assert_eq!(index.matched(&chain(0, 3), &[0]), [1]);
     assert_eq!(index.matched(&chain(1, 3), &[0]), [3]);
     // Freed last block first: the second request's tail goes before its head.
-    index.complete(&index.record(0, &chain(2, 1), 1, 0, 0));
+    index.complete(&index.record(0, &chain(2, 1), 1, 0, 0, false));
     assert_eq!(index.matched(&chain(0, 3), &[0]), [0]);
-    index.complete(&index.record(0, &chain(3, 1), 1, 0, 0));
+    index.complete(&index.record(0, &chain(3, 1), 1, 0, 0, false));
     assert_eq!(index.matched(&chain(1, 3), &[0]), [2]);
 }
 
@@ -400,9 +400,9 @@ fn blocks_of_running_requests_are_not_evicted() {
 fn a_record_from_before_a_restart_changes_nothing() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
-    let old = index.record(0, &chain(0, 2), 2, 0, 0);
+    let old = index.record(0, &chain(0, 2), 2, 0, 0, false);
     index.clear_replica(0);
-    let new = index.record(0, &chain(0, 2), 2, 0, 0);
+    let new = index.record(0, &chain(0, 2), 2, 0, 0, false);
     index.take_back(&old);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2], "the old record does not touch the new shadow");
     index.take_back(&new);
@@ -417,7 +417,7 @@ fn an_absurd_reported_capacity_takes_no_absurd_room() {
     let index = KvIndex::new();
     index.add_replica(0, usize::MAX / 2);
     index.add_replica(1, usize::MAX / 2);
-    index.complete(&index.record(0, &chain(0, 8), 8, 0, 1));
+    index.complete(&index.record(0, &chain(0, 8), 8, 0, 1, false));
     assert_eq!(index.matched(&chain(0, 8), &[0, 1]), [8, 0]);
     assert!(index.bytes() < 1 << 30, "{} bytes", index.bytes());
 }
