@@ -332,38 +332,33 @@ fn capacity(bench: &Bench) -> anyhow::Result<()> {
             crate::report::save(&args.out_dir.join(format!("{name}.json")), &found)?;
         }
     }
-    let header = "| contender | workload | capacity req/s | missed at req/s | probes | commit |\n|---|---|---|---|---|---|";
-    write_table(&args.out_dir.join("capacity.md"), header, capacity_rows(&args.out_dir)?.into_iter())
-}
-
-/// A table row for every search in `dir` (`capacity-<workload>-<contender>.json`),
-/// earlier runs' too, each with the commit of its probe at capacity: a
-/// recipe may search workloads in separate runs, each from its own first
-/// guess. A file that does not read as a search is left out and named.
-fn capacity_rows(dir: &Path) -> anyhow::Result<Vec<String>> {
-    let mut rows = Vec::new();
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?.map(|e| e.map(|e| e.path())).collect::<Result<_, _>>()?;
-    paths.sort();
-    for path in paths {
-        let Some(stem) = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_prefix("capacity-")?.strip_suffix(".json")) else {
-            continue;
-        };
-        let row = || -> anyhow::Result<String> {
-            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
-            let num = |k: &str| v[k].as_f64().with_context(|| format!("no {k}"));
-            let probe = &v["at_capacity"];
-            // Names in files write a peer's `:` as `-`; the probe has the name as given.
-            let (workload, named) = stem.split_once('-').context("no workload in the name")?;
-            let contender = probe["contender"].as_str().unwrap_or(named);
-            let commit = probe["commit"].as_str().unwrap_or("none met the SLO");
-            Ok(format!("| {contender} | {workload} | {:.3} | {:.3} | {} | {commit} |", num("rate")?, num("missed_at")?, num("probes")?))
-        };
-        match row() {
-            Ok(r) => rows.push(r),
-            Err(e) => eprintln!("{}: not a capacity search, left out of the table: {e}", path.display()),
+    // Every search in the folder, earlier runs' too: a recipe may search
+    // workloads in separate runs, each from its own first guess. The
+    // searches are saved; a folder the table cannot be made of only says so.
+    match capacity_rows(&args.out_dir) {
+        Ok(rows) => {
+            let header = "| contender | workload | capacity req/s | missed at req/s | probes | commit |\n|---|---|---|---|---|---|";
+            write_table(&args.out_dir.join("capacity.md"), header, rows.into_iter())
+        }
+        Err(e) => {
+            eprintln!("{}: no capacity table: {e:#}", args.out_dir.display());
+            Ok(())
         }
     }
-    Ok(rows)
+}
+
+/// A table row for every capacity search in `dir`, as the report reads them
+/// ([`crate::writeup::inputs::load_capacities`]), with the commit of its probe at capacity.
+fn capacity_rows(dir: &Path) -> anyhow::Result<Vec<String>> {
+    let found = crate::writeup::inputs::load_capacities(&[dir.to_path_buf()])?;
+    Ok(found
+        .iter()
+        .map(|f| {
+            let c = &f.value;
+            let commit = c.at_capacity.as_ref().map_or("none met the SLO", |r| r.commit.as_str());
+            format!("| {} | {} | {:.3} | {:.3} | {} | {commit} |", c.contender, c.workload, c.rate, c.missed_at, c.probes)
+        })
+        .collect())
 }
 
 /// Prints a table and writes it as Markdown.
@@ -398,36 +393,35 @@ fn row(contender: &str, kind: Kind, m: &Measured) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::writeup::tests::real_capacity;
 
     #[test]
     fn the_capacity_table_lists_every_search_in_the_folder() -> anyhow::Result<()> {
         let dir = std::env::temp_dir().join(format!("inferrail-capacity-rows-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
-        // Two runs' searches (a peer's name written with `-`), the table itself and a probe's logs.
-        let probe = |contender: &str, commit: &str| format!(r#"{{"contender": "{contender}", "commit": "{commit}"}}"#);
-        std::fs::write(
-            dir.join("capacity-w2-round_robin.json"),
-            format!(r#"{{"rate": 60.0, "missed_at": 66.0, "probes": 5, "at_capacity": {}}}"#, probe("round_robin", "abc1234")),
-        )?;
-        std::fs::write(
-            dir.join("capacity-w1-sglang-cache_aware.json"),
-            format!(r#"{{"rate": 5.25, "missed_at": 5.5, "probes": 6, "at_capacity": {}}}"#, probe("sglang:cache_aware", "def5678")),
-        )?;
+        // Two runs' searches (a peer's name written with `-` in the file's), the table itself and a probe's logs.
+        std::fs::write(dir.join("capacity-w2-round_robin.json"), real_capacity("w2", "round_robin", 60.0).to_string())?;
+        std::fs::write(dir.join("capacity-w1-sglang-cache_aware.json"), real_capacity("w1", "sglang:cache_aware", 5.25).to_string())?;
         std::fs::write(dir.join("capacity.md"), "| an earlier table |")?;
         std::fs::create_dir_all(dir.join("logs"))?;
         // A search in which no rate met the SLO has no probe at capacity.
-        std::fs::write(dir.join("capacity-w6-round_robin.json"), r#"{"rate": 0.0, "missed_at": 0.4, "probes": 5, "at_capacity": null}"#)?;
-        // A file that is not a search is left out, not a row of zeros.
-        std::fs::write(dir.join("capacity-hot-round_robin.json"), r#"{"missed_at": 7.5, "probes": 5}"#)?;
+        std::fs::write(
+            dir.join("capacity-w6-round_robin.json"),
+            r#"{"replicas": 3, "rate": 0.0, "missed_at": 0.4, "probes": 5, "at_capacity": null}"#,
+        )?;
         let rows = capacity_rows(&dir)?;
         assert_eq!(
             rows,
             [
-                "| sglang:cache_aware | w1 | 5.250 | 5.500 | 6 | def5678 |",
-                "| round_robin | w2 | 60.000 | 66.000 | 5 | abc1234 |",
+                "| sglang:cache_aware | w1 | 5.250 | 5.775 | 7 | abc1234 |",
+                "| round_robin | w2 | 60.000 | 66.000 | 7 | abc1234 |",
                 "| round_robin | w6 | 0.000 | 0.400 | 5 | none met the SLO |",
             ]
         );
+        // A file that is not a search is an error, not a row of zeros.
+        std::fs::write(dir.join("capacity-hot-round_robin.json"), r#"{"missed_at": 7.5, "probes": 5}"#)?;
+        assert!(capacity_rows(&dir).is_err());
         std::fs::remove_dir_all(&dir)?;
         Ok(())
     }

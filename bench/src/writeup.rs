@@ -12,10 +12,10 @@
 
 mod charts;
 mod checks;
-mod inputs;
+pub(crate) mod inputs;
 mod real;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 mod validation;
 
 use std::collections::{BTreeMap, BTreeSet};

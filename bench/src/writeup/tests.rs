@@ -12,7 +12,7 @@ fn latency(p50: f64, p99: f64) -> Value {
     json!({"count": 10, "p50_ms": p50, "p90_ms": (p50 + p99) / 2.0, "p99_ms": p99, "max_ms": p99 * 1.1, "mean_ms": p50 * 1.2})
 }
 
-fn compare_run(workload: &str, contender: &str, rep: u64, p99: f64, hit: f64, busiest: f64) -> Value {
+pub(crate) fn compare_run(workload: &str, contender: &str, rep: u64, p99: f64, hit: f64, busiest: f64) -> Value {
     json!({
         "benchmark": "routing-compare", "commit": "abc1234", "command": "inferrail-bench compare --fixture",
         "contender": contender, "workload": workload, "rep": rep, "seed": 1 + rep, "rate": 0.5, "sent": 12,
@@ -44,7 +44,7 @@ fn png_size(bytes: &[u8]) -> anyhow::Result<(u32, u32)> {
 }
 
 /// `compare --capacity`'s result: `rate` met the SLO, the probe at it a compare run.
-fn real_capacity(workload: &str, contender: &str, rate: f64) -> Value {
+pub(crate) fn real_capacity(workload: &str, contender: &str, rate: f64) -> Value {
     let mut probe = compare_run(workload, contender, 0, 150.0, 0.6, 0.34);
     probe["rate"] = json!(rate);
     json!({"replicas": 3, "rate": rate, "missed_at": rate * 1.1, "at_capacity": probe, "probes": 7})
