@@ -453,11 +453,33 @@ impl Exact {
             if !self.tiers[0].routed.contains_key(&h) {
                 self.unheld += 1;
                 changes.push((h, true));
-            } else if self.unfree(h) {
+                continue;
+            }
+            self.adopt(h);
+            if self.unfree(h) {
                 changes.push((h, true));
             }
         }
         self.settle(changes);
+    }
+
+    /// A held block claimed again that was waiting, as a generated block,
+    /// for an earlier claimed block's claim to end takes over the blocks
+    /// stored after it that wait for the same one: its own descendants among
+    /// them. They are freed with it at the latest, just before it, and its
+    /// claim (which claims that earlier block too) ends no later. Left
+    /// waiting, they would be stamped after it, and its prefix evicted before
+    /// them.
+    fn adopt(&mut self, h: BlockHash) {
+        let Some(a) = self.anchor.get(&h).copied() else { return };
+        let Some(waiting) = self.trailing.get_mut(&a) else { return };
+        let Some(at) = waiting.iter().position(|&t| t == h) else { return };
+        let after = waiting.split_off(at + 1);
+        let mine: Vec<BlockHash> = after.into_iter().filter(|t| self.anchor.get(t) == Some(&a)).collect();
+        for &t in &mine {
+            self.anchor.insert(t, h);
+        }
+        self.trailing.entry(h).or_default().extend(mine);
     }
 
     /// Whether a request in flight claims a block.
