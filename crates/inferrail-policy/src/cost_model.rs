@@ -32,15 +32,17 @@
 //!   miss would take more KV room elsewhere; a few shared blocks, or half
 //!   the prompt, are not worth the wait.
 //!
-//! Copies: when some replica holds the request's root prefix, one without
-//! it that was sent another root within `hot_prefix.window_secs` is charged
-//! `copy_weight` times the prefill of what it would compute. Its cache
+//! Copies (off by default: `copy_weight` 0, ADR 0019): when some replica
+//! holds the request's root prefix, one without it that was sent another
+//! root within `hot_prefix.window_secs` is charged `copy_weight` times the
+//! prefill of what it would compute. Its cache
 //! serves that other prefix, and a copy there evicts it or squeezes the
 //! requests running on it; an idle replica is not charged, nor is any for
 //! a root nobody holds (a first copy, or a prompt shared with none). Without
 //! the charge a miss next to a holder still computing its first copy looks
 //! as cheap as waiting for it, and early copies leave replicas holding two
-//! prefixes that each keep hitting.
+//! prefixes that each keep hitting. The same charge delays the copies a hot
+//! prompt needs, and on three replicas those waits made hot traffic's tail.
 //!
 //! Hot prefixes: the requests for each root prefix (its first
 //! `hot_prefix.blocks` blocks) and for all of them are counted in a decaying
@@ -84,7 +86,7 @@ pub struct Config {
     pub session_affinity: bool,
     /// Conversations remembered for affinity (least recent forgotten first).
     pub sessions: usize,
-    /// Charged, in prefills of what it would compute, to a replica without the root prefix that serves another.
+    /// Charged, in prefills of what it would compute, to a replica without the root prefix that serves another (off by default, ADR 0019).
     pub copy_weight: f64,
     /// Hot prefix replication.
     pub hot_prefix: HotPrefix,
@@ -114,7 +116,7 @@ impl Default for Config {
             short_prompt_tokens: 256,
             session_affinity: false,
             sessions: 100_000,
-            copy_weight: 0.25,
+            copy_weight: 0.0,
             hot_prefix: HotPrefix::default(),
         }
     }
