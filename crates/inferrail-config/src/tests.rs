@@ -83,6 +83,8 @@ fn the_documented_example_is_valid_and_complete() {
     for k in want {
         assert!(have.contains(&k), "example.yaml does not document {k}");
     }
+    // And the policy parameters it shows are the defaults.
+    assert_eq!(parsed.routing.policies, Config::default().routing.policies, "example.yaml's policy parameters differ from the defaults");
 }
 
 #[test]
