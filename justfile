@@ -183,8 +183,11 @@ bench-routing *args: setup setup-sglang
         --workloads w6,hot --contenders round_robin --out-dir "$out/capacity" "$@"
     $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.1 --rate 48 \
         --workloads w2 --contenders round_robin --out-dir "$out/capacity" "$@"
+    # cost_model's W1 search starts at 32 req/s: from 8 it took two more probes to pass 16 and 32 (48 at 7e50fb9).
+    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.05 --rate 32 \
+        --workloads w1 --contenders cost_model --out-dir "$out/capacity-cost-model" "$@"
     $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.05 --rate 8 \
-        --workloads w1,mix --contenders cost_model --out-dir "$out/capacity-cost-model" "$@"
+        --workloads mix --contenders cost_model --out-dir "$out/capacity-cost-model" "$@"
     dirs=()
     for w in w1 mix w2 w6 hot; do
         rate=$(python3 -c "import json, sys; print(round(0.7 * json.load(open(sys.argv[1]))['rate'], 3))" "$out/capacity/capacity-$w-round_robin.json")
