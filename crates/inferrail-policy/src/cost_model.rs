@@ -35,14 +35,15 @@
 //! Copies (off by default: `copy_weight` 0, ADR 0019): when some replica
 //! holds the request's root prefix, one without it that was sent another
 //! root within `hot_prefix.window_secs` is charged `copy_weight` times the
-//! prefill of what it would compute. Its cache
-//! serves that other prefix, and a copy there evicts it or squeezes the
-//! requests running on it; an idle replica is not charged, nor is any for
-//! a root nobody holds (a first copy, or a prompt shared with none). Without
-//! the charge a miss next to a holder still computing its first copy looks
-//! as cheap as waiting for it, and early copies leave replicas holding two
-//! prefixes that each keep hitting. The same charge delays the copies a hot
-//! prompt needs, and on three replicas those waits made hot traffic's tail.
+//! prefill of what it would compute. Its cache serves that other prefix,
+//! and a copy there evicts it or squeezes the requests running on it; an
+//! idle replica is not charged, nor is any for a root nobody holds (a first
+//! copy, or a prompt shared with none). Without the charge a miss next to a
+//! holder still computing its first copy looks as cheap as waiting for it,
+//! and early copies leave replicas holding two prefixes that each keep
+//! hitting. The same charge delays the copies a hot prompt needs, and on
+//! three replicas those waits made hot traffic's tail. Off, the roots sent
+//! to each replica are not tracked at all.
 //!
 //! Hot prefixes: the requests for each root prefix (its first
 //! `hot_prefix.blocks` blocks) and for all of them are counted in a decaying
@@ -328,7 +329,7 @@ impl RoutingPolicy for CostModel {
             // The copy term, for a root held somewhere, before the hot
             // credit: a credited replica is priced as a holder.
             let holders = offered.iter().filter(|&&i| c[i].cached_tokens >= root_tokens).count();
-            if holders > 0 {
+            if self.config.copy_weight > 0.0 && holders > 0 {
                 let since = req.now.saturating_sub(Duration::from_secs_f64(self.config.hot_prefix.window_secs));
                 let roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
                 for (s, &i) in out.iter_mut().zip(offered) {
@@ -381,8 +382,10 @@ impl RoutingPolicy for CostModel {
         self.taken.lock().unwrap_or_else(|p| p.into_inner()).add(u128::from(c[winner].key), 1.0, req.now);
         if let Some((root, _)) = self.root(req) {
             self.demand.lock().unwrap_or_else(|p| p.into_inner()).add(root, 1.0, req.now);
-            let mut roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
-            roots.get_or_insert_mut(c[winner].key, || Roots { last: (root, req.now), before: None }).sent(root, req.now);
+            if self.config.copy_weight > 0.0 {
+                let mut roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
+                roots.get_or_insert_mut(c[winner].key, || Roots { last: (root, req.now), before: None }).sent(root, req.now);
+            }
         }
         if self.config.session_affinity
             && let Some(session) = req.session

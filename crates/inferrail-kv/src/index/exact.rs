@@ -465,11 +465,12 @@ impl Exact {
 
     /// A held block claimed again that was waiting, as a generated block,
     /// for an earlier claimed block's claim to end takes over the blocks
-    /// stored after it that wait for the same one: its own descendants among
-    /// them. They are freed with it at the latest, just before it, and its
-    /// claim (which claims that earlier block too) ends no later. Left
-    /// waiting, they would be stamped after it, and its prefix evicted before
-    /// them.
+    /// stored after it that wait for the same one: its own descendants, and
+    /// any other branch's stored after it. They are freed with it at the
+    /// latest, just before it, and its claim (which claims that earlier block
+    /// too) ends no later, so none is freed after its own ancestor. Left
+    /// waiting, its descendants would be stamped after it, and its prefix
+    /// evicted before them.
     fn adopt(&mut self, h: BlockHash) {
         let Some(a) = self.anchor.get(&h).copied() else { return };
         let Some(waiting) = self.trailing.get_mut(&a) else { return };

@@ -299,7 +299,7 @@ fn a_miss_is_charged_for_a_copy_next_to_another_root_but_not_on_an_idle_replica(
     p.score(&req(12 + 61, a), &c, &[0, 1, 2], &mut r, &mut scores);
     assert_eq!((scores[1].terms[5], scores[2].terms[5]), (0.0, 0.0), "B was last sent over a minute before: {scores:?}");
     // Without the charge, the first copy is as likely to land next to B as not.
-    let blind = policy(Config::default());
+    let blind = policy(Config { copy_weight: 0.0, ..Config::default() });
     blind.picked(&req(10, b), &c, 1);
     blind.score(&req(11, a), &c, &[0, 1, 2], &mut r, &mut scores);
     assert_eq!(scores[1].total, scores[2].total, "{scores:?}");
