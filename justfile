@@ -175,19 +175,17 @@ bench-routing *args: setup setup-sglang
     fi
     out=bench/results/routing
     # What a cache-blind fleet of three simulators sustains on each workload, and cost_model's on W1 and mix.
+    # A probe is 20 s after the 5 s warmup (a comparison run's is 25 s), to keep the whole recipe within 90 minutes.
     # W1's and mix's to 5% (their ratios are checks); the others only set a
-    # rate at about 70%, so to 10%, and W2's search starts near its 62 req/s.
-    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.05 --rate 4 \
-        --workloads w1,mix --contenders round_robin --out-dir "$out/capacity" "$@"
-    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.1 --rate 4 \
-        --workloads w6,hot --contenders round_robin --out-dir "$out/capacity" "$@"
-    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.1 --rate 48 \
-        --workloads w2 --contenders round_robin --out-dir "$out/capacity" "$@"
+    # rate at about 70%, so to 20% (four probes each at the rates found at
+    # 7e50fb9), and W2's search starts near its 60 req/s.
+    cap=(--capacity "${common[@]}" --duration-s 20)
+    $bench compare "${cap[@]}" --tolerance 0.05 --rate 4 --workloads w1,mix --contenders round_robin --out-dir "$out/capacity" "$@"
+    $bench compare "${cap[@]}" --tolerance 0.2 --rate 4 --workloads w6,hot --contenders round_robin --out-dir "$out/capacity" "$@"
+    $bench compare "${cap[@]}" --tolerance 0.2 --rate 48 --workloads w2 --contenders round_robin --out-dir "$out/capacity" "$@"
     # cost_model's W1 search starts at 32 req/s: from 8 it took two more probes to pass 16 and 32 (48 at 7e50fb9).
-    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.05 --rate 32 \
-        --workloads w1 --contenders cost_model --out-dir "$out/capacity-cost-model" "$@"
-    $bench compare --capacity "${common[@]}" --duration-s 25 --tolerance 0.05 --rate 8 \
-        --workloads mix --contenders cost_model --out-dir "$out/capacity-cost-model" "$@"
+    $bench compare "${cap[@]}" --tolerance 0.05 --rate 32 --workloads w1 --contenders cost_model --out-dir "$out/capacity-cost-model" "$@"
+    $bench compare "${cap[@]}" --tolerance 0.05 --rate 8 --workloads mix --contenders cost_model --out-dir "$out/capacity-cost-model" "$@"
     dirs=()
     for w in w1 mix w2 w6 hot; do
         rate=$(python3 -c "import json, sys; print(round(0.7 * json.load(open(sys.argv[1]))['rate'], 3))" "$out/capacity/capacity-$w-round_robin.json")
@@ -203,6 +201,7 @@ bench-routing *args: setup setup-sglang
             --out "$out/validation/fleet-$w.json"
     done
     $bench report --routing "$(IFS=,; echo "${dirs[*]}")"
+    echo "just bench-routing took $((SECONDS / 60)) min $((SECONDS % 60)) s"
 
 # Capacity in the fleet simulation: for every policy, the highest arrival rate with p99 TTFT within 2 s on W1 and mix at 4, 16 and 64 replicas, on three seeds (about 11 minutes a seed on one core). Results: bench/results/fleet/capacity-<workload>-seed<seed>.json; the report compares policies by the ratio of their sums over the seeds.
 bench-fleet *args:
