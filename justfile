@@ -175,11 +175,13 @@ bench-routing *args: setup setup-sglang
     fi
     out=bench/results/routing
     # What a cache-blind fleet of three simulators sustains on each workload, and cost_model's on W1 and mix.
-    # A probe is 20 s after the 5 s warmup (a comparison run's is 25 s), to keep the whole recipe within 90 minutes.
+    # A probe measures 25 s after the 5 s warmup: near capacity queues grow
+    # through a probe, and at 20 s round robin passed W1 at 6.5 req/s where
+    # at 25 s it missed at 6 (369b46f against 7e50fb9).
     # W1's and mix's to 5% (their ratios are checks); the others only set a
     # rate at about 70%, so to 20% (four probes each at the rates found at
     # 7e50fb9), and W2's search starts near its 60 req/s.
-    cap=(--capacity "${common[@]}" --duration-s 20)
+    cap=(--capacity "${common[@]}" --duration-s 25)
     $bench compare "${cap[@]}" --tolerance 0.05 --rate 4 --workloads w1,mix --contenders round_robin --out-dir "$out/capacity" "$@"
     $bench compare "${cap[@]}" --tolerance 0.2 --rate 4 --workloads w6,hot --contenders round_robin --out-dir "$out/capacity" "$@"
     $bench compare "${cap[@]}" --tolerance 0.2 --rate 48 --workloads w2 --contenders round_robin --out-dir "$out/capacity" "$@"
@@ -191,8 +193,9 @@ bench-routing *args: setup setup-sglang
         rate=$(python3 -c "import json, sys; print(round(0.7 * json.load(open(sys.argv[1]))['rate'], 3))" "$out/capacity/capacity-$w-round_robin.json")
         # W6's and hot's checks (the lowest p99, the busiest replica's share)
         # rest on their tails and on which prompt is hot: two repetitions.
+        # A run measures 24 s at 70% load (the recipe's 132 runs and 37 probes take about 31 s each with 25).
         reps=1; case $w in w1|mix) reps=3;; w6|hot) reps=2;; esac
-        $bench compare "${common[@]}" --duration-s 25 --workloads "$w" --reps "$reps" --rate "$rate" --out-dir "$out/runs/$w" "$@"
+        $bench compare "${common[@]}" --duration-s 24 --workloads "$w" --reps "$reps" --rate "$rate" --out-dir "$out/runs/$w" "$@"
         dirs+=("$out/runs/$w")
         # The fleet simulation on the same requests (the first repetition's), to measure its gap.
         sent=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['sent'])" "$out/runs/$w/$w-round_robin-rep0.json")
