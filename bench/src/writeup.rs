@@ -568,7 +568,8 @@ fn ladder_section(md: &mut String, out: &Path, l: &Loaded<Ladder>) -> anyhow::Re
             md,
             "Each client sends its next request when the last one's first byte is in, so with every process on the same \
              cores the mean TTFT is close to the clients times the CPU time all processes spend per request, over the \
-             cores: on this 2-core machine each millisecond of CPU per request adds about 10 ms at 20 clients.\n"
+             cores: on this 2-core machine each millisecond of CPU per request adds about 10 ms at 20 clients. With one \
+             client nothing waits for the cores: what each layer adds there is the time it takes itself.\n"
         )?;
         writeln!(
             md,
