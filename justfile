@@ -235,6 +235,15 @@ bench-fleet-scale *args:
         done
     done
 
+# The fleet simulation's speed: 100,000 W1 requests through cost_model over 256 replicas on one core, at 600 req/s (about 70% of its capacity at 64 replicas, scaled). Result: bench/results/fleet/speed/w1-256.json, read by the report.
+bench-fleet-speed *args:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail-bench
+    mkdir -p bench/results/fleet/speed
+    target/release/inferrail-bench fleet --workload w1 --replicas 256 --requests 100000 --rate 600 --policy cost_model \
+        --out bench/results/fleet/speed/w1-256.json {{args}}
+
 # The report (bench/report/routing/report.md and its PNG charts) from the committed results: the full routing comparison (runs/<workload>) when it is there, else the quick one; fleet, prediction and the overhead ladder. Flags go to `inferrail-bench report`.
 bench-report *args: setup
     #!/usr/bin/env bash

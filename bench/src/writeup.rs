@@ -2,8 +2,9 @@
 //! committed JSON results alone: the routing comparison (TTFT distributions,
 //! p50 and p99, prefix hit rates, replica shares, prediction), prediction
 //! accuracy under concurrency, the overhead ladder, capacity at the SLO on
-//! real simulators and in the fleet simulation, and the fleet simulation
-//! against the HTTP harness on the same requests. The must-show checks of
+//! real simulators and in the fleet simulation, the fleet simulation's
+//! speed on a large fleet, and the fleet simulation against the HTTP
+//! harness on the same requests. The must-show checks of
 //! issue 11 are computed from the same data and a failing one says so; the
 //! report asserts no conclusion of its own. Every table and chart
 //! names the files and commits it came from; repeated runs show their mean
@@ -48,6 +49,9 @@ pub struct ReportArgs {
     /// Folder of fleet simulations on the comparison's requests (`fleet-<workload>.json`); missing: not measured.
     #[arg(long, default_value = "bench/results/routing/validation")]
     pub validation: PathBuf,
+    /// A large fleet simulation, timed (`just bench-fleet-speed`); missing: left out.
+    #[arg(long, default_value = "bench/results/fleet/speed/w1-256.json")]
+    pub fleet_speed: PathBuf,
     /// Prediction accuracy under concurrency.
     #[arg(long, default_value = "bench/results/prediction/accuracy.json")]
     pub prediction: PathBuf,
@@ -252,6 +256,7 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
     let capacity_scaled: Vec<Loaded<FleetCapacity>> = inputs::load_dir_having(&args.fleet_scale, "fleet-simulation", "capacity")?;
     let real_capacity = inputs::load_capacities(&args.real_capacity)?;
     let validation: Vec<Loaded<FleetRuns>> = inputs::load_dir_having(&args.validation, "fleet-simulation", "runs")?;
+    let speed = args.fleet_speed.exists().then(|| inputs::load::<FleetRuns>(&args.fleet_speed)).transpose()?;
     let accuracy = args.prediction.exists().then(|| inputs::load::<Accuracy>(&args.prediction)).transpose()?;
     let ladder = args.overhead.exists().then(|| inputs::load::<Ladder>(&args.overhead)).transpose()?;
 
@@ -302,9 +307,25 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
         let heading = ("Fleet simulation at the comparison's scale", intro);
         capacity_section(&mut md, &args.out_dir, heading, "fleet-capacity-bench-scale.png", &fleet_scaled)?;
     }
+    if let Some(s) = &speed {
+        speed_section(&mut md, s)?;
+    }
     validation::section(&mut md, &routing, &validation)?;
     std::fs::write(args.out_dir.join("report.md"), md)?;
     Ok(failed)
+}
+
+/// How long the fleet simulation takes on one core for a large fleet.
+fn speed_section(md: &mut String, speed: &Loaded<FleetRuns>) -> anyhow::Result<()> {
+    let v = &speed.value;
+    writeln!(md, "## Fleet simulation: speed\n")?;
+    writeln!(md, "{} at {} req/s, seed {}, simulated on one core:\n", v.workload.workload, num(v.rate), v.seed)?;
+    writeln!(md, "| policy | replicas | requests | simulated s | wall-clock s | TTFT p99 ms |\n|---|---|---|---|---|---|")?;
+    for r in &v.runs {
+        writeln!(md, "| {} | {} | {} | {:.1} | {:.1} | {} |", r.policy, r.replicas, r.requests, r.virtual_s, r.wall_s, ms(r.ttft.p99_ms))?;
+    }
+    writeln!(md, "\nSource: `{}` (commit `{}`), `{}`.\n", speed.path.display(), v.commit, v.command)?;
+    Ok(())
 }
 
 /// The latency model's time scale and the SLO the routing runs record, scaled with it.

@@ -247,6 +247,10 @@ pub struct FleetOutcome {
     pub requests: usize,
     pub hit_rate: f64,
     pub ttft: Latency,
+    /// Seconds simulated.
+    pub virtual_s: f64,
+    /// Seconds the simulation took on the machine (one core).
+    pub wall_s: f64,
 }
 
 /// `bench/results/prediction/accuracy.json`.

@@ -54,7 +54,8 @@ pub(crate) fn real_capacity(workload: &str, contender: &str, rate: f64) -> Value
 fn fleet_runs(workload: &str, runs: &[(&str, usize, f64, f64)]) -> Value {
     let runs: Vec<Value> = runs
         .iter()
-        .map(|&(policy, replicas, hit, p99)| json!({"policy": policy, "replicas": replicas, "requests": 12, "hit_rate": hit, "ttft": latency(p99 / 4.0, p99)}))
+        .map(|&(policy, replicas, hit, p99)| json!({"policy": policy, "replicas": replicas, "requests": 12, "hit_rate": hit, "ttft": latency(p99 / 4.0, p99),
+                                                  "virtual_s": 30.0, "wall_s": 0.5}))
         .collect();
     json!({"benchmark": "fleet-simulation", "commit": "fee9999", "command": "inferrail-bench fleet --fixture", "workload": {"workload": workload},
            "requests": 12, "seed": 1, "rate": 0.5, "runs": runs})
@@ -124,6 +125,7 @@ fn fixtures(name: &str, cost_model_p99_w1: f64, cost_model_capacity: f64) -> any
             ],
         ),
     )?;
+    write(&dir.join("fleet/speed/w1-256.json"), &fleet_runs("w1", &[("cost_model", 256, 0.9, 800.0)]))?;
     write(&dir.join("fleet/w1-3-replicas.json"), &json!({"benchmark": "fleet-simulation", "commit": "def5678", "runs": []}))?;
     write(
         &dir.join("prediction/accuracy.json"),
@@ -150,6 +152,7 @@ fn fixtures(name: &str, cost_model_p99_w1: f64, cost_model_capacity: f64) -> any
         fleet_scale: dir.join("fleet-scale"),
         real_capacity: vec![dir.join("capacity"), dir.join("capacity-cost-model")],
         validation: dir.join("validation"),
+        fleet_speed: dir.join("fleet/speed/w1-256.json"),
         prediction: dir.join("prediction/accuracy.json"),
         overhead: dir.join("overhead/ladder.json"),
         font: PathBuf::from("../.cache/fonts/DejaVuSans.ttf"),
@@ -202,6 +205,7 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
         "{md}"
     );
     assert!(failed.is_empty(), "{failed:?}");
+    assert!(md.contains("w1 at 0.5 req/s, seed 1, simulated on one core") && md.contains("| cost_model | 256 | 12 | 30.0 | 0.5 | 800 |"), "{md}");
     assert!(md.contains("| 4.8 ms (5.0 ms over straight to the simulators; 3.0 ms from one client) | pass |"), "{md}");
     assert!(md.contains("ran at time scale 0.1 (every modelled duration times 0.1), with the SLO scaled alike: TTFT at most 200 ms and TPOT at most 10 ms (2000 ms and 100 ms at scale 1). Inferrail read each engine's load every 10 ms"), "{md}");
     assert!(
