@@ -126,7 +126,7 @@ down:
     done
     echo "the local fleet is down"
 
-# The overhead ladder in one run (about 4 minutes): latency added over straight-to-simulator by a plain Envoy, Envoy with a no-op ext_proc processor behind inferrail's filters, Envoy with inferrail (Qwen3 tokenizer, 2,000-token prompts) and SGLang's router, open loop in interleaved rounds, with each process's CPU time per request; then 220 KB prompts from 20 and 150 clients. Writes bench/results/overhead/ladder.json; flags go to `inferrail-bench overhead`.
+# The overhead ladder in one run (about 5 minutes): latency added over straight-to-simulator by a plain Envoy, Envoy with a no-op ext_proc processor behind inferrail's filters, Envoy with inferrail (Qwen3 tokenizer, 2,000-token prompts) and SGLang's router, open loop in interleaved rounds, with each process's CPU time per request; then 220 KB prompts from 1, 20 and 150 clients. Writes bench/results/overhead/ladder.json; flags go to `inferrail-bench overhead`.
 bench-overhead *args: setup setup-sglang
     #!/usr/bin/env bash
     set -euo pipefail

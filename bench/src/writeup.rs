@@ -614,7 +614,7 @@ fn ladder_section(md: &mut String, out: &Path, l: &Loaded<Ladder>) -> anyhow::Re
             }
         }
         let series: Vec<String> = lp.levels.first().map(|l| l.rungs.iter().map(|r| r.rung.clone()).collect()).unwrap_or_default();
-        let groups = lp.levels.iter().map(|l| format!("{} clients", l.clients)).collect();
+        let groups = lp.levels.iter().map(|l| format!("{} client{}", l.clients, if l.clients == 1 { "" } else { "s" })).collect();
         let values = lp
             .levels
             .iter()
