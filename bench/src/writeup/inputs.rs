@@ -262,6 +262,8 @@ pub struct Accuracy {
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct AccuracyPoint {
+    /// `approximate` (the router's own decisions) or `events` (the engines' KV events).
+    pub mode: String,
     pub users: usize,
     pub blocks: usize,
     pub requests: usize,

@@ -130,8 +130,8 @@ fn fixtures(name: &str, cost_model_p99_w1: f64, cost_model_capacity: f64) -> any
     write(
         &dir.join("prediction/accuracy.json"),
         &json!({"benchmark": "prediction-accuracy-under-concurrency", "setup": "fixture", "points": [
-            {"users": 1, "blocks": 64, "requests": 100, "exact": 100, "over_predicted": 0, "under_predicted": 0},
-            {"users": 16, "blocks": 64, "requests": 100, "exact": 80, "over_predicted": 12, "under_predicted": 8}]}),
+            {"mode": "approximate", "users": 1, "blocks": 64, "requests": 100, "exact": 100, "over_predicted": 0, "under_predicted": 0},
+            {"mode": "events", "users": 16, "blocks": 64, "requests": 100, "exact": 80, "over_predicted": 12, "under_predicted": 8}]}),
     )?;
     let rung = |name: &str, p50: f64, added: f64| {
         json!({"rung": name, "ok": 100, "errors": 0, "latency": latency(p50, p50 * 3.0), "added_p50_ms": added, "added_p99_ms": added * 3.0,
@@ -205,6 +205,7 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
         "{md}"
     );
     assert!(failed.is_empty(), "{failed:?}");
+    assert!(md.contains("| approximate mode, 1 user, 64 blocks | 100 | 100 | 0 | 0 |") && md.contains("| events mode, 16 users, 64 blocks | 100 | 80 | 12 | 8 |"), "{md}");
     assert!(md.contains("w1 at 0.5 req/s, seed 1, simulated on one core") && md.contains("| cost_model | 256 | 12 | 30.0 | 0.5 | 800 |"), "{md}");
     assert!(md.contains("| 4.8 ms (5.0 ms over straight to the simulators; 3.6 ms from one client) | pass |"), "{md}");
     assert!(md.contains("ran at time scale 0.1 (every modelled duration times 0.1), with the SLO scaled alike: TTFT at most 200 ms and TPOT at most 10 ms (2000 ms and 100 ms at scale 1). Inferrail read each engine's load every 10 ms"), "{md}");
