@@ -385,6 +385,13 @@ fn routing_section(
     writeln!(md, "{}\n", real::comparison_rates(routing, capacity))?;
     writeln!(
         md,
+        "Contenders: `sglang:<policy>` is SGLang's own router (PyPI `sglang-router`) with that policy in front of the same \
+         simulators; every other name is an Inferrail policy, Inferrail in front. Of those, `sglang_cache_aware`, \
+         `dynamo_kv` and `gie_default` are Inferrail's stand-ins for the defaults of SGLang's router, NVIDIA Dynamo's KV \
+         router and the Gateway API Inference Extension's endpoint picker, run inside Inferrail on the data it gives every policy.\n"
+    )?;
+    writeln!(
+        md,
         "| workload | contender | reps | req/s | ok / measured | TTFT p50 ms, pooled (reps) | TTFT p99 ms, pooled (reps) | cached (usage) | cached (engines) | busiest share (engines) | goodput | prediction exact |"
     )?;
     writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|")?;
@@ -516,8 +523,11 @@ fn accuracy_section(md: &mut String, out: &Path, a: &Loaded<Accuracy>, routing: 
                 continue;
             }
             writeln!(md, "| routing {w}, {c} | {n} | {e} | {o} | {u} |")?;
-            values.push(vec![share(e, n), share(o, n), share(u, n)]);
-            groups.push(format!("{w} {c}"));
+            // The chart shows the checked policy's runs; the table has every contender's.
+            if c == checks::HERO {
+                values.push(vec![share(e, n), share(o, n), share(u, n)]);
+                groups.push(format!("{w} {c}"));
+            }
         }
     }
     let series = ["exact", "over", "under"].map(str::to_string).to_vec();
@@ -532,10 +542,13 @@ fn accuracy_section(md: &mut String, out: &Path, a: &Loaded<Accuracy>, routing: 
 fn ladder_section(md: &mut String, out: &Path, l: &Loaded<Ladder>) -> anyhow::Result<()> {
     let v = &l.value;
     writeln!(md, "## Overhead ladder\n")?;
-    writeln!(md, "Source: `{}` (commit `{}`), `{}`. {} req/s open loop; {}.\n", l.path.display(), v.commit, v.command, v.rate, v.setup)?;
+    // The recipe passes the setup in the command; say it once.
+    let setup = if v.command.contains(&v.setup) { String::new() } else { format!("; {}", v.setup) };
+    writeln!(md, "Source: `{}` (commit `{}`), `{}`. {} req/s open loop{setup}.\n", l.path.display(), v.commit, v.command, v.rate)?;
+    writeln!(md, "Latency counts from each request's scheduled send to the last byte of its answer.\n")?;
     writeln!(
         md,
-        "| rung | ok | errors | p50 ms | p99 ms | added p50 ms | added p99 ms | CPU µs per request, by process |\n|---|---|---|---|---|---|---|---|"
+        "| rung | ok | errors | latency p50 ms | latency p99 ms | added p50 ms | added p99 ms | CPU µs per request, by process |\n|---|---|---|---|---|---|---|---|"
     )?;
     let cpu = |r: &inputs::RungResult| r.cpu_us_per_request.iter().map(|(k, v)| format!("{k} {v:.0}")).collect::<Vec<_>>().join(", ");
     for r in &v.rungs {
@@ -585,13 +598,17 @@ fn ladder_section(md: &mut String, out: &Path, l: &Loaded<Ladder>) -> anyhow::Re
     )?;
     writeln!(md, "\n![Latency added per rung](overhead-latency.png)\n\n![CPU per request per rung](overhead-cpu.png)\n")?;
     if let Some(lp) = &v.long_prompt {
-        writeln!(md, "### Long prompts ({} KB), closed loop\n", lp.prompt_bytes / 1024)?;
+        writeln!(md, "### Long prompts ({} kB), closed loop\n", lp.prompt_bytes / 1000)?;
         writeln!(
             md,
             "Each client sends its next request when the last one's first byte is in, so with every process on the same \
              cores the mean TTFT is close to the clients times the CPU time all processes spend per request, over the \
-             cores: on this 2-core machine each millisecond of CPU per request adds about 10 ms at 20 clients. With one \
-             client nothing waits for the cores: what each layer adds there is the time it takes itself.\n"
+             cores: on 2 cores each millisecond of CPU per request adds about 10 ms at 20 clients.{}\n",
+            if lp.levels.iter().any(|l| l.clients == 1) {
+                " With one client nothing waits for the cores: what each layer adds there is the time it takes itself."
+            } else {
+                ""
+            }
         )?;
         writeln!(
             md,
@@ -712,9 +729,14 @@ fn capacity_section(md: &mut String, out: &Path, (title, intro): (&str, &str), p
                 .find(|(p, _)| p == "cost_model")
                 .and_then(|(_, n)| *n)
                 .zip(v.replicas_needed.iter().find(|(p, _)| p == "round_robin").and_then(|(_, n)| *n));
+            // The search's default rate is round robin's capacity on the largest fleet: say so when it is.
+            let rr_largest = v.capacity.iter().find(|(p, _)| p == "round_robin").and_then(|(_, per)| per.iter().max_by_key(|c| c.replicas));
+            let whose = rr_largest
+                .filter(|c| c.rate == rate)
+                .map_or(String::new(), |c| format!(" (round_robin's capacity on {} replicas)", c.replicas));
             writeln!(
                 md,
-                "Seed {}: replicas needed for {rate} req/s within the SLO: {}.{}\n",
+                "Seed {}: replicas needed for {rate} req/s{whose} within the SLO: {}.{}\n",
                 v.seed,
                 needed.join(", "),
                 saved.map_or(String::new(), |(c, r)| format!(
