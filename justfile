@@ -126,7 +126,7 @@ down:
     done
     echo "the local fleet is down"
 
-# The overhead ladder in one run (about 4 minutes): latency added over straight-to-simulator by a plain Envoy, Envoy with a no-op ext_proc processor behind inferrail's filters, Envoy with inferrail (Qwen3 tokenizer, 2,000-token prompts) and SGLang's router, open loop in interleaved rounds, with each process's CPU time per request; then 220 KB prompts from 20 and 150 clients. Writes bench/results/overhead/ladder.json; flags go to `inferrail-bench overhead`.
+# The overhead ladder in one run (about 5 minutes): latency added over straight-to-simulator by a plain Envoy, Envoy with a no-op ext_proc processor behind inferrail's filters, Envoy with inferrail (Qwen3 tokenizer, 2,000-token prompts) and SGLang's router, open loop in interleaved rounds, with each process's CPU time per request; then 220 KB prompts from 1, 20 and 150 clients. Writes bench/results/overhead/ladder.json; flags go to `inferrail-bench overhead`.
 bench-overhead *args: setup setup-sglang
     #!/usr/bin/env bash
     set -euo pipefail
@@ -234,6 +234,15 @@ bench-fleet-scale *args:
                 --out "bench/results/fleet/bench-scale/capacity-$w-seed$seed.json" {{args}}
         done
     done
+
+# The fleet simulation's speed: 100,000 W1 requests through cost_model over 256 replicas on one core, at 600 req/s (about 70% of its capacity at 64 replicas, scaled). Result: bench/results/fleet/speed/w1-256.json, read by the report.
+bench-fleet-speed *args:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail-bench
+    mkdir -p bench/results/fleet/speed
+    target/release/inferrail-bench fleet --workload w1 --replicas 256 --requests 100000 --rate 600 --policy cost_model \
+        --out bench/results/fleet/speed/w1-256.json {{args}}
 
 # The report (bench/report/routing/report.md and its PNG charts) from the committed results: the full routing comparison (runs/<workload>) when it is there, else the quick one; fleet, prediction and the overhead ladder. Flags go to `inferrail-bench report`.
 bench-report *args: setup

@@ -10,8 +10,10 @@
 //! Latency on a shared machine is noisy; CPU time per request is steadier:
 //! each process's user and system time from `/proc` over each rung's window,
 //! divided by the requests the rung sent. The long-prompt case then sends
-//! 220 KB prompts from 20 and 150 closed-loop clients and reports the time
-//! to first token each rung adds.
+//! 220 KB prompts from 1, 20 and 150 closed-loop clients and reports the time
+//! to first token each rung adds: with one client nothing waits for the
+//! cores, so that is what each layer itself takes; with more, the CPU each
+//! spends per request turns into queueing on a small machine.
 
 mod fleet;
 mod send;
@@ -75,7 +77,7 @@ pub struct OverheadArgs {
     #[arg(long, default_value_t = 220)]
     pub long_prompt_kb: usize,
     /// Concurrent clients of the long-prompt case.
-    #[arg(long, value_delimiter = ',', default_value = "20,150")]
+    #[arg(long, value_delimiter = ',', default_value = "1,20,150")]
     pub long_clients: Vec<usize>,
     /// Seconds per rung and client count of the long-prompt case, over all rounds.
     #[arg(long, default_value_t = 8.0)]

@@ -2,8 +2,9 @@
 //! committed JSON results alone: the routing comparison (TTFT distributions,
 //! p50 and p99, prefix hit rates, replica shares, prediction), prediction
 //! accuracy under concurrency, the overhead ladder, capacity at the SLO on
-//! real simulators and in the fleet simulation, and the fleet simulation
-//! against the HTTP harness on the same requests. The must-show checks of
+//! real simulators and in the fleet simulation, the fleet simulation's
+//! speed on a large fleet, and the fleet simulation against the HTTP
+//! harness on the same requests. The must-show checks of
 //! issue 11 are computed from the same data and a failing one says so; the
 //! report asserts no conclusion of its own. Every table and chart
 //! names the files and commits it came from; repeated runs show their mean
@@ -48,6 +49,9 @@ pub struct ReportArgs {
     /// Folder of fleet simulations on the comparison's requests (`fleet-<workload>.json`); missing: not measured.
     #[arg(long, default_value = "bench/results/routing/validation")]
     pub validation: PathBuf,
+    /// A large fleet simulation, timed (`just bench-fleet-speed`); missing: left out.
+    #[arg(long, default_value = "bench/results/fleet/speed/w1-256.json")]
+    pub fleet_speed: PathBuf,
     /// Prediction accuracy under concurrency.
     #[arg(long, default_value = "bench/results/prediction/accuracy.json")]
     pub prediction: PathBuf,
@@ -252,6 +256,7 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
     let capacity_scaled: Vec<Loaded<FleetCapacity>> = inputs::load_dir_having(&args.fleet_scale, "fleet-simulation", "capacity")?;
     let real_capacity = inputs::load_capacities(&args.real_capacity)?;
     let validation: Vec<Loaded<FleetRuns>> = inputs::load_dir_having(&args.validation, "fleet-simulation", "runs")?;
+    let speed = args.fleet_speed.exists().then(|| inputs::load::<FleetRuns>(&args.fleet_speed)).transpose()?;
     let accuracy = args.prediction.exists().then(|| inputs::load::<Accuracy>(&args.prediction)).transpose()?;
     let ladder = args.overhead.exists().then(|| inputs::load::<Ladder>(&args.overhead)).transpose()?;
 
@@ -302,9 +307,25 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
         let heading = ("Fleet simulation at the comparison's scale", intro);
         capacity_section(&mut md, &args.out_dir, heading, "fleet-capacity-bench-scale.png", &fleet_scaled)?;
     }
+    if let Some(s) = &speed {
+        speed_section(&mut md, s)?;
+    }
     validation::section(&mut md, &routing, &validation)?;
     std::fs::write(args.out_dir.join("report.md"), md)?;
     Ok(failed)
+}
+
+/// How long the fleet simulation takes on one core for a large fleet.
+fn speed_section(md: &mut String, speed: &Loaded<FleetRuns>) -> anyhow::Result<()> {
+    let v = &speed.value;
+    writeln!(md, "## Fleet simulation: speed\n")?;
+    writeln!(md, "{} at {} req/s, seed {}, simulated on one core:\n", v.workload.workload, num(v.rate), v.seed)?;
+    writeln!(md, "| policy | replicas | requests | simulated s | wall-clock s | TTFT p99 ms |\n|---|---|---|---|---|---|")?;
+    for r in &v.runs {
+        writeln!(md, "| {} | {} | {} | {:.1} | {:.1} | {} |", r.policy, r.replicas, r.requests, r.virtual_s, r.wall_s, ms(r.ttft.p99_ms))?;
+    }
+    writeln!(md, "\nSource: `{}` (commit `{}`), `{}`.\n", speed.path.display(), v.commit, v.command)?;
+    Ok(())
 }
 
 /// The latency model's time scale and the SLO the routing runs record, scaled with it.
@@ -362,6 +383,13 @@ fn routing_section(
         writeln!(md, "Command: `{c}`\n")?;
     }
     writeln!(md, "{}\n", real::comparison_rates(routing, capacity))?;
+    writeln!(
+        md,
+        "Contenders: `sglang:<policy>` is SGLang's own router (PyPI `sglang-router`) with that policy in front of the same \
+         simulators; every other name is an Inferrail policy, Inferrail in front. Of those, `sglang_cache_aware`, \
+         `dynamo_kv` and `gie_default` are Inferrail's stand-ins for the defaults of SGLang's router, NVIDIA Dynamo's KV \
+         router and the Gateway API Inference Extension's endpoint picker, run inside Inferrail on the data it gives every policy.\n"
+    )?;
     writeln!(
         md,
         "| workload | contender | reps | req/s | ok / measured | TTFT p50 ms, pooled (reps) | TTFT p99 ms, pooled (reps) | cached (usage) | cached (engines) | busiest share (engines) | goodput | prediction exact |"
@@ -478,10 +506,11 @@ fn accuracy_section(md: &mut String, out: &Path, a: &Loaded<Accuracy>, routing: 
     let mut values = Vec::new();
     let share = |k: usize, n: usize| Some(Bar { value: if n > 0 { k as f64 / n as f64 } else { 0.0 }, spread: None });
     for p in &a.value.points {
-        let name = format!("{} users, {} blocks", p.users, p.blocks);
-        writeln!(md, "| {name} | {} | {} | {} | {} |", p.requests, p.exact, p.over_predicted, p.under_predicted)?;
+        let users = if p.users == 1 { "1 user".to_string() } else { format!("{} users", p.users) };
+        writeln!(md, "| {} mode, {users}, {} blocks | {} | {} | {} | {} |", p.mode, p.blocks, p.requests, p.exact, p.over_predicted, p.under_predicted)?;
         values.push(vec![share(p.exact, p.requests), share(p.over_predicted, p.requests), share(p.under_predicted, p.requests)]);
-        groups.push(format!("{}u/{}b", p.users, p.blocks));
+        let mode = if p.mode == "approximate" { "approx" } else { p.mode.as_str() };
+        groups.push(format!("{mode} {}u/{}b", p.users, p.blocks));
     }
     for w in routing.workloads() {
         for c in routing.contenders(&w) {
@@ -494,8 +523,11 @@ fn accuracy_section(md: &mut String, out: &Path, a: &Loaded<Accuracy>, routing: 
                 continue;
             }
             writeln!(md, "| routing {w}, {c} | {n} | {e} | {o} | {u} |")?;
-            values.push(vec![share(e, n), share(o, n), share(u, n)]);
-            groups.push(format!("{w} {c}"));
+            // The chart shows the checked policy's runs; the table has every contender's.
+            if c == checks::HERO {
+                values.push(vec![share(e, n), share(o, n), share(u, n)]);
+                groups.push(format!("{w} {c}"));
+            }
         }
     }
     let series = ["exact", "over", "under"].map(str::to_string).to_vec();
@@ -510,10 +542,13 @@ fn accuracy_section(md: &mut String, out: &Path, a: &Loaded<Accuracy>, routing: 
 fn ladder_section(md: &mut String, out: &Path, l: &Loaded<Ladder>) -> anyhow::Result<()> {
     let v = &l.value;
     writeln!(md, "## Overhead ladder\n")?;
-    writeln!(md, "Source: `{}` (commit `{}`), `{}`. {} req/s open loop; {}.\n", l.path.display(), v.commit, v.command, v.rate, v.setup)?;
+    // The recipe passes the setup in the command; say it once.
+    let setup = if v.command.contains(&v.setup) { String::new() } else { format!("; {}", v.setup) };
+    writeln!(md, "Source: `{}` (commit `{}`), `{}`. {} req/s open loop{setup}.\n", l.path.display(), v.commit, v.command, v.rate)?;
+    writeln!(md, "Latency counts from each request's scheduled send to the last byte of its answer.\n")?;
     writeln!(
         md,
-        "| rung | ok | errors | p50 ms | p99 ms | added p50 ms | added p99 ms | CPU µs per request, by process |\n|---|---|---|---|---|---|---|---|"
+        "| rung | ok | errors | latency p50 ms | latency p99 ms | added p50 ms | added p99 ms | CPU µs per request, by process |\n|---|---|---|---|---|---|---|---|"
     )?;
     let cpu = |r: &inputs::RungResult| r.cpu_us_per_request.iter().map(|(k, v)| format!("{k} {v:.0}")).collect::<Vec<_>>().join(", ");
     for r in &v.rungs {
@@ -563,12 +598,17 @@ fn ladder_section(md: &mut String, out: &Path, l: &Loaded<Ladder>) -> anyhow::Re
     )?;
     writeln!(md, "\n![Latency added per rung](overhead-latency.png)\n\n![CPU per request per rung](overhead-cpu.png)\n")?;
     if let Some(lp) = &v.long_prompt {
-        writeln!(md, "### Long prompts ({} KB), closed loop\n", lp.prompt_bytes / 1024)?;
+        writeln!(md, "### Long prompts ({} kB), closed loop\n", lp.prompt_bytes / 1000)?;
         writeln!(
             md,
             "Each client sends its next request when the last one's first byte is in, so with every process on the same \
              cores the mean TTFT is close to the clients times the CPU time all processes spend per request, over the \
-             cores: on this 2-core machine each millisecond of CPU per request adds about 10 ms at 20 clients.\n"
+             cores: on 2 cores each millisecond of CPU per request adds about 10 ms at 20 clients.{}\n",
+            if lp.levels.iter().any(|l| l.clients == 1) {
+                " With one client nothing waits for the cores: what each layer adds there is the time it takes itself."
+            } else {
+                ""
+            }
         )?;
         writeln!(
             md,
@@ -592,7 +632,7 @@ fn ladder_section(md: &mut String, out: &Path, l: &Loaded<Ladder>) -> anyhow::Re
             }
         }
         let series: Vec<String> = lp.levels.first().map(|l| l.rungs.iter().map(|r| r.rung.clone()).collect()).unwrap_or_default();
-        let groups = lp.levels.iter().map(|l| format!("{} clients", l.clients)).collect();
+        let groups = lp.levels.iter().map(|l| format!("{} client{}", l.clients, if l.clients == 1 { "" } else { "s" })).collect();
         let values = lp
             .levels
             .iter()
@@ -689,9 +729,14 @@ fn capacity_section(md: &mut String, out: &Path, (title, intro): (&str, &str), p
                 .find(|(p, _)| p == "cost_model")
                 .and_then(|(_, n)| *n)
                 .zip(v.replicas_needed.iter().find(|(p, _)| p == "round_robin").and_then(|(_, n)| *n));
+            // The search's default rate is round robin's capacity on the largest fleet: say so when it is.
+            let rr_largest = v.capacity.iter().find(|(p, _)| p == "round_robin").and_then(|(_, per)| per.iter().max_by_key(|c| c.replicas));
+            let whose = rr_largest
+                .filter(|c| c.rate == rate)
+                .map_or(String::new(), |c| format!(" (round_robin's capacity on {} replicas)", c.replicas));
             writeln!(
                 md,
-                "Seed {}: replicas needed for {rate} req/s within the SLO: {}.{}\n",
+                "Seed {}: replicas needed for {rate} req/s{whose} within the SLO: {}.{}\n",
                 v.seed,
                 needed.join(", "),
                 saved.map_or(String::new(), |(c, r)| format!(

@@ -13,6 +13,9 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 /// Every chart's size, pixels.
 pub const SIZE: (u32, u32) = (960, 540);
 
+/// Width of the bar charts' legend, beside the plot, pixels.
+const LEGEND_WIDTH: u32 = 190;
+
 /// Registers the font file at `path` as plotters' `sans-serif`, once per
 /// process (a later call with another path keeps the first font).
 pub fn register_font(path: &Path) -> anyhow::Result<()> {
@@ -48,7 +51,8 @@ pub struct Bars<'a> {
 }
 
 fn colour(i: usize) -> RGBColor {
-    const PALETTE: [RGBColor; 8] = [
+    // Twelve: one for each contender of the full comparison.
+    const PALETTE: [RGBColor; 12] = [
         RGBColor(31, 119, 180),
         RGBColor(255, 127, 14),
         RGBColor(44, 160, 44),
@@ -57,6 +61,10 @@ fn colour(i: usize) -> RGBColor {
         RGBColor(140, 86, 75),
         RGBColor(227, 119, 194),
         RGBColor(127, 127, 127),
+        RGBColor(188, 189, 34),
+        RGBColor(23, 190, 207),
+        RGBColor(0, 0, 0),
+        RGBColor(174, 199, 232),
     ];
     PALETTE[i % PALETTE.len()]
 }
@@ -69,12 +77,19 @@ fn drawing_error(e: impl std::fmt::Display) -> anyhow::Error {
 pub fn bars(out: &Path, bars: &Bars) -> anyhow::Result<()> {
     anyhow::ensure!(!bars.groups.is_empty() && !bars.series.is_empty(), "{}: nothing to draw", bars.title);
     let top = bars.values.iter().flatten().flatten().map(|b| b.spread.map_or(b.value, |(_, hi)| hi.max(b.value))).fold(0.0f64, f64::max);
-    // Room above the tallest bar for the legend.
-    let top = if top > 0.0 { top * 1.35 } else { 1.0 };
+    // A little room above the tallest bar.
+    let top = if top > 0.0 { top * 1.1 } else { 1.0 };
     let root = BitMapBackend::new(out, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(drawing_error)?;
+    // The legend goes beside the plot, one row per series, so it never covers a bar.
+    let (plot, side) = root.split_horizontally(SIZE.0 - LEGEND_WIDTH);
+    for (s, name) in bars.series.iter().enumerate() {
+        let y = 48 + s as i32 * 22;
+        side.draw(&Rectangle::new([(4, y), (18, y + 14)], colour(s).filled())).map_err(drawing_error)?;
+        side.draw(&Text::new(name.clone(), (24, y - 1), ("sans-serif", 15).into_font())).map_err(drawing_error)?;
+    }
     let n = bars.groups.len();
-    let mut chart = ChartBuilder::on(&root)
+    let mut chart = ChartBuilder::on(&plot)
         .caption(bars.title, ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(40)
@@ -90,7 +105,7 @@ pub fn bars(out: &Path, bars: &Bars) -> anyhow::Result<()> {
         .draw()
         .map_err(drawing_error)?;
     let width = 0.8 / bars.series.len() as f64;
-    for (s, name) in bars.series.iter().enumerate() {
+    for s in 0..bars.series.len() {
         let c = colour(s);
         let mut rects = Vec::new();
         let mut whiskers = Vec::new();
@@ -103,11 +118,7 @@ pub fn bars(out: &Path, bars: &Bars) -> anyhow::Result<()> {
                 whiskers.push(PathElement::new(vec![(mid, lo), (mid, hi)], BLACK.stroke_width(2)));
             }
         }
-        chart
-            .draw_series(rects)
-            .map_err(drawing_error)?
-            .label(name)
-            .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 12, y + 6)], c.filled()));
+        chart.draw_series(rects).map_err(drawing_error)?;
         chart.draw_series(whiskers).map_err(drawing_error)?;
     }
     // Group names under the axis, centred under their bars; many groups take two rows.
@@ -117,14 +128,6 @@ pub fn bars(out: &Path, bars: &Bars) -> anyhow::Result<()> {
         let row = if n > 8 { (g % 2) as i32 * 16 } else { 0 };
         root.draw(&Text::new(name.clone(), (x, y + 6 + row), font.clone())).map_err(drawing_error)?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 15))
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()
-        .map_err(drawing_error)?;
     root.present().map_err(drawing_error)?;
     Ok(())
 }
@@ -151,7 +154,16 @@ pub fn cdf(out: &Path, cdf: &Cdf) -> anyhow::Result<()> {
         .y_label_area_size(60)
         .build_cartesian_2d((lo * 0.9..hi * 1.1).log_scale(), 0.0..1.0)
         .map_err(drawing_error)?;
-    chart.configure_mesh().x_desc(cdf.x_label).y_desc("share of requests").label_style(("sans-serif", 15)).draw().map_err(drawing_error)?;
+    // Few whole-number ticks: a log axis otherwise crowds its labels into one another.
+    chart
+        .configure_mesh()
+        .x_desc(cdf.x_label)
+        .y_desc("share of requests")
+        .x_labels(6)
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .label_style(("sans-serif", 15))
+        .draw()
+        .map_err(drawing_error)?;
     for (i, (name, points)) in cdf.lines.iter().enumerate() {
         let c = colour(i);
         chart

@@ -247,6 +247,10 @@ pub struct FleetOutcome {
     pub requests: usize,
     pub hit_rate: f64,
     pub ttft: Latency,
+    /// Seconds simulated.
+    pub virtual_s: f64,
+    /// Seconds the simulation took on the machine (one core).
+    pub wall_s: f64,
 }
 
 /// `bench/results/prediction/accuracy.json`.
@@ -258,6 +262,8 @@ pub struct Accuracy {
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct AccuracyPoint {
+    /// `approximate` (the router's own decisions) or `events` (the engines' KV events).
+    pub mode: String,
     pub users: usize,
     pub blocks: usize,
     pub requests: usize,

@@ -54,7 +54,8 @@ pub(crate) fn real_capacity(workload: &str, contender: &str, rate: f64) -> Value
 fn fleet_runs(workload: &str, runs: &[(&str, usize, f64, f64)]) -> Value {
     let runs: Vec<Value> = runs
         .iter()
-        .map(|&(policy, replicas, hit, p99)| json!({"policy": policy, "replicas": replicas, "requests": 12, "hit_rate": hit, "ttft": latency(p99 / 4.0, p99)}))
+        .map(|&(policy, replicas, hit, p99)| json!({"policy": policy, "replicas": replicas, "requests": 12, "hit_rate": hit, "ttft": latency(p99 / 4.0, p99),
+                                                  "virtual_s": 30.0, "wall_s": 0.5}))
         .collect();
     json!({"benchmark": "fleet-simulation", "commit": "fee9999", "command": "inferrail-bench fleet --fixture", "workload": {"workload": workload},
            "requests": 12, "seed": 1, "rate": 0.5, "runs": runs})
@@ -124,12 +125,13 @@ fn fixtures(name: &str, cost_model_p99_w1: f64, cost_model_capacity: f64) -> any
             ],
         ),
     )?;
+    write(&dir.join("fleet/speed/w1-256.json"), &fleet_runs("w1", &[("cost_model", 256, 0.9, 800.0)]))?;
     write(&dir.join("fleet/w1-3-replicas.json"), &json!({"benchmark": "fleet-simulation", "commit": "def5678", "runs": []}))?;
     write(
         &dir.join("prediction/accuracy.json"),
         &json!({"benchmark": "prediction-accuracy-under-concurrency", "setup": "fixture", "points": [
-            {"users": 1, "blocks": 64, "requests": 100, "exact": 100, "over_predicted": 0, "under_predicted": 0},
-            {"users": 16, "blocks": 64, "requests": 100, "exact": 80, "over_predicted": 12, "under_predicted": 8}]}),
+            {"mode": "approximate", "users": 1, "blocks": 64, "requests": 100, "exact": 100, "over_predicted": 0, "under_predicted": 0},
+            {"mode": "events", "users": 16, "blocks": 64, "requests": 100, "exact": 80, "over_predicted": 12, "under_predicted": 8}]}),
     )?;
     let rung = |name: &str, p50: f64, added: f64| {
         json!({"rung": name, "ok": 100, "errors": 0, "latency": latency(p50, p50 * 3.0), "added_p50_ms": added, "added_p99_ms": added * 3.0,
@@ -140,6 +142,7 @@ fn fixtures(name: &str, cost_model_p99_w1: f64, cost_model_capacity: f64) -> any
         &json!({"benchmark": "overhead-ladder", "commit": "aaa1111", "command": "inferrail-bench overhead", "setup": "fixture", "rate": 100.0,
             "rungs": [rung("direct", 2.0, 0.0), rung("envoy", 2.5, 0.5), rung("inferrail", 4.0, 2.0)],
             "long_prompt": {"prompt_bytes": 225280, "levels": [
+                {"clients": 1, "rungs": [rung("direct", 3.0, 0.0), rung("envoy", 3.5, 0.5), rung("inferrail", 6.5, 3.5)]},
                 {"clients": 20, "rungs": [rung("direct", 10.0, 0.0), rung("envoy", 11.0, 1.0), rung("inferrail", 15.0, 5.0)]},
                 {"clients": 150, "rungs": [rung("direct", 50.0, 0.0), rung("envoy", 60.0, 10.0), rung("inferrail", 90.0, 40.0)]}]}}),
     )?;
@@ -149,6 +152,7 @@ fn fixtures(name: &str, cost_model_p99_w1: f64, cost_model_capacity: f64) -> any
         fleet_scale: dir.join("fleet-scale"),
         real_capacity: vec![dir.join("capacity"), dir.join("capacity-cost-model")],
         validation: dir.join("validation"),
+        fleet_speed: dir.join("fleet/speed/w1-256.json"),
         prediction: dir.join("prediction/accuracy.json"),
         overhead: dir.join("overhead/ladder.json"),
         font: PathBuf::from("../.cache/fonts/DejaVuSans.ttf"),
@@ -201,7 +205,9 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
         "{md}"
     );
     assert!(failed.is_empty(), "{failed:?}");
-    assert!(md.contains("| 4.8 ms (5.0 ms over straight to the simulators) | pass |"), "{md}");
+    assert!(md.contains("| approximate mode, 1 user, 64 blocks | 100 | 100 | 0 | 0 |") && md.contains("| events mode, 16 users, 64 blocks | 100 | 80 | 12 | 8 |"), "{md}");
+    assert!(md.contains("w1 at 0.5 req/s, seed 1, simulated on one core") && md.contains("| cost_model | 256 | 12 | 30.0 | 0.5 | 800 |"), "{md}");
+    assert!(md.contains("| 4.8 ms (5.0 ms over straight to the simulators; 3.6 ms from one client) | pass |"), "{md}");
     assert!(md.contains("ran at time scale 0.1 (every modelled duration times 0.1), with the SLO scaled alike: TTFT at most 200 ms and TPOT at most 10 ms (2000 ms and 100 ms at scale 1). Inferrail read each engine's load every 10 ms"), "{md}");
     assert!(
         md.contains("w1 at 0.5 req/s, 70.0% of round_robin's 0.714 req/s") && md.contains("Each is 70.0% of round robin's capacity"),
@@ -284,7 +290,7 @@ fn the_real_simulator_capacity_check_passes_or_fails_from_the_files() -> anyhow:
             let check = format!("at least 1.33x round_robin's on {w}");
             let row = md.lines().find(|l| l.contains("three real simulator processes") && l.contains(&check)).unwrap_or_default();
             let ratio =
-                format!("| {:.2}x (cost_model {capacity:.3} req/s, round_robin 0.714 req/s, on 3 and 3 simulators) |", capacity / 0.714);
+                format!("| {:.2}x (cost_model {capacity} req/s, round_robin 0.714 req/s, on 3 simulators each) |", capacity / 0.714);
             assert!(row.contains(&ratio) && row.ends_with(&format!("| {verdict} |")), "{row}");
             assert_eq!(failed.iter().any(|f| f.contains(&check) && f.contains("real")), verdict != "pass", "{failed:?}");
         }
@@ -298,11 +304,12 @@ fn a_validation_row_sets_the_simulation_against_the_harness_with_the_gap() -> an
     let args = fixtures("validation", 1000.0, 1.0)?;
     render(&args)?;
     let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
-    // Harness rep 0: cached 85% over every request, TTFT p50 250, p90 625, p99 1000 ms; the simulation: 80%, 225, 562.5, 900.
+    // Harness rep 0: cached 85% over every request, TTFT p50 250, p90 625, p99 1000 ms; the simulation: 80%, 225, 562.5, 900
+    // (shown as 562, so its gap is -63).
     let row = md.lines().find(|l| l.starts_with("| w1 | cost_model | 3 |")).unwrap_or_default();
     assert_eq!(
         row,
-        "| w1 | cost_model | 3 | 85.0% / 80.0% / -5.0 pts | 250 / 225 / -25 ms (0.90x) | 625 / 562 / -62 ms (0.90x) | 1000 / 900 / -100 ms (0.90x) |"
+        "| w1 | cost_model | 3 | 85.0% / 80.0% / -5.0 pts | 250 / 225 / -25 ms (0.90x) | 625 / 562 / -63 ms (0.90x) | 1000 / 900 / -100 ms (0.90x) |"
     );
     // Round robin (harness p99 4000 ms, 35%) too; the 16-replica run and prefix_hash, not in the harness, are left out.
     assert!(md.contains("| w1 | round_robin | 3 | 35.0% / 40.0% / +5.0 pts |"), "{md}");

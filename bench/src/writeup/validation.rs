@@ -42,7 +42,10 @@ fn pairs<'a>(routing: &'a Contenders, files: &'a [Loaded<FleetRuns>]) -> Vec<Pai
 /// `harness / simulation / gap` for a TTFT percentile: the gap in ms and as a ratio.
 fn ttft_cell(harness: f64, sim: f64) -> String {
     let ratio = if harness > 0.0 { format!(" ({:.2}x)", sim / harness) } else { String::new() };
-    format!("{} / {} / {:+.0} ms{ratio}", ms(harness), ms(sim), sim - harness)
+    // The gap of the values as shown, so that the row adds up.
+    let (h, s) = (ms(harness), ms(sim));
+    let gap = s.parse::<f64>().unwrap_or(sim) - h.parse::<f64>().unwrap_or(harness);
+    format!("{h} / {s} / {gap:+.0} ms{ratio}")
 }
 
 /// The cached share in points, simulation minus harness.
@@ -57,7 +60,8 @@ fn row(p: &Pair) -> String {
         "{} / {} / {}",
         harness_hit.map_or("n/a".into(), pct),
         pct(p.sim.hit_rate),
-        hit_gap(p).map_or("n/a".into(), |g| format!("{g:+.1} pts"))
+        // No "-0.0" for a gap that rounds to nothing.
+        hit_gap(p).map_or("n/a".into(), |g| format!("{:+.1} pts", if g.abs() < 0.05 { 0.0 } else { g }))
     );
     let ttft: Vec<String> = PERCENTILES.iter().map(|(_, f)| ttft_cell(f(&p.harness.summary.ttft), f(&p.sim.ttft))).collect();
     format!("| {} | {} | {} | {hit} | {} |", p.workload, p.sim.policy, p.sim.replicas, ttft.join(" | "))
