@@ -507,7 +507,11 @@ fn accuracy_section(md: &mut String, out: &Path, a: &Loaded<Accuracy>, routing: 
     let share = |k: usize, n: usize| Some(Bar { value: if n > 0 { k as f64 / n as f64 } else { 0.0 }, spread: None });
     for p in &a.value.points {
         let users = if p.users == 1 { "1 user".to_string() } else { format!("{} users", p.users) };
-        writeln!(md, "| {} mode, {users}, {} blocks | {} | {} | {} | {} |", p.mode, p.blocks, p.requests, p.exact, p.over_predicted, p.under_predicted)?;
+        writeln!(
+            md,
+            "| {} mode, {users}, {} blocks | {} | {} | {} | {} |",
+            p.mode, p.blocks, p.requests, p.exact, p.over_predicted, p.under_predicted
+        )?;
         values.push(vec![share(p.exact, p.requests), share(p.over_predicted, p.requests), share(p.under_predicted, p.requests)]);
         let mode = if p.mode == "approximate" { "approx" } else { p.mode.as_str() };
         groups.push(format!("{mode} {}u/{}b", p.users, p.blocks));

@@ -54,8 +54,10 @@ pub(crate) fn real_capacity(workload: &str, contender: &str, rate: f64) -> Value
 fn fleet_runs(workload: &str, runs: &[(&str, usize, f64, f64)]) -> Value {
     let runs: Vec<Value> = runs
         .iter()
-        .map(|&(policy, replicas, hit, p99)| json!({"policy": policy, "replicas": replicas, "requests": 12, "hit_rate": hit, "ttft": latency(p99 / 4.0, p99),
-                                                  "virtual_s": 30.0, "wall_s": 0.5}))
+        .map(|&(policy, replicas, hit, p99)| {
+            json!({"policy": policy, "replicas": replicas, "requests": 12, "hit_rate": hit, "ttft": latency(p99 / 4.0, p99),
+                                                  "virtual_s": 30.0, "wall_s": 0.5})
+        })
         .collect();
     json!({"benchmark": "fleet-simulation", "commit": "fee9999", "command": "inferrail-bench fleet --fixture", "workload": {"workload": workload},
            "requests": 12, "seed": 1, "rate": 0.5, "runs": runs})
@@ -205,8 +207,15 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
         "{md}"
     );
     assert!(failed.is_empty(), "{failed:?}");
-    assert!(md.contains("| approximate mode, 1 user, 64 blocks | 100 | 100 | 0 | 0 |") && md.contains("| events mode, 16 users, 64 blocks | 100 | 80 | 12 | 8 |"), "{md}");
-    assert!(md.contains("w1 at 0.5 req/s, seed 1, simulated on one core") && md.contains("| cost_model | 256 | 12 | 30.0 | 0.5 | 800 |"), "{md}");
+    assert!(
+        md.contains("| approximate mode, 1 user, 64 blocks | 100 | 100 | 0 | 0 |")
+            && md.contains("| events mode, 16 users, 64 blocks | 100 | 80 | 12 | 8 |"),
+        "{md}"
+    );
+    assert!(
+        md.contains("w1 at 0.5 req/s, seed 1, simulated on one core") && md.contains("| cost_model | 256 | 12 | 30.0 | 0.5 | 800 |"),
+        "{md}"
+    );
     assert!(md.contains("| 4.8 ms (5.0 ms over straight to the simulators; 3.6 ms from one client) | pass |"), "{md}");
     assert!(md.contains("ran at time scale 0.1 (every modelled duration times 0.1), with the SLO scaled alike: TTFT at most 200 ms and TPOT at most 10 ms (2000 ms and 100 ms at scale 1). Inferrail read each engine's load every 10 ms"), "{md}");
     assert!(
