@@ -198,6 +198,69 @@ pub fn ttft_p99(runs: &[CompareRun]) -> Bar {
     ttft(runs, 0.99, |l| l.p99_ms)
 }
 
+/// The same requests' TTFTs under two contenders, `(a's, b's)`, over the
+/// repetitions both ran with the same seed at the same rate (the same
+/// schedule) where each measured every request: their TTFTs are then of
+/// the same requests in the same scheduled order. A repetition that lost a
+/// request does not pair; none: no repetition pairs.
+pub fn paired_ttfts(a: &[CompareRun], b: &[CompareRun]) -> Option<Vec<(f64, f64)>> {
+    let whole = |r: &CompareRun| r.ttft_ms.clone().filter(|t| r.summary.ok == r.summary.requests && t.len() == r.summary.requests);
+    let mut pairs = Vec::new();
+    for x in a {
+        let same = b.iter().find(|y| y.seed == x.seed && y.rate == x.rate && y.sent == x.sent);
+        if let Some((tx, ty)) = whole(x).zip(same.and_then(whole)) {
+            pairs.extend(tx.into_iter().zip(ty));
+        }
+    }
+    (!pairs.is_empty()).then_some(pairs)
+}
+
+/// Two contenders' p99 TTFT over the same requests, compared.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PairedP99 {
+    pub requests: usize,
+    /// The first's p99 minus the second's, milliseconds.
+    pub difference: f64,
+    /// The 95% bootstrap interval of the difference.
+    pub low: f64,
+    pub high: f64,
+    /// The median of the per-request differences: what every request pays or saves, tail or not.
+    pub median_request: f64,
+}
+
+/// Resamples of the bootstrap; its seed is fixed, so the same results give the same interval.
+const RESAMPLES: usize = 2000;
+
+/// [`PairedP99`] of `(a, b)` TTFT pairs: the interval resamples whole pairs,
+/// so what the requests themselves ask (an 8,000-token prompt computed cold
+/// under both) does not count as a difference between the contenders.
+pub fn paired_p99(pairs: &[(f64, f64)]) -> PairedP99 {
+    use rand::{Rng as _, SeedableRng as _};
+    let difference = |pick: &mut dyn FnMut() -> (f64, f64)| {
+        let (mut a, mut b): (Vec<f64>, Vec<f64>) = (0..pairs.len()).map(|_| pick()).unzip();
+        a.sort_by(f64::total_cmp);
+        b.sort_by(f64::total_cmp);
+        crate::report::quantile(&a, 0.99) - crate::report::quantile(&b, 0.99)
+    };
+    let mut i = 0;
+    let whole = difference(&mut || {
+        i += 1;
+        pairs[i - 1]
+    });
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let mut resampled: Vec<f64> = (0..RESAMPLES).map(|_| difference(&mut || pairs[rng.random_range(0..pairs.len())])).collect();
+    resampled.sort_by(f64::total_cmp);
+    let mut each: Vec<f64> = pairs.iter().map(|(a, b)| a - b).collect();
+    each.sort_by(f64::total_cmp);
+    PairedP99 {
+        requests: pairs.len(),
+        difference: whole,
+        low: crate::report::quantile(&resampled, 0.025),
+        high: crate::report::quantile(&resampled, 0.975),
+        median_request: crate::report::quantile(&each, 0.5),
+    }
+}
+
 /// `mean` or `mean (lo–hi)`.
 fn cell(b: Bar, unit: impl Fn(f64) -> String) -> String {
     match b.spread {

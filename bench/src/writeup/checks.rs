@@ -3,7 +3,7 @@
 //! is not in the results says so instead of passing.
 
 use super::real::find;
-use super::{Contenders, mean, num, ttft_p99};
+use super::{Contenders, mean, num, paired_p99, paired_ttfts, ttft_p99};
 use crate::writeup::inputs::{FleetWorkload, Ladder, Loaded, RealCapacity};
 
 /// One check's outcome.
@@ -55,7 +55,20 @@ pub fn all(routing: &Contenders, fleet: &[FleetWorkload], real: &[Loaded<RealCap
             (Some(hero), Some((best, other))) => {
                 // Whole milliseconds, unless they would show a near-tie as equal.
                 let digits = if format!("{hero:.0}") == format!("{other:.0}") { 1 } else { 0 };
-                let measured = format!("{hero:.digits$} ms; best other: {best} {other:.digits$} ms");
+                let mut measured = format!("{hero:.digits$} ms; best other: {best} {other:.digits$} ms");
+                // The same requests under both: how sure the order is, and what every request pays.
+                if let Some(p) =
+                    routing.get(w, HERO).zip(routing.get(w, best)).and_then(|(h, o)| paired_ttfts(h, o)).map(|p| paired_p99(&p))
+                {
+                    measured += &format!(
+                        "; over the same {} requests, {HERO}'s p99 minus {best}'s {:+.1} ms (95% bootstrap interval {:+.1} to {:+.1}), the median request's difference {:+.1} ms",
+                        num(p.requests as f64),
+                        p.difference,
+                        p.low,
+                        p.high,
+                        p.median_request
+                    );
+                }
                 out.push(check(name, "lowest", measured, Some(hero <= *other)))
             }
             _ => out.push(check(name, "lowest", format!("{w} not in the routing results with {HERO} and another contender"), None)),

@@ -283,6 +283,11 @@ fn a_failing_check_is_reported_as_failing() -> anyhow::Result<()> {
     let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
     let row = md.lines().find(|l| l.contains("lowest p99 TTFT of all contenders on w1")).unwrap_or_default();
     assert!(row.ends_with("| **FAIL** |") && row.contains("best other: sglang:cache_aware 2500 ms"), "{row}");
+    // The fixtures' repetitions pair (same seeds, every request measured):
+    // request i of repetition r took (350 + r) i ms under cost_model and
+    // 250i under SGLang's router; the pooled p99s are the slowest of each.
+    assert!(row.contains("over the same 20 requests, cost_model's p99 minus sglang:cache_aware's +1010.0 ms"), "{row}");
+    assert!(row.contains("the median request's difference +505.0 ms"), "{row}");
     let mix = md.lines().find(|l| l.contains("on mix")).unwrap_or_default();
     assert!(mix.ends_with("| not measured |"), "{mix}");
     std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
@@ -406,4 +411,37 @@ fn repetitions_at_another_rate_are_not_pooled() -> anyhow::Result<()> {
     assert!(md.contains("| w1 | cost_model | 3 |"), "{md}");
     std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
     Ok(())
+}
+
+#[test]
+fn only_repetitions_of_the_same_schedule_that_lost_nothing_pair() -> anyhow::Result<()> {
+    let run =
+        |rep: u64, p99: f64| -> anyhow::Result<CompareRun> { Ok(serde_json::from_value(compare_run("mix", "x", rep, p99, 0.5, 0.4))?) };
+    let (a, b) = ([run(0, 100.0)?, run(1, 100.0)?], [run(0, 50.0)?, run(1, 50.0)?]);
+    let pairs = paired_ttfts(&a, &b).unwrap_or_default();
+    assert_eq!(pairs.len(), 20);
+    assert_eq!(pairs[0], (10.0, 5.0));
+    // Another seed is another schedule; a lost request shifts the order.
+    let mut lost = b.clone();
+    lost[0].seed = 9;
+    lost[1].summary.ok = 9;
+    assert_eq!(paired_ttfts(&a, &lost), None);
+    lost[1].summary.ok = 10;
+    assert_eq!(paired_ttfts(&a, &lost).map(|p| p.len()), Some(10));
+    Ok(())
+}
+
+#[test]
+fn the_paired_interval_sees_a_constant_difference_whatever_the_requests() {
+    // Requests from 1 ms to 10 s, each 5 ms slower under the first: every
+    // resample's p99s differ by 5, however different the requests drawn.
+    let pairs: Vec<(f64, f64)> = (0..300).map(|i| (f64::from(i * i) / 9.0 + 5.0, f64::from(i * i) / 9.0)).collect();
+    let p = paired_p99(&pairs);
+    assert_eq!((p.requests, p.difference, p.median_request), (300, 5.0, 5.0));
+    assert!((p.low - 5.0).abs() < 1e-9 && (p.high - 5.0).abs() < 1e-9, "{p:?}");
+    // Unpaired noise widens it: the first is faster on odd requests, slower on even ones.
+    let noisy: Vec<(f64, f64)> =
+        pairs.iter().enumerate().map(|(i, &(a, b))| if i % 2 == 0 { (a + 20.0, b) } else { (b - 20.0, b) }).collect();
+    let p = paired_p99(&noisy);
+    assert!(p.low < 0.0 && p.high > 0.0, "{p:?}");
 }
