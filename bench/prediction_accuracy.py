@@ -120,8 +120,9 @@ def main():
     result = {
         "benchmark": "prediction-accuracy-under-concurrency",
         "setup": f"3 simulators (Qwen3 tokenizer, 16-token blocks, default latency model), Envoy, inferrail (debug build), "
-                 f"round robin; chat conversations sharing 3 system prompts; events mode: the simulators publish KV events, "
-                 f"the router follows them with replay endpoints; commit {commit}",
+                 f"round robin; chat conversations sharing 3 system prompts; index modes {args.modes.replace(',', ' and ')} "
+                 f"(approximate: the router learns from its own decisions; events: the simulators publish KV events and "
+                 f"the router follows them with replay endpoints); commit {commit}",
         "command": "just bench-accuracy " + " ".join(sys.argv[1:]),
         "points": points,
     }
