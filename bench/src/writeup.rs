@@ -204,12 +204,14 @@ pub fn ttft_p99(runs: &[CompareRun]) -> Bar {
 /// the same requests in the same scheduled order. A repetition that lost a
 /// request does not pair; none: no repetition pairs.
 pub fn paired_ttfts(a: &[CompareRun], b: &[CompareRun]) -> Option<Vec<(f64, f64)>> {
-    let whole = |r: &CompareRun| r.ttft_ms.clone().filter(|t| r.summary.ok == r.summary.requests && t.len() == r.summary.requests);
+    fn whole(r: &CompareRun) -> Option<&[f64]> {
+        r.ttft_ms.as_deref().filter(|t| r.summary.ok == r.summary.requests && t.len() == r.summary.requests)
+    }
     let mut pairs = Vec::new();
     for x in a {
         let same = b.iter().find(|y| y.seed == x.seed && y.rate == x.rate && y.sent == x.sent);
         if let Some((tx, ty)) = whole(x).zip(same.and_then(whole)) {
-            pairs.extend(tx.into_iter().zip(ty));
+            pairs.extend(tx.iter().copied().zip(ty.iter().copied()));
         }
     }
     (!pairs.is_empty()).then_some(pairs)
@@ -236,29 +238,27 @@ const RESAMPLES: usize = 2000;
 /// under both) does not count as a difference between the contenders.
 pub fn paired_p99(pairs: &[(f64, f64)]) -> PairedP99 {
     use rand::{Rng as _, SeedableRng as _};
-    let difference = |pick: &mut dyn FnMut() -> (f64, f64)| {
-        let (mut a, mut b): (Vec<f64>, Vec<f64>) = (0..pairs.len()).map(|_| pick()).unzip();
-        a.sort_by(f64::total_cmp);
-        b.sort_by(f64::total_cmp);
-        crate::report::quantile(&a, 0.99) - crate::report::quantile(&b, 0.99)
-    };
-    let mut i = 0;
-    let whole = difference(&mut || {
-        i += 1;
-        pairs[i - 1]
-    });
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-    let mut resampled: Vec<f64> = (0..RESAMPLES).map(|_| difference(&mut || pairs[rng.random_range(0..pairs.len())])).collect();
+    let mut resampled: Vec<f64> =
+        (0..RESAMPLES).map(|_| p99_difference((0..pairs.len()).map(|_| pairs[rng.random_range(0..pairs.len())]))).collect();
     resampled.sort_by(f64::total_cmp);
     let mut each: Vec<f64> = pairs.iter().map(|(a, b)| a - b).collect();
     each.sort_by(f64::total_cmp);
     PairedP99 {
         requests: pairs.len(),
-        difference: whole,
+        difference: p99_difference(pairs.iter().copied()),
         low: crate::report::quantile(&resampled, 0.025),
         high: crate::report::quantile(&resampled, 0.975),
         median_request: crate::report::quantile(&each, 0.5),
     }
+}
+
+/// The first's p99 minus the second's over `(a, b)` pairs.
+fn p99_difference(pairs: impl Iterator<Item = (f64, f64)>) -> f64 {
+    let (mut a, mut b): (Vec<f64>, Vec<f64>) = pairs.unzip();
+    a.sort_by(f64::total_cmp);
+    b.sort_by(f64::total_cmp);
+    crate::report::quantile(&a, 0.99) - crate::report::quantile(&b, 0.99)
 }
 
 /// `mean` or `mean (lo–hi)`.
@@ -338,9 +338,10 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
         md,
         "Computed from the results below; a check whose data is not in them says \"not measured\". Every contender got the same \
          requests at the same times, so a lowest-p99 check also compares {} with the best other over the same requests: the \
-         difference of their p99s with a 95% bootstrap interval (2,000 resamples of request pairs), and the median request's \
+         difference of their p99s with a 95% bootstrap interval ({} resamples of request pairs), and the median request's \
          difference (ADR 0027). The result is the strict comparison; the interval says how much it can be trusted.\n",
-        checks::HERO
+        checks::HERO,
+        num(RESAMPLES as f64)
     )?;
     writeln!(md, "| check | target | measured | result |\n|---|---|---|---|")?;
     for c in &checks {
