@@ -1,9 +1,10 @@
 //! Reading an engine's Prometheus text page into an [`EngineLoad`].
 //!
-//! A hand-written line scanner for the text exposition format (0.0.4): every
-//! sample line is checked (name, labels, value), so a page that is not a
-//! metrics page is an error rather than an idle engine. Only the few families
-//! routing needs are kept. The engine is recognized by the prefix of its
+//! A hand-written line scanner for the text exposition format (0.0.4). Every
+//! sample line's metric name is checked, so a page that is not a metrics page
+//! is an error rather than an idle engine; the lines of the few families
+//! routing reads are checked whole (labels, value, timestamp), and the rest
+//! (most of a vLLM page: histogram buckets) are skipped past their name. The engine is recognized by the prefix of its
 //! families (`vllm:` or `sglang:`). Data-parallel ranks publish one series per
 //! rank: counts are summed over series, KV usage is their mean.
 
@@ -120,6 +121,16 @@ const SGLANG: Families = Families {
     cache_info: None,
 };
 
+impl Families {
+    /// Whether routing reads the family of sample name `name`.
+    fn reads(&self, name: &str) -> bool {
+        name == self.running
+            || name == self.waiting
+            || self.kv_usage.contains(&name)
+            || [self.prefix_queries, self.prefix_hits, self.cache_info].contains(&Some(name))
+    }
+}
+
 /// Sum and count of one family's series.
 #[derive(Default, Clone, Copy)]
 struct Acc {
@@ -153,14 +164,18 @@ pub fn parse(page: &str) -> Result<EngineLoad, PageError> {
         if line.is_empty() || line.starts_with('#') {
             continue;
         }
-        let sample = sample(line).map_err(|what| PageError::Malformed { line: line_no, what })?;
+        let malformed = |what| PageError::Malformed { line: line_no, what };
+        let name = metric_name(line).map_err(malformed)?;
         let fams = match engine {
             Some(f) => f,
-            None if sample.name.starts_with("vllm:") => engine.insert(&VLLM),
-            None if sample.name.starts_with("sglang:") => engine.insert(&SGLANG),
+            None if name.starts_with("vllm:") => engine.insert(&VLLM),
+            None if name.starts_with("sglang:") => engine.insert(&SGLANG),
             None => continue,
         };
-        let name = sample.name;
+        if !fams.reads(name) {
+            continue;
+        }
+        let sample = sample(line).map_err(malformed)?;
         if name == fams.running {
             running.add(sample.value);
         } else if name == fams.waiting {
@@ -230,22 +245,35 @@ fn total(family: Option<&'static str>, acc: Acc) -> Result<Option<u64>, PageErro
     }
 }
 
-/// One sample line, borrowed from the page.
+/// One sample line's labels and value, borrowed from the page.
 struct Sample<'a> {
-    name: &'a str,
     /// The text between the braces, checked.
     labels: &'a str,
     value: f64,
 }
 
-/// Splits and checks `name{labels} value [timestamp]`.
-fn sample(line: &str) -> Result<Sample<'_>, &'static str> {
-    let name_end = line.find(|c: char| c == '{' || c.is_ascii_whitespace()).ok_or("no value")?;
-    let name = &line[..name_end];
-    if !valid_name(name) {
-        return Err("bad metric name");
+/// The checked metric name a sample line starts with: `[a-zA-Z_:][a-zA-Z0-9_:]*`
+/// up to the labels or the value, in one pass (it runs on every line).
+fn metric_name(line: &str) -> Result<&str, &'static str> {
+    let bytes = line.as_bytes();
+    let mut end = 0;
+    loop {
+        match bytes.get(end) {
+            None => return Err("no value"),
+            Some(b'{') => break,
+            Some(b) if b.is_ascii_whitespace() => break,
+            Some(b'a'..=b'z' | b'A'..=b'Z' | b'_' | b':') => end += 1,
+            Some(b'0'..=b'9') if end > 0 => end += 1,
+            Some(_) => return Err("bad metric name"),
+        }
     }
-    let mut rest = &line[name_end..];
+    if end == 0 { Err("bad metric name") } else { Ok(&line[..end]) }
+}
+
+/// Checks `name{labels} value [timestamp]` and splits off the labels and value.
+fn sample(line: &str) -> Result<Sample<'_>, &'static str> {
+    let name = metric_name(line)?;
+    let mut rest = &line[name.len()..];
     let mut labels = "";
     if let Some(after) = rest.strip_prefix('{') {
         let len = label_set_len(after)?;
@@ -261,13 +289,7 @@ fn sample(line: &str) -> Result<Sample<'_>, &'static str> {
     if fields.next().is_some() {
         return Err("trailing text");
     }
-    Ok(Sample { name, labels, value })
-}
-
-fn valid_name(name: &str) -> bool {
-    let mut chars = name.chars();
-    chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+    Ok(Sample { labels, value })
 }
 
 /// Prometheus values: floats, `NaN`, `+Inf`, `-Inf`.

@@ -141,10 +141,15 @@ impl Scraper {
             if current.contains_key(&id) {
                 continue;
             }
+            // Parsed once, not on every scrape.
+            let Ok(url) = reqwest::Url::parse(&format!("http://{addr}/metrics")) else {
+                tracing::error!(replica = %id, %addr, "no metrics URL for this address; not scraped");
+                continue;
+            };
             let worker = Worker {
                 id: Arc::from(id.as_str()),
                 addr,
-                url: format!("http://{addr}/metrics"),
+                url,
                 config: self.config,
                 client: self.client.clone(),
                 table: self.table.clone(),
@@ -168,7 +173,7 @@ impl Drop for Scraper {
 struct Worker {
     id: Arc<str>,
     addr: SocketAddr,
-    url: String,
+    url: reqwest::Url,
     config: ScrapeConfig,
     client: reqwest::Client,
     table: LoadTable,
@@ -213,7 +218,7 @@ impl Worker {
     /// GETs the page, reading at most `max_bytes` of body.
     async fn fetch(&self) -> Result<String, ScrapeError> {
         let http = |e: reqwest::Error| ScrapeError::Http(e.without_url().to_string());
-        let mut response = self.client.get(&self.url).send().await.map_err(http)?;
+        let mut response = self.client.get(self.url.clone()).send().await.map_err(http)?;
         let status = response.status();
         if !status.is_success() {
             return Err(ScrapeError::Http(format!("status {}", status.as_u16())));

@@ -127,6 +127,19 @@ fn pages_of_other_things_are_errors() {
 }
 
 #[test]
+fn only_the_families_read_are_checked_past_their_name() {
+    // A bucket routing never reads is skipped past its name, whatever follows it...
+    let odd_bucket = format!("{VLLM_LOADED}vllm:request_prompt_tokens_bucket{{le=\"1.0\" one\n");
+    assert_eq!(parse(&odd_bucket).unwrap().running, 4);
+    // ...but every line's name is still checked, so garbage anywhere is an error.
+    let garbage_after = format!("{VLLM_LOADED}<html><body>502 Bad Gateway</body></html>\n");
+    let last = garbage_after.lines().count();
+    assert!(matches!(parse(&garbage_after), Err(PageError::Malformed { line, what: "bad metric name" }) if line == last));
+    let family_read = format!("{VLLM_LOADED}vllm:num_requests_running{{engine=\"1\"}} one\n");
+    assert!(matches!(parse(&family_read), Err(PageError::Malformed { what: "bad value", .. })));
+}
+
+#[test]
 fn impossible_values_are_errors() {
     let page = TWO_RANKS.replace("} 5.0", "} -5.0");
     assert!(matches!(parse(&page), Err(PageError::BadValue { family: "vllm:num_requests_running", .. })));
