@@ -339,7 +339,9 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
         "Computed from the results below; a check whose data is not in them says \"not measured\". Every contender got the same \
          requests at the same times, so a lowest-p99 check also compares {} with the best other over the same requests: the \
          difference of their p99s with a 95% bootstrap interval ({} resamples of request pairs), and the median request's \
-         difference (ADR 0027). The result is the strict comparison; the interval says how much it can be trusted.\n",
+         difference (ADR 0027). The result is the strict comparison; the interval says how much it can be trusted. Where the \
+         best other is SGLang's round robin, the check also gives the path apart from the routing: the same algorithm \
+         through Envoy and inferrail, over the same requests (ADR 0028).\n",
         checks::HERO,
         num(RESAMPLES as f64)
     )?;

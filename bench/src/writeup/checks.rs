@@ -38,6 +38,9 @@ pub const HERO: &str = "cost_model";
 /// The cache-blind policies W1's hit rate is compared with.
 const BLIND: [&str; 2] = ["round_robin", "least_request"];
 
+/// The peer's policies and the contender that runs the same algorithm through Envoy and inferrail.
+const PEER_TWINS: [(&str, &str); 1] = [("sglang:round_robin", "round_robin")];
+
 fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
@@ -57,9 +60,10 @@ pub fn all(routing: &Contenders, fleet: &[FleetWorkload], real: &[Loaded<RealCap
                 let digits = if format!("{hero:.0}") == format!("{other:.0}") { 1 } else { 0 };
                 let mut measured = format!("{hero:.digits$} ms; best other: {best} {other:.digits$} ms");
                 // The same requests under both: how sure the order is, and what every request pays.
-                if let Some(p) =
-                    routing.get(w, HERO).zip(routing.get(w, best)).and_then(|(h, o)| paired_ttfts(h, o)).map(|p| paired_p99(&p))
-                {
+                let paired = |a: &str, b: &str| {
+                    routing.get(w, a).zip(routing.get(w, b)).and_then(|(x, y)| paired_ttfts(x, y)).map(|p| paired_p99(&p))
+                };
+                if let Some(p) = paired(HERO, best) {
                     measured += &format!(
                         "; over the same {} requests, {HERO}'s p99 minus {best}'s {:+.1} ms (95% bootstrap interval {:+.1} to {:+.1}), the median request's difference {:+.1} ms",
                         num(p.requests as f64),
@@ -67,6 +71,14 @@ pub fn all(routing: &Contenders, fleet: &[FleetWorkload], real: &[Loaded<RealCap
                         p.low,
                         p.high,
                         p.median_request
+                    );
+                }
+                // Against the peer, the path apart from the routing: the peer's own algorithm run through Envoy and inferrail.
+                let twin = PEER_TWINS.iter().find(|(peer, _)| peer == best).map(|(_, ours)| *ours);
+                if let Some((ours, p)) = twin.and_then(|ours| Some((ours, paired(ours, best)?))) {
+                    measured += &format!(
+                        "; the path alone ({ours} through Envoy and inferrail minus {best}, one algorithm): p99 {:+.1} ms, the median request {:+.1} ms",
+                        p.difference, p.median_request
                     );
                 }
                 out.push(check(name, "lowest", measured, Some(hero <= *other)))

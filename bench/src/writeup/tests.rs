@@ -295,6 +295,27 @@ fn a_failing_check_is_reported_as_failing() -> anyhow::Result<()> {
 }
 
 #[test]
+fn against_the_peer_the_path_is_read_from_the_same_algorithm_through_inferrail() -> anyhow::Result<()> {
+    let args = fixtures("path", 1000.0, 1.0)?;
+    // SGLang's round robin beats cost_model's 900 ms on hot; round_robin through inferrail took 3,000.
+    write(&args.routing[0].join("hot-sglang-round_robin-rep0.json"), &compare_run("hot", "sglang:round_robin", 0, 800.0, 0.4, 0.34))?;
+    render(&args)?;
+    let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+    let hot = md.lines().find(|l| l.contains("lowest p99 TTFT of all contenders on hot")).unwrap_or_default();
+    assert!(hot.ends_with("| **FAIL** |") && hot.contains("best other: sglang:round_robin 800 ms"), "{hot}");
+    // Request i took 300i ms through inferrail's round robin and 80i through SGLang's.
+    assert!(
+        hot.contains("the path alone (round_robin through Envoy and inferrail minus sglang:round_robin, one algorithm): p99 +2200.0 ms, the median request +1100.0 ms"),
+        "{hot}"
+    );
+    // W1's best other is SGLang's cache_aware, which has no twin: no path figure.
+    let w1 = md.lines().find(|l| l.contains("lowest p99 TTFT of all contenders on w1")).unwrap_or_default();
+    assert!(w1.contains("best other: sglang:cache_aware") && !w1.contains("the path alone"), "{w1}");
+    std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
+    Ok(())
+}
+
+#[test]
 fn the_real_simulator_capacity_check_passes_or_fails_from_the_files() -> anyhow::Result<()> {
     for (name, capacity, verdict) in [("real-pass", 1.0, "pass"), ("real-fail", 0.9, "**FAIL**")] {
         let args = fixtures(name, 1000.0, capacity)?;
