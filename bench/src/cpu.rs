@@ -105,7 +105,8 @@ mod tests {
     fn a_busy_process_uses_more_cpu_than_an_idle_one() -> anyhow::Result<()> {
         let spawn = |script: &str| std::process::Command::new("sh").args(["-c", script]).spawn();
         let mut busy = spawn("while :; do :; done")?;
-        let mut idle = spawn("sleep 30")?;
+        // `exec`: the shell becomes the sleep, so killing it leaves no orphan behind.
+        let mut idle = spawn("exec sleep 30")?;
         let read = || -> anyhow::Result<[Duration; 2]> {
             let s = Snapshot::take()?;
             Ok([s.own(busy.id())?, s.own(idle.id())?])

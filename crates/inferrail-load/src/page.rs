@@ -4,9 +4,15 @@
 //! sample line's metric name is checked, so a page that is not a metrics page
 //! is an error rather than an idle engine; the lines of the few families
 //! routing reads are checked whole (labels, value, timestamp), and the rest
-//! (most of a vLLM page: histogram buckets) are skipped past their name. The engine is recognized by the prefix of its
-//! families (`vllm:` or `sglang:`). Data-parallel ranks publish one series per
-//! rank: counts are summed over series, KV usage is their mean.
+//! (most of a vLLM page: histogram buckets) are skipped past their name.
+//! The page cannot be asked for less: vLLM 0.32.0 answers
+//! `/metrics?name[]=...` with its whole page (50,633 bytes either way on a
+//! CPU server), since the instrumentator's `/metrics` route comes before
+//! `prometheus_client`'s app that would filter by name.
+//!
+//! The engine is recognized by the prefix of its families (`vllm:` or
+//! `sglang:`). Data-parallel ranks publish one series per rank: counts are
+//! summed over series, KV usage is their mean.
 
 #[cfg(test)]
 mod tests;
