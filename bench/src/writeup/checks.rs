@@ -74,8 +74,9 @@ pub fn all(routing: &Contenders, fleet: &[FleetWorkload], real: &[Loaded<RealCap
                     );
                 }
                 // Against the peer, the path apart from the routing: the peer's own algorithm run through Envoy and inferrail.
-                let twin = PEER_TWINS.iter().find(|(peer, _)| peer == best).map(|(_, ours)| *ours);
-                if let Some((ours, p)) = twin.and_then(|ours| Some((ours, paired(ours, best)?))) {
+                if let Some(&(_, ours)) = PEER_TWINS.iter().find(|(peer, _)| peer == best)
+                    && let Some(p) = paired(ours, best)
+                {
                     measured += &format!(
                         "; the path alone ({ours} through Envoy and inferrail minus {best}, one algorithm): p99 {:+.1} ms, the median request {:+.1} ms",
                         p.difference, p.median_request

@@ -1,6 +1,6 @@
-//! Reading one engine's metrics page: the recorded vLLM 0.32.0 page under
-//! load (60 KB, 600 lines, of which the router reads six families) and the
-//! simulator's page, which the scraper reads ten times a second per replica.
+//! Reading one engine's metrics page, which the scraper does ten times a
+//! second per replica: the recorded vLLM 0.32.0 page under load (60 KB,
+//! about 600 lines, of which the router reads six families).
 #![allow(missing_docs, clippy::unwrap_used)]
 
 use criterion::{Criterion, criterion_group, criterion_main};

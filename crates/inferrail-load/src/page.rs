@@ -127,13 +127,37 @@ const SGLANG: Families = Families {
     cache_info: None,
 };
 
+/// Which of the families routing reads a sample belongs to.
+#[derive(Clone, Copy)]
+enum Read {
+    Running,
+    Waiting,
+    /// The KV usage name at this index of [`Families::kv_usage`].
+    KvUsage(usize),
+    PrefixQueries,
+    PrefixHits,
+    CacheInfo,
+}
+
 impl Families {
-    /// Whether routing reads the family of sample name `name`.
-    fn reads(&self, name: &str) -> bool {
-        name == self.running
-            || name == self.waiting
-            || self.kv_usage.contains(&name)
-            || [self.prefix_queries, self.prefix_hits, self.cache_info].contains(&Some(name))
+    /// The family routing reads for sample name `name`, if any.
+    fn read(&self, name: &str) -> Option<Read> {
+        let is = |family: Option<&str>| family == Some(name);
+        if name == self.running {
+            Some(Read::Running)
+        } else if name == self.waiting {
+            Some(Read::Waiting)
+        } else if let Some(k) = self.kv_usage.iter().position(|n| *n == name) {
+            Some(Read::KvUsage(k))
+        } else if is(self.prefix_queries) {
+            Some(Read::PrefixQueries)
+        } else if is(self.prefix_hits) {
+            Some(Read::PrefixHits)
+        } else if is(self.cache_info) {
+            Some(Read::CacheInfo)
+        } else {
+            None
+        }
     }
 }
 
@@ -178,30 +202,25 @@ pub fn parse(page: &str) -> Result<EngineLoad, PageError> {
             None if name.starts_with("sglang:") => engine.insert(&SGLANG),
             None => continue,
         };
-        if !fams.reads(name) {
-            continue;
-        }
-        let sample = sample(line).map_err(malformed)?;
-        if name == fams.running {
-            running.add(sample.value);
-        } else if name == fams.waiting {
-            waiting.add(sample.value);
-        } else if let Some(k) = fams.kv_usage.iter().position(|n| *n == name) {
-            kv[k].add(sample.value);
-        } else if Some(name) == fams.prefix_queries {
-            prefix_q.add(sample.value);
-        } else if Some(name) == fams.prefix_hits {
-            prefix_h.add(sample.value);
-        } else if Some(name) == fams.cache_info {
-            cache_series += 1;
-            let size = label(sample.labels, "block_size").and_then(|v| v.parse::<usize>().ok());
-            let n = label(sample.labels, "num_gpu_blocks").and_then(|v| v.parse::<usize>().ok());
-            // Ranks share one block size; a rank without a number makes the total unknown.
-            block_size = block_size.or(size);
-            blocks = match (blocks, n) {
-                (Some(total), Some(n)) => Some(total.saturating_add(n)),
-                _ => None,
-            };
+        let Some(read) = fams.read(name) else { continue };
+        let sample = sample(&line[name.len()..]).map_err(malformed)?;
+        match read {
+            Read::Running => running.add(sample.value),
+            Read::Waiting => waiting.add(sample.value),
+            Read::KvUsage(k) => kv[k].add(sample.value),
+            Read::PrefixQueries => prefix_q.add(sample.value),
+            Read::PrefixHits => prefix_h.add(sample.value),
+            Read::CacheInfo => {
+                cache_series += 1;
+                let size = label(sample.labels, "block_size").and_then(|v| v.parse::<usize>().ok());
+                let n = label(sample.labels, "num_gpu_blocks").and_then(|v| v.parse::<usize>().ok());
+                // Ranks share one block size; a rank without a number makes the total unknown.
+                block_size = block_size.or(size);
+                blocks = match (blocks, n) {
+                    (Some(total), Some(n)) => Some(total.saturating_add(n)),
+                    _ => None,
+                };
+            }
         }
     }
 
@@ -276,10 +295,8 @@ fn metric_name(line: &str) -> Result<&str, &'static str> {
     if end == 0 { Err("bad metric name") } else { Ok(&line[..end]) }
 }
 
-/// Checks `name{labels} value [timestamp]` and splits off the labels and value.
-fn sample(line: &str) -> Result<Sample<'_>, &'static str> {
-    let name = metric_name(line)?;
-    let mut rest = &line[name.len()..];
+/// Checks what follows a sample's name, `{labels} value [timestamp]`, and splits off the labels and value.
+fn sample(mut rest: &str) -> Result<Sample<'_>, &'static str> {
     let mut labels = "";
     if let Some(after) = rest.strip_prefix('{') {
         let len = label_set_len(after)?;
