@@ -96,13 +96,6 @@ fn mode_code(mode: Mode) -> u8 {
 const PENDING: u8 = 0;
 const STREAMING: u8 = 1;
 const RELEASED: u8 = 2;
-/// Set in a lease's status word once its request is over.
-const ENDED: u32 = 1 << 16;
-
-fn status_of(word: u32) -> Option<u16> {
-    Some((word & 0xffff) as u16).filter(|&s| s != 0)
-}
-
 impl Replica {
     /// A replica with nothing in flight, healthy until shown otherwise.
     pub fn new(id: String, addr: SocketAddr, models: Vec<usize>, limits: Limits, cache: CacheShape, slot: Slot) -> Self {
@@ -280,7 +273,8 @@ impl Replica {
 /// A request's hold on a replica: counted in flight (and pending until its
 /// first byte) from the decision until it is released, however the request
 /// ends. Release is explicit and happens once; dropping an unreleased lease
-/// releases it too.
+/// releases it too. When each happens is the request's life's to say
+/// ([`crate::lifecycle`]).
 #[derive(Debug)]
 pub struct Lease {
     /// The replica it holds.
@@ -293,10 +287,7 @@ pub struct Lease {
     pub prompt_tokens: u64,
     /// The router's estimate of its time to first token, microseconds (0: none).
     estimate_us: AtomicU64,
-    /// Its time to first byte, microseconds since `start` (0: not yet).
-    ttft_us: AtomicU64,
     state: AtomicU8,
-    status: AtomicU32,
     /// Its estimated prefill while it counts in its replica's queue, microseconds.
     prefill_us: AtomicU64,
     /// Its entry in its replica's KV sent since the engine's report, zeroed on release.
@@ -314,10 +305,10 @@ impl Lease {
     /// Takes a slot on `replica` for a request decided at `start`.
     pub fn since(replica: Arc<Replica>, model: usize, start: Instant, prompt_tokens: u64) -> Self {
         replica.acquire(prompt_tokens);
-        let (state, status, kv) = (AtomicU8::new(PENDING), AtomicU32::new(0), Mutex::new(None));
-        let (estimate_us, ttft_us, prefill_us) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+        let (state, kv) = (AtomicU8::new(PENDING), Mutex::new(None));
+        let (estimate_us, prefill_us) = (AtomicU64::new(0), AtomicU64::new(0));
         let sent_kv = OnceLock::new();
-        Self { replica, model, start, prompt_tokens, estimate_us, ttft_us, state, status, prefill_us, sent_kv, kv }
+        Self { replica, model, start, prompt_tokens, estimate_us, state, prefill_us, sent_kv, kv }
     }
 
     /// Queues its estimated `prefill` on its replica, until its first byte or release.
@@ -349,27 +340,6 @@ impl Lease {
         Some(self.estimate_us.load(Ordering::Relaxed)).filter(|&us| us > 0).map(Duration::from_micros)
     }
 
-    /// Records the upstream's response status; true if the request had
-    /// already ended (`end`), so the caller completes its record. Of a
-    /// status and an end racing, exactly one sees the other: both change
-    /// one word.
-    pub fn set_status(&self, status: u16) -> bool {
-        let before = self.status.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(v & ENDED | u32::from(status)));
-        before.unwrap_or_else(|v| v) & ENDED != 0
-    }
-
-    /// Marks the request over (its route stream closed); returns the status
-    /// seen before, if any. Without one, a later `set_status` says the
-    /// request had ended.
-    pub fn end(&self) -> Option<u16> {
-        status_of(self.status.fetch_or(ENDED, Ordering::AcqRel))
-    }
-
-    /// The upstream's response status, if one was seen.
-    pub fn status(&self) -> Option<u16> {
-        status_of(self.status.load(Ordering::Acquire))
-    }
-
     /// Whether the slot was given back.
     pub fn released(&self) -> bool {
         self.state.load(Ordering::SeqCst) == RELEASED
@@ -397,14 +367,8 @@ impl Lease {
         if first {
             self.replica.pending.fetch_sub(1, Ordering::Relaxed);
             self.unqueue();
-            self.ttft_us.store((self.start.elapsed().as_micros() as u64).max(1), Ordering::Relaxed);
         }
         first
-    }
-
-    /// Time from the decision to the first byte, once it came.
-    pub fn ttft(&self) -> Option<Duration> {
-        Some(self.ttft_us.load(Ordering::Relaxed)).filter(|&us| us > 0).map(Duration::from_micros)
     }
 }
 
@@ -466,32 +430,6 @@ mod tests {
         assert_eq!(r.candidate(Duration::ZERO, (0, 0), None).kv_capacity_tokens, 0, "unknown until reported");
         r.learn_cache(16, 1_100);
         assert_eq!(r.candidate(Duration::ZERO, (0, 0), None).kv_capacity_tokens, 17_600);
-    }
-
-    #[test]
-    fn of_a_status_and_an_end_exactly_one_sees_the_other() {
-        let r = replica(vec![0]);
-        let lease = Lease::new(r.clone(), 0, 1);
-        assert!(!lease.set_status(200));
-        assert_eq!(lease.end(), Some(200));
-        let lease = Lease::new(r.clone(), 0, 1);
-        assert_eq!(lease.end(), None);
-        assert!(lease.set_status(503), "the request had ended");
-        assert_eq!(lease.status(), Some(503));
-        // Racing on two threads: never both (two completions) and never neither (a record left behind).
-        for _ in 0..2_000 {
-            let lease = Arc::new(Lease::new(r.clone(), 0, 1));
-            let barrier = Arc::new(std::sync::Barrier::new(2));
-            let (l, b) = (lease.clone(), barrier.clone());
-            let observe = std::thread::spawn(move || {
-                b.wait();
-                l.set_status(200)
-            });
-            barrier.wait();
-            let end_saw_status = lease.end().is_some();
-            let status_saw_end = observe.join().unwrap();
-            assert!(end_saw_status != status_saw_end);
-        }
     }
 
     #[test]

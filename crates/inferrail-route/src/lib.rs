@@ -11,7 +11,10 @@
 //! generator, and its state moves only on commit. Committing takes the lease
 //! on the winner, queues the prefill it will cost there, advances the
 //! generator, tells the policy its pick and records the prompt in the KV
-//! index; [`Core::decide`] plans and commits in one turn per model. No I/O
+//! index; [`Core::decide`] plans and commits in one turn per model. After
+//! the decision, [`lifecycle`] is the request's life as a pure state machine
+//! fed by whatever transport hears of it, and [`ledger`] keeps the requests
+//! in flight and applies what their lives call for. No I/O
 //! happens here, so that the service (Envoy's requests, the scraper's
 //! reports), an explaining endpoint (plans only) and a fleet simulation on a
 //! virtual clock can all run the same decision.
@@ -19,6 +22,8 @@
 
 pub mod fleet;
 pub mod kv;
+pub mod ledger;
+pub mod lifecycle;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -5,7 +5,7 @@ use crate::kv::Place;
 use inferrail_config::Config;
 use proptest::prelude::*;
 
-fn core(policy: &str, n: usize) -> (Core, Arc<Fleet>) {
+pub(crate) fn core(policy: &str, n: usize) -> (Core, Arc<Fleet>) {
     let mut yaml = format!("retry: {{fallbacks: 1}}\nmodels:\n  - {{name: m, policy: {policy}}}\n  - {{name: other}}\nreplicas:\n");
     for i in 0..n {
         yaml += &format!("  - {{id: r{i}, address: '127.0.0.1:{}', models: [m], max_concurrency: 8}}\n", 8001 + i);
@@ -27,15 +27,15 @@ fn core(policy: &str, n: usize) -> (Core, Arc<Fleet>) {
     (core, Arc::new(Fleet::new(replicas, 2)))
 }
 
-fn prompt(first: u32, n: u32) -> Prompt {
+pub(crate) fn prompt(first: u32, n: u32) -> Prompt {
     Prompt { ids: (first..first + n).collect(), max_tokens: Some(4), cache_salt: None }
 }
 
-fn view<'a>(core: &Core, fleet: &Fleet, p: &Prompt) -> View<'a> {
+pub(crate) fn view<'a>(core: &Core, fleet: &Fleet, p: &Prompt) -> View<'a> {
     View { model: 0, prediction: Some(core.prepare(0, p, fleet)), session: None, text: None }
 }
 
-const NONE: &dyn Fn(&Replica) -> Option<Report> = &|_| None;
+pub(crate) const NONE: &dyn Fn(&Replica) -> Option<Report> = &|_| None;
 
 #[test]
 fn planning_changes_nothing_and_the_next_decision_picks_the_planned_winner() {

@@ -3,11 +3,14 @@
 //! Envoy's route filter sends headers, then the buffered body, and gets the
 //! decision (traced as a span continuing the client's `traceparent`, when
 //! traces are on); Envoy keeps that stream open until the HTTP request ends,
-//! however it ends, so its closing releases the request's lease. The observe filter
+//! however it ends, so its closing is the request's end. The observe filter
 //! (observability mode, asynchronous, no added latency) reports the upstream
 //! response: status, the replica that really served after retries, and the
 //! first body byte. A stream's first message says which filter it comes from.
+//! What each stream hears becomes an event of the request's life
+//! ([`Router::hear`]); this module decides nothing about the lease itself.
 
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,7 +27,7 @@ use tonic::{Status, Streaming};
 use crate::reply;
 use crate::request::{self, Endpoint};
 use crate::router::Router;
-use inferrail_route::fleet::Lease;
+use inferrail_route::lifecycle::Event;
 
 /// The service Envoy's ext_proc filters call.
 #[derive(Clone)]
@@ -41,9 +44,6 @@ impl ExtProc {
 }
 
 type Out = Result<ProcessingResponse, Status>;
-
-/// How long a finished request's record waits for late observe messages.
-const OBSERVE_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
 
 #[tonic::async_trait]
 impl ExternalProcessor for ExtProc {
@@ -125,7 +125,8 @@ impl ExtProc {
                         // If Envoy is gone it no longer needs the answer.
                         let _ = tx.send(Ok(answer)).await;
                         while let Ok(Some(_)) = inbound.message().await {}
-                        self.request_over(&d.request_id).await;
+                        // Envoy closes the stream when the HTTP request is over, however it ended.
+                        self.router.hear(&d.request_id, Event::End);
                         return;
                     }
                     Err(e) => {
@@ -140,50 +141,6 @@ impl ExtProc {
         // If Envoy is gone it no longer needs the answer.
         let _ = tx.send(Ok(answer)).await;
         while let Ok(Some(_)) = inbound.message().await {}
-    }
-
-    /// The route stream closed: the request is over. Its slot is given back
-    /// at once; the record stays a moment for observe messages still in
-    /// flight, then its outcome is counted.
-    async fn request_over(&self, request_id: &str) {
-        let Some(lease) = self.router.lease(request_id) else { return };
-        // The engine finished it (or dropped it with the client): its blocks
-        // are free now. A status still on its way completes it when it comes
-        // (`end` and `set_status` hand over in one word, so the record is
-        // never left to the grace below). Before the slot is given back, so
-        // that a replica with nothing in flight has no claim left either.
-        match lease.end() {
-            Some(s) if s < 400 => self.router.complete(&lease),
-            // With several routers the observe stream may go to another one
-            // and no status ever comes here: a claim on an exact replica must
-            // not outlive the request (ADR 0012), the engine's events say the rest.
-            None => self.router.end_claim(&lease),
-            Some(_) => {}
-        }
-        lease.release();
-        let duration = lease.start.elapsed();
-        tokio::time::sleep(OBSERVE_GRACE).await;
-        let Some(held) = self.router.forget(request_id) else { return };
-        let outcome = match held.status() {
-            None => "no_response",
-            Some(s) if s >= 500 => "5xx",
-            Some(s) if s >= 400 => "4xx",
-            Some(_) => "ok",
-        };
-        match held.status() {
-            // The engine never answered (a refusal or failure was taken back when its status came).
-            None => self.router.take_back(&held),
-            // Again, for a lease moved to another replica after the request ended.
-            Some(s) if s < 400 => self.router.complete(&held),
-            Some(_) => {}
-        }
-        if let Some(log) = &self.router.decision_log {
-            log.outcome(request_id, &held.replica.id, held.ttft().map(|d| d.as_secs_f64() * 1e3), held.status(), outcome);
-        }
-        let model = self.router.core.models[held.model].name.clone();
-        metrics::counter!("inferrail_requests_total", "model" => model, "replica" => held.replica.id.clone(), "outcome" => outcome)
-            .increment(1);
-        metrics::histogram!("inferrail_request_duration_seconds").record(duration.as_secs_f64());
     }
 }
 
@@ -200,55 +157,27 @@ fn attribute(attributes: &Attributes, name: &str) -> Option<String> {
 
 /// Follows one request's upstream response: status, who served, first byte.
 async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>) {
-    let mut lease: Option<Arc<Lease>> = None;
+    let mut request_id = None;
     let mut message = Some(first);
     while let Some(m) = message {
-        let attributes = m.attributes;
         match m.request {
             Some(Request::ResponseHeaders(h)) => {
-                let found = |name| attribute(&attributes, name).or_else(|| attribute(&h.attributes, name));
-                let id = found("request.id");
-                lease = id.as_deref().and_then(|id| router.lease(id));
-                let (Some(id), Some(held)) = (id, &lease) else { return };
+                let found = |name| attribute(&m.attributes, name).or_else(|| attribute(&h.attributes, name));
+                // Not a request this router decided (or already over): nothing to learn.
+                let Some(id) = found("request.id").filter(|id| router.lease(id).is_some()) else { return };
                 let code = request::header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
-                let mut ended = held.set_status(code);
-                if let Some(addr) = found("upstream.address")
-                    && addr != held.replica.addr.to_string()
-                {
-                    // Envoy retried elsewhere: the winner failed this request,
-                    // and the replica that served holds it from here on.
-                    crate::health::request_failed(router, &held.replica);
-                    let fleet = router.fleet();
-                    let actual = fleet.replicas.iter().find(|r| r.addr.to_string() == addr);
-                    lease = actual.and_then(|a| router.move_lease(&id, a));
-                    match &lease {
-                        // A moved lease is not ended: its record completes at the grace's end.
-                        Some(moved) => ended = moved.set_status(code),
-                        // Not a replica we know, or already over: nothing more to credit.
-                        None => return,
-                    }
+                let served = found("upstream.address").and_then(|a| a.parse::<SocketAddr>().ok());
+                let served_by = served.and_then(|addr| router.fleet().replicas.iter().find(|r| r.addr == addr).map(|r| r.key));
+                router.hear(&id, Event::Status { code, served_by });
+                if h.end_of_stream {
+                    router.hear(&id, Event::FirstByte);
+                    return;
                 }
-                if let Some(held) = &lease {
-                    if code >= 400 {
-                        // The engine refused or failed it: what the decision recorded is not in its cache.
-                        router.take_back(held);
-                    } else if ended {
-                        // The request ended before its status came: complete it now.
-                        router.complete(held);
-                    }
-                    if code >= 500 {
-                        crate::health::request_failed(router, &held.replica);
-                    } else {
-                        held.replica.record_success();
-                    }
-                    if h.end_of_stream {
-                        first_byte(held);
-                    }
-                }
+                request_id = Some(id);
             }
             Some(Request::ResponseBody(_)) => {
-                if let Some(l) = &lease {
-                    first_byte(l);
+                if let Some(id) = &request_id {
+                    router.hear(id, Event::FirstByte);
                 }
                 // The first byte is all this stream is for.
                 return;
@@ -259,15 +188,5 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
     }
 }
 
-fn first_byte(lease: &Lease) {
-    if lease.first_byte() {
-        let ttft = lease.ttft().unwrap_or_default().as_secs_f64();
-        metrics::histogram!("inferrail_ttft_seconds", "replica" => lease.replica.id.clone()).record(ttft);
-        if let Some(estimate) = lease.estimate() {
-            // Above 1: slower than the router expected; far from 1, the cost model needs calibrating.
-            metrics::histogram!("inferrail_ttft_over_estimate", "replica" => lease.replica.id.clone())
-                .record(ttft / estimate.as_secs_f64());
-            metrics::histogram!("inferrail_estimated_ttft_seconds", "replica" => lease.replica.id.clone()).record(estimate.as_secs_f64());
-        }
-    }
-}
+#[cfg(test)]
+mod tests;

@@ -9,8 +9,10 @@
 //! `inferrail-kv`), scores the model's eligible replicas with the model's
 //! policy (crate `inferrail-policy`) and leases the winner;
 //! [`reply`] turns the decision into headers and dynamic metadata for Envoy.
-//! The route stream's closing, in [`extproc`], ends the lease; the observe
-//! filter's stream reports the upstream status, retries and first byte. [`health`] probes replicas and ejects failing
+//! After it, [`extproc`] turns what the streams hear (the route stream's
+//! closing; the observe stream's status, the replica that served and the
+//! first byte) into events of the request's life, which the router hands to
+//! the ledger (crate `inferrail-route`) and acts on. [`health`] probes replicas and ejects failing
 //! ones; [`load`] keeps the engines' load reports current; [`kv_events`] applies the engines' KV events to the index; [`discovery`] keeps DNS groups' members current; [`admin`] serves
 //! metrics and health; [`explain`] answers why a request would go where it
 //! goes; [`decision_log`] writes sampled decisions and [`traces`] exports a

@@ -5,8 +5,9 @@
 //! named) is found, the prompt tokenized (`prompt`) and cut into blocks, and
 //! the decision core (`inferrail-route`) plans over the current fleet with
 //! the engines' latest reports, then commits: the winner is leased and the
-//! prompt recorded in the KV index. The lease counts the request in flight
-//! until the request ends.
+//! prompt recorded in the KV index. The ledger (`inferrail-route`) tracks the
+//! request's life from there: the transports tell the router what they hear
+//! of it ([`Router::hear`]), and the router acts on what follows.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -18,6 +19,8 @@ use inferrail_load::table::LoadTable;
 use inferrail_policy::{EngineReport, NoReplica};
 use inferrail_route::fleet::{Fleet, Lease, Replica};
 use inferrail_route::kv::Prediction;
+use inferrail_route::ledger::{Heard, Ledger};
+use inferrail_route::lifecycle::{Event, Timing};
 use inferrail_route::{Core, Plan, Report, View};
 use inferrail_tokenize::chat::Endpoint;
 
@@ -25,6 +28,10 @@ use crate::decision_log::DecisionLog;
 use crate::prompt::Prompts;
 use crate::request::{self, BodyError};
 use crate::traces::Traces;
+
+/// How long a request waits, once over, for its status or first byte still
+/// on its way; and how long one whose end is never heard counts at most.
+const TIMING: Timing = Timing { grace: Duration::from_millis(500), max_life: Duration::from_secs(3_600) };
 
 /// A routing decision.
 #[derive(Debug)]
@@ -130,7 +137,7 @@ impl RouteError {
     }
 }
 
-/// The router: models, the fleet, the engines' reports and the leases in force.
+/// The router: models, the fleet, the engines' reports and the requests in flight.
 pub struct Router {
     /// The configuration it was built from.
     pub config: Config,
@@ -138,7 +145,8 @@ pub struct Router {
     pub core: Core,
     names: HashMap<String, usize>,
     fleet: ArcSwap<Fleet>,
-    leases: papaya::HashMap<String, Arc<Lease>>,
+    /// The requests in flight and their lives.
+    pub ledger: Ledger,
     /// The engines' latest load reports, by replica id.
     pub loads: LoadTable,
     clock: Instant,
@@ -176,8 +184,8 @@ impl Router {
         let prompts = Prompts::new(&config)?;
         let decision_log = DecisionLog::start(&config.observability.decision_log)?;
         let traces = Traces::start(&config.observability)?;
-        let (leases, loads) = (papaya::HashMap::new(), LoadTable::new());
-        Ok(Self { config, core, names, fleet, leases, loads, clock: Instant::now(), prompts, decision_log, traces })
+        let (ledger, loads) = (Ledger::new(TIMING), LoadTable::new());
+        Ok(Self { config, core, names, fleet, ledger, loads, clock: Instant::now(), prompts, decision_log, traces })
     }
 
     /// Time since the router started: the clock decisions, reports and health use.
@@ -237,14 +245,7 @@ impl Router {
         if let Some(&cached) = committed.cached_tokens.first() {
             metrics::histogram!("inferrail_predicted_cached_tokens").record(cached as f64);
         }
-        let leases = self.leases.pin();
-        let mut key = request_id.to_string();
-        let mut n = 0u32;
-        // Ids come from clients: a second request in flight with the same one gets its own.
-        while leases.try_insert(key.clone(), committed.lease.clone()).is_err() {
-            n += 1;
-            key = format!("{request_id}.{n}");
-        }
+        let key = self.ledger.insert(request_id, committed.lease.clone(), self.now());
         if let Some(log) = &self.decision_log {
             log.decision(&key, &model.name, &plan, self.config.retry.fallbacks);
         }
@@ -301,59 +302,70 @@ impl Router {
 
     /// The lease a request holds.
     pub fn lease(&self, request_id: &str) -> Option<Arc<Lease>> {
-        self.leases.pin().get(request_id).cloned()
+        self.ledger.lease(request_id)
     }
 
-    /// Forgets a request's lease (releasing it if still held) and returns it.
+    /// Stops tracking a request (releasing its lease) and returns its lease.
     pub fn forget(&self, request_id: &str) -> Option<Arc<Lease>> {
-        let lease = self.leases.pin().remove(request_id).cloned()?;
-        lease.release();
-        Some(lease)
+        self.ledger.forget(request_id)
     }
 
-    /// Moves a request's lease to the replica that really served it (Envoy
-    /// retried on a fallback), and its prompt's record with it. Returns the new lease.
-    pub fn move_lease(&self, request_id: &str, to: &Arc<Replica>) -> Option<Arc<Lease>> {
-        let leases = self.leases.pin();
-        let old = leases.get(request_id).filter(|l| !l.released())?.clone();
-        let moved = self.core.move_lease(&old, to);
-        // Replaced only if the request is still known by the same lease: one
-        // forgotten meanwhile must not come back and hold its slot forever.
-        let swap = |entry: Option<(&String, &Arc<Lease>)>| match entry {
-            Some((_, current)) if Arc::ptr_eq(current, &old) => papaya::Operation::Insert(moved.clone()),
-            _ => papaya::Operation::Abort(()),
-        };
-        match leases.compute(request_id.to_string(), swap) {
-            papaya::Compute::Updated { .. } => Some(moved),
-            _ => {
-                self.core.take_back(&moved);
-                moved.release();
-                None
-            }
+    /// Hears something of a request, from whichever stream or log said it,
+    /// and does what its life calls for besides the lease and the index:
+    /// health, metrics, the decision log.
+    pub fn hear(&self, request_id: &str, event: Event) {
+        let fleet = self.fleet();
+        if let Some(heard) = self.ledger.hear(request_id, self.now(), event, &self.core, &fleet) {
+            self.act(&heard);
         }
     }
 
-    /// The request is over and the engine answered it (status below 400):
-    /// it freed its blocks. Only the first call for a lease does anything.
-    pub fn complete(&self, lease: &Lease) {
-        self.core.complete(lease);
+    /// Delivers the requests' deadlines due now (an end's grace, a lifetime).
+    pub fn sweep(&self) {
+        let fleet = self.fleet();
+        for heard in self.ledger.tick(self.now(), &self.core, &fleet) {
+            self.act(&heard);
+        }
     }
 
-    /// The request is over, its status not (yet) known: an exact replica's claim ends now.
-    pub fn end_claim(&self, lease: &Lease) {
-        self.core.end_claim(lease);
-    }
-
-    /// The engine refused or failed a request: its prompt is not in that cache.
-    pub fn take_back(&self, lease: &Lease) {
-        if self.core.take_back(lease) {
+    fn act(&self, heard: &Heard) {
+        // Envoy retried elsewhere: the winner failed this request.
+        if let Some(from) = &heard.retried_from {
+            crate::health::request_failed(self, from);
+        }
+        match heard.answered() {
+            Some((replica, true)) => replica.record_success(),
+            Some((replica, false)) => crate::health::request_failed(self, replica),
+            None => {}
+        }
+        if heard.took_back {
             metrics::counter!("inferrail_kv_take_backs_total").increment(1);
         }
+        let lease = &heard.lease;
+        if let Some(ttft) = heard.effects.first_byte {
+            let replica = lease.replica.id.clone();
+            metrics::histogram!("inferrail_ttft_seconds", "replica" => replica.clone()).record(ttft.as_secs_f64());
+            if let Some(estimate) = lease.estimate() {
+                // Above 1: slower than the router expected; far from 1, the cost model needs calibrating.
+                metrics::histogram!("inferrail_ttft_over_estimate", "replica" => replica.clone())
+                    .record(ttft.as_secs_f64() / estimate.as_secs_f64());
+                metrics::histogram!("inferrail_estimated_ttft_seconds", "replica" => replica).record(estimate.as_secs_f64());
+            }
+        }
+        let Some(outcome) = heard.effects.outcome else { return };
+        let label = outcome.verdict.label();
+        if let Some(log) = &self.decision_log {
+            log.outcome(&heard.id, &lease.replica.id, outcome.ttft.map(|d| d.as_secs_f64() * 1e3), outcome.status, label);
+        }
+        let model = self.core.models[lease.model].name.clone();
+        metrics::counter!("inferrail_requests_total", "model" => model, "replica" => lease.replica.id.clone(), "outcome" => label)
+            .increment(1);
+        metrics::histogram!("inferrail_request_duration_seconds").record(outcome.duration.as_secs_f64());
     }
 
-    /// Leases held now.
+    /// Requests tracked now.
     pub fn leases_held(&self) -> usize {
-        self.leases.len()
+        self.ledger.len()
     }
 }
 

@@ -1,0 +1,154 @@
+//! The requests in flight by id, each with its lease and its [`Life`].
+//!
+//! A transport says what it heard of a request ([`Ledger::hear`]); the
+//! ledger runs the request's life and applies the effects to the lease and
+//! the KV index, in the order [`Effects`] gives, under the request's own
+//! lock (the route and observe streams of one request may speak at once).
+//! It hands back what the service does besides: health, metrics and the
+//! decision log. [`Ledger::tick`] delivers the deadlines that came due;
+//! a request whose life is over is forgotten.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::Core;
+use crate::fleet::{Fleet, Lease, Replica};
+use crate::lifecycle::{Effects, Event, Life, Timing};
+
+struct Entry {
+    life: Life,
+    lease: Arc<Lease>,
+}
+
+/// What one event did, for the service to act on.
+#[derive(Debug)]
+pub struct Heard {
+    /// The request's id in the ledger.
+    pub id: String,
+    /// The lease holding the request after the event (on the replica that served, after a retry).
+    pub lease: Arc<Lease>,
+    /// The replica Envoy retried away from, when it did and that replica is known.
+    pub retried_from: Option<Arc<Replica>>,
+    /// What the request's life called for (already applied to the lease and the index).
+    pub effects: Effects,
+    /// Whether a KV record was taken back.
+    pub took_back: bool,
+}
+
+impl Heard {
+    /// The replica that answered, if it is the lease's, and whether it answered below 500.
+    pub fn answered(&self) -> Option<(&Arc<Replica>, bool)> {
+        self.effects.answered.filter(|(key, _)| *key == self.lease.replica.key).map(|(_, ok)| (&self.lease.replica, ok))
+    }
+}
+
+/// The requests in flight.
+pub struct Ledger {
+    entries: papaya::HashMap<String, Arc<Mutex<Entry>>>,
+    timing: Timing,
+}
+
+impl Ledger {
+    /// An empty ledger whose requests wait as `timing` says.
+    pub fn new(timing: Timing) -> Self {
+        Self { entries: papaya::HashMap::new(), timing }
+    }
+
+    /// Tracks a request decided at `at` under `id`, or `id.1`, `id.2`, ...
+    /// when a request in flight already uses it (ids come from clients).
+    /// Returns the id it is known by.
+    pub fn insert(&self, id: &str, lease: Arc<Lease>, at: Duration) -> String {
+        let entry = Arc::new(Mutex::new(Entry { life: Life::new(at, lease.replica.key, self.timing), lease }));
+        let entries = self.entries.pin();
+        let mut key = id.to_string();
+        let mut n = 0u32;
+        while entries.try_insert(key.clone(), entry.clone()).is_err() {
+            n += 1;
+            key = format!("{id}.{n}");
+        }
+        key
+    }
+
+    /// The lease a request holds now.
+    pub fn lease(&self, id: &str) -> Option<Arc<Lease>> {
+        let entry = self.entries.pin().get(id)?.clone();
+        let lease = lock(&entry).lease.clone();
+        Some(lease)
+    }
+
+    /// Hears `event` of request `id` at `at`; `None` for a request it does not track.
+    pub fn hear(&self, id: &str, at: Duration, event: Event, core: &Core, fleet: &Fleet) -> Option<Heard> {
+        let entry = self.entries.pin().get(id)?.clone();
+        Some(self.run(id, &entry, at, event, core, fleet))
+    }
+
+    /// Delivers every deadline due by `at`: what each did, for the requests
+    /// it ended.
+    pub fn tick(&self, at: Duration, core: &Core, fleet: &Fleet) -> Vec<Heard> {
+        let due: Vec<(String, Arc<Mutex<Entry>>)> = self
+            .entries
+            .pin()
+            .iter()
+            .filter(|(_, e)| lock(e).life.deadline().is_some_and(|d| d <= at))
+            .map(|(id, e)| (id.clone(), e.clone()))
+            .collect();
+        due.into_iter().map(|(id, entry)| self.run(&id, &entry, at, Event::Tick, core, fleet)).collect()
+    }
+
+    fn run(&self, id: &str, entry: &Arc<Mutex<Entry>>, at: Duration, event: Event, core: &Core, fleet: &Fleet) -> Heard {
+        let mut held = lock(entry);
+        let effects = held.life.on(at, event);
+        let mut retried_from = None;
+        if let Some(to) = effects.moved_to
+            && let Some(to) = fleet.replicas.iter().find(|r| r.key == to)
+        {
+            let moved = core.move_lease(&held.lease, to);
+            retried_from = Some(std::mem::replace(&mut held.lease, moved).replica.clone());
+        }
+        let lease = &held.lease;
+        if effects.complete {
+            core.complete(lease);
+        }
+        let took_back = effects.take_back && core.take_back(lease);
+        if effects.end_claim {
+            core.end_claim(lease);
+        }
+        if effects.first_byte.is_some() {
+            lease.first_byte();
+        }
+        // A lease moved after its request ended holds no slot either.
+        if held.life.released() {
+            lease.release();
+        }
+        if effects.outcome.is_some() {
+            // Only this entry: the id may be taken again by a request decided since.
+            let _ = self.entries.pin().remove_if(id, |_, e| Arc::ptr_eq(e, entry));
+        }
+        Heard { id: id.to_string(), lease: held.lease.clone(), retried_from, effects, took_back }
+    }
+
+    /// Stops tracking a request (releasing its lease) and returns its lease.
+    pub fn forget(&self, id: &str) -> Option<Arc<Lease>> {
+        let entry = self.entries.pin().remove(id)?.clone();
+        let lease = lock(&entry).lease.clone();
+        lease.release();
+        Some(lease)
+    }
+
+    /// Requests tracked now.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether none is tracked.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+fn lock(entry: &Mutex<Entry>) -> std::sync::MutexGuard<'_, Entry> {
+    entry.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,164 @@
+//! The ext_proc service over loopback gRPC, driven by tonic's generated
+//! client the way Envoy drives it: the route stream (headers, then the
+//! buffered body, held open until the request is over) and the observe
+//! stream (response headers with `request.id` and `upstream.address`, then
+//! the first body chunk).
+
+use std::collections::HashMap;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, ProcessingResponse};
+use envoy_types::pb::google::protobuf::{Struct, Value};
+use inferrail_config::Config;
+use tonic::transport::Channel;
+
+use super::*;
+
+const CONFIG: &str = "
+models: [{name: m, policy: round_robin}]
+replicas:
+  - {id: r1, address: 127.0.0.1:8001, models: [m]}
+  - {id: r2, address: 127.0.0.1:8002, models: [m]}
+";
+
+/// A router behind a loopback ext_proc server, and a client to it.
+async fn serve() -> (Arc<Router>, ExternalProcessorClient<Channel>) {
+    let router = Arc::new(Router::new(Config::parse(CONFIG).unwrap()).unwrap());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let models = Arc::new(arc_swap::ArcSwap::from_pointee(String::new()));
+    let service = ExternalProcessorServer::new(ExtProc::new(router.clone(), models));
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tokio::spawn(tonic::transport::Server::builder().add_service(service).serve_with_incoming(incoming));
+    (router, ExternalProcessorClient::connect(format!("http://{addr}")).await.unwrap())
+}
+
+fn headers(pairs: &[(&str, &str)]) -> Option<HeaderMap> {
+    let headers = pairs.iter().map(|(k, v)| HeaderValue { key: k.to_string(), raw_value: v.as_bytes().to_vec(), ..Default::default() });
+    Some(HeaderMap { headers: headers.collect() })
+}
+
+/// One ext_proc stream: what the client sends, what the server answers.
+struct Stream {
+    tx: mpsc::Sender<ProcessingRequest>,
+    rx: Streaming<ProcessingResponse>,
+}
+
+impl Stream {
+    async fn open(client: &mut ExternalProcessorClient<Channel>) -> Self {
+        let (tx, rx) = mpsc::channel(4);
+        let rx = client.process(ReceiverStream::new(rx)).await.unwrap().into_inner();
+        Self { tx, rx }
+    }
+
+    async fn send(&self, request: ProcessingRequest) {
+        self.tx.send(request).await.unwrap();
+    }
+
+    /// Closes the client's side and waits until the server has closed its own.
+    async fn close(self) {
+        let Self { tx, mut rx } = self;
+        drop(tx);
+        while rx.message().await.unwrap().is_some() {}
+    }
+}
+
+/// Routes a completion as Envoy's route filter would; returns the open stream and the replicas named in `envoy.lb`.
+async fn route(client: &mut ExternalProcessorClient<Channel>, id: &str) -> (Stream, String) {
+    let mut stream = Stream::open(client).await;
+    let head = headers(&[(":method", "POST"), (":path", "/v1/completions"), ("x-request-id", id)]);
+    stream
+        .send(ProcessingRequest {
+            request: Some(Request::RequestHeaders(HttpHeaders { headers: head, ..Default::default() })),
+            ..Default::default()
+        })
+        .await;
+    let continued = stream.rx.message().await.unwrap().unwrap();
+    assert!(matches!(continued.response, Some(Response::RequestHeaders(_))));
+    let body = br#"{"model": "m", "prompt": "tell me about otters", "max_tokens": 4}"#.to_vec();
+    stream
+        .send(ProcessingRequest {
+            request: Some(Request::RequestBody(HttpBody { body, end_of_stream: true, ..Default::default() })),
+            ..Default::default()
+        })
+        .await;
+    let decided = stream.rx.message().await.unwrap().unwrap();
+    assert!(matches!(decided.response, Some(Response::RequestBody(_))));
+    let lb = &decided.dynamic_metadata.unwrap().fields["envoy.lb"];
+    let Some(Kind::StructValue(lb)) = &lb.kind else { panic!("envoy.lb is a struct") };
+    let Some(Kind::StringValue(targets)) = &lb.fields[crate::reply::DESTINATION].kind else { panic!("the destination is a string") };
+    (stream, targets.clone())
+}
+
+/// Reports an upstream response as Envoy's observe filter would, and waits until the server is done with it.
+async fn observe(client: &mut ExternalProcessorClient<Channel>, id: &str, upstream: &str, status: &str) {
+    let stream = Stream::open(client).await;
+    let string = |s: &str| Value { kind: Some(Kind::StringValue(s.into())) };
+    let fields = HashMap::from([("request.id".to_string(), string(id)), ("upstream.address".to_string(), string(upstream))]);
+    let attributes = HashMap::from([("envoy.filters.http.ext_proc".to_string(), Struct { fields })]);
+    let head = HttpHeaders { headers: headers(&[(":status", status)]), ..Default::default() };
+    stream
+        .send(ProcessingRequest {
+            observability_mode: true,
+            attributes,
+            request: Some(Request::ResponseHeaders(head)),
+            ..Default::default()
+        })
+        .await;
+    let chunk = HttpBody { body: b"data: {}\n\n".to_vec(), ..Default::default() };
+    stream.send(ProcessingRequest { observability_mode: true, request: Some(Request::ResponseBody(chunk)), ..Default::default() }).await;
+    stream.close().await;
+}
+
+fn counts(router: &Router) -> Vec<(u32, u32)> {
+    router.fleet().replicas.iter().map(|r| (r.in_flight(), r.pending())).collect()
+}
+
+#[tokio::test]
+async fn a_request_heard_on_both_streams_is_counted_and_forgotten_when_it_ends() {
+    let (router, mut client) = serve().await;
+    let (stream, targets) = route(&mut client, "a").await;
+    assert_eq!(targets, "127.0.0.1:8001,127.0.0.1:8002", "the winner, then the fallback");
+    assert_eq!(counts(&router), [(1, 1), (0, 0)], "in flight from the decision");
+    observe(&mut client, "a", "127.0.0.1:8001", "200").await;
+    assert_eq!(counts(&router), [(1, 0), (0, 0)], "its first byte came: no longer pending");
+    assert_eq!(router.leases_held(), 1, "still in flight until the route stream closes");
+    stream.close().await;
+    assert_eq!(counts(&router), [(0, 0), (0, 0)]);
+    assert_eq!(router.leases_held(), 0, "status, first byte and end known: over at once");
+}
+
+#[tokio::test]
+async fn a_retry_seen_by_the_observe_stream_moves_the_request() {
+    let (router, mut client) = serve().await;
+    let (stream, targets) = route(&mut client, "b").await;
+    assert_eq!(targets, "127.0.0.1:8001,127.0.0.1:8002", "the winner, then the fallback");
+    let status = tokio::spawn({
+        let mut client = client.clone();
+        async move { observe(&mut client, "b", "127.0.0.1:8002", "200").await }
+    });
+    status.await.unwrap();
+    assert_eq!(counts(&router), [(0, 0), (1, 0)], "held by the replica that served");
+    stream.close().await;
+    assert_eq!(counts(&router), [(0, 0), (0, 0)]);
+    assert_eq!(router.leases_held(), 0);
+}
+
+#[tokio::test]
+async fn a_request_with_no_status_waits_out_its_grace_then_is_forgotten() {
+    let (router, mut client) = serve().await;
+    let (stream, _) = route(&mut client, "c").await;
+    stream.close().await;
+    assert_eq!(counts(&router), [(0, 0), (0, 0)], "the slot goes back at the end");
+    router.sweep();
+    assert_eq!(router.leases_held(), 1, "its status may still be on its way");
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    router.sweep();
+    assert_eq!(router.leases_held(), 0, "the grace is over: counted as unanswered");
+    // An observe stream for a request this router no longer tracks, or never decided, changes nothing.
+    observe(&mut client, "unknown", "127.0.0.1:8001", "200").await;
+    assert_eq!(counts(&router), [(0, 0), (0, 0)]);
+}
