@@ -7,8 +7,10 @@
 //! (observability mode, asynchronous, no added latency) reports the upstream
 //! response: status, the replica that really served after retries, and the
 //! first body byte. A stream's first message says which filter it comes from.
-//! What each stream hears becomes an event of the request's life
-//! ([`Router::hear`]); this module decides nothing about the lease itself.
+//! A stream whose `protocol_config` says `FULL_DUPLEX_STREAMED` is an
+//! Inference Extension gateway's, carrying request and response alike
+//! ([`picker`]). What each stream hears becomes an event of the request's
+//! life ([`Router::hear`]); this module decides nothing about the lease itself.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -25,9 +27,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
 use crate::reply;
-use crate::request::{self, Endpoint};
-use crate::router::Router;
+use crate::request::{self, Endpoint, Head};
+use crate::router::{Decision, Router};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use inferrail_route::lifecycle::Event;
+use inferrail_tokenize::chat::Endpoint as Generation;
 
 /// The service Envoy's ext_proc filters call.
 #[derive(Clone)]
@@ -55,8 +59,11 @@ impl ExternalProcessor for ExtProc {
         let this = self.clone();
         tokio::spawn(async move {
             let Ok(Some(first)) = inbound.message().await else { return };
+            let full_duplex = |mode: i32| mode == BodySendMode::FullDuplexStreamed as i32;
             if first.observability_mode {
                 observe(&this.router, first, inbound).await;
+            } else if first.protocol_config.as_ref().is_some_and(|c| full_duplex(c.request_body_mode)) {
+                picker::serve(&this, first, inbound, tx).await;
             } else {
                 this.route(first, inbound, tx).await;
             }
@@ -72,11 +79,11 @@ fn new_request_id() -> String {
 }
 
 impl ExtProc {
-    async fn route(&self, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>, tx: mpsc::Sender<Out>) {
-        let Some(Request::RequestHeaders(HttpHeaders { headers, end_of_stream: mut body_done, .. })) = first.request else { return };
-        let head = request::head(headers.as_ref());
-        let mut body = Vec::new();
-        let answer = match request::endpoint(&head.method, &head.path) {
+    /// The answer to a request the router serves itself (models, health, a
+    /// wrong method or path), or the generation endpoint it goes to.
+    fn own_answer(&self, head: &Head) -> Result<Generation, Box<ProcessingResponse>> {
+        Err(Box::new(match request::endpoint(&head.method, &head.path) {
+            Endpoint::Generate(generation) => return Ok(generation),
             Endpoint::Models => reply::immediate(200, self.models_json.load().as_ref().clone(), &[], "inferrail_models"),
             Endpoint::Health => reply::immediate(200, String::new(), &[], "inferrail_health"),
             Endpoint::WrongMethod(allow) => {
@@ -88,8 +95,43 @@ impl ExtProc {
                 let body = reply::error_body(404, "NotFoundError", &format!("No route for {} {}.", head.method, head.path), None);
                 reply::immediate(404, body, &[], "inferrail_not_found")
             }
-            Endpoint::Generate(generation) => {
-                let (request_id, generated) = match head.request_id {
+        }))
+    }
+
+    /// Decides where the request goes, with the decision's span continuing
+    /// the client's trace: the decision and the traceparent the engine's work
+    /// continues, or the router's own answer when it refuses.
+    async fn decide(
+        &self,
+        head: &Head,
+        body: &[u8],
+        generation: Generation,
+        request_id: &str,
+    ) -> Result<(Decision, Option<String>), Box<ProcessingResponse>> {
+        let started = std::time::SystemTime::now();
+        let traces = self.router.traces.as_ref();
+        match self.router.decide(body, generation, request_id, head.session.as_deref()).await {
+            Ok(d) => {
+                let traceparent = traces.map(|t| t.decision(head.traceparent.as_deref(), started, &d));
+                Ok((d, traceparent))
+            }
+            Err(e) => {
+                if let Some(t) = traces {
+                    t.refused(head.traceparent.as_deref(), started, &e);
+                }
+                Err(Box::new(reply::route_error(&e)))
+            }
+        }
+    }
+
+    async fn route(&self, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>, tx: mpsc::Sender<Out>) {
+        let Some(Request::RequestHeaders(HttpHeaders { headers, end_of_stream: mut body_done, .. })) = first.request else { return };
+        let head = request::head(headers.as_ref());
+        let mut body = Vec::new();
+        let answer = match self.own_answer(&head) {
+            Err(answer) => *answer,
+            Ok(generation) => {
+                let (request_id, generated) = match head.request_id.clone() {
                     Some(id) => (id, false),
                     None => (new_request_id(), true),
                 };
@@ -115,12 +157,8 @@ impl ExtProc {
                         Ok(None) | Err(_) => return,
                     }
                 }
-                let started = std::time::SystemTime::now();
-                let traces = self.router.traces.as_ref();
-                match self.router.decide(&body, generation, &request_id, head.session.as_deref()).await {
-                    Ok(d) => {
-                        // The engine's work continues the decision's trace.
-                        let traceparent = traces.map(|t| t.decision(head.traceparent.as_deref(), started, &d));
+                match self.decide(&head, &body, generation, &request_id).await {
+                    Ok((d, traceparent)) => {
                         let answer = reply::decision(&d, d.request_id != request_id, traceparent.as_deref());
                         // If Envoy is gone it no longer needs the answer.
                         let _ = tx.send(Ok(answer)).await;
@@ -129,12 +167,7 @@ impl ExtProc {
                         self.router.hear(&d.request_id, Event::End);
                         return;
                     }
-                    Err(e) => {
-                        if let Some(t) = traces {
-                            t.refused(head.traceparent.as_deref(), started, &e);
-                        }
-                        reply::route_error(&e)
-                    }
+                    Err(answer) => *answer,
                 }
             }
         };
@@ -155,6 +188,12 @@ fn attribute(attributes: &Attributes, name: &str) -> Option<String> {
     })
 }
 
+/// The replica at `addr` (`ip:port`, as Envoy names an upstream host), by its key.
+fn served_by(router: &Router, addr: &str) -> Option<u64> {
+    let addr: SocketAddr = addr.parse().ok()?;
+    router.fleet().replicas.iter().find(|r| r.addr == addr).map(|r| r.key)
+}
+
 /// Follows one request's upstream response: status, who served, first byte.
 async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>) {
     let mut request_id = None;
@@ -166,8 +205,7 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
                 // Not a request this router decided (or already over): nothing to learn.
                 let Some(id) = found("request.id").filter(|id| router.lease(id).is_some()) else { return };
                 let code = request::header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
-                let served = found("upstream.address").and_then(|a| a.parse::<SocketAddr>().ok());
-                let served_by = served.and_then(|addr| router.fleet().replicas.iter().find(|r| r.addr == addr).map(|r| r.key));
+                let served_by = found("upstream.address").and_then(|a| served_by(router, &a));
                 router.hear(&id, Event::Status { code, served_by });
                 if h.end_of_stream {
                     router.hear(&id, Event::FirstByte);
@@ -187,6 +225,8 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
         message = inbound.message().await.ok().flatten();
     }
 }
+
+mod picker;
 
 #[cfg(test)]
 mod tests;

@@ -5,8 +5,9 @@
 //! `traceparent` when traces are on), dynamic metadata in namespaces
 //! `envoy.lb` (read by the override_host load balancer) and `inferrail` (read
 //! by the route to add response headers), and, when the model was rewritten,
-//! the new body. Answers the router gives itself are ImmediateResponses in
-//! the OpenAI error shape vLLM uses.
+//! the new body. On a full-duplex stream the same decision answers the held
+//! request headers and the body is echoed back in chunks. Answers the router
+//! gives itself are ImmediateResponses in the OpenAI error shape vLLM uses.
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
@@ -14,6 +15,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse, ProcessingResponse,
+    StreamedBodyResponse, TrailersResponse,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
@@ -83,19 +85,96 @@ pub fn continue_headers(set: &[(&str, &str)]) -> ProcessingResponse {
 /// was already in flight and the request now goes by `d.request_id`;
 /// `traceparent`, the decision span's context, goes on to the engine.
 pub fn decision(d: &Decision, renamed: bool, traceparent: Option<&str>) -> ProcessingResponse {
-    let targets: Vec<String> = d.targets.iter().map(|r| r.addr.to_string()).collect();
-    let targets = targets.join(",");
-    let mut set = vec![header(DESTINATION, &targets)];
+    let mut set = decision_headers(d, renamed, traceparent);
+    let body_mutation = d.body.as_ref().map(|b| {
+        set.push(header("content-length", &b.len().to_string()));
+        BodyMutation { mutation: Some(Mutation::Body(b.clone())) }
+    });
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(HeaderMutation { set_headers: set, ..Default::default() }),
+                body_mutation,
+                ..Default::default()
+            }),
+        })),
+        dynamic_metadata: Some(decision_metadata(d)),
+        ..Default::default()
+    }
+}
+
+/// Bodies go back to a full-duplex stream in pieces of at most this many bytes.
+const CHUNK: usize = 62_000;
+
+/// The decision on a full-duplex stream: the held request headers'
+/// answer (the destination and metadata, as in [`decision`]), then `body`
+/// (the request's, or the one with the model rewritten) in chunks, the last
+/// ending the stream. Envoy drops any `content-length` set here.
+pub fn held_decision(d: &Decision, renamed: bool, traceparent: Option<&str>, body: &[u8]) -> Vec<ProcessingResponse> {
+    let set = decision_headers(d, renamed, traceparent);
+    let headers = ProcessingResponse {
+        response: Some(Response::RequestHeaders(HeadersResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(HeaderMutation { set_headers: set, ..Default::default() }),
+                ..Default::default()
+            }),
+        })),
+        dynamic_metadata: Some(decision_metadata(d)),
+        ..Default::default()
+    };
+    let chunks = body.chunks(CHUNK).map(<[u8]>::to_vec).collect::<Vec<_>>();
+    let last = chunks.len().saturating_sub(1);
+    let body = match chunks.is_empty() {
+        true => vec![streamed(false, Vec::new(), true)],
+        false => chunks.into_iter().enumerate().map(|(i, c)| streamed(false, c, i == last)).collect(),
+    };
+    std::iter::once(headers).chain(body).collect()
+}
+
+/// A body chunk echoed on a full-duplex stream: the request's, or with `response` the response's.
+pub fn streamed(response: bool, body: Vec<u8>, end_of_stream: bool) -> ProcessingResponse {
+    let mutation = Mutation::StreamedResponse(StreamedBodyResponse { body, end_of_stream, ..Default::default() });
+    let answer = BodyResponse {
+        response: Some(CommonResponse { body_mutation: Some(BodyMutation { mutation: Some(mutation) }), ..Default::default() }),
+    };
+    let response = if response { Response::ResponseBody(answer) } else { Response::RequestBody(answer) };
+    ProcessingResponse { response: Some(response), ..Default::default() }
+}
+
+/// Let the response headers through unchanged.
+pub fn continue_response_headers() -> ProcessingResponse {
+    ProcessingResponse { response: Some(Response::ResponseHeaders(HeadersResponse::default())), ..Default::default() }
+}
+
+/// Let trailers through unchanged: the request's, or with `response` the response's.
+pub fn continue_trailers(response: bool) -> ProcessingResponse {
+    let answer = TrailersResponse::default();
+    let response = if response { Response::ResponseTrailers(answer) } else { Response::RequestTrailers(answer) };
+    ProcessingResponse { response: Some(response), ..Default::default() }
+}
+
+/// The headers a decision sets: the destination (winner first, then the
+/// fallbacks), the new request id when it was renamed, the traceparent.
+fn decision_headers(d: &Decision, renamed: bool, traceparent: Option<&str>) -> Vec<HeaderValueOption> {
+    let mut set = vec![header(DESTINATION, &targets(d))];
     if renamed {
         set.push(header("x-request-id", &d.request_id));
     }
     if let Some(tp) = traceparent {
         set.push(header("traceparent", tp));
     }
-    let body_mutation = d.body.as_ref().map(|b| {
-        set.push(header("content-length", &b.len().to_string()));
-        BodyMutation { mutation: Some(Mutation::Body(b.clone())) }
-    });
+    set
+}
+
+fn targets(d: &Decision) -> String {
+    let targets: Vec<String> = d.targets.iter().map(|r| r.addr.to_string()).collect();
+    targets.join(",")
+}
+
+/// The decision as dynamic metadata: `envoy.lb` for the override-host load
+/// balancer (the same value as the destination header), `inferrail` for the
+/// route's response headers.
+fn decision_metadata(d: &Decision) -> Struct {
     let mut ours = vec![
         ("replica", string(&d.targets[0].id)),
         ("policy", string(d.policy)),
@@ -106,20 +185,9 @@ pub fn decision(d: &Decision, renamed: bool, traceparent: Option<&str>) -> Proce
         ours.push(("prompt_tokens", string(&n.to_string())));
         ours.push(("cached_tokens", string(&cached.to_string())));
     }
-    let metadata = Struct {
-        fields: [("envoy.lb".to_string(), object([(DESTINATION, string(&targets))])), ("inferrail".to_string(), object(ours))]
+    Struct {
+        fields: [("envoy.lb".to_string(), object([(DESTINATION, string(&targets(d)))])), ("inferrail".to_string(), object(ours))]
             .into_iter()
             .collect(),
-    };
-    ProcessingResponse {
-        response: Some(Response::RequestBody(BodyResponse {
-            response: Some(CommonResponse {
-                header_mutation: Some(HeaderMutation { set_headers: set, ..Default::default() }),
-                body_mutation,
-                ..Default::default()
-            }),
-        })),
-        dynamic_metadata: Some(metadata),
-        ..Default::default()
     }
 }

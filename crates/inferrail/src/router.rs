@@ -341,6 +341,10 @@ impl Router {
         if heard.took_back {
             metrics::counter!("inferrail_kv_take_backs_total").increment(1);
         }
+        if let Some(usage) = heard.effects.usage {
+            // Beside inferrail_predicted_cached_tokens: what the engine says it served from cache.
+            metrics::histogram!("inferrail_reported_cached_tokens").record(usage.cached_tokens as f64);
+        }
         let lease = &heard.lease;
         if let Some(ttft) = heard.effects.first_byte {
             let replica = lease.replica.id.clone();

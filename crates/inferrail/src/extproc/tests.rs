@@ -6,13 +6,14 @@
 
 use std::collections::HashMap;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, ProcessingResponse};
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, ProcessingResponse, ProtocolConfiguration, body_mutation};
 use envoy_types::pb::google::protobuf::{Struct, Value};
 use inferrail_config::Config;
+use inferrail_route::lifecycle::Usage;
 use tonic::transport::Channel;
 
 use super::*;
@@ -94,9 +95,12 @@ async fn route(client: &mut ExternalProcessorClient<Channel>, id: &str) -> (Stre
 }
 
 /// Reports an upstream response as Envoy's observe filter would, and waits until the server is done with it.
+fn string(s: &str) -> Value {
+    Value { kind: Some(Kind::StringValue(s.into())) }
+}
+
 async fn observe(client: &mut ExternalProcessorClient<Channel>, id: &str, upstream: &str, status: &str) {
     let stream = Stream::open(client).await;
-    let string = |s: &str| Value { kind: Some(Kind::StringValue(s.into())) };
     let fields = HashMap::from([("request.id".to_string(), string(id)), ("upstream.address".to_string(), string(upstream))]);
     let attributes = HashMap::from([("envoy.filters.http.ext_proc".to_string(), Struct { fields })]);
     let head = HttpHeaders { headers: headers(&[(":status", status)]), ..Default::default() };
@@ -161,4 +165,96 @@ async fn a_request_with_no_status_waits_out_its_grace_then_is_forgotten() {
     // An observe stream for a request this router no longer tracks, or never decided, changes nothing.
     observe(&mut client, "unknown", "127.0.0.1:8001", "200").await;
     assert_eq!(counts(&router), [(0, 0), (0, 0)]);
+}
+
+/// A stream as an Inference Extension gateway opens it: full-duplex bodies both ways.
+fn full_duplex(request: Request) -> ProcessingRequest {
+    let mode = BodySendMode::FullDuplexStreamed as i32;
+    let protocol_config = Some(ProtocolConfiguration { request_body_mode: mode, response_body_mode: mode, ..Default::default() });
+    ProcessingRequest { protocol_config, request: Some(request), ..Default::default() }
+}
+
+fn message(request: Request) -> ProcessingRequest {
+    ProcessingRequest { request: Some(request), ..Default::default() }
+}
+
+fn body(bytes: &[u8], end_of_stream: bool) -> HttpBody {
+    HttpBody { body: bytes.to_vec(), end_of_stream, ..Default::default() }
+}
+
+/// The bytes of a streamed body answer, and whether it ends the stream.
+fn echoed(answer: ProcessingResponse) -> (Vec<u8>, bool) {
+    let (Some(Response::RequestBody(b)) | Some(Response::ResponseBody(b))) = answer.response else { panic!("a body answer: {answer:?}") };
+    let Some(body_mutation::Mutation::StreamedResponse(s)) = b.response.unwrap().body_mutation.unwrap().mutation else {
+        panic!("a streamed body")
+    };
+    (s.body, s.end_of_stream)
+}
+
+#[tokio::test]
+async fn a_full_duplex_stream_holds_the_headers_for_the_decision_and_echoes_both_bodies() {
+    let (router, mut client) = serve().await;
+    let mut stream = Stream::open(&mut client).await;
+    let head = headers(&[(":method", "POST"), (":path", "/v1/completions"), ("x-request-id", "fd")]);
+    stream.send(full_duplex(Request::RequestHeaders(HttpHeaders { headers: head, ..Default::default() }))).await;
+    let sent: &[&[u8]] = &[br#"{"model": "m", "prompt": "tell me"#, br#" about otters", "max_tokens": 4}"#];
+    stream.send(message(Request::RequestBody(body(sent[0], false)))).await;
+    stream.send(message(Request::RequestBody(body(sent[1], true)))).await;
+    // The first answer is the held headers', with the decision.
+    let decided = stream.rx.message().await.unwrap().unwrap();
+    let Some(Response::RequestHeaders(h)) = &decided.response else { panic!("the headers' answer first: {decided:?}") };
+    let set = &h.response.as_ref().unwrap().header_mutation.as_ref().unwrap().set_headers;
+    let destination = set.iter().map(|o| o.header.as_ref().unwrap()).find(|h| h.key == crate::reply::DESTINATION).unwrap();
+    assert_eq!(destination.raw_value, b"127.0.0.1:8001,127.0.0.1:8002");
+    let lb = &decided.dynamic_metadata.as_ref().unwrap().fields["envoy.lb"];
+    let Some(Kind::StructValue(lb)) = &lb.kind else { panic!("envoy.lb is a struct") };
+    let Some(Kind::StringValue(targets)) = &lb.fields[crate::reply::DESTINATION].kind else { panic!("a string") };
+    assert_eq!(targets.as_bytes(), destination.raw_value, "the header and the metadata say the same");
+    let (echo, end) = echoed(stream.rx.message().await.unwrap().unwrap());
+    assert_eq!((echo, end), (sent.concat(), true), "the body goes on unchanged");
+    assert_eq!(counts(&router), [(1, 1), (0, 0)]);
+    // The gateway retried on the fallback and says so in envoy.lb.
+    let served = Struct { fields: HashMap::from([("x-gateway-destination-endpoint-served".to_string(), string("127.0.0.1:8002"))]) };
+    let metadata_context = Some(Metadata { filter_metadata: HashMap::from([("envoy.lb".to_string(), served)]), ..Default::default() });
+    let status = HttpHeaders { headers: headers(&[(":status", "200")]), ..Default::default() };
+    stream.send(ProcessingRequest { metadata_context, request: Some(Request::ResponseHeaders(status)), ..Default::default() }).await;
+    assert!(matches!(stream.rx.message().await.unwrap().unwrap().response, Some(Response::ResponseHeaders(_))));
+    assert_eq!(counts(&router), [(0, 0), (1, 1)], "the request moved to the replica that served");
+    let chunks: [&[u8]; 2] = [
+        b"data: {\"choices\":[{\"text\":\" Otters\"}],\"usage\":null}\n\n",
+        b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\ndata: [DONE]\n\n",
+    ];
+    for (i, chunk) in chunks.iter().enumerate() {
+        stream.send(message(Request::ResponseBody(body(chunk, i == 1)))).await;
+        assert_eq!(echoed(stream.rx.message().await.unwrap().unwrap()), (chunk.to_vec(), i == 1), "every response byte goes back");
+        assert_eq!(counts(&router)[1], (1 - i as u32, 0), "its first byte came; its end with the last");
+    }
+    stream.close().await;
+    assert_eq!(counts(&router), [(0, 0), (0, 0)]);
+    assert_eq!(router.leases_held(), 0, "its end, status and first byte all came on the one stream");
+}
+
+#[tokio::test]
+async fn a_full_duplex_request_the_router_refuses_gets_its_answer_once_the_body_is_in() {
+    let (router, mut client) = serve().await;
+    let mut stream = Stream::open(&mut client).await;
+    let head = headers(&[(":method", "POST"), (":path", "/v1/completions")]);
+    stream.send(full_duplex(Request::RequestHeaders(HttpHeaders { headers: head, ..Default::default() }))).await;
+    stream.send(message(Request::RequestBody(body(br#"{"model": "huge", "prompt": "x"}"#, true)))).await;
+    let answer = stream.rx.message().await.unwrap().unwrap();
+    let Some(Response::ImmediateResponse(refused)) = answer.response else { panic!("an immediate answer: {answer:?}") };
+    assert_eq!(refused.status.unwrap().code, 404);
+    assert!(String::from_utf8(refused.body).unwrap().contains("The model `huge` does not exist."));
+    stream.close().await;
+    assert_eq!(router.leases_held(), 0);
+}
+
+#[test]
+fn usage_is_read_from_an_sse_streams_last_chunk_or_a_json_answer() {
+    let sse = b"data: {\"usage\":null}\n\ndata: {\"usage\": {\"prompt_tokens\": 900, \"completion_tokens\": 3, \"prompt_tokens_details\": {\"cached_tokens\": 880}}}\n\ndata: [DONE]\n\n";
+    assert_eq!(picker::usage(sse), Some(Usage { prompt_tokens: 900, cached_tokens: 880, completion_tokens: 3 }));
+    let json = br#"{"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":12,"total_tokens":14,"completion_tokens":2,"prompt_tokens_details":null}}"#;
+    assert_eq!(picker::usage(json), Some(Usage { prompt_tokens: 12, cached_tokens: 0, completion_tokens: 2 }));
+    assert_eq!(picker::usage(b"data: {\"usage\":null}\n\n"), None, "a stream without usage reports none");
+    assert_eq!(picker::usage(b"{\"usage\":{\"prompt_tok"), None, "cut off");
 }

@@ -24,7 +24,7 @@ MODEL = "inferrail/sim-8b"
 
 class Fleet:
     def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
-                 kv_events=None, routers=1):
+                 kv_events=None, routers=1, filters=None):
         """`kv_events`, to publish and follow KV events: a dict with `bind`
         ("router": the router binds and the engines connect, vLLM's way with
         an IP endpoint; "engine": the engines bind `tcp://*:port` and the
@@ -33,7 +33,9 @@ class Fleet:
         endpoint string: the routers ask there, the engines serve none; or
         a dict of these by sim index),
         `skip` ({sim index: `--kv-events-skip` value}) and `template` (more
-        fields of the router's `kv_events`, YAML flow text)."""
+        fields of the router's `kv_events`, YAML flow text). `filters`, YAML
+        text of http filters that stand in for envoy/local.yaml's two
+        inferrail filters (as a gateway would write them)."""
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
@@ -68,6 +70,10 @@ class Fleet:
         for old, new in [(8080, self.listen), (9901, self.envoy_admin), (9002, self.grpc)] + list(zip((8001, 8002, 8003), self.sim_ports)):
             envoy, n = re.subn(rf"port_value: {old}\b", f"port_value: {new}", envoy)
             assert n == 1, f"envoy/local.yaml should name port {old} once"
+        if filters is not None:
+            envoy, n = re.subn(r"          # 1\. The decision.*?(?=          - name: envoy\.filters\.http\.router)", lambda _: filters, envoy,
+                               flags=re.S)
+            assert n == 1, "envoy/local.yaml's inferrail filters should stand before the router filter"
         if routers > 1:
             # The ext_proc cluster gets every router; Envoy's default balancing is round robin, stream by stream.
             one = f"{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {self.grpc}}}}}}}}}"

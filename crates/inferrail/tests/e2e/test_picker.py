@@ -1,0 +1,82 @@
+"""Inferrail as an Inference Extension gateway's endpoint picker, through a
+real Envoy whose ext_proc filter is written as the gateway writes it: one
+FULL_DUPLEX_STREAMED stream a request, bodies both ways, headers and
+trailers sent, fail-closed, a long message timeout, `envoy.lb` received and
+forwarded.
+
+The settings are Istio's for an InferencePool: the listener's ext_proc
+placeholder in `pilot/pkg/xds/filters/filters.go`, with the per-route
+override that `pilot/pkg/networking/core/route/route.go` writes (full-duplex
+bodies, SEND headers and trailers, message_timeout 1000s; failure_mode_allow
+true only for a FailOpen pool). Here they sit on the filter itself, which is
+the same configuration for every route. The replica cluster is the
+override-host one of envoy/local.yaml, reading `envoy.lb`, as Istio's is.
+"""
+import json
+
+from conftest import http, wait_until
+from test_cache_routing import make, run
+
+ISTIO = """\
+          - name: inferrail.picker
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
+              grpc_service: {envoy_grpc: {cluster_name: inferrail}}
+              failure_mode_allow: false
+              message_timeout: 1000s
+              processing_mode:
+                request_header_mode: SEND
+                response_header_mode: SEND
+                request_body_mode: FULL_DUPLEX_STREAMED
+                response_body_mode: FULL_DUPLEX_STREAMED
+                request_trailer_mode: SEND
+                response_trailer_mode: SEND
+              metadata_options:
+                receiving_namespaces: {untyped: [envoy.lb]}
+                forwarding_namespaces: {untyped: [envoy.lb]}
+"""
+
+
+def outcomes(fleet, outcome):
+    """inferrail_requests_total over every model and replica, for one outcome."""
+    lines = [line for line in fleet.metrics().splitlines() if line.startswith("inferrail_requests_total{") and f'outcome="{outcome}"' in line]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def test_as_a_gateways_picker_cost_model_keeps_the_shared_prompts_cached_as_with_its_own_filters(fleet_factory):
+    shares = {}
+    for name, filters in [("own", None), ("istio", ISTIO)]:
+        fleet = make(fleet_factory, "cost_model", filters=filters)
+        before = outcomes(fleet, "ok")
+        shares[name], _ = run(fleet)
+        if name == "istio":
+            # Every request's status, first byte and end came on its one stream: counted as served, nothing held.
+            wait_until(lambda: outcomes(fleet, "ok") == before + 120, "every request counted once as served")
+            assert fleet.metric("inferrail_leases") == 0
+            assert fleet.envoy_stat("failure_mode_allowed") == 0
+        fleet.stop()
+    assert shares["istio"] >= 0.80, shares
+    assert abs(shares["istio"] - shares["own"]) <= 0.02, shares
+
+
+def test_as_a_gateways_picker_bodies_pass_unchanged_both_ways(fleet_factory):
+    fleet = make(fleet_factory, "cost_model", filters=ISTIO)
+    before = outcomes(fleet, "ok")
+    # A body over three of the 62,000-byte chunks it goes back to Envoy in: any byte lost or moved breaks the JSON.
+    body = b'{"model": "sim", "max_tokens": 3, "messages": [{"role": "user", "content": "Hello there"}]' + b" " * 200_000 + b"}"
+    r = http("POST", f"{fleet.url}/v1/chat/completions", body)
+    assert r.status == 200, r.body[:300]
+    assert json.loads(r.body)["usage"]["completion_tokens"] == 3
+    # A stream, token by token: every chunk reaches the client, the usage chunk and [DONE] last.
+    r = fleet.chat(max_tokens=5, stream=True, stream_options={"include_usage": True})
+    assert r.status == 200, r.body[:300]
+    events = [line.removeprefix("data: ") for line in r.body.decode().split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+    assert sum(1 for c in chunks if c["choices"] and c["choices"][0].get("delta", {}).get("content")) == 5
+    # The router answers what it refuses, in the OpenAI error shape, on the same stream.
+    r = http("POST", f"{fleet.url}/v1/chat/completions", {"model": "huge", "messages": []})
+    assert r.status == 404 and json.loads(r.body)["error"]["type"] == "NotFoundError", r.body
+    wait_until(lambda: outcomes(fleet, "ok") == before + 2, "both served requests counted")
+    assert fleet.metric("inferrail_leases") == 0
