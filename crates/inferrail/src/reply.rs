@@ -109,8 +109,9 @@ const CHUNK: usize = 62_000;
 /// The decision on a full-duplex stream: the held request headers'
 /// answer (the destination and metadata, as in [`decision`]), then `body`
 /// (the request's, or the one with the model rewritten) in chunks, the last
-/// ending the stream. Envoy drops any `content-length` set here.
-pub fn held_decision(d: &Decision, renamed: bool, traceparent: Option<&str>, body: &[u8]) -> Vec<ProcessingResponse> {
+/// ending the stream unless `trailers` follow. Envoy drops any
+/// `content-length` set here.
+pub fn held_decision(d: &Decision, renamed: bool, traceparent: Option<&str>, body: &[u8], trailers: bool) -> Vec<ProcessingResponse> {
     let set = decision_headers(d, renamed, traceparent);
     let headers = ProcessingResponse {
         response: Some(Response::RequestHeaders(HeadersResponse {
@@ -125,10 +126,11 @@ pub fn held_decision(d: &Decision, renamed: bool, traceparent: Option<&str>, bod
     let chunks = body.chunks(CHUNK).map(<[u8]>::to_vec).collect::<Vec<_>>();
     let last = chunks.len().saturating_sub(1);
     let body = match chunks.is_empty() {
-        true => vec![streamed(false, Vec::new(), true)],
-        false => chunks.into_iter().enumerate().map(|(i, c)| streamed(false, c, i == last)).collect(),
+        true => vec![streamed(false, Vec::new(), !trailers)],
+        false => chunks.into_iter().enumerate().map(|(i, c)| streamed(false, c, i == last && !trailers)).collect(),
     };
-    std::iter::once(headers).chain(body).collect()
+    let trailers = trailers.then(|| continue_trailers(false));
+    std::iter::once(headers).chain(body).chain(trailers).collect()
 }
 
 /// A body chunk echoed on a full-duplex stream: the request's, or with `response` the response's.

@@ -55,10 +55,7 @@ pub(super) async fn serve(ext: &ExtProc, first: ProcessingRequest, mut inbound: 
         Err(answer) => return answer_and_drain(*answer, inbound, tx).await,
     };
     let renamed = head.request_id.as_deref() != Some(d.request_id.as_str());
-    let mut answers = reply::held_decision(&d, renamed, traceparent.as_deref(), d.body.as_deref().unwrap_or(&body));
-    if trailers {
-        answers.push(reply::continue_trailers(false));
-    }
+    let answers = reply::held_decision(&d, renamed, traceparent.as_deref(), d.body.as_deref().unwrap_or(&body), trailers);
     drop(body);
     let router = &ext.router;
     for answer in answers {

@@ -258,3 +258,19 @@ fn usage_is_read_from_an_sse_streams_last_chunk_or_a_json_answer() {
     assert_eq!(picker::usage(b"data: {\"usage\":null}\n\n"), None, "a stream without usage reports none");
     assert_eq!(picker::usage(b"{\"usage\":{\"prompt_tok"), None, "cut off");
 }
+
+#[tokio::test]
+async fn a_full_duplex_request_with_trailers_leaves_the_end_of_its_body_to_them() {
+    let (router, mut client) = serve().await;
+    let mut stream = Stream::open(&mut client).await;
+    let head = headers(&[(":method", "POST"), (":path", "/v1/completions")]);
+    stream.send(full_duplex(Request::RequestHeaders(HttpHeaders { headers: head, ..Default::default() }))).await;
+    let sent = br#"{"model": "m", "prompt": "x"}"#;
+    stream.send(message(Request::RequestBody(body(sent, false)))).await;
+    stream.send(message(Request::RequestTrailers(Default::default()))).await;
+    assert!(matches!(stream.rx.message().await.unwrap().unwrap().response, Some(Response::RequestHeaders(_))));
+    assert_eq!(echoed(stream.rx.message().await.unwrap().unwrap()), (sent.to_vec(), false), "the trailers end the request");
+    assert!(matches!(stream.rx.message().await.unwrap().unwrap().response, Some(Response::RequestTrailers(_))));
+    stream.close().await;
+    assert_eq!(router.leases_held(), 1, "no response came: its grace has begun");
+}
