@@ -159,6 +159,8 @@ pub enum SetAside {
         /// Free tokens as [`Candidate::free_kv_tokens`] counts them.
         free_tokens: u64,
     },
+    /// Not among the endpoints the gateway offered for this request (its subset hint).
+    OutsideSubset,
 }
 
 impl SetAside {
@@ -170,6 +172,7 @@ impl SetAside {
             Self::BoundedLoad { .. } => "bounded_load",
             Self::KvPressure { .. } => "kv_pressure",
             Self::KvRoom { .. } => "kv_room",
+            Self::OutsideSubset => "outside_subset",
         }
     }
 }
@@ -186,6 +189,9 @@ pub enum NoReplica {
     /// Every healthy replica is at its concurrency or pending limit.
     #[error("every healthy replica of this model is at capacity")]
     AllFull,
+    /// None of the endpoints the gateway offered can take it.
+    #[error("no replica among the endpoints the gateway offered can take this request")]
+    NoneInSubset,
 }
 
 impl NoReplica {
@@ -195,6 +201,7 @@ impl NoReplica {
             Self::NoneServe => "no_replica",
             Self::AllUnhealthy => "all_unhealthy",
             Self::AllFull => "all_full",
+            Self::NoneInSubset => "none_in_subset",
         }
     }
 }

@@ -58,7 +58,7 @@ fn decide(c: &mut Criterion) {
     for n in [8usize, 64, 256] {
         let (core, fleet, prompt) = setup(n);
         let prediction = core.prepare(0, &prompt, &fleet);
-        let view = View { model: 0, prediction: Some(prediction), session: None, text: None };
+        let view = View { model: 0, prediction: Some(prediction), session: None, text: None, subset: None };
         let reports = |_: &Replica| None::<Report>;
         let plan = || std::hint::black_box(core.plan(&view, &fleet, &reports, Duration::from_secs(1)).expect("plan"));
         percentiles(&format!("plan/{n}"), || {

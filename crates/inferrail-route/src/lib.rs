@@ -25,6 +25,7 @@ pub mod kv;
 pub mod ledger;
 pub mod lifecycle;
 
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -77,6 +78,8 @@ pub struct View<'a> {
     pub session: Option<&'a str>,
     /// The prompt as text, when the model's policy reads it ([`Core::wants_text`]).
     pub text: Option<&'a str>,
+    /// The only replicas it may go to (an Inference Extension gateway's subset hint), by address.
+    pub subset: Option<&'a [SocketAddr]>,
 }
 
 /// What the model's policy would do now, and why. Each replica serving the
@@ -333,7 +336,17 @@ impl Core {
             })
             .collect();
         let mut aside = vec![None; candidates.len()];
-        let unavailable = eligibility(&candidates, &mut aside).err();
+        let mut unavailable = eligibility(&candidates, &mut aside).err();
+        if let (None, Some(subset)) = (unavailable, view.subset) {
+            for (r, a) in replicas.iter().zip(aside.iter_mut()) {
+                if a.is_none() && !subset.contains(&r.addr) {
+                    *a = Some(SetAside::OutsideSubset);
+                }
+            }
+            if aside.iter().all(Option::is_some) {
+                unavailable = Some(NoReplica::NoneInSubset);
+            }
+        }
         let mut plan = Plan {
             model: view.model,
             policy: model.policy.name(),

@@ -32,7 +32,7 @@ pub(crate) fn prompt(first: u32, n: u32) -> Prompt {
 }
 
 pub(crate) fn view<'a>(core: &Core, fleet: &Fleet, p: &Prompt) -> View<'a> {
-    View { model: 0, prediction: Some(core.prepare(0, p, fleet)), session: None, text: None }
+    View { model: 0, prediction: Some(core.prepare(0, p, fleet)), session: None, text: None, subset: None }
 }
 
 pub(crate) const NONE: &dyn Fn(&Replica) -> Option<Report> = &|_| None;
@@ -181,4 +181,24 @@ fn policies_read_the_blocks_of_the_most_common_block_size() {
     assert_eq!(most_common_block_size(&at(&[32, 16, 32, 64])), Some(32));
     assert_eq!(most_common_block_size(&at(&[64, 16])), Some(16), "a tie goes to the smaller");
     assert_eq!(most_common_block_size(&[]), None);
+}
+
+#[test]
+fn a_gateways_subset_hint_limits_the_winner_and_the_fallbacks_and_none_in_it_is_unavailable() {
+    let (core, fleet) = core("round_robin", 4);
+    let p = prompt(0, 64);
+    let serving = fleet.serving(0);
+    let subset = [serving[2].addr, serving[3].addr, "10.0.0.9:80".parse().unwrap()];
+    for _ in 0..4 {
+        let v = View { subset: Some(&subset), ..view(&core, &fleet, &p) };
+        let (plan, committed) = core.decide(&v, &fleet, NONE, Duration::ZERO).unwrap();
+        assert!(committed.targets.iter().all(|t| subset.contains(&t.addr)), "only the offered endpoints");
+        assert_eq!(committed.targets.len(), 2, "the fallback comes from the subset too");
+        assert_eq!(plan.set_aside[..2], [Some(SetAside::OutsideSubset); 2]);
+    }
+    let none = View { subset: Some(&[]), ..view(&core, &fleet, &p) };
+    assert_eq!(core.plan(&none, &fleet, NONE, Duration::ZERO).unwrap_err(), NoReplica::NoneInSubset);
+    let elsewhere = ["10.0.0.9:80".parse().unwrap()];
+    let v = View { subset: Some(&elsewhere), ..view(&core, &fleet, &p) };
+    assert_eq!(core.decide(&v, &fleet, NONE, Duration::ZERO).unwrap_err(), NoReplica::NoneInSubset);
 }

@@ -73,7 +73,7 @@ fn long_prompt(c: &mut Criterion) {
                     (body(n), n.to_string())
                 },
                 |(body, id)| {
-                    let d = runtime.block_on(r.decide(&body, Endpoint::Chat, &id, None)).unwrap();
+                    let d = runtime.block_on(r.decide(&body, Endpoint::Chat, &id, None, None)).unwrap();
                     assert!(d.prompt_tokens.is_some(), "the prompt was tokenized");
                     r.forget(&id);
                 },

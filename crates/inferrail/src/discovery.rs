@@ -128,7 +128,7 @@ discovery: [{group: pool, host: pool.internal, port: 8000, models: [m]}]
         assert!(d.apply(&r, 0, Ok(vec![ip(2), ip(1), ip(1)])));
         assert_eq!(ids(&r), ["listed", "pool-10.0.0.1-8000", "pool-10.0.0.2-8000"]);
         let survivor = r.fleet().replicas[2].clone();
-        let lease = r.decide(br#"{"model": "m"}"#, inferrail_tokenize::chat::Endpoint::Chat, "req", None).await;
+        let lease = r.decide(br#"{"model": "m"}"#, inferrail_tokenize::chat::Endpoint::Chat, "req", None, None).await;
         assert!(lease.is_ok());
         survivor.set_probe(false);
 

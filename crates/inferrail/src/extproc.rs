@@ -29,6 +29,7 @@ use tonic::{Status, Streaming};
 use crate::reply;
 use crate::request::{self, Endpoint, Head};
 use crate::router::{Decision, Router};
+use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use inferrail_route::lifecycle::Event;
 use inferrail_tokenize::chat::Endpoint as Generation;
@@ -107,10 +108,11 @@ impl ExtProc {
         body: &[u8],
         generation: Generation,
         request_id: &str,
+        subset: Option<&[SocketAddr]>,
     ) -> Result<(Decision, Option<String>), Box<ProcessingResponse>> {
         let started = std::time::SystemTime::now();
         let traces = self.router.traces.as_ref();
-        match self.router.decide(body, generation, request_id, head.session.as_deref()).await {
+        match self.router.decide(body, generation, request_id, head.session.as_deref(), subset).await {
             Ok(d) => {
                 let traceparent = traces.map(|t| t.decision(head.traceparent.as_deref(), started, &d));
                 Ok((d, traceparent))
@@ -127,6 +129,7 @@ impl ExtProc {
     async fn route(&self, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>, tx: mpsc::Sender<Out>) {
         let Some(Request::RequestHeaders(HttpHeaders { headers, end_of_stream: mut body_done, .. })) = first.request else { return };
         let head = request::head(headers.as_ref());
+        let subset = subset(&first.metadata_context);
         let mut body = Vec::new();
         let answer = match self.own_answer(&head) {
             Err(answer) => *answer,
@@ -157,7 +160,7 @@ impl ExtProc {
                         Ok(None) | Err(_) => return,
                     }
                 }
-                match self.decide(&head, &body, generation, &request_id).await {
+                match self.decide(&head, &body, generation, &request_id, subset.as_deref()).await {
                     Ok((d, traceparent)) => {
                         let answer = reply::decision(&d, d.request_id != request_id, traceparent.as_deref());
                         // If Envoy is gone it no longer needs the answer.
@@ -185,6 +188,29 @@ fn attribute(attributes: &Attributes, name: &str) -> Option<String> {
     attributes.values().flat_map(|s| s.fields.iter()).find_map(|(k, v)| match (k == name, &v.kind) {
         (true, Some(Kind::StringValue(a))) => Some(a.clone()),
         _ => None,
+    })
+}
+
+/// The endpoints an Inference Extension gateway offers for a request:
+/// `envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset` in the
+/// request's metadata, a list of `ip:port` (or one comma-separated string).
+/// Entries that are not addresses are left out, so a hint naming none
+/// leaves nothing to pick from.
+fn subset(metadata: &Option<Metadata>) -> Option<Vec<SocketAddr>> {
+    let hint = metadata.as_ref()?.filter_metadata.get("envoy.lb.subset_hint")?.fields.get("x-gateway-destination-endpoint-subset")?;
+    let parse = |s: &str| s.split(',').filter_map(|a| a.trim().parse().ok()).collect::<Vec<SocketAddr>>();
+    Some(match &hint.kind {
+        Some(Kind::ListValue(list)) => list
+            .values
+            .iter()
+            .filter_map(|v| match &v.kind {
+                Some(Kind::StringValue(s)) => Some(parse(s)),
+                _ => None,
+            })
+            .flatten()
+            .collect(),
+        Some(Kind::StringValue(s)) => parse(s),
+        _ => Vec::new(),
     })
 }
 

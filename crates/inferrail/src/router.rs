@@ -10,6 +10,7 @@
 //! of it ([`Router::hear`]), and the router acts on what follows.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -76,8 +77,9 @@ struct Prepared {
 }
 
 impl Prepared {
-    fn view(&self) -> View<'_> {
-        View { model: self.model, prediction: self.prediction.clone(), session: self.session.as_deref(), text: self.text.as_deref() }
+    fn view<'a>(&'a self, subset: Option<&'a [SocketAddr]>) -> View<'a> {
+        let (session, text) = (self.session.as_deref(), self.text.as_deref());
+        View { model: self.model, prediction: self.prediction.clone(), session, text, subset }
     }
 }
 
@@ -213,10 +215,18 @@ impl Router {
         self.names.get(name).copied()
     }
 
-    /// Decides where a generation request goes, and leases the winner under `request_id`.
-    pub async fn decide(&self, body: &[u8], endpoint: Endpoint, request_id: &str, session: Option<&str>) -> Result<Decision, RouteError> {
+    /// Decides where a generation request goes, among `subset` when the
+    /// gateway offered one, and leases the winner under `request_id`.
+    pub async fn decide(
+        &self,
+        body: &[u8],
+        endpoint: Endpoint,
+        request_id: &str,
+        session: Option<&str>,
+        subset: Option<&[SocketAddr]>,
+    ) -> Result<Decision, RouteError> {
         let started = Instant::now();
-        let result = self.decide_inner(body, endpoint, request_id, session).await;
+        let result = self.decide_inner(body, endpoint, request_id, session, subset).await;
         let policy = match &result {
             Ok(d) => d.policy,
             Err(_) => "none",
@@ -236,10 +246,17 @@ impl Router {
         Some(Report { at: s.at.saturating_duration_since(self.clock), load })
     }
 
-    async fn decide_inner(&self, body: &[u8], endpoint: Endpoint, request_id: &str, session: Option<&str>) -> Result<Decision, RouteError> {
+    async fn decide_inner(
+        &self,
+        body: &[u8],
+        endpoint: Endpoint,
+        request_id: &str,
+        session: Option<&str>,
+        subset: Option<&[SocketAddr]>,
+    ) -> Result<Decision, RouteError> {
         let read = self.prepare(body, endpoint, session).await?;
         let model = &self.core.models[read.model];
-        let (plan, committed) = self.core.decide(&read.view(), &read.fleet, &|r: &Replica| self.report(&r.id), self.now())?;
+        let (plan, committed) = self.core.decide(&read.view(subset), &read.fleet, &|r: &Replica| self.report(&r.id), self.now())?;
         record_plan(&plan);
         let (policy, steer, prompt_tokens) = (plan.policy, plan.steer, plan.prompt_tokens());
         if let Some(&cached) = committed.cached_tokens.first() {
@@ -267,7 +284,7 @@ impl Router {
     /// changing nothing: every offered replica is in the plan's order.
     pub async fn explain(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>) -> Result<Explained, RouteError> {
         let read = self.prepare(body, endpoint, session).await?;
-        let plan = self.core.plan_all(&read.view(), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
+        let plan = self.core.plan_all(&read.view(None), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
         Ok(Explained { requested: read.requested, no_prediction: read.no_prediction, plan })
     }
 

@@ -33,7 +33,7 @@ async fn at_full_sampling_under_1000_decisions_a_second_every_decision_is_logged
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     for i in 0..1_000 {
         tick.tick().await;
-        let d = r.decide(BODY, Endpoint::Chat, &format!("req-{i}"), None).await.unwrap();
+        let d = r.decide(BODY, Endpoint::Chat, &format!("req-{i}"), None, None).await.unwrap();
         r.forget(&d.request_id);
     }
     let log = r.decision_log.as_ref().unwrap();
@@ -84,7 +84,7 @@ async fn a_writer_that_cannot_keep_up_costs_lines_counted_never_a_wait() {
     let r = router(&fifo, 1.0, 8);
     let _unread = reader.join().unwrap();
     for i in 0..2_000 {
-        let d = r.decide(BODY, Endpoint::Chat, &format!("req-{i}"), None).await.unwrap();
+        let d = r.decide(BODY, Endpoint::Chat, &format!("req-{i}"), None, None).await.unwrap();
         r.forget(&d.request_id);
     }
     // Had a decision waited for the writer, this test would never get here.

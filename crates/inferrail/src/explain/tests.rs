@@ -32,7 +32,7 @@ replicas:
     for id in ["a", "b"] {
         r.loads.insert(id, Snapshot { at: Instant::now(), load });
     }
-    let first = r.decide(BODY, Endpoint::Completions, "1", None).await.unwrap();
+    let first = r.decide(BODY, Endpoint::Completions, "1", None, None).await.unwrap();
     let (took, other) = (first.targets[0].id.clone(), first.targets[1].id.clone());
     let n = first.prompt_tokens.unwrap() as u64;
     let cached = (n - 1) / 4 * 4;

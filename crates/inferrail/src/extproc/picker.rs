@@ -28,6 +28,7 @@ const SERVED: &str = "x-gateway-destination-endpoint-served";
 pub(super) async fn serve(ext: &ExtProc, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>, tx: mpsc::Sender<Out>) {
     let Some(Request::RequestHeaders(h)) = first.request else { return };
     let head = request::head(h.headers.as_ref());
+    let subset = subset(&first.metadata_context);
     let generation = match ext.own_answer(&head) {
         Ok(generation) => generation,
         Err(answer) => return answer_and_drain(*answer, inbound, tx).await,
@@ -50,7 +51,7 @@ pub(super) async fn serve(ext: &ExtProc, first: ProcessingRequest, mut inbound: 
             Ok(None) | Err(_) => return,
         }
     }
-    let (d, traceparent) = match ext.decide(&head, &body, generation, &request_id).await {
+    let (d, traceparent) = match ext.decide(&head, &body, generation, &request_id, subset.as_deref()).await {
         Ok(decided) => decided,
         Err(answer) => return answer_and_drain(*answer, inbound, tx).await,
     };
@@ -138,7 +139,7 @@ impl Response {
 }
 
 /// The endpoint that served, as the gateway reports it in `envoy.lb`.
-fn served(metadata: &Option<envoy_types::pb::envoy::config::core::v3::Metadata>) -> Option<String> {
+fn served(metadata: &Option<Metadata>) -> Option<String> {
     let lb = metadata.as_ref()?.filter_metadata.get("envoy.lb")?;
     match &lb.fields.get(SERVED)?.kind {
         Some(Kind::StringValue(s)) => Some(s.clone()),

@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::Ex
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, ProcessingResponse, ProtocolConfiguration, body_mutation};
-use envoy_types::pb::google::protobuf::{Struct, Value};
+use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
 use inferrail_config::Config;
 use inferrail_route::lifecycle::Usage;
 use tonic::transport::Channel;
@@ -273,4 +273,44 @@ async fn a_full_duplex_request_with_trailers_leaves_the_end_of_its_body_to_them(
     assert!(matches!(stream.rx.message().await.unwrap().unwrap().response, Some(Response::RequestTrailers(_))));
     stream.close().await;
     assert_eq!(router.leases_held(), 1, "no response came: its grace has begun");
+}
+
+/// Request metadata carrying a gateway's subset hint.
+fn subset_hint(hint: Value) -> Option<Metadata> {
+    let fields = HashMap::from([("x-gateway-destination-endpoint-subset".to_string(), hint)]);
+    Some(Metadata { filter_metadata: HashMap::from([("envoy.lb.subset_hint".to_string(), Struct { fields })]), ..Default::default() })
+}
+
+/// Sends a full-duplex completion with `metadata`; returns the first answer.
+async fn picked(client: &mut ExternalProcessorClient<Channel>, metadata: Option<Metadata>) -> ProcessingResponse {
+    let mut stream = Stream::open(client).await;
+    let head = headers(&[(":method", "POST"), (":path", "/v1/completions")]);
+    let first = ProcessingRequest {
+        metadata_context: metadata,
+        ..full_duplex(Request::RequestHeaders(HttpHeaders { headers: head, ..Default::default() }))
+    };
+    stream.send(first).await;
+    stream.send(message(Request::RequestBody(body(br#"{"model": "m", "prompt": "x"}"#, true)))).await;
+    stream.rx.message().await.unwrap().unwrap()
+}
+
+#[tokio::test]
+async fn a_subset_hint_limits_the_pick_and_one_naming_no_replica_gets_a_503() {
+    let (_router, mut client) = serve().await;
+    let list = Value { kind: Some(Kind::ListValue(ListValue { values: vec![string("127.0.0.1:8002"), string("10.1.1.1:80")] })) };
+    for hint in [list, string("127.0.0.1:8002, 10.1.1.1:80")] {
+        for _ in 0..2 {
+            let answer = picked(&mut client, subset_hint(hint.clone())).await;
+            let lb = &answer.dynamic_metadata.unwrap().fields["envoy.lb"];
+            let Some(Kind::StructValue(lb)) = &lb.kind else { panic!("envoy.lb is a struct") };
+            let Some(Kind::StringValue(targets)) = &lb.fields[crate::reply::DESTINATION].kind else { panic!("a string") };
+            assert_eq!(targets, "127.0.0.1:8002", "only the offered replica, round robin or not");
+        }
+    }
+    for hint in [Value { kind: Some(Kind::ListValue(ListValue::default())) }, string("10.1.1.1:80")] {
+        let answer = picked(&mut client, subset_hint(hint)).await;
+        let Some(Response::ImmediateResponse(refused)) = answer.response else { panic!("an immediate answer: {answer:?}") };
+        assert_eq!(refused.status.unwrap().code, 503);
+        assert!(String::from_utf8(refused.body).unwrap().contains("among the endpoints the gateway offered"));
+    }
 }

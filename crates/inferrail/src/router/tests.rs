@@ -28,8 +28,8 @@ fn ids(d: &Decision) -> Vec<&str> {
 #[tokio::test]
 async fn round_robin_names_the_winner_and_distinct_fallbacks() {
     let r = router("round_robin", 2);
-    let a = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "1", None).await.unwrap();
-    let b = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "2", None).await.unwrap();
+    let a = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "1", None, None).await.unwrap();
+    let b = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "2", None, None).await.unwrap();
     assert_eq!(ids(&a), ["r1", "r2", "r3"]);
     assert_eq!(ids(&b), ["r2", "r3", "r1"]);
     assert_eq!(a.policy, "round_robin");
@@ -39,28 +39,28 @@ async fn round_robin_names_the_winner_and_distinct_fallbacks() {
 #[tokio::test]
 async fn aliases_and_a_missing_model_are_rewritten_in_the_body() {
     let r = router("round_robin", 0);
-    let d = r.decide(br#"{"model": "b", "prompt": "x"}"#, Endpoint::Completions, "1", None).await.unwrap();
+    let d = r.decide(br#"{"model": "b", "prompt": "x"}"#, Endpoint::Completions, "1", None, None).await.unwrap();
     assert_eq!(d.body.as_deref(), Some(&br#"{"model": "big", "prompt": "x"}"#[..]));
     assert_eq!(d.targets.len(), 1);
-    assert_eq!(r.decide(br#"{"prompt": "x"}"#, Endpoint::Completions, "2", None).await.unwrap_err(), RouteError::MissingModel);
+    assert_eq!(r.decide(br#"{"prompt": "x"}"#, Endpoint::Completions, "2", None, None).await.unwrap_err(), RouteError::MissingModel);
     assert_eq!(
-        r.decide(br#"{"model": "huge"}"#, Endpoint::Completions, "3", None).await.unwrap_err(),
+        r.decide(br#"{"model": "huge"}"#, Endpoint::Completions, "3", None, None).await.unwrap_err(),
         RouteError::UnknownModel("huge".into())
     );
-    assert!(matches!(r.decide(b"not json", Endpoint::Completions, "4", None).await.unwrap_err(), RouteError::Body(_)));
+    assert!(matches!(r.decide(b"not json", Endpoint::Completions, "4", None, None).await.unwrap_err(), RouteError::Body(_)));
 }
 
 #[tokio::test]
 async fn only_replicas_with_room_that_serve_the_model_are_offered() {
     let r = router("least_request", 2);
-    let small = r.decide(br#"{"model":"small"}"#, Endpoint::Completions, "s", None).await.unwrap();
+    let small = r.decide(br#"{"model":"small"}"#, Endpoint::Completions, "s", None, None).await.unwrap();
     assert_eq!(ids(&small), ["r2"]);
     // r1 takes at most 2; fill it and it is never offered again.
     let fleet = r.fleet();
     let r1 = fleet.replicas.iter().find(|x| x.id == "r1").unwrap().clone();
     let _held: Vec<Lease> = (0..2).map(|_| Lease::new(r1.clone(), 0, 0)).collect();
     for i in 0..20 {
-        let d = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, &format!("b{i}"), None).await.unwrap();
+        let d = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, &format!("b{i}"), None, None).await.unwrap();
         assert!(!ids(&d).contains(&"r1"), "{:?}", ids(&d));
         r.forget(&format!("b{i}"));
     }
@@ -69,7 +69,7 @@ async fn only_replicas_with_room_that_serve_the_model_are_offered() {
 #[tokio::test]
 async fn leases_follow_the_request_and_are_released_at_its_end() {
     let r = router("least_request", 1);
-    let d = r.decide(br#"{"model":"small"}"#, Endpoint::Completions, "x", None).await.unwrap();
+    let d = r.decide(br#"{"model":"small"}"#, Endpoint::Completions, "x", None, None).await.unwrap();
     assert_eq!(d.targets[0].in_flight(), 1);
     assert_eq!(r.leases_held(), 1);
     drop(r.forget("x"));
@@ -84,17 +84,17 @@ async fn an_unhealthy_fleet_is_reported_as_such() {
         rep.set_probe(false);
     }
     assert_eq!(
-        r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "x", None).await.unwrap_err(),
+        r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "x", None, None).await.unwrap_err(),
         RouteError::NoReplica(NoReplica::AllUnhealthy)
     );
-    assert_eq!(r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "x", None).await.unwrap_err().http().0, 503);
+    assert_eq!(r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "x", None, None).await.unwrap_err().http().0, 503);
 }
 
 #[tokio::test]
 async fn a_request_id_already_in_flight_gets_a_fresh_one() {
     let r = router("round_robin", 0);
-    let a = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "dup", None).await.unwrap();
-    let b = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "dup", None).await.unwrap();
+    let a = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "dup", None, None).await.unwrap();
+    let b = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "dup", None, None).await.unwrap();
     assert_eq!(a.request_id, "dup");
     assert_eq!(b.request_id, "dup.1");
     assert_eq!(r.leases_held(), 2);
@@ -105,10 +105,10 @@ async fn a_request_id_already_in_flight_gets_a_fresh_one() {
 #[tokio::test]
 async fn a_null_model_is_replaced_where_it_sits() {
     let r = router("round_robin", 0);
-    assert_eq!(r.decide(br#"{"model": null}"#, Endpoint::Completions, "x", None).await.unwrap_err(), RouteError::MissingModel);
+    assert_eq!(r.decide(br#"{"model": null}"#, Endpoint::Completions, "x", None, None).await.unwrap_err(), RouteError::MissingModel);
     let single =
         Router::new(Config::parse("models: [{name: only}]\nreplicas: [{id: a, address: 127.0.0.1:1, models: [only]}]\n").unwrap()).unwrap();
-    let d = single.decide(br#"{"model": null, "prompt": "p"}"#, Endpoint::Completions, "y", None).await.unwrap();
+    let d = single.decide(br#"{"model": null, "prompt": "p"}"#, Endpoint::Completions, "y", None, None).await.unwrap();
     assert_eq!(d.body.as_deref(), Some(&br#"{"model": "only", "prompt": "p"}"#[..]));
 }
 
@@ -123,18 +123,18 @@ replicas:
 ";
     let r = Router::new(Config::parse(yaml).unwrap()).unwrap();
     let body = br#"{"model": "m", "prompt": "The quick brown fox jumps over the lazy dog, again and again.", "max_tokens": 1}"#;
-    let first = r.decide(body, Endpoint::Completions, "1", None).await.unwrap();
+    let first = r.decide(body, Endpoint::Completions, "1", None, None).await.unwrap();
     let n = first.prompt_tokens.unwrap();
     assert_eq!(n, inferrail_tokenize::sim::encode("The quick brown fox jumps over the lazy dog, again and again.").len());
     assert_eq!(first.cached_tokens, [0, 0]);
     assert_eq!(ids(&first), ["a", "b"]);
     // Round robin: b takes the second, and a holds the prompt in 4-token blocks, never its last token.
-    let second = r.decide(body, Endpoint::Completions, "2", None).await.unwrap();
+    let second = r.decide(body, Endpoint::Completions, "2", None, None).await.unwrap();
     assert_eq!(ids(&second), ["b", "a"]);
     assert_eq!(second.cached_tokens, [0, (n - 1) / 4 * 4]);
-    let third = r.decide(body, Endpoint::Completions, "3", None).await.unwrap();
+    let third = r.decide(body, Endpoint::Completions, "3", None, None).await.unwrap();
     assert_eq!(third.cached_tokens, [(n - 1) / 4 * 4, (n - 1) / 8 * 8]);
     // A model without a tokenizer, or a body the tokenizer cannot follow, is routed without a prediction.
-    let batch = r.decide(br#"{"model": "m", "prompt": ["a", "b"]}"#, Endpoint::Completions, "4", None).await.unwrap();
+    let batch = r.decide(br#"{"model": "m", "prompt": ["a", "b"]}"#, Endpoint::Completions, "4", None, None).await.unwrap();
     assert_eq!((batch.prompt_tokens, batch.cached_tokens.len()), (None, 0));
 }

@@ -109,7 +109,7 @@ async fn a_decision_span_continues_the_clients_trace_and_names_the_engines_paren
     let router = std::sync::Arc::new(router(&endpoint, 1.0));
     let traces = router.traces.as_ref().unwrap();
     let started = SystemTime::now();
-    let d = router.decide(BODY, Endpoint::Chat, "req-1", None).await.unwrap();
+    let d = router.decide(BODY, Endpoint::Chat, "req-1", None, None).await.unwrap();
     let client = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
     let engine = traces.decision(Some(&client), started, &d);
 
@@ -147,10 +147,10 @@ async fn a_refused_request_is_a_failed_span_and_an_unsampled_client_trace_stays_
     let router = std::sync::Arc::new(router(&endpoint, 1.0));
     let traces = router.traces.as_ref().unwrap();
     let client = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
-    let e = router.decide(br#"{"model": "nope"}"#, Endpoint::Chat, "req-2", None).await.unwrap_err();
+    let e = router.decide(br#"{"model": "nope"}"#, Endpoint::Chat, "req-2", None, None).await.unwrap_err();
     traces.refused(Some(&client), SystemTime::now(), &e);
     // The client decided not to sample: the engine hears so, and nothing is exported.
-    let d = router.decide(BODY, Endpoint::Chat, "req-3", None).await.unwrap();
+    let d = router.decide(BODY, Endpoint::Chat, "req-3", None, None).await.unwrap();
     let unsampled = traces.decision(Some(&format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-00")), SystemTime::now(), &d);
     assert!(unsampled.starts_with(&format!("00-{CLIENT_TRACE}-")) && unsampled.ends_with("-00"), "{unsampled}");
     // A malformed traceparent is ignored: a new trace.
@@ -174,7 +174,7 @@ async fn a_dead_collector_costs_decisions_nothing_and_export_resumes_when_it_ans
     // decision waited for the collector or for room in the queue, this loop
     // would not finish.
     for i in 0..3_000 {
-        let d = router.decide(BODY, Endpoint::Chat, &format!("r{i}"), None).await.unwrap();
+        let d = router.decide(BODY, Endpoint::Chat, &format!("r{i}"), None, None).await.unwrap();
         let engine = traces.decision(None, SystemTime::now(), &d);
         assert_eq!(engine.len(), 55);
         router.forget(&d.request_id);
@@ -193,7 +193,7 @@ async fn a_dead_collector_costs_decisions_nothing_and_export_resumes_when_it_ans
 
     // The collector comes up on that port: export resumes.
     let (_, mut rx) = receiver_on(port).await;
-    let d = router.decide(BODY, Endpoint::Chat, "after", None).await.unwrap();
+    let d = router.decide(BODY, Endpoint::Chat, "after", None, None).await.unwrap();
     let engine = traces.decision(None, SystemTime::now(), &d);
     let spans = flushed(&router, &mut rx).await;
     assert!(spans.iter().any(|s| engine.contains(&hex(&s.span_id))), "{spans:#?}");
