@@ -48,8 +48,7 @@ fn answer(path: &str, router: &Router, metrics: &PrometheusHandle) -> Response<F
         }
         "/healthz" => (StatusCode::OK, "text/plain", "ok\n".to_string()),
         "/readyz" => {
-            let now = router.now_ms();
-            if router.fleet().replicas.iter().any(|r| r.healthy(now)) {
+            if router.ready() {
                 (StatusCode::OK, "text/plain", "ready\n".to_string())
             } else {
                 (StatusCode::SERVICE_UNAVAILABLE, "text/plain", "no healthy replica\n".to_string())

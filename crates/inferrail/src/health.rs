@@ -1,6 +1,6 @@
 //! Background work on the fleet: active `/health` probes, passive ejection
-//! when requests fail, per-replica gauges, and the engines' model cards for
-//! `/v1/models`.
+//! when requests fail, per-replica gauges, the router's own gRPC health
+//! services, and the engines' model cards for `/v1/models`.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,8 +8,12 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use serde_json::{Value, json};
 
+use crate::extproc::ExtProc;
 use crate::router::Router;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use inferrail_route::fleet::{Replica, may_eject};
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
 
 /// A request to `replica` failed upstream: count it, and eject the replica
 /// after enough failures in a row, within the ejection budget.
@@ -24,6 +28,34 @@ pub fn request_failed(router: &Router, replica: &Arc<Replica>) {
         let ms = replica.eject(now, cfg);
         metrics::counter!("inferrail_ejections_total", "replica" => replica.id.clone()).increment(1);
         tracing::warn!(replica = %replica.id, ejected_ms = ms, "ejected after consecutive failures");
+    }
+}
+
+/// The gRPC health services the Endpoint Picker Protocol names besides the
+/// overall one (""): `readiness` and the ext_proc service itself say whether
+/// the router can route (some replica is healthy), so a gateway stops
+/// sending to a picker that could only refuse; `liveness` says it is up.
+/// With several routers every one is ready: they route side by side, with
+/// no leader to wait for.
+pub async fn publish_grpc_health(reporter: &HealthReporter, ready: bool) {
+    const READY: [&str; 3] = ["", "readiness", <ExternalProcessorServer<ExtProc> as tonic::server::NamedService>::NAME];
+    reporter.set_service_status("liveness", ServingStatus::Serving).await;
+    let status = if ready { ServingStatus::Serving } else { ServingStatus::NotServing };
+    for name in READY {
+        reporter.set_service_status(name, status).await;
+    }
+}
+
+/// Keeps the gRPC health services current (every 100 ms) from what it first published, `ready`.
+pub async fn grpc_health_loop(router: Arc<Router>, reporter: HealthReporter, mut ready: bool) {
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if router.ready() != ready {
+            ready = !ready;
+            publish_grpc_health(&reporter, ready).await;
+        }
     }
 }
 

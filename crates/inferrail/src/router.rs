@@ -384,6 +384,13 @@ impl Router {
         metrics::histogram!("inferrail_request_duration_seconds").record(outcome.duration.as_secs_f64());
     }
 
+    /// Whether it can route: some replica is healthy (`/readyz`, and the
+    /// picker protocol's `readiness`).
+    pub fn ready(&self) -> bool {
+        let now = self.now_ms();
+        self.fleet().replicas.iter().any(|r| r.healthy(now))
+    }
+
     /// Requests tracked now.
     pub fn leases_held(&self) -> usize {
         self.ledger.len()

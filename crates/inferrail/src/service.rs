@@ -84,7 +84,8 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
     let models = Arc::new(ArcSwap::from_pointee(health::models_json(&router, &[])));
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter.set_serving::<ExternalProcessorServer<ExtProc>>().await;
+    let ready = router.ready();
+    health::publish_grpc_health(&health_reporter, ready).await;
     let ext_proc = ExternalProcessorServer::new(ExtProc::new(router.clone(), models.clone())).max_decoding_message_size(64 << 20);
     // Envoy sends every request's whole body on one HTTP/2 connection: with
     // hyper's 1 MiB connection window, twenty 220 KB bodies in flight would
@@ -119,6 +120,7 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         tokio::spawn(health::cards_loop(router.clone(), models)),
         tokio::spawn(discovery::run(router.clone())),
         tokio::spawn(sweep_loop(router.clone())),
+        tokio::spawn(health::grpc_health_loop(router.clone(), health_reporter, ready)),
     ];
     Ok(Running { grpc, admin, admin_grpc, router, server, stopping, grace, background })
 }
@@ -156,3 +158,6 @@ impl Running {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
