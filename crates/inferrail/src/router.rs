@@ -123,6 +123,9 @@ impl RouteError {
             Self::MissingModel => (400, "BadRequestError", Some("model")),
             Self::UnknownModel(_) => (404, "NotFoundError", Some("model")),
             Self::TooLarge(_) => (413, "BadRequestError", None),
+            // Shed: every replica that could serve it is at its limits (the picker protocol's 429).
+            Self::NoReplica(NoReplica::AllFull) => (429, "RateLimitError", None),
+            // No endpoint is ready for it.
             Self::NoReplica(_) => (503, "ServiceUnavailableError", None),
         }
     }
