@@ -24,7 +24,7 @@ MODEL = "inferrail/sim-8b"
 
 class Fleet:
     def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
-                 kv_events=None, routers=1, filters=None):
+                 kv_events=None, routers=1, filters=None, envoy_edit=None):
         """`kv_events`, to publish and follow KV events: a dict with `bind`
         ("router": the router binds and the engines connect, vLLM's way with
         an IP endpoint; "engine": the engines bind `tcp://*:port` and the
@@ -35,7 +35,8 @@ class Fleet:
         `skip` ({sim index: `--kv-events-skip` value}) and `template` (more
         fields of the router's `kv_events`, YAML flow text). `filters`, YAML
         text of http filters that stand in for envoy/local.yaml's two
-        inferrail filters (as a gateway would write them)."""
+        inferrail filters (as a gateway would write them); `envoy_edit`, a
+        function that changes the rest of the bootstrap's text."""
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
@@ -74,6 +75,8 @@ class Fleet:
             envoy, n = re.subn(r"          # 1\. The decision.*?(?=          - name: envoy\.filters\.http\.router)", lambda _: filters, envoy,
                                flags=re.S)
             assert n == 1, "envoy/local.yaml's inferrail filters should stand before the router filter"
+        if envoy_edit is not None:
+            envoy = envoy_edit(envoy)
         if routers > 1:
             # The ext_proc cluster gets every router; Envoy's default balancing is round robin, stream by stream.
             one = f"{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {self.grpc}}}}}}}}}"

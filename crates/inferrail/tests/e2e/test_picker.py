@@ -11,6 +11,15 @@ bodies, SEND headers and trailers, message_timeout 1000s; failure_mode_allow
 true only for a FailOpen pool). Here they sit on the filter itself, which is
 the same configuration for every route. The replica cluster is the
 override-host one of envoy/local.yaml, reading `envoy.lb`, as Istio's is.
+
+Envoy AI Gateway's InferencePool support
+(`internal/extensionserver/inferencepool.go`) writes the same modes with
+message_timeout 300s, fail-closed, and no metadata options, so the
+`envoy.lb` metadata never arrives: it routes with an ORIGINAL_DST cluster
+that reads the `x-gateway-destination-endpoint` header. That cluster takes
+one `ip:port`: with a fallback in the header (`a,b`) Envoy answered 503 ("no
+original_dst") to every request, measured here. Behind it Inferrail runs
+with `retry: {fallbacks: 0}`.
 """
 import json
 
@@ -36,6 +45,27 @@ ISTIO = """\
                 forwarding_namespaces: {untyped: [envoy.lb]}
 """
 
+AI_GATEWAY = ISTIO.replace("message_timeout: 1000s", "message_timeout: 300s").split("              metadata_options:")[0]
+
+
+def original_dst(envoy):
+    """The route goes to an ORIGINAL_DST cluster keyed on the destination header, as AI Gateway's does."""
+    envoy = envoy.replace("cluster: replicas", "cluster: original_dst", 1)
+    return envoy.replace("  clusters:\n", """  clusters:
+  - name: original_dst
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 0.5s
+    original_dst_lb_config: {use_http_header: true, http_header_name: x-gateway-destination-endpoint}
+""", 1)
+
+
+GATEWAYS = {
+    "own": {},
+    "istio": {"filters": ISTIO},
+    "envoy-ai-gateway": {"filters": AI_GATEWAY, "envoy_edit": original_dst, "config_extra": "retry: {fallbacks: 0}\n"},
+}
+
 
 def outcomes(fleet, outcome):
     """inferrail_requests_total over every model and replica, for one outcome."""
@@ -43,20 +73,21 @@ def outcomes(fleet, outcome):
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
-def test_as_a_gateways_picker_cost_model_keeps_the_shared_prompts_cached_as_with_its_own_filters(fleet_factory):
+def test_as_each_gateways_picker_cost_model_keeps_the_shared_prompts_cached_as_with_its_own_filters(fleet_factory):
     shares = {}
-    for name, filters in [("own", None), ("istio", ISTIO)]:
-        fleet = make(fleet_factory, "cost_model", filters=filters)
+    for name, gateway in GATEWAYS.items():
+        fleet = make(fleet_factory, "cost_model", **gateway)
         before = outcomes(fleet, "ok")
         shares[name], _ = run(fleet)
-        if name == "istio":
+        if name != "own":
             # Every request's status, first byte and end came on its one stream: counted as served, nothing held.
             wait_until(lambda: outcomes(fleet, "ok") == before + 120, "every request counted once as served")
             assert fleet.metric("inferrail_leases") == 0
             assert fleet.envoy_stat("failure_mode_allowed") == 0
         fleet.stop()
-    assert shares["istio"] >= 0.80, shares
-    assert abs(shares["istio"] - shares["own"]) <= 0.02, shares
+    for name in ["istio", "envoy-ai-gateway"]:
+        assert shares[name] >= 0.80, shares
+        assert abs(shares[name] - shares["own"]) <= 0.02, shares
 
 
 def test_as_a_gateways_picker_bodies_pass_unchanged_both_ways(fleet_factory):
