@@ -21,7 +21,10 @@ one `ip:port`: with a fallback in the header (`a,b`) Envoy answered 503 ("no
 original_dst") to every request, measured here. Behind it Inferrail runs
 with `retry: {fallbacks: 0}`.
 """
+import http.client as httpc
 import json
+
+import pytest
 
 from conftest import http, wait_until
 from test_cache_routing import make, run
@@ -111,3 +114,46 @@ def test_as_a_gateways_picker_bodies_pass_unchanged_both_ways(fleet_factory):
     assert r.status == 404 and json.loads(r.body)["error"]["type"] == "NotFoundError", r.body
     wait_until(lambda: outcomes(fleet, "ok") == before + 2, "both served requests counted")
     assert fleet.metric("inferrail_leases") == 0
+
+
+def sim_prompt_tokens(fleet):
+    """Prompt tokens the engines have taken in, all three together."""
+    pages = [http("GET", fleet.sim_url(i) + "/metrics").body.decode() for i in range(3)]
+    return sum(float(line.split()[-1]) for page in pages for line in page.splitlines() if line.startswith("vllm:prompt_tokens_total"))
+
+
+def test_as_a_gateways_picker_a_router_killed_mid_body_fails_the_request_but_never_forwards_a_piece(fleet_factory):
+    # Fail-closed, and FailOpen too: Envoy fails a full-duplex stream closed once a body chunk went to the picker (ADR 0030).
+    for filters in [ISTIO, ISTIO.replace("failure_mode_allow: false", "failure_mode_allow: true")]:
+        fleet = make(fleet_factory, "cost_model", filters=filters)
+        body = json.dumps({"model": "sim", "prompt": "".join(f"w{i:05d} " for i in range(600)), "max_tokens": 1}).encode()
+        before, started = sim_prompt_tokens(fleet), fleet.envoy_stat("streams_started")
+        c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=15)
+        c.putrequest("POST", "/v1/completions")
+        c.putheader("content-type", "application/json")
+        c.putheader("content-length", str(len(body)))
+        c.endheaders()
+        c.send(body[:2000])
+        wait_until(lambda: fleet.envoy_stat("streams_started") > started, "the picker stream for the request")
+        fleet.kill("inferrail")
+        wait_until(lambda: fleet.envoy_stat("streams_failed") > 0, "Envoy to see the picker gone")
+        c.send(body[2000:])
+        r = c.getresponse()
+        assert r.status == 500, (r.status, r.read()[:200])
+        assert sim_prompt_tokens(fleet) == before, "no engine got any of it"
+        fleet.stop()
+
+
+def test_as_a_gateways_picker_a_router_killed_mid_response_cuts_the_stream(fleet_factory):
+    # Every response byte passes through the picker: its death ends the response where it was (ADR 0030).
+    fleet = make(fleet_factory, "cost_model", latency=True, filters=ISTIO)
+    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=15)
+    c.request("POST", "/v1/completions", body=json.dumps({"model": "sim", "prompt": "x", "max_tokens": 100, "stream": True}),
+              headers={"content-type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    first = r.read1(100)
+    fleet.kill("inferrail")
+    with pytest.raises(httpc.IncompleteRead) as cut:
+        r.read()
+    assert b"[DONE]" not in first + cut.value.partial

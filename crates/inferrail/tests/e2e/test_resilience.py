@@ -149,3 +149,45 @@ def test_sigterm_lets_open_requests_finish_then_envoy_falls_back(fleet_factory):
     # New requests are served without it, by Envoy's round robin.
     resp = http("POST", f"{fleet.url}/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
     assert resp.status == 200 and "x-inferrail-replica" not in resp.headers
+
+
+def test_a_router_killed_mid_response_cuts_no_stream(fleet_factory):
+    # The route stream carries no response bytes: killing the router after the
+    # decision leaves the response to Envoy and the engine.
+    fleet = fleet_factory(sim_flags=["--decode-token-ms", "10"])
+    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+    c.request("POST", "/v1/completions", body=json.dumps({"model": "sim", "prompt": "x", "max_tokens": 100, "stream": True}),
+              headers={"content-type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200 and r.getheader("x-inferrail-replica")
+    first = r.read1(100)
+    fleet.kill("inferrail")
+    body = (first + r.read()).decode()
+    assert body.endswith("data: [DONE]\n\n") and body.count("data: ") == 101, "100 tokens, then [DONE]"
+
+
+def test_a_stalled_router_holds_a_request_only_until_the_message_timeout(fleet_factory):
+    # SIGSTOP after the headers and half the body: the route filter's
+    # message_timeout (1 s) lets the request through by Envoy's own balancing, whole.
+    fleet = fleet_factory()
+    prompt = "".join(f"w{i:05d} " for i in range(1500))
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+    started, timeouts = fleet.envoy_stat("streams_started"), fleet.envoy_stat("message_timeouts")
+    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=15)
+    c.putrequest("POST", "/v1/completions")
+    c.putheader("content-type", "application/json")
+    c.putheader("content-length", str(len(body)))
+    c.endheaders()
+    c.send(body[:4000])
+    wait_until(lambda: fleet.envoy_stat("streams_started") > started, "the route stream for the request")
+    fleet.procs["inferrail"].send_signal(signal.SIGSTOP)
+    try:
+        c.send(body[4000:])
+        r = c.getresponse()
+        reply = json.loads(r.read())
+        assert r.status == 200, reply
+        assert fleet.envoy_stat("message_timeouts") > timeouts, "the router never answered: Envoy timed it out"
+    finally:
+        fleet.procs["inferrail"].send_signal(signal.SIGCONT)
+    direct = http("POST", f"{fleet.sim_url(0)}/v1/completions", body).json()
+    assert reply["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
