@@ -394,6 +394,8 @@ pub struct Replica {
     pub kv_blocks: Option<usize>,
     /// Its KV events, when not from the `kv_events` template.
     pub kv_events: Option<ReplicaKvEvents>,
+    /// Draining: it finishes its requests and is offered no new one.
+    pub drain: bool,
 }
 
 impl Default for Replica {
@@ -408,6 +410,7 @@ impl Default for Replica {
             block_size: None,
             kv_blocks: None,
             kv_events: None,
+            drain: false,
         }
     }
 }

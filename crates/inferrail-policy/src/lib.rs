@@ -161,6 +161,8 @@ pub enum SetAside {
     },
     /// Not among the endpoints the gateway offered for this request (its subset hint).
     OutsideSubset,
+    /// Draining: it finishes what it has and takes nothing new.
+    Draining,
 }
 
 impl SetAside {
@@ -173,6 +175,7 @@ impl SetAside {
             Self::KvPressure { .. } => "kv_pressure",
             Self::KvRoom { .. } => "kv_room",
             Self::OutsideSubset => "outside_subset",
+            Self::Draining => "draining",
         }
     }
 }
@@ -189,6 +192,9 @@ pub enum NoReplica {
     /// Every healthy replica is at its concurrency or pending limit.
     #[error("every healthy replica of this model is at capacity")]
     AllFull,
+    /// Every healthy replica is draining.
+    #[error("every healthy replica of this model is draining")]
+    AllDraining,
     /// None of the endpoints the gateway offered can take it.
     #[error("no replica among the endpoints the gateway offered can take this request")]
     NoneInSubset,
@@ -202,6 +208,7 @@ impl NoReplica {
             Self::AllUnhealthy => "all_unhealthy",
             Self::AllFull => "all_full",
             Self::NoneInSubset => "none_in_subset",
+            Self::AllDraining => "all_draining",
         }
     }
 }

@@ -54,6 +54,7 @@ pub struct Replica {
     /// (the engine freed its blocks).
     sent_kv: Mutex<VecDeque<(Duration, Arc<AtomicU64>)>>,
     probe_ok: AtomicBool,
+    draining: AtomicBool,
     failures: AtomicU32,
     ejections: AtomicU32,
     ejected_until_ms: AtomicU64,
@@ -117,6 +118,7 @@ impl Replica {
             pending_prefill_us: AtomicU64::new(0),
             sent_kv: Mutex::new(VecDeque::new()),
             probe_ok: AtomicBool::new(true),
+            draining: AtomicBool::new(false),
             failures: AtomicU32::new(0),
             ejections: AtomicU32::new(0),
             ejected_until_ms: AtomicU64::new(0),
@@ -231,6 +233,16 @@ impl Replica {
             unreported_kv_tokens: engine.map_or(0, |e| self.sent_kv_since(e.at)),
             engine: engine.map(|e| e.load),
         }
+    }
+
+    /// Whether it is draining: it finishes its requests and is offered no new one.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Starts or ends its drain; returns whether that changed anything.
+    pub fn set_draining(&self, draining: bool) -> bool {
+        self.draining.swap(draining, Ordering::Relaxed) != draining
     }
 
     /// Records a probe result; returns whether the probe state changed.

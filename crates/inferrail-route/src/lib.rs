@@ -336,17 +336,15 @@ impl Core {
             })
             .collect();
         let mut aside = vec![None; candidates.len()];
-        let mut unavailable = eligibility(&candidates, &mut aside).err();
-        if let (None, Some(subset)) = (unavailable, view.subset) {
-            for (r, a) in replicas.iter().zip(aside.iter_mut()) {
-                if a.is_none() && !subset.contains(&r.addr) {
-                    *a = Some(SetAside::OutsideSubset);
+        let unavailable = eligibility(&candidates, &mut aside)
+            .and_then(|()| restrict(replicas, &mut aside, Replica::draining, SetAside::Draining, NoReplica::AllDraining))
+            .and_then(|()| match view.subset {
+                Some(subset) => {
+                    restrict(replicas, &mut aside, |r| !subset.contains(&r.addr), SetAside::OutsideSubset, NoReplica::NoneInSubset)
                 }
-            }
-            if aside.iter().all(Option::is_some) {
-                unavailable = Some(NoReplica::NoneInSubset);
-            }
-        }
+                None => Ok(()),
+            })
+            .err();
         let mut plan = Plan {
             model: view.model,
             policy: model.policy.name(),
@@ -467,6 +465,23 @@ impl Core {
             None => false,
         }
     }
+}
+
+/// Sets aside, for `why`, each replica still offered that is `out`; fails
+/// with `none` when that leaves none offered.
+fn restrict(
+    replicas: &[Arc<Replica>],
+    aside: &mut [Option<SetAside>],
+    out: impl Fn(&Replica) -> bool,
+    why: SetAside,
+    none: NoReplica,
+) -> Result<(), NoReplica> {
+    for (r, a) in replicas.iter().zip(aside.iter_mut()) {
+        if a.is_none() && out(r) {
+            *a = Some(why);
+        }
+    }
+    if aside.iter().all(Option::is_some) { Err(none) } else { Ok(()) }
 }
 
 /// A plan that some replica can take, or why none can.

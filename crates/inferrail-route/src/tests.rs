@@ -202,3 +202,21 @@ fn a_gateways_subset_hint_limits_the_winner_and_the_fallbacks_and_none_in_it_is_
     let v = View { subset: Some(&elsewhere), ..view(&core, &fleet, &p) };
     assert_eq!(core.decide(&v, &fleet, NONE, Duration::ZERO).unwrap_err(), NoReplica::NoneInSubset);
 }
+
+#[test]
+fn a_draining_replica_is_offered_nothing_and_a_fleet_all_draining_is_unavailable() {
+    let (core, fleet) = core("round_robin", 3);
+    let p = prompt(0, 64);
+    let serving = fleet.serving(0);
+    assert!(serving[1].set_draining(true) && !serving[1].set_draining(true), "only a change counts");
+    for _ in 0..6 {
+        let (plan, committed) = core.decide(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap();
+        assert!(committed.targets.iter().all(|t| t.id != serving[1].id), "neither the winner nor a fallback");
+        assert_eq!(plan.set_aside[1], Some(SetAside::Draining));
+    }
+    serving[0].set_draining(true);
+    serving[2].set_draining(true);
+    assert_eq!(core.plan(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap_err(), NoReplica::AllDraining);
+    serving[2].set_draining(false);
+    assert_eq!(core.decide(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap().1.targets[0].id, serving[2].id);
+}

@@ -63,13 +63,24 @@ impl Admin for AdminApi {
         Ok(Response::new(fleet(&self.router)))
     }
 
+    async fn drain(&self, request: Request<pb::DrainRequest>) -> Result<Response<pb::Replica>, Status> {
+        let pb::DrainRequest { id, draining } = request.into_inner();
+        let found = self.router.fleet().replicas.iter().find(|r| r.id == id).cloned();
+        let Some(replica) = found else { return Err(Status::not_found(format!("no replica `{id}`"))) };
+        if replica.set_draining(draining) {
+            tracing::info!(replica = %id, draining, "drain changed by an admin call");
+        }
+        let shown = fleet(&self.router).replicas.into_iter().find(|r| r.id == id);
+        shown.map(Response::new).ok_or_else(|| Status::not_found(format!("replica `{id}` left")))
+    }
+
     type WatchReplicasStream = WatchStream;
 
     async fn watch_replicas(&self, _request: Request<pb::ReplicasRequest>) -> Result<Response<WatchStream>, Status> {
         let router = self.router.clone();
         let (tx, rx) = tokio::sync::mpsc::channel(4);
         tokio::spawn(async move {
-            let mut last: Option<Vec<(String, bool, bool, bool)>> = None;
+            let mut last: Option<Vec<(String, bool, bool, bool, bool)>> = None;
             let mut tick = tokio::time::interval(WATCH_EVERY);
             loop {
                 // A client gone ends the watch, even while nothing changes.
@@ -78,9 +89,12 @@ impl Admin for AdminApi {
                     _ = tx.closed() => return,
                 }
                 let now = fleet(&router);
-                // Membership, health, ejection and report freshness; counters change too often to stream.
-                let shape: Vec<(String, bool, bool, bool)> =
-                    now.replicas.iter().map(|r| (r.id.clone(), r.healthy, r.ejected, r.engine.as_ref().is_some_and(|e| e.fresh))).collect();
+                // Membership, health, ejection, drain and report freshness; counters change too often to stream.
+                let shape: Vec<(String, bool, bool, bool, bool)> = now
+                    .replicas
+                    .iter()
+                    .map(|r| (r.id.clone(), r.healthy, r.ejected, r.draining, r.engine.as_ref().is_some_and(|e| e.fresh)))
+                    .collect();
                 if last.as_ref() != Some(&shape) {
                     last = Some(shape);
                     if tx.send(Ok(now)).await.is_err() {
@@ -201,6 +215,7 @@ fn fleet(router: &Router) -> pb::ReplicasResponse {
                 block_size: r.block_size(defaults.block_size) as u64,
                 kv_blocks: r.blocks(defaults.blocks) as u64,
                 kv_mode: r.kv_mode().as_str().to_string(),
+                draining: r.draining(),
             }
         })
         .collect();

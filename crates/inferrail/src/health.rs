@@ -95,6 +95,7 @@ pub fn publish_gauges(router: &Router) {
     for r in &router.fleet().replicas {
         metrics::gauge!("inferrail_replica_healthy", "replica" => r.id.clone()).set(if r.healthy(now) { 1.0 } else { 0.0 });
         metrics::gauge!("inferrail_replica_ejected", "replica" => r.id.clone()).set(if r.ejected(now) { 1.0 } else { 0.0 });
+        metrics::gauge!("inferrail_replica_draining", "replica" => r.id.clone()).set(if r.draining() { 1.0 } else { 0.0 });
         metrics::gauge!("inferrail_replica_in_flight", "replica" => r.id.clone()).set(f64::from(r.in_flight()));
         metrics::gauge!("inferrail_replica_pending", "replica" => r.id.clone()).set(f64::from(r.pending()));
         metrics::gauge!("inferrail_replica_prompt_tokens_in_flight", "replica" => r.id.clone()).set(r.prompt_tokens() as f64);

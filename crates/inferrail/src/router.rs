@@ -179,7 +179,9 @@ impl Router {
             .filter_map(|r| {
                 let addr = r.address.parse().ok()?;
                 let served = r.models.iter().filter_map(|m| names.get(m).copied()).collect();
-                Some(Arc::new(Replica::new(r.id.clone(), addr, served, r.limits(), r.cache(), core.kv.slot(&r.id))))
+                let replica = Replica::new(r.id.clone(), addr, served, r.limits(), r.cache(), core.kv.slot(&r.id));
+                replica.set_draining(r.drain);
+                Some(Arc::new(replica))
             })
             .collect();
         for r in &replicas {

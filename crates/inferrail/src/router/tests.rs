@@ -150,3 +150,18 @@ replicas:
     let batch = r.decide(br#"{"model": "m", "prompt": ["a", "b"]}"#, Endpoint::Completions, "4", None, None).await.unwrap();
     assert_eq!((batch.prompt_tokens, batch.cached_tokens.len()), (None, 0));
 }
+
+#[tokio::test]
+async fn a_replica_configured_to_drain_is_offered_nothing() {
+    let yaml = "
+models: [{name: m, policy: round_robin}]
+replicas:
+  - {id: r1, address: 127.0.0.1:8001, models: [m], drain: true}
+  - {id: r2, address: 127.0.0.1:8002, models: [m]}
+";
+    let r = Router::new(Config::parse(yaml).unwrap()).unwrap();
+    for i in 0..4 {
+        let d = r.decide(br#"{"model":"m"}"#, Endpoint::Completions, &i.to_string(), None, None).await.unwrap();
+        assert_eq!(ids(&d), ["r2"], "r1 drains: not even a fallback");
+    }
+}

@@ -43,7 +43,7 @@ def test_reflection_lists_and_describes_the_admin_api(fleet):
     assert "inferrail.load.v1" not in out, "only what the router serves is listed"
     code, out = grpcurl(fleet, "describe", SERVICE)
     assert code == 0, out
-    for rpc in ["rpc Explain", "rpc Replicas", "rpc WatchReplicas"]:
+    for rpc in ["rpc Explain", "rpc Replicas", "rpc WatchReplicas", "rpc Drain"]:
         assert rpc in out, out
     code, out = grpcurl(fleet, "describe", "inferrail.admin.v1.Candidate")
     assert code == 0 and "predicted_cached_tokens" in out, out
