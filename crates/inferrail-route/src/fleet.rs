@@ -28,8 +28,8 @@ pub struct Replica {
     pub addr: SocketAddr,
     /// Indices of the models it serves.
     pub models: Vec<usize>,
-    /// Its limits.
-    pub limits: Limits,
+    max_concurrency: AtomicU32,
+    max_pending: AtomicU32,
     /// Its slot in the KV index.
     pub slot: Slot,
     /// Its KV cache shape as configured.
@@ -103,7 +103,8 @@ impl Replica {
         Self {
             addr,
             models,
-            limits,
+            max_concurrency: AtomicU32::new(limits.max_concurrency),
+            max_pending: AtomicU32::new(limits.max_pending),
             slot,
             cache,
             key: xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
@@ -222,8 +223,8 @@ impl Replica {
             key: self.key,
             in_flight: self.in_flight.load(Ordering::Relaxed),
             pending: self.pending(),
-            max_concurrency: self.limits.max_concurrency,
-            max_pending: self.limits.max_pending,
+            max_concurrency: self.max_concurrency.load(Ordering::Relaxed),
+            max_pending: self.max_pending.load(Ordering::Relaxed),
             healthy: self.healthy(now.as_millis() as u64),
             cached_tokens,
             held_cached_tokens,
@@ -233,6 +234,17 @@ impl Replica {
             unreported_kv_tokens: engine.map_or(0, |e| self.sent_kv_since(e.at)),
             engine: engine.map(|e| e.load),
         }
+    }
+
+    /// Its limits now.
+    pub fn limits(&self) -> Limits {
+        Limits { max_concurrency: self.max_concurrency.load(Ordering::Relaxed), max_pending: self.max_pending.load(Ordering::Relaxed) }
+    }
+
+    /// Takes new limits (a reload); requests already in flight stay.
+    pub fn set_limits(&self, limits: Limits) {
+        self.max_concurrency.store(limits.max_concurrency, Ordering::Relaxed);
+        self.max_pending.store(limits.max_pending, Ordering::Relaxed);
     }
 
     /// Whether it is draining: it finishes its requests and is offered no new one.

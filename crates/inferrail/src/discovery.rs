@@ -1,5 +1,6 @@
 //! DNS discovery: each group's name is resolved on its interval and its
-//! members become replicas named `<group>-<ip>-<port>`. A member that
+//! members become replicas named `<group>-<ip>-<port>`, published to the
+//! router as the group's wanted set. A member that
 //! survives a lookup keeps its state (in-flight counts, health, backoff);
 //! a failed lookup keeps the last set rather than emptying the group.
 
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use inferrail_config::DnsGroup;
 
-use inferrail_route::fleet::{Fleet, Replica};
+use inferrail_route::fleet::Replica;
 
 use crate::router::Router;
 
@@ -18,19 +19,18 @@ pub fn member_id(group: &str, addr: SocketAddr) -> String {
     format!("{group}-{}-{}", addr.ip(), addr.port())
 }
 
-/// Current members of every group, on top of the listed replicas.
+/// Current members of every group; each group publishes its own to the router as `dns:<group>`.
 pub struct Discovery {
     groups: Vec<DnsGroup>,
-    listed: Vec<Arc<Replica>>,
     members: Vec<Vec<Arc<Replica>>>,
 }
 
 impl Discovery {
-    /// Starts from the router's listed replicas, with every group empty.
+    /// Every group empty.
     pub fn new(router: &Router) -> Self {
-        let groups = router.config.discovery.clone();
+        let groups = router.config().discovery.clone();
         let members = vec![Vec::new(); groups.len()];
-        Self { groups, listed: router.fleet().replicas.clone(), members }
+        Self { groups, members }
     }
 
     /// Applies one lookup of group `g`; returns whether its membership changed.
@@ -67,9 +67,8 @@ impl Discovery {
         }
         if changed {
             tracing::info!(group = %group.group, members = ?addrs, "membership changed");
+            router.publish(&format!("dns:{}", group.group), new.clone());
             self.members[g] = new;
-            let all = self.listed.iter().chain(self.members.iter().flatten()).cloned().collect();
-            router.set_fleet(Fleet::new(all, router.core.models.len()));
         }
         changed
     }
@@ -77,7 +76,7 @@ impl Discovery {
 
 /// Resolves every group on its interval, forever.
 pub async fn run(router: Arc<Router>) {
-    if router.config.discovery.is_empty() {
+    if router.config().discovery.is_empty() {
         return;
     }
     let resolver = match hickory_resolver::TokioResolver::builder_tokio().and_then(|b| b.build()) {
@@ -88,11 +87,11 @@ pub async fn run(router: Arc<Router>) {
         }
     };
     let mut discovery = Discovery::new(&router);
-    let mut next = vec![tokio::time::Instant::now(); router.config.discovery.len()];
+    let mut next = vec![tokio::time::Instant::now(); router.config().discovery.len()];
     loop {
         let (g, at) = next.iter().enumerate().min_by_key(|(_, t)| **t).map(|(g, t)| (g, *t)).unwrap_or((0, tokio::time::Instant::now()));
         tokio::time::sleep_until(at).await;
-        let group = &router.config.discovery[g];
+        let group = &router.config().discovery[g];
         let lookup = resolver.lookup_ip(group.host.as_str()).await.map(|ips| ips.iter().collect()).map_err(|e| e.to_string());
         discovery.apply(&router, g, lookup);
         next[g] = tokio::time::Instant::now() + Duration::from_millis(group.interval_ms);

@@ -134,7 +134,7 @@ fn explanation(router: &Router, e: &Explained) -> pb::ExplainResponse {
     out.steer = plan.steer.unwrap_or_default().to_string();
     out.waived = plan.waived.unwrap_or_default().to_string();
     out.winner = plan.order.first().map(|&w| plan.replica(w).id.clone()).unwrap_or_default();
-    out.fallbacks = plan.order.iter().skip(1).take(router.config.retry.fallbacks).map(|&i| plan.replica(i).id.clone()).collect();
+    out.fallbacks = plan.order.iter().skip(1).take(router.config().retry.fallbacks).map(|&i| plan.replica(i).id.clone()).collect();
     out.deciding_term = deciding_term(plan).to_string();
     out.candidates = (0..plan.candidates.len())
         .map(|i| {
@@ -198,7 +198,7 @@ fn fleet(router: &Router) -> pb::ReplicasResponse {
         .iter()
         .map(|r: &Arc<Replica>| {
             let c = r.candidate(now, (0, 0), None);
-            let defaults = &router.config.kv;
+            let defaults = &router.config().kv;
             pb::Replica {
                 id: r.id.clone(),
                 address: r.addr.to_string(),

@@ -18,7 +18,7 @@ use tonic_health::server::HealthReporter;
 /// A request to `replica` failed upstream: count it, and eject the replica
 /// after enough failures in a row, within the ejection budget.
 pub fn request_failed(router: &Router, replica: &Arc<Replica>) {
-    let cfg = &router.config.health;
+    let cfg = &router.config().health;
     if replica.record_failure() < cfg.consecutive_failures {
         return;
     }
@@ -61,7 +61,7 @@ pub async fn grpc_health_loop(router: Arc<Router>, reporter: HealthReporter, mut
 
 /// Probes every replica's `/health` forever, and keeps the per-replica gauges.
 pub async fn probe_loop(router: Arc<Router>) {
-    let cfg = router.config.health.clone();
+    let cfg = router.config().health.clone();
     let http = match reqwest::Client::builder().timeout(Duration::from_millis(cfg.probe_timeout_ms)).build() {
         Ok(c) => c,
         Err(e) => {

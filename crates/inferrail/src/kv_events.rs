@@ -101,7 +101,7 @@ impl Follow {
             self.act(router, act, &[]);
         }
         let busy = self.replica.in_flight() > 0;
-        self.follower.tick(router.now_ms(), busy, router.config.kv_events.silent_after_ms);
+        self.follower.tick(router.now_ms(), busy, router.config().kv_events.silent_after_ms);
         self.publish(self.replica.kv_mode());
     }
 
@@ -203,7 +203,7 @@ pub async fn run(router: Arc<Router>) {
             if tasks.contains_key(&r.id) {
                 continue;
             }
-            let Some(source) = router.config.event_source(&r.id, r.addr.ip()) else { continue };
+            let Some(source) = router.config().event_source(&r.id, r.addr.ip()) else { continue };
             tasks.insert(r.id.clone(), (r.addr, tokio::spawn(follow_replica(router.clone(), r.clone(), source))));
         }
     }
@@ -228,11 +228,11 @@ impl Drop for AbortOnDrop {
 /// One replica's events: receive, queue, apply.
 async fn follow_replica(router: Arc<Router>, replica: Arc<Replica>, source: EventSource) {
     let mut follow = Follow::new(&router, replica.clone(), source.replay_endpoint.is_some());
-    let (tx, mut rx) = mpsc::channel(router.config.kv_events.queue);
+    let (tx, mut rx) = mpsc::channel(router.config().kv_events.queue);
     let dropped = Arc::new(AtomicU64::new(0));
     let config = SubscriberConfig { endpoint: source.endpoint.clone(), topic: source.topic.clone(), bind: source.bind };
     let _receiver = AbortOnDrop(tokio::spawn(receive(replica.id.clone(), config, tx, dropped.clone())));
-    let timeout = Duration::from_millis(router.config.kv_events.replay_timeout_ms);
+    let timeout = Duration::from_millis(router.config().kv_events.replay_timeout_ms);
     let mut seen_drops = 0;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {

@@ -15,7 +15,7 @@ use crate::router::Router;
 
 /// Fills the load table forever, from the sidecar when one is configured.
 pub async fn run(router: Arc<Router>) {
-    let cfg = router.config.load.clone();
+    let cfg = router.config().load.clone();
     if let Some(sidecar) = cfg.sidecar {
         match tonic::transport::Endpoint::from_shared(sidecar.clone()) {
             Ok(endpoint) => {
@@ -55,7 +55,7 @@ pub async fn run(router: Arc<Router>) {
 /// shape and restarts from it; publishes report ages.
 pub async fn learn_loop(router: Arc<Router>) {
     let mut seen: HashMap<String, Instant> = HashMap::new();
-    let mut tick = tokio::time::interval(Duration::from_millis(router.config.load.interval_ms));
+    let mut tick = tokio::time::interval(Duration::from_millis(router.config().load.interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;

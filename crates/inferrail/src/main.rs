@@ -1,5 +1,6 @@
 //! The `inferrail` binary: load the routing YAML, then serve ext_proc until
-//! SIGTERM or SIGINT; `--check` only validates the file.
+//! SIGTERM or SIGINT, reloading the file when it changes or on SIGHUP;
+//! `--check` only validates the file.
 
 use clap::Parser;
 use inferrail_config::Config;
@@ -58,6 +59,7 @@ async fn main() -> anyhow::Result<()> {
     })
     .await?;
     tracing::info!(grpc = %running.grpc, admin = %running.admin, "inferrail serving");
+    tokio::spawn(inferrail::reload::run(running.router.clone(), args.config.clone()));
     println!("inferrail ext_proc on {}, admin on http://{}", running.grpc, running.admin);
     running.wait().await
 }

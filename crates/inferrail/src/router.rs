@@ -30,6 +30,20 @@ use crate::prompt::Prompts;
 use crate::request::{self, BodyError};
 use crate::traces::Traces;
 
+/// What a reload did to the listed replicas.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Reloaded {
+    /// Kept, with what was learned of them.
+    pub kept: usize,
+    /// New, or changed enough to start cold.
+    pub joined: usize,
+    /// Gone.
+    pub left: usize,
+}
+
+/// The discovery source of the replicas the routing YAML lists.
+pub const STATIC: &str = "static";
+
 /// How long a request waits, once over, for its status or first byte still
 /// on its way; and how long one whose end is never heard counts at most.
 const TIMING: Timing = Timing { grace: Duration::from_millis(500), max_life: Duration::from_secs(3_600) };
@@ -144,8 +158,10 @@ impl RouteError {
 
 /// The router: models, the fleet, the engines' reports and the requests in flight.
 pub struct Router {
-    /// The configuration it was built from.
-    pub config: Config,
+    /// The configuration in force (a reload swaps it, [`Router::reload`]).
+    config: ArcSwap<Config>,
+    /// The replicas each discovery source wants, by source: the fleet is their union.
+    sources: std::sync::Mutex<Vec<(String, Vec<Arc<Replica>>)>>,
     /// The decision core: models, policies, the KV index.
     pub core: Core,
     names: HashMap<String, usize>,
@@ -187,12 +203,20 @@ impl Router {
         for r in &replicas {
             core.join(r);
         }
+        let replicas_now = replicas.clone();
         let fleet = ArcSwap::from_pointee(Fleet::new(replicas, core.models.len()));
         let prompts = Prompts::new(&config)?;
         let decision_log = DecisionLog::start(&config.observability.decision_log)?;
         let traces = Traces::start(&config.observability)?;
         let (ledger, loads) = (Ledger::new(TIMING), LoadTable::new());
-        Ok(Self { config, core, names, fleet, ledger, loads, clock: Instant::now(), prompts, decision_log, traces })
+        let sources = std::sync::Mutex::new(vec![(STATIC.to_string(), replicas_now)]);
+        let config = ArcSwap::from_pointee(config);
+        Ok(Self { config, sources, core, names, fleet, ledger, loads, clock: Instant::now(), prompts, decision_log, traces })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> arc_swap::Guard<Arc<Config>> {
+        self.config.load()
     }
 
     /// Time since the router started: the clock decisions, reports and health use.
@@ -210,9 +234,18 @@ impl Router {
         self.fleet.load_full()
     }
 
-    /// Replaces the fleet (discovery found a new membership).
-    pub fn set_fleet(&self, fleet: Fleet) {
-        self.fleet.store(Arc::new(fleet));
+    /// The replicas discovery source `source` wants now (the routing YAML's
+    /// list is [`STATIC`], a DNS group `dns:<group>`): the fleet becomes the
+    /// union of every source's, in the order sources first published,
+    /// swapped whole.
+    pub fn publish(&self, source: &str, replicas: Vec<Arc<Replica>>) {
+        let mut sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
+        match sources.iter_mut().find(|(s, _)| s == source) {
+            Some((_, wanted)) => *wanted = replicas,
+            None => sources.push((source.to_string(), replicas)),
+        }
+        let all = sources.iter().flat_map(|(_, r)| r).cloned().collect();
+        self.fleet.store(Arc::new(Fleet::new(all, self.core.models.len())));
     }
 
     /// Model index of a name clients may use.
@@ -269,7 +302,7 @@ impl Router {
         }
         let key = self.ledger.insert(request_id, committed.lease.clone(), self.now());
         if let Some(log) = &self.decision_log {
-            log.decision(&key, &model.name, &plan, self.config.retry.fallbacks);
+            log.decision(&key, &model.name, &plan, self.config().retry.fallbacks);
         }
         Ok(Decision {
             request_id: key,
@@ -295,7 +328,7 @@ impl Router {
 
     /// Reads a request up to the decision: its model, its prompt's blocks and text, the body to forward.
     async fn prepare(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>) -> Result<Prepared, RouteError> {
-        let max = self.config.server.max_body_bytes;
+        let max = self.config().server.max_body_bytes;
         if body.len() > max {
             return Err(RouteError::TooLarge(max));
         }
@@ -320,6 +353,74 @@ impl Router {
         };
         let session = session.map(str::to_owned).or(fields.user);
         Ok(Prepared { model: index, fleet, prediction, session, text: read.text, no_prediction, requested, body: forward })
+    }
+
+    /// Applies a new, validated configuration: its replicas, as one swap of
+    /// the fleet. A replica that keeps its id, address, models and cache
+    /// shape keeps everything learned of it (requests in flight, health,
+    /// its KV index entry) and takes the new limits and drain; one whose
+    /// address, models or cache shape changed starts cold, like a new one;
+    /// one gone is forgotten once its requests are over (their leases hold
+    /// it). Anything else differing from the configuration in force is
+    /// refused with the sections that differ, and nothing changes.
+    pub fn reload(&self, new: Config) -> Result<Reloaded, String> {
+        let old = self.config.load_full();
+        let fixed = |c: &Config| Config { replicas: Vec::new(), ..c.clone() };
+        if fixed(&new) != fixed(&old) {
+            let (n, o) = (&new, &old);
+            let differ: Vec<&str> = [
+                ("server", n.server != o.server),
+                ("admin", n.admin != o.admin),
+                ("routing", n.routing != o.routing),
+                ("retry", n.retry != o.retry),
+                ("health", n.health != o.health),
+                ("tokenizer", n.tokenizer != o.tokenizer),
+                ("kv", n.kv != o.kv),
+                ("kv_events", n.kv_events != o.kv_events),
+                ("load", n.load != o.load),
+                ("observability", n.observability != o.observability),
+                ("models", n.models != o.models),
+                ("discovery", n.discovery != o.discovery),
+            ]
+            .into_iter()
+            .filter_map(|(name, changed)| changed.then_some(name))
+            .collect();
+            return Err(format!("only `replicas` reloads; {} changed and need a restart", differ.join(", ")));
+        }
+        let current = self.sources.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|(s, _)| s == STATIC).map(|(_, r)| r.clone());
+        let current = current.unwrap_or_default();
+        let mut done = Reloaded::default();
+        let mut next = Vec::new();
+        for r in &new.replicas {
+            let Ok(addr) = r.address.parse::<SocketAddr>() else { continue };
+            let models: Vec<usize> = r.models.iter().filter_map(|m| self.names.get(m).copied()).collect();
+            let same = current.iter().find(|c| c.id == r.id && c.addr == addr && c.models == models && c.cache == r.cache());
+            let replica = match same {
+                Some(kept) => {
+                    kept.set_limits(r.limits());
+                    done.kept += 1;
+                    kept.clone()
+                }
+                None => {
+                    if let Some(before) = current.iter().find(|c| c.id == r.id) {
+                        self.core.leave(before);
+                    }
+                    let joined = Arc::new(Replica::new(r.id.clone(), addr, models, r.limits(), r.cache(), self.core.kv.slot(&r.id)));
+                    self.core.join(&joined);
+                    done.joined += 1;
+                    joined
+                }
+            };
+            replica.set_draining(r.drain);
+            next.push(replica);
+        }
+        for gone in current.iter().filter(|c| !next.iter().any(|n| n.id == c.id)) {
+            self.core.leave(gone);
+            done.left += 1;
+        }
+        self.config.store(Arc::new(new));
+        self.publish(STATIC, next);
+        Ok(done)
     }
 
     /// The lease a request holds.

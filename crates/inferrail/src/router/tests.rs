@@ -96,7 +96,7 @@ async fn a_request_every_replica_is_too_full_for_is_shed_with_a_429() {
     let fleet = r.fleet();
     let r2 = fleet.replicas.iter().find(|x| x.id == "r2").unwrap().clone();
     // r2 alone serves `small`, and takes at most max_pending requests waiting for a first byte.
-    let _held: Vec<Lease> = (0..r2.limits.max_pending).map(|_| Lease::new(r2.clone(), 1, 0)).collect();
+    let _held: Vec<Lease> = (0..r2.limits().max_pending).map(|_| Lease::new(r2.clone(), 1, 0)).collect();
     let e = r.decide(br#"{"model":"small"}"#, Endpoint::Completions, "x", None, None).await.unwrap_err();
     assert_eq!(e, RouteError::NoReplica(NoReplica::AllFull));
     assert_eq!(e.http(), (429, "RateLimitError", None));

@@ -1,0 +1,89 @@
+//! Reloads of a routing YAML on disk into a live router.
+
+use inferrail_route::lifecycle::Event;
+use inferrail_tokenize::chat::Endpoint;
+
+use super::*;
+
+fn yaml(replicas: &str) -> String {
+    format!("models: [{{name: m, policy: round_robin, tokenizer: \"builtin:sim\"}}]\nretry: {{fallbacks: 0}}\nreplicas:\n{replicas}")
+}
+
+const TWO: &str = "  - {id: r1, address: 127.0.0.1:8001, models: [m]}\n  - {id: r2, address: 127.0.0.1:8002, models: [m]}\n";
+
+const PROMPT_1: &str =
+    r#"{"model": "m", "prompt": "otters hold hands while they sleep so that they do not drift apart on the water at night"}"#;
+const PROMPT_2: &str =
+    r#"{"model": "m", "prompt": "a heron stands still in the shallows for a long time and then strikes faster than the eye can follow"}"#;
+
+/// The prompt's predicted cached tokens on each replica, in fleet order.
+async fn cached(router: &Router, body: &str) -> Vec<usize> {
+    let explained = router.explain(body.as_bytes(), Endpoint::Completions, None).await.unwrap();
+    explained.plan.candidates.iter().map(|c| c.cached_tokens).collect()
+}
+
+fn ids(router: &Router) -> Vec<String> {
+    router.fleet().replicas.iter().map(|r| r.id.clone()).collect()
+}
+
+fn replica(router: &Router, id: &str) -> Arc<inferrail_route::fleet::Replica> {
+    router.fleet().replicas.iter().find(|r| r.id == id).unwrap().clone()
+}
+
+#[tokio::test]
+async fn a_reload_keeps_what_survives_starts_what_changed_cold_and_forgets_what_left() {
+    let dir = std::env::temp_dir().join(format!("inferrail-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("routing.yaml");
+    let path = path.to_str().unwrap();
+    std::fs::write(path, yaml(TWO)).unwrap();
+    let router = Router::new(Config::load(path).unwrap()).unwrap();
+    // What r1 and r2 learned: a prompt each in their caches (served and over), a failed probe on r1.
+    for (id, body) in [("x", PROMPT_1), ("y", PROMPT_2)] {
+        let d = router.decide(body.as_bytes(), Endpoint::Completions, id, None, None).await.unwrap();
+        for event in [Event::Status { code: 200, served_by: None }, Event::FirstByte, Event::End] {
+            router.hear(&d.request_id, event);
+        }
+    }
+    assert_eq!((cached(&router, PROMPT_1).await[0] > 0, cached(&router, PROMPT_2).await[1] > 0), (true, true));
+    // And a request in flight on r1.
+    let d = router.decide(PROMPT_1.as_bytes(), Endpoint::Completions, "a", None, None).await.unwrap();
+    assert_eq!(d.targets[0].id, "r1");
+    let r1 = replica(&router, "r1");
+    r1.set_probe(false);
+
+    // r1 stays with new limits and a drain, r2 moves to a new address, r3 joins.
+    let next = "  - {id: r1, address: 127.0.0.1:8001, models: [m], max_concurrency: 7, drain: true}\n  \
+                - {id: r2, address: 127.0.0.1:9002, models: [m]}\n  - {id: r3, address: 127.0.0.1:8003, models: [m]}\n";
+    std::fs::write(path, yaml(next)).unwrap();
+    assert_eq!(apply(&router, path), "ok");
+    assert_eq!(ids(&router), ["r1", "r2", "r3"]);
+    let kept = replica(&router, "r1");
+    assert!(Arc::ptr_eq(&kept, &r1), "the same replica, with what it learned");
+    assert_eq!((kept.in_flight(), kept.healthy(router.now_ms()), kept.limits().max_concurrency), (1, false, 7));
+    assert!(kept.draining());
+    assert_eq!(replica(&router, "r2").addr.port(), 9002);
+    let after = (cached(&router, PROMPT_1).await, cached(&router, PROMPT_2).await);
+    assert!(after.0[0] > 0, "r1's KV index entry survives");
+    assert_eq!(after.1[1], 0, "r2 at a new address is a new engine: cold");
+    // The request in flight ends as usual on the replica it holds.
+    router.hear(&d.request_id, Event::End);
+    assert_eq!(r1.in_flight(), 0);
+
+    // A file that does not validate, and one that changes what does not reload: nothing changes.
+    std::fs::write(path, yaml("  - {id: r1, address: not-an-address, models: [m]}\n")).unwrap();
+    assert_eq!(apply(&router, path), "invalid");
+    std::fs::write(path, yaml(TWO).replace("round_robin", "cost_model")).unwrap();
+    assert_eq!(apply(&router, path), "refused");
+    let refused = router.reload(Config::load(path).unwrap()).unwrap_err();
+    assert!(refused.contains("models changed"), "{refused}");
+    assert_eq!(ids(&router), ["r1", "r2", "r3"]);
+    assert_eq!(router.config().replicas.len(), 3, "the running configuration stays");
+
+    // r3 leaves.
+    std::fs::write(path, yaml(TWO)).unwrap();
+    assert_eq!(apply(&router, path), "ok");
+    assert_eq!(ids(&router), ["r1", "r2"]);
+    assert!(!replica(&router, "r1").draining(), "its drain ended with the field");
+    std::fs::remove_dir_all(dir).unwrap();
+}
