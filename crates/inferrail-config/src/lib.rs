@@ -44,6 +44,8 @@ pub struct Config {
     pub replicas: Vec<Replica>,
     /// Replicas found by DNS.
     pub discovery: Vec<DnsGroup>,
+    /// Replicas found in Kubernetes: the ready pods of an InferencePool.
+    pub kubernetes: Option<KubernetesPool>,
 }
 
 /// The ext_proc gRPC listener.
@@ -489,6 +491,55 @@ impl DnsGroup {
     }
 }
 
+/// The ready pods an InferencePool (`inference.networking.k8s.io/v1`)
+/// selects, read and watched from the API server; each pod is a replica
+/// named after it, on the pool's first target port.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KubernetesPool {
+    /// The InferencePool's name.
+    pub pool: String,
+    /// Its namespace; unset: the one the router runs in (or the kubeconfig's).
+    pub namespace: Option<String>,
+    /// Models every pod serves.
+    pub models: Vec<String>,
+    /// Most requests in flight, per pod.
+    pub max_concurrency: u32,
+    /// Most requests waiting for their first byte, per pod.
+    pub max_pending: u32,
+    /// Tokens per KV block of every pod; learned from the engines when unset.
+    pub block_size: Option<usize>,
+    /// KV blocks of every pod; learned from the engines when unset.
+    pub kv_blocks: Option<usize>,
+}
+
+impl Default for KubernetesPool {
+    fn default() -> Self {
+        let l = Limits::default();
+        Self {
+            pool: String::new(),
+            namespace: None,
+            models: Vec::new(),
+            max_concurrency: l.max_concurrency,
+            max_pending: l.max_pending,
+            block_size: None,
+            kv_blocks: None,
+        }
+    }
+}
+
+impl KubernetesPool {
+    /// Limits of every pod.
+    pub fn limits(&self) -> Limits {
+        Limits { max_concurrency: self.max_concurrency, max_pending: self.max_pending }
+    }
+
+    /// Cache shape of every pod as configured.
+    pub fn cache(&self) -> CacheShape {
+        CacheShape { block_size: self.block_size, blocks: self.kv_blocks }
+    }
+}
+
 /// Why a configuration was refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -698,6 +749,14 @@ impl Config {
             check_models(&mut p, &at, &g.models, &known, &mut served);
             check_limits(&mut p, &at, g.limits());
             check_cache(&mut p, &at, g.cache());
+        }
+        if let Some(k) = &self.kubernetes {
+            if k.pool.is_empty() {
+                p.push("kubernetes.pool: the InferencePool's name is required".into());
+            }
+            check_models(&mut p, "kubernetes", &k.models, &known, &mut served);
+            check_limits(&mut p, "kubernetes", k.limits());
+            check_cache(&mut p, "kubernetes", k.cache());
         }
         for (i, m) in self.models.iter().enumerate() {
             if !m.name.is_empty() && !served.contains(m.name.as_str()) {

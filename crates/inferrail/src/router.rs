@@ -381,6 +381,7 @@ impl Router {
                 ("observability", n.observability != o.observability),
                 ("models", n.models != o.models),
                 ("discovery", n.discovery != o.discovery),
+                ("kubernetes", n.kubernetes != o.kubernetes),
             ]
             .into_iter()
             .filter_map(|(name, changed)| changed.then_some(name))

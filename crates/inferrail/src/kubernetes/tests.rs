@@ -1,0 +1,264 @@
+//! Discovery against a fake API server that speaks the list and watch
+//! protocol: pods joining, turning unready, leaving and coming back on a
+//! reused IP or name; a dropped watch resumed from its resourceVersion; a
+//! 410 Gone answered by a fresh list.
+
+use std::convert::Infallible;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::Frame;
+use inferrail_config::Config;
+use inferrail_tokenize::chat::Endpoint;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::*;
+
+/// The API server's state: the pods a list returns, the open pod watches, every request seen.
+#[derive(Default)]
+struct Fake {
+    version: Mutex<u64>,
+    pods: Mutex<Vec<Value>>,
+    watches: Mutex<Vec<mpsc::UnboundedSender<Bytes>>>,
+    requests: Mutex<Vec<String>>,
+}
+
+fn pool() -> Value {
+    json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+           "metadata": {"name": "llm", "namespace": "ns", "uid": "pool-1", "resourceVersion": "1"},
+           "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [{"number": 8000}],
+                    "endpointPickerRef": {"name": "inferrail", "port": {"number": 9002}}}})
+}
+
+fn pod(name: &str, uid: &str, ip: &str, ready: bool) -> Value {
+    let status = if ready { "True" } else { "False" };
+    json!({"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": name, "namespace": "ns", "uid": uid, "labels": {"app": "vllm"}},
+           "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": status}]}})
+}
+
+fn line(v: &Value) -> Bytes {
+    Bytes::from(format!("{v}\n"))
+}
+
+impl Fake {
+    /// Adds or changes a pod, as the next resourceVersion, and tells every watch.
+    fn put(&self, mut pod: Value) {
+        let version = self.bump();
+        pod["metadata"]["resourceVersion"] = json!(version.to_string());
+        let mut pods = self.pods.lock().unwrap();
+        let uid = pod["metadata"]["uid"].clone();
+        let kind = match pods.iter().position(|p| p["metadata"]["uid"] == uid) {
+            Some(i) => {
+                pods[i] = pod.clone();
+                "MODIFIED"
+            }
+            None => {
+                pods.push(pod.clone());
+                "ADDED"
+            }
+        };
+        self.tell(&json!({"type": kind, "object": pod}));
+    }
+
+    /// Deletes a pod and tells every watch.
+    fn delete(&self, uid: &str) {
+        let version = self.bump();
+        let mut pods = self.pods.lock().unwrap();
+        let i = pods.iter().position(|p| p["metadata"]["uid"] == uid).unwrap();
+        let mut gone = pods.remove(i);
+        gone["metadata"]["resourceVersion"] = json!(version.to_string());
+        self.tell(&json!({"type": "DELETED", "object": gone}));
+    }
+
+    fn bump(&self) -> u64 {
+        let mut v = self.version.lock().unwrap();
+        *v += 1;
+        *v
+    }
+
+    fn tell(&self, event: &Value) {
+        self.watches.lock().unwrap().retain(|w| w.send(line(event)).is_ok());
+    }
+
+    /// Ends every open watch, as a server does at its timeout or when it restarts.
+    fn drop_watches(&self) {
+        self.watches.lock().unwrap().clear();
+    }
+
+    /// Answers every open watch with 410 Gone: the version it watches from is too old.
+    fn gone(&self) {
+        let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                            "message": "too old resource version", "reason": "Expired", "code": 410});
+        self.tell(&json!({"type": "ERROR", "object": status}));
+        self.drop_watches();
+    }
+
+    fn requests(&self, what: &str) -> Vec<String> {
+        self.requests.lock().unwrap().iter().filter(|r| r.contains(what)).cloned().collect()
+    }
+
+    fn answer(&self, uri: &hyper::Uri) -> BoxBody<Bytes, Infallible> {
+        let target = uri.path_and_query().map(|p| p.to_string()).unwrap_or_default();
+        self.requests.lock().unwrap().push(target.clone());
+        let watch = uri.query().is_some_and(|q| q.split('&').any(|kv| kv == "watch=true" || kv == "watch=1"));
+        let list = |kind: &str, api: &str, items: Vec<Value>, version: u64| {
+            let body = json!({"apiVersion": api, "kind": kind, "metadata": {"resourceVersion": version.to_string()}, "items": items});
+            Full::new(Bytes::from(body.to_string())).boxed()
+        };
+        match (uri.path(), watch) {
+            ("/apis/inference.networking.k8s.io/v1/namespaces/ns/inferencepools", false) => {
+                list("InferencePoolList", "inference.networking.k8s.io/v1", vec![pool()], 1)
+            }
+            ("/api/v1/namespaces/ns/pods", false) => {
+                let version = *self.version.lock().unwrap();
+                list("PodList", "v1", self.pods.lock().unwrap().clone(), version)
+            }
+            (_, true) => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                if uri.path().ends_with("/pods") {
+                    self.watches.lock().unwrap().push(tx);
+                } else {
+                    // The pool never changes: its watch stays open and silent.
+                    std::mem::forget(tx);
+                }
+                let frames = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|b| Ok(Frame::data(b)));
+                BodyExt::boxed(StreamBody::new(frames))
+            }
+            _ => Full::new(Bytes::from_static(b"{}")).boxed(),
+        }
+    }
+}
+
+async fn serve(fake: Arc<Fake>) -> kube::Client {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let fake = fake.clone();
+            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let body = fake.answer(req.uri());
+                async move {
+                    let mut r = hyper::Response::new(body);
+                    r.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("application/json"));
+                    Ok::<_, Infallible>(r)
+                }
+            });
+            tokio::spawn(hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(stream), service));
+        }
+    });
+    kube::Client::try_from(kube::Config::new(format!("http://{addr}").parse().unwrap())).unwrap()
+}
+
+/// The fleet's replicas: (id, address).
+fn fleet(router: &Router) -> Vec<(String, String)> {
+    router.fleet().replicas.iter().map(|r| (r.id.clone(), r.addr.to_string())).collect()
+}
+
+/// Waits (5 s at most) until the fleet is `want`.
+async fn until(router: &Router, want: &[(&str, &str)]) {
+    let want: Vec<(String, String)> = want.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+    for _ in 0..500 {
+        if fleet(router) == want {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the fleet is {:?}, not {want:?}", fleet(router));
+}
+
+const PROMPT: &[u8] =
+    br#"{"model": "m", "prompt": "otters hold hands while they sleep so that they do not drift apart on the water at night"}"#;
+
+/// The prompt's predicted cached tokens on replica `id`.
+async fn cached(router: &Router, id: &str) -> usize {
+    let explained = router.explain(PROMPT, Endpoint::Completions, None).await.unwrap();
+    let at = explained.plan.fleet.serving(0).iter().position(|r| r.id == id).unwrap();
+    explained.plan.candidates[at].cached_tokens
+}
+
+/// Routes the prompt and lets it complete on the replica it went to.
+async fn served(router: &Router) -> String {
+    let d = router.decide(PROMPT, Endpoint::Completions, "p", None, None).await.unwrap();
+    for event in [inferrail_route::lifecycle::Event::Status { code: 200, served_by: None }, inferrail_route::lifecycle::Event::FirstByte] {
+        router.hear(&d.request_id, event);
+    }
+    router.hear(&d.request_id, inferrail_route::lifecycle::Event::End);
+    d.targets[0].id.clone()
+}
+
+#[tokio::test]
+async fn the_pools_ready_pods_are_its_replicas_through_every_kind_of_change() {
+    let yaml = "
+models: [{name: m, policy: round_robin, tokenizer: \"builtin:sim\"}]
+retry: {fallbacks: 0}
+kubernetes: {pool: llm, namespace: ns, models: [m]}
+";
+    let config = Config::parse(yaml).unwrap();
+    let router = Arc::new(Router::new(config.clone()).unwrap());
+    let fake = Arc::new(Fake::default());
+    fake.put(pod("vllm-0", "u0", "10.0.0.1", true));
+    fake.put(pod("vllm-1", "u1", "10.0.0.2", false));
+    let client = serve(fake.clone()).await;
+    tokio::spawn(follow(router.clone(), client, config.kubernetes.clone().unwrap()));
+
+    // Listed: only the ready pod, on the pool's target port.
+    until(&router, &[("vllm-0", "10.0.0.1:8000")]).await;
+    assert!(router.model_index("m").is_some() && router.ready());
+    // Watched: a pod turning ready joins, one turning unready leaves.
+    fake.put(pod("vllm-1", "u1", "10.0.0.2", true));
+    until(&router, &[("vllm-0", "10.0.0.1:8000"), ("vllm-1", "10.0.0.2:8000")]).await;
+    fake.put(pod("vllm-0", "u0", "10.0.0.1", false));
+    until(&router, &[("vllm-1", "10.0.0.2:8000")]).await;
+    assert_eq!(served(&router).await, "vllm-1");
+    assert!(cached(&router, "vllm-1").await > 0);
+
+    // A dropped watch resumes from the last version seen: the change made meanwhile arrives by it.
+    let watches = fake.requests("watch=true").len();
+    let seen = *fake.version.lock().unwrap();
+    fake.drop_watches();
+    for _ in 0..500 {
+        if fake.requests("watch=true").len() > watches {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let resumed = fake.requests("watch=true").into_iter().skip(watches).collect::<Vec<_>>();
+    assert!(resumed.iter().any(|r| r.contains(&format!("resourceVersion={seen}"))), "{resumed:?}");
+
+    // The pod leaves; another pod comes up on its IP: a new engine, cold.
+    fake.delete("u1");
+    until(&router, &[]).await;
+    fake.put(pod("vllm-2", "u2", "10.0.0.2", true));
+    until(&router, &[("vllm-2", "10.0.0.2:8000")]).await;
+    assert_eq!(cached(&router, "vllm-2").await, 0, "a reused IP is not a warm cache");
+    assert_eq!(served(&router).await, "vllm-2");
+    assert!(cached(&router, "vllm-2").await > 0);
+    // Recreated under the same name (a StatefulSet's pod), it is another engine too.
+    let before = router.fleet().replicas[0].clone();
+    fake.delete("u2");
+    fake.put(pod("vllm-2", "u3", "10.0.0.2", true));
+    for _ in 0..500 {
+        if router.fleet().replicas.first().is_some_and(|r| !Arc::ptr_eq(r, &before)) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    until(&router, &[("vllm-2", "10.0.0.2:8000")]).await;
+    assert!(!Arc::ptr_eq(&router.fleet().replicas[0], &before), "another replica");
+    assert_eq!(cached(&router, "vllm-2").await, 0, "a new pod under an old name is a new engine");
+
+    // 410 Gone: the watcher lists again, and the new list replaces what was known.
+    let lists = fake.requests("/pods?").iter().filter(|r| !r.contains("watch=true")).count();
+    fake.pods.lock().unwrap().clear();
+    // vllm-2 is gone from what a list returns, but no watch was told.
+    fake.put(pod("vllm-3", "u4", "10.0.0.4", true));
+    until(&router, &[("vllm-2", "10.0.0.2:8000"), ("vllm-3", "10.0.0.4:8000")]).await;
+    fake.gone();
+    until(&router, &[("vllm-3", "10.0.0.4:8000")]).await;
+    let relists = fake.requests("/pods?").iter().filter(|r| !r.contains("watch=true")).count();
+    assert!(relists > lists, "410 led to a fresh list");
+}
