@@ -199,8 +199,9 @@ def test_the_pools_picker_is_the_service_and_the_routes_name_what_exists(name):
         assert ref["port"]["number"] == service["spec"]["ports"][0]["port"] == port_of(config["server"]["listen"])
         assert ref["failureMode"] == "FailClose"
         assert pool["targetPorts"] == [{"number": 8000}]
-        # The pool's pods are the replicas the routing file lists, on the same port.
-        assert {port_of(r["address"]) for r in config["replicas"]} == {8000}
+        # The router discovers the replicas from this pool, in its own namespace.
+        assert config["kubernetes"]["pool"] == one(objs, "InferencePool")["metadata"]["name"] and not config.get("replicas")
+        assert config["kubernetes"].get("namespace") in (None, NAMESPACE)
     routes = of_kind(objs, "HTTPRoute")
     assert len(routes) == (0 if name == "base" else 1)
     for route in routes:
@@ -253,8 +254,12 @@ def test_the_deployment_runs_the_routing_file_it_mounts(name):
         assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
         assert set(c["resources"]["requests"]) == set(c["resources"]["limits"]) == {"cpu", "memory"}
     assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
-    # The sidecar listens where load.sidecar points.
+    # The sidecar listens where load.sidecar points, and follows the router's fleet on its admin gRPC listener.
     assert scraper["args"][scraper["args"].index("--listen") + 1] == config["load"]["sidecar"].removeprefix("http://")
+    assert scraper["args"][scraper["args"].index("--router") + 1] == "http://" + config["admin"]["grpc_listen"]
+    # The router reads the API server: the account's token is mounted.
+    account = one(objs, "ServiceAccount", pod["serviceAccountName"])
+    assert pod.get("automountServiceAccountToken", account.get("automountServiceAccountToken", True))
     # Probes on the admin HTTP port.
     admin = port_of(config["admin"]["listen"])
     named = {p["name"]: p["containerPort"] for p in router["ports"]}

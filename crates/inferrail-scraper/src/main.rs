@@ -1,6 +1,8 @@
 //! The `inferrail-scraper` sidecar: scrapes every replica's `/metrics` page
 //! every 100 ms and streams each outcome to every watcher over gRPC
 //! (`inferrail.load.v1.LoadReports/Watch`). The router follows that stream.
+//! Its targets are the replicas it is given, and with `--router` the
+//! router's own fleet as it changes ([`fleet`]).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -12,6 +14,8 @@ use inferrail_load::{LoadTable, ScrapeConfig, Scraper};
 use inferrail_proto::LoadReportsService;
 use tracing_subscriber::EnvFilter;
 
+mod fleet;
+
 /// Scrapes engine metrics and streams load snapshots to the router.
 #[derive(Debug, Parser)]
 #[command(name = "inferrail-scraper", version)]
@@ -22,6 +26,10 @@ struct Args {
     /// The router's YAML configuration; only its `replicas:` (id, address) are read.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// The router's admin gRPC listener (e.g. `http://127.0.0.1:9091`): its
+    /// replicas, discovered ones included, are scraped too, as they change.
+    #[arg(long)]
+    router: Option<String>,
     /// Address the gRPC service listens on (port 0 picks a free one and prints it).
     #[arg(long, default_value = "127.0.0.1:9095")]
     listen: SocketAddr,
@@ -65,8 +73,8 @@ fn replicas(args: &Args) -> anyhow::Result<Vec<(String, SocketAddr)>> {
         let config: RouterConfig = serde_yaml::from_str(&text).with_context(|| format!("reading replicas from {}", path.display()))?;
         all.extend(config.replicas.into_iter().map(|r| (r.id, r.address)));
     }
-    if all.is_empty() {
-        bail!("no replicas: pass --replica id=ip:port or --config");
+    if all.is_empty() && args.router.is_none() {
+        bail!("no replicas: pass --replica id=ip:port, --config or --router");
     }
     let mut ids: Vec<&str> = all.iter().map(|(id, _)| id.as_str()).collect();
     ids.sort_unstable();
@@ -88,9 +96,14 @@ async fn main() -> anyhow::Result<()> {
         timeout: Duration::from_millis(args.timeout_ms),
         max_bytes: args.max_bytes,
     };
-    let scraper = Scraper::new(config, LoadTable::new())?;
+    let scraper = std::sync::Arc::new(Scraper::new(config, LoadTable::new())?);
     let count = targets.len();
-    scraper.set_targets(targets);
+    scraper.set_targets(targets.clone());
+    if let Some(router) = &args.router {
+        let endpoint = tonic::transport::Endpoint::from_shared(router.clone()).with_context(|| format!("--router {router}"))?;
+        let scraper = scraper.clone();
+        tokio::spawn(async move { fleet::follow(endpoint, &scraper, &targets).await });
+    }
 
     let listener = tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
     let addr = listener.local_addr()?;
