@@ -27,6 +27,8 @@ pub mod lifecycle;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
 use std::time::Duration;
 
 use inferrail_config::Config;
@@ -176,43 +178,73 @@ pub struct Committed {
 
 /// Models, their policies and the KV index.
 pub struct Core {
-    /// Models in configuration order.
-    pub models: Vec<ModelRoute>,
+    /// Models in configuration order, swapped whole when a reload changes a
+    /// model's aliases, policy or parameters ([`Core::reload_models`]).
+    models: ArcSwap<Vec<Arc<ModelRoute>>>,
     /// The KV index.
     pub kv: Kv,
     fallbacks: usize,
 }
 
+/// Model `i` of `config`, with its policy's state fresh.
+fn model_route(config: &Config, i: usize) -> Result<ModelRoute, BadParams> {
+    let m = &config.models[i];
+    let params = config.params(i).map_err(BadParams)?;
+    Ok(ModelRoute {
+        name: m.name.clone(),
+        aliases: m.aliases.clone(),
+        policy: inferrail_policy::build(m.policy, &params),
+        params,
+        rng: Mutex::new(StdRng::seed_from_u64(config.routing.seed.wrapping_add(i as u64))),
+    })
+}
+
 impl Core {
     /// From a validated configuration.
     pub fn new(config: &Config) -> Result<Self, BadParams> {
-        let seed = config.routing.seed;
-        let models = config
-            .models
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                let params = config.params(i).map_err(BadParams)?;
-                Ok(ModelRoute {
-                    name: m.name.clone(),
-                    aliases: m.aliases.clone(),
-                    policy: inferrail_policy::build(m.policy, &params),
-                    params,
-                    rng: Mutex::new(StdRng::seed_from_u64(seed.wrapping_add(i as u64))),
-                })
+        let models = (0..config.models.len()).map(|i| model_route(config, i).map(Arc::new)).collect::<Result<_, _>>()?;
+        Ok(Self { models: ArcSwap::from_pointee(models), kv: Kv::new(config.kv.clone()), fallbacks: config.retry.fallbacks })
+    }
+
+    /// The models now, in configuration order.
+    pub fn models(&self) -> Arc<Vec<Arc<ModelRoute>>> {
+        self.models.load_full()
+    }
+
+    /// Model `i` now.
+    pub fn model(&self, i: usize) -> Arc<ModelRoute> {
+        self.models.load()[i].clone()
+    }
+
+    /// Takes `new`'s models, which must be `old`'s models in the same order:
+    /// a model whose entry and resolved parameters are unchanged keeps its
+    /// policy's state (counters, sketches, sessions, its generator); one
+    /// whose aliases, policy or parameters changed starts it fresh. Returns
+    /// how many changed.
+    pub fn reload_models(&self, old: &Config, new: &Config) -> Result<usize, BadParams> {
+        let current = self.models();
+        let mut changed = 0;
+        let next = (0..new.models.len())
+            .map(|i| {
+                if old.models.get(i) == Some(&new.models[i]) && old.params(i).ok() == new.params(i).ok() {
+                    return Ok(current[i].clone());
+                }
+                changed += 1;
+                model_route(new, i).map(Arc::new)
             })
-            .collect::<Result<_, _>>()?;
-        Ok(Self { models, kv: Kv::new(config.kv.clone()), fallbacks: config.retry.fallbacks })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.models.store(Arc::new(next));
+        Ok(changed)
     }
 
     /// The model's policy name.
     pub fn policy(&self, model: usize) -> &'static str {
-        self.models[model].policy.name()
+        self.model(model).policy.name()
     }
 
     /// Which text of a request the model's policy reads.
     pub fn wants_text(&self, model: usize) -> TextKind {
-        self.models[model].policy.wants_text()
+        self.model(model).policy.wants_text()
     }
 
     fn place(&self, r: &Replica) -> Place {
@@ -264,7 +296,7 @@ impl Core {
     /// Cuts a prompt of `model` into blocks of every block size its replicas in `fleet` use.
     pub fn prepare(&self, model: usize, prompt: &Prompt, fleet: &Fleet) -> Arc<Prediction> {
         let sizes = fleet.serving(model).iter().map(|r| r.block_size(self.kv.defaults.block_size));
-        Arc::new(self.kv.prepare(&self.models[model].name, prompt, sizes))
+        Arc::new(self.kv.prepare(&self.model(model).name, prompt, sizes))
     }
 
     /// Plans a request over `fleet` at `now`; `reports` gives each replica's
@@ -278,16 +310,18 @@ impl Core {
         reports: &dyn Fn(&Replica) -> Option<Report>,
         now: Duration,
     ) -> Result<Plan, NoReplica> {
-        let rng = self.models[view.model].rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        available(self.plan_best(view, fleet, reports, now, 1 + self.fallbacks, rng))
+        let model = self.model(view.model);
+        let rng = model.rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        available(self.plan_best(&model, view, fleet, reports, now, 1 + self.fallbacks, rng))
     }
 
     /// [`Core::plan`], with every offered replica in the order, and a plan
     /// (saying why) even when no replica can take the request: what an
     /// explanation shows.
     pub fn plan_all(&self, view: &View, fleet: &Arc<Fleet>, reports: &dyn Fn(&Replica) -> Option<Report>, now: Duration) -> Plan {
-        let rng = self.models[view.model].rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        self.plan_best(view, fleet, reports, now, usize::MAX, rng)
+        let model = self.model(view.model);
+        let rng = model.rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        self.plan_best(&model, view, fleet, reports, now, usize::MAX, rng)
     }
 
     /// Plans and commits as one step. Decisions for one model take turns
@@ -302,14 +336,18 @@ impl Core {
         reports: &dyn Fn(&Replica) -> Option<Report>,
         now: Duration,
     ) -> Result<(Plan, Committed), NoReplica> {
-        let mut rng = self.models[view.model].rng.lock().unwrap_or_else(|p| p.into_inner());
-        let plan = available(self.plan_best(view, fleet, reports, now, 1 + self.fallbacks, rng.clone()))?;
-        let committed = self.commit(&plan, &mut rng);
+        // One model throughout, even if a reload swaps the models meanwhile.
+        let model = self.model(view.model);
+        let mut rng = model.rng.lock().unwrap_or_else(|p| p.into_inner());
+        let plan = available(self.plan_best(&model, view, fleet, reports, now, 1 + self.fallbacks, rng.clone()))?;
+        let committed = self.commit(&model, &plan, &mut rng);
         Ok((plan, committed))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn plan_best(
         &self,
+        model: &ModelRoute,
         view: &View,
         fleet: &Arc<Fleet>,
         reports: &dyn Fn(&Replica) -> Option<Report>,
@@ -317,7 +355,6 @@ impl Core {
         k: usize,
         rng: StdRng,
     ) -> Plan {
-        let model = &self.models[view.model];
         let replicas = fleet.serving(view.model);
         let places: Vec<Place> = replicas.iter().map(|r| self.place(r)).collect();
         let cached = match &view.prediction {
@@ -391,8 +428,7 @@ impl Core {
     }
 
     /// Commits a plan made under the model's generator lock (see [`Core::decide`]).
-    fn commit(&self, plan: &Plan, rng: &mut StdRng) -> Committed {
-        let model = &self.models[plan.model];
+    fn commit(&self, model: &ModelRoute, plan: &Plan, rng: &mut StdRng) -> Committed {
         let winner = plan.order[0];
         model.policy.picked(&plan.request(), &plan.candidates, winner);
         rng.clone_from(&plan.rng);

@@ -64,7 +64,7 @@ fn a_committed_prompt_is_predicted_cached_and_its_prefill_queued_on_the_winner()
     let p = prompt(0, 2_000);
     let (_, first) = core.decide(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap();
     let winner = first.targets[0].clone();
-    let expected = core.models[0].params.prefill.secs(2_000, 0);
+    let expected = core.model(0).params.prefill.secs(2_000, 0);
     assert!((first.prefill.as_secs_f64() - expected).abs() < 1e-6);
     assert_eq!(winner.queued_prefill(), Duration::from_micros(first.prefill.as_micros() as u64));
     assert_eq!(winner.prompt_tokens(), 2_000);

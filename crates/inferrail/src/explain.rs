@@ -121,7 +121,7 @@ fn engine(report: Option<(Report, Duration)>) -> Option<pb::EngineReport> {
 fn explanation(router: &Router, e: &Explained) -> pb::ExplainResponse {
     let plan = &e.plan;
     let mut out = pb::ExplainResponse {
-        model: router.core.models[plan.model].name.clone(),
+        model: router.core.model(plan.model).name.clone(),
         requested_model: e.requested.clone().unwrap_or_default(),
         policy: plan.policy.to_string(),
         no_prediction: e.no_prediction.unwrap_or_default().to_string(),
@@ -202,7 +202,7 @@ fn fleet(router: &Router) -> pb::ReplicasResponse {
             pb::Replica {
                 id: r.id.clone(),
                 address: r.addr.to_string(),
-                models: r.models.iter().map(|&m| router.core.models[m].name.clone()).collect(),
+                models: r.models.iter().map(|&m| router.core.model(m).name.clone()).collect(),
                 healthy: c.healthy,
                 ejected: r.ejected(now.as_millis() as u64),
                 in_flight: c.in_flight,

@@ -112,7 +112,7 @@ pub fn models_json(router: &Router, cards: &[Value]) -> String {
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let card = |name: &str| cards.iter().find(|c| c["id"] == name);
     let mut data = Vec::new();
-    for m in &router.core.models {
+    for m in router.core.models().iter() {
         let engine = card(&m.name);
         let entry = |id: &str, parent: Option<&str>| {
             json!({

@@ -54,7 +54,7 @@ pub struct Follow {
 impl Follow {
     /// Starts following `replica`; `replay` says whether a replay endpoint is configured.
     pub fn new(router: &Router, replica: Arc<Replica>, replay: bool) -> Self {
-        let base = replica.models.first().map(|&m| router.core.models[m].name.clone()).unwrap_or_default();
+        let base = replica.models.first().map(|&m| router.core.model(m).name.clone()).unwrap_or_default();
         let restarts = replica.restarts.load(std::sync::atomic::Ordering::Relaxed);
         let follow = Self { follower: Follower::new(replay, router.now_ms()), base, restarts, replica };
         follow.publish(Mode::Approximate(Reason::NoEventsConfigured));

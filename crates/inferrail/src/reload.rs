@@ -49,7 +49,14 @@ pub fn apply(router: &Router, path: &str) -> &'static str {
         }
         Ok(config) => match router.reload(config) {
             Ok(done) => {
-                tracing::info!(path, kept = done.kept, joined = done.joined, left = done.left, "configuration reloaded");
+                tracing::info!(
+                    path,
+                    models = done.models,
+                    kept = done.kept,
+                    joined = done.joined,
+                    left = done.left,
+                    "configuration reloaded"
+                );
                 "ok"
             }
             Err(why) => {

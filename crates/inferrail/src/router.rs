@@ -30,9 +30,22 @@ use crate::prompt::Prompts;
 use crate::request::{self, BodyError};
 use crate::traces::Traces;
 
-/// What a reload did to the listed replicas.
+/// Every name clients may use for `models` (theirs and their aliases), to the model.
+fn names_of(models: &[Arc<inferrail_route::ModelRoute>]) -> HashMap<String, usize> {
+    let mut names = HashMap::new();
+    for (i, m) in models.iter().enumerate() {
+        for n in std::iter::once(&m.name).chain(&m.aliases) {
+            names.insert(n.clone(), i);
+        }
+    }
+    names
+}
+
+/// What a reload did to the models and the listed replicas.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Reloaded {
+    /// Models whose aliases, policy or parameters changed (their policy state starts fresh).
+    pub models: usize,
     /// Kept, with what was learned of them.
     pub kept: usize,
     /// New, or changed enough to start cold.
@@ -164,7 +177,8 @@ pub struct Router {
     sources: std::sync::Mutex<Vec<(String, Vec<Arc<Replica>>)>>,
     /// The decision core: models, policies, the KV index.
     pub core: Core,
-    names: HashMap<String, usize>,
+    /// Every name clients may use (models' and their aliases), to its model; swapped with the models.
+    names: ArcSwap<HashMap<String, usize>>,
     fleet: ArcSwap<Fleet>,
     /// The requests in flight and their lives.
     pub ledger: Ledger,
@@ -183,12 +197,7 @@ impl Router {
     /// Builds the router with the configuration's listed replicas, loading every model's tokenizer.
     pub fn new(config: Config) -> anyhow::Result<Self> {
         let core = Core::new(&config)?;
-        let mut names = HashMap::new();
-        for (i, m) in core.models.iter().enumerate() {
-            for n in std::iter::once(&m.name).chain(&m.aliases) {
-                names.insert(n.clone(), i);
-            }
-        }
+        let names = names_of(&core.models());
         let replicas: Vec<Arc<Replica>> = config
             .replicas
             .iter()
@@ -204,13 +213,14 @@ impl Router {
             core.join(r);
         }
         let replicas_now = replicas.clone();
-        let fleet = ArcSwap::from_pointee(Fleet::new(replicas, core.models.len()));
+        let fleet = ArcSwap::from_pointee(Fleet::new(replicas, core.models().len()));
         let prompts = Prompts::new(&config)?;
         let decision_log = DecisionLog::start(&config.observability.decision_log)?;
         let traces = Traces::start(&config.observability)?;
         let (ledger, loads) = (Ledger::new(TIMING), LoadTable::new());
         let sources = std::sync::Mutex::new(vec![(STATIC.to_string(), replicas_now)]);
         let config = ArcSwap::from_pointee(config);
+        let names = ArcSwap::from_pointee(names);
         Ok(Self { config, sources, core, names, fleet, ledger, loads, clock: Instant::now(), prompts, decision_log, traces })
     }
 
@@ -245,12 +255,12 @@ impl Router {
             None => sources.push((source.to_string(), replicas)),
         }
         let all = sources.iter().flat_map(|(_, r)| r).cloned().collect();
-        self.fleet.store(Arc::new(Fleet::new(all, self.core.models.len())));
+        self.fleet.store(Arc::new(Fleet::new(all, self.core.models().len())));
     }
 
     /// Model index of a name clients may use.
     pub fn model_index(&self, name: &str) -> Option<usize> {
-        self.names.get(name).copied()
+        self.names.load().get(name).copied()
     }
 
     /// Decides where a generation request goes, among `subset` when the
@@ -293,7 +303,7 @@ impl Router {
         subset: Option<&[SocketAddr]>,
     ) -> Result<Decision, RouteError> {
         let read = self.prepare(body, endpoint, session).await?;
-        let model = &self.core.models[read.model];
+        let model = self.core.model(read.model);
         let (plan, committed) = self.core.decide(&read.view(subset), &read.fleet, &|r: &Replica| self.report(&r.id), self.now())?;
         record_plan(&plan);
         let (policy, steer, prompt_tokens) = (plan.policy, plan.steer, plan.prompt_tokens());
@@ -334,11 +344,11 @@ impl Router {
         }
         let fields = request::fields(body)?;
         let index = match &fields.model {
-            Some(name) => self.names.get(name).copied().ok_or_else(|| RouteError::UnknownModel(name.clone()))?,
-            None if self.core.models.len() == 1 => 0,
+            Some(name) => self.model_index(name).ok_or_else(|| RouteError::UnknownModel(name.clone()))?,
+            None if self.core.models().len() == 1 => 0,
             None => return Err(RouteError::MissingModel),
         };
-        let model = &self.core.models[index];
+        let model = self.core.model(index);
         // The model's name does not change the prompt: tokenize the body as sent.
         let read = self.prompts.read(index, endpoint, body, self.core.wants_text(index)).await;
         let fleet = self.fleet.load_full();
@@ -355,19 +365,30 @@ impl Router {
         Ok(Prepared { model: index, fleet, prediction, session, text: read.text, no_prediction, requested, body: forward })
     }
 
-    /// Applies a new, validated configuration: its replicas, as one swap of
-    /// the fleet. A replica that keeps its id, address, models and cache
-    /// shape keeps everything learned of it (requests in flight, health,
-    /// its KV index entry) and takes the new limits and drain; one whose
-    /// address, models or cache shape changed starts cold, like a new one;
-    /// one gone is forgotten once its requests are over (their leases hold
-    /// it). Anything else differing from the configuration in force is
-    /// refused with the sections that differ, and nothing changes.
+    /// Applies a new, validated configuration: its models' aliases,
+    /// policies and parameters, and its replicas, each swapped whole. A
+    /// model whose entry and parameters are unchanged keeps its policy's
+    /// state; one that changed starts it fresh. A replica that keeps its
+    /// id, address, models and cache shape keeps everything learned of it
+    /// (requests in flight, health, its KV index entry) and takes the new
+    /// limits and drain; one whose address, models or cache shape changed
+    /// starts cold, like a new one; one gone is forgotten once its requests
+    /// are over (their leases hold it). Anything else differing from the
+    /// configuration in force (the models' names, order and tokenizers, the
+    /// listeners, ...) is refused with the sections that differ, and nothing
+    /// changes.
     pub fn reload(&self, new: Config) -> Result<Reloaded, String> {
         let old = self.config.load_full();
-        let fixed = |c: &Config| Config { replicas: Vec::new(), ..c.clone() };
-        if fixed(&new) != fixed(&old) {
-            let (n, o) = (&new, &old);
+        let fixed = |c: &Config| {
+            let mut c = Config { replicas: Vec::new(), ..c.clone() };
+            c.routing.policies = Default::default();
+            for m in &mut c.models {
+                (m.aliases, m.policy, m.policies) = (Vec::new(), Default::default(), Default::default());
+            }
+            c
+        };
+        let (n, o) = (fixed(&new), fixed(&old));
+        if n != o {
             let differ: Vec<&str> = [
                 ("server", n.server != o.server),
                 ("admin", n.admin != o.admin),
@@ -386,15 +407,19 @@ impl Router {
             .into_iter()
             .filter_map(|(name, changed)| changed.then_some(name))
             .collect();
-            return Err(format!("only `replicas` reloads; {} changed and need a restart", differ.join(", ")));
+            return Err(format!(
+                "only replicas and models' aliases, policies and parameters reload; {} changed otherwise and need a restart",
+                differ.join(", ")
+            ));
         }
+        let mut done = Reloaded { models: self.core.reload_models(&old, &new).map_err(|e| e.to_string())?, ..Reloaded::default() };
+        self.names.store(Arc::new(names_of(&self.core.models())));
         let current = self.sources.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|(s, _)| s == STATIC).map(|(_, r)| r.clone());
         let current = current.unwrap_or_default();
-        let mut done = Reloaded::default();
         let mut next = Vec::new();
         for r in &new.replicas {
             let Ok(addr) = r.address.parse::<SocketAddr>() else { continue };
-            let models: Vec<usize> = r.models.iter().filter_map(|m| self.names.get(m).copied()).collect();
+            let models: Vec<usize> = r.models.iter().filter_map(|m| self.model_index(m)).collect();
             let same = current.iter().find(|c| c.id == r.id && c.addr == addr && c.models == models && c.cache == r.cache());
             let replica = match same {
                 Some(kept) => {
@@ -485,7 +510,7 @@ impl Router {
         if let Some(log) = &self.decision_log {
             log.outcome(&heard.id, &lease.replica.id, outcome.ttft.map(|d| d.as_secs_f64() * 1e3), outcome.status, label);
         }
-        let model = self.core.models[lease.model].name.clone();
+        let model = self.core.model(lease.model).name.clone();
         metrics::counter!("inferrail_requests_total", "model" => model, "replica" => lease.replica.id.clone(), "outcome" => label)
             .increment(1);
         metrics::histogram!("inferrail_request_duration_seconds").record(outcome.duration.as_secs_f64());

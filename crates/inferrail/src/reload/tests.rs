@@ -73,12 +73,13 @@ async fn a_reload_keeps_what_survives_starts_what_changed_cold_and_forgets_what_
     // A file that does not validate, and one that changes what does not reload: nothing changes.
     std::fs::write(path, yaml("  - {id: r1, address: not-an-address, models: [m]}\n")).unwrap();
     assert_eq!(apply(&router, path), "invalid");
-    std::fs::write(path, yaml(TWO).replace("round_robin", "cost_model")).unwrap();
+    std::fs::write(path, yaml(TWO).replace("builtin:sim", "hf:org/other")).unwrap();
     assert_eq!(apply(&router, path), "refused");
     let refused = router.reload(Config::load(path).unwrap()).unwrap_err();
-    assert!(refused.contains("models changed"), "{refused}");
+    assert!(refused.contains("models changed otherwise"), "{refused}");
     assert_eq!(ids(&router), ["r1", "r2", "r3"]);
     assert_eq!(router.config().replicas.len(), 3, "the running configuration stays");
+    assert_eq!(router.core.policy(0), "round_robin");
 
     // r3 leaves.
     std::fs::write(path, yaml(TWO)).unwrap();
@@ -86,4 +87,36 @@ async fn a_reload_keeps_what_survives_starts_what_changed_cold_and_forgets_what_
     assert_eq!(ids(&router), ["r1", "r2"]);
     assert!(!replica(&router, "r1").draining(), "its drain ended with the field");
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test]
+async fn a_reload_changes_a_models_policy_and_aliases_and_keeps_an_unchanged_models_state() {
+    let two_models = |first: &str| {
+        format!(
+            "models:\n  - {{name: a, policy: round_robin}}\n  - {first}\nretry: {{fallbacks: 0}}\nreplicas:\n  \
+             - {{id: r1, address: 127.0.0.1:8001, models: [a, b]}}\n  - {{id: r2, address: 127.0.0.1:8002, models: [a, b]}}\n"
+        )
+    };
+    let router = Router::new(Config::parse(&two_models("{name: b, policy: round_robin}")).unwrap()).unwrap();
+    let pick = |model: &'static str, id: &'static str| {
+        let router = &router;
+        async move {
+            let body = format!(r#"{{"model": "{model}"}}"#);
+            let d = router.decide(body.as_bytes(), Endpoint::Completions, id, None, None).await.unwrap();
+            router.forget(&d.request_id);
+            d.targets[0].id.clone()
+        }
+    };
+    assert_eq!((pick("a", "1").await, pick("b", "2").await), ("r1".to_string(), "r1".to_string()));
+    let a = router.core.model(0);
+    // b changes policy and gains an alias; a is untouched.
+    let done = router.reload(Config::parse(&two_models("{name: b, aliases: [bee], policy: least_request}")).unwrap()).unwrap();
+    assert_eq!(done.models, 1);
+    assert!(Arc::ptr_eq(&a, &router.core.model(0)), "a keeps its policy and its state");
+    assert_eq!(router.core.policy(1), "least_request");
+    assert_eq!(pick("a", "3").await, "r2", "a's round robin goes on where it was");
+    assert_eq!(router.model_index("bee"), Some(1), "the new alias is served");
+    // A changed parameter is a change too.
+    let tuned = "{name: b, aliases: [bee], policy: least_request, policies: {cost_model: {epsilon: 0.5}}}";
+    assert_eq!(router.reload(Config::parse(&two_models(tuned)).unwrap()).unwrap().models, 1);
 }

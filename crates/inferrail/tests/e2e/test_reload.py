@@ -1,7 +1,8 @@
 """Reloading the routing YAML under load through a real Envoy: the file is
 rewritten while clients keep sending (a drain, a replica removed, one put
 back, a file that does not validate, one that changes what does not
-reload, and a SIGHUP with nothing changed). Not one request fails, each
+reload, a model's policy changed and changed back, and a SIGHUP with
+nothing changed). Not one request fails, each
 version takes effect, and the refused ones change nothing."""
 import json
 import signal
@@ -32,7 +33,8 @@ def test_a_reload_under_load_fails_no_request_and_a_bad_one_changes_nothing(flee
         ("ok", original.replace("{id: sim-2, ", "{id: sim-2, drain: true, ")),
         ("invalid", original.replace("address: 127.0.0.1", "address: nowhere", 1)),
         ("ok", original.replace(sim3 + "\n", "")),
-        ("refused", original.replace("policy: round_robin", "policy: cost_model")),
+        ("refused", original.replace("tokenizer: builtin:sim", "tokenizer: hf:org/other")),
+        ("ok", original.replace("policy: round_robin", "policy: least_request")),
         ("ok", original),
     ]
     statuses, lock, sent = [], threading.Lock(), [0]
