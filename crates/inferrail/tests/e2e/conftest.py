@@ -8,6 +8,7 @@ processes share Envoy's ext_proc cluster (round robin), each following
 every engine."""
 
 import json
+import http.client as httpc
 import re
 import signal
 import subprocess
@@ -160,6 +161,20 @@ class Fleet:
     def chat(self, max_tokens=2, headers=None, timeout=30, **extra):
         body = {"model": "sim", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": max_tokens, **extra}
         return http("POST", f"{self.url}/v1/chat/completions", body, headers, timeout=timeout)
+
+    def send_part(self, body, first, timeout=15):
+        """POSTs a completion's headers and `first` bytes of `body` and waits
+        until Envoy has opened the router's stream for it; returns the
+        connection, for the rest of the body and the response."""
+        started = self.envoy_stat("streams_started")
+        c = httpc.HTTPConnection("127.0.0.1", self.listen, timeout=timeout)
+        c.putrequest("POST", "/v1/completions")
+        c.putheader("content-type", "application/json")
+        c.putheader("content-length", str(len(body)))
+        c.endheaders()
+        c.send(body[:first])
+        wait_until(lambda: self.envoy_stat("streams_started") > started, "the router's stream for the request")
+        return c
 
     def metrics(self, router=0):
         return http("GET", f"http://127.0.0.1:{self.routers[router][1]}/metrics").body.decode()
