@@ -20,6 +20,13 @@ that reads the `x-gateway-destination-endpoint` header. That cluster takes
 one `ip:port`: with a fallback in the header (`a,b`) Envoy answered 503 ("no
 original_dst") to every request, measured here. Behind it Inferrail runs
 with `retry: {fallbacks: 0}`.
+
+kgateway's endpoint-picker plugin
+(`internal/kgateway/extensions2/plugins/inferenceextension/endpointpicker/plugin.go`)
+writes the same modes with message_timeout 5s, fail-closed, `envoy.lb`
+received and `envoy.lb.subset_hint` forwarded. It reaches the picker over
+TLS, which Inferrail does not serve yet: only its filter's settings are
+tested here, on a plaintext ext_proc cluster.
 """
 import http.client as httpc
 import json
@@ -63,10 +70,14 @@ def original_dst(envoy):
 """, 1)
 
 
+KGATEWAY = ISTIO.replace("message_timeout: 1000s", "message_timeout: 5s").replace(
+    "forwarding_namespaces: {untyped: [envoy.lb]}", "forwarding_namespaces: {untyped: [envoy.lb.subset_hint]}")
+
 GATEWAYS = {
     "own": {},
     "istio": {"filters": ISTIO},
     "envoy-ai-gateway": {"filters": AI_GATEWAY, "envoy_edit": original_dst, "config_extra": "retry: {fallbacks: 0}\n"},
+    "kgateway": {"filters": KGATEWAY},
 }
 
 
@@ -88,7 +99,7 @@ def test_as_each_gateways_picker_cost_model_keeps_the_shared_prompts_cached_as_w
             assert fleet.metric("inferrail_leases") == 0
             assert fleet.envoy_stat("failure_mode_allowed") == 0
         fleet.stop()
-    for name in ["istio", "envoy-ai-gateway"]:
+    for name in ["istio", "envoy-ai-gateway", "kgateway"]:
         assert shares[name] >= 0.80, shares
         assert abs(shares[name] - shares["own"]) <= 0.02, shares
 
