@@ -207,13 +207,14 @@ mod tests {
         let (yaml, config) = router_config("cost_model", "builtin:sim", 1, ports, &[8001, 8002], (0.1, None), Some(&events))?;
         assert_eq!(inferrail_config::Config::parse(&yaml)?, config, "the YAML reads as the configuration returned");
         let ip = "127.0.0.1".parse()?;
-        let second = config.event_source("sim-2", ip).expect("sim-2 follows events");
+        let own = |c: &inferrail_config::Config, id: &str| c.replicas.iter().find(|r| r.id == id).and_then(|r| r.kv_events.clone());
+        let second = config.event_source(own(&config, "sim-2").as_ref(), ip).expect("sim-2 follows events");
         assert_eq!((second.endpoint.as_str(), second.bind), ("tcp://127.0.0.1:7002", false), "the router connects");
         assert_eq!(second.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:7102"));
         assert_eq!(config.routing.policies, params);
         assert_eq!(config.load.interval_ms, 10, "the engines' load is read ten times as often at a tenth of the time");
         let (_, plain) = router_config("cost_model", "builtin:sim", 1, ports, &[8001], (0.1, None), None)?;
-        assert_eq!(plain.event_source("sim-1", ip), None, "no events: approximate mode");
+        assert_eq!(plain.event_source(own(&plain, "sim-1").as_ref(), ip), None, "no events: approximate mode");
         // The simulator binds what the router connects to, as vLLM does for `*`.
         let [flag, json] = events[1].sim_flags();
         let json: serde_json::Value = serde_json::from_str(&json)?;

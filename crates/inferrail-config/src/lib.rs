@@ -227,7 +227,7 @@ impl Default for KvEvents {
 }
 
 /// One replica's KV events, overriding the `kv_events` template.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplicaKvEvents {
     /// Where to subscribe.
     pub endpoint: String,
@@ -376,14 +376,11 @@ impl Default for Limits {
     }
 }
 
-/// A replica listed by address.
+/// What a replica serves and takes (for a DNS group or a pool, each of
+/// its members): its models, limits and cache shape.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
-pub struct Replica {
-    /// Unique name, used in metrics and response headers.
-    pub id: String,
-    /// `ip:port`, exactly as Envoy's cluster lists it.
-    pub address: String,
+pub struct Serving {
     /// Models it serves.
     pub models: Vec<String>,
     /// Most requests in flight.
@@ -394,30 +391,16 @@ pub struct Replica {
     pub block_size: Option<usize>,
     /// KV blocks it holds; learned from the engine's metrics when unset.
     pub kv_blocks: Option<usize>,
-    /// Its KV events, when not from the `kv_events` template.
-    pub kv_events: Option<ReplicaKvEvents>,
-    /// Draining: it finishes its requests and is offered no new one.
-    pub drain: bool,
 }
 
-impl Default for Replica {
+impl Default for Serving {
     fn default() -> Self {
         let l = Limits::default();
-        Self {
-            id: String::new(),
-            address: String::new(),
-            models: Vec::new(),
-            max_concurrency: l.max_concurrency,
-            max_pending: l.max_pending,
-            block_size: None,
-            kv_blocks: None,
-            kv_events: None,
-            drain: false,
-        }
+        Self { models: Vec::new(), max_concurrency: l.max_concurrency, max_pending: l.max_pending, block_size: None, kv_blocks: None }
     }
 }
 
-impl Replica {
+impl Serving {
     /// Its limits.
     pub fn limits(&self) -> Limits {
         Limits { max_concurrency: self.max_concurrency, max_pending: self.max_pending }
@@ -427,6 +410,23 @@ impl Replica {
     pub fn cache(&self) -> CacheShape {
         CacheShape { block_size: self.block_size, blocks: self.kv_blocks }
     }
+}
+
+/// A replica listed by address.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Replica {
+    /// Unique name, used in metrics and response headers.
+    pub id: String,
+    /// `ip:port`, exactly as Envoy's cluster lists it.
+    pub address: String,
+    /// Its models, limits and cache shape.
+    #[serde(flatten)]
+    pub serving: Serving,
+    /// Its KV events, when not from the `kv_events` template.
+    pub kv_events: Option<ReplicaKvEvents>,
+    /// Draining: it finishes its requests and is offered no new one.
+    pub drain: bool,
 }
 
 /// A replica's KV cache shape as configured; what is unset is learned from its engine.
@@ -448,96 +448,35 @@ pub struct DnsGroup {
     pub host: String,
     /// Port of every member.
     pub port: u16,
-    /// Models every member serves.
-    pub models: Vec<String>,
     /// Time between lookups, milliseconds.
     pub interval_ms: u64,
-    /// Most requests in flight, per member.
-    pub max_concurrency: u32,
-    /// Most requests waiting for their first byte, per member.
-    pub max_pending: u32,
-    /// Tokens per KV block of every member; learned from the engines when unset.
-    pub block_size: Option<usize>,
-    /// KV blocks of every member; learned from the engines when unset.
-    pub kv_blocks: Option<usize>,
+    /// Every member's models, limits and cache shape.
+    #[serde(flatten)]
+    pub serving: Serving,
 }
 
 impl Default for DnsGroup {
     fn default() -> Self {
-        let l = Limits::default();
-        Self {
-            group: String::new(),
-            host: String::new(),
-            port: 8000,
-            models: Vec::new(),
-            interval_ms: 5_000,
-            max_concurrency: l.max_concurrency,
-            max_pending: l.max_pending,
-            block_size: None,
-            kv_blocks: None,
-        }
-    }
-}
-
-impl DnsGroup {
-    /// Limits of every member.
-    pub fn limits(&self) -> Limits {
-        Limits { max_concurrency: self.max_concurrency, max_pending: self.max_pending }
-    }
-
-    /// Cache shape of every member as configured.
-    pub fn cache(&self) -> CacheShape {
-        CacheShape { block_size: self.block_size, blocks: self.kv_blocks }
+        Self { group: String::new(), host: String::new(), port: 8000, interval_ms: 5_000, serving: Serving::default() }
     }
 }
 
 /// The ready pods an InferencePool (`inference.networking.k8s.io/v1`)
 /// selects, read and watched from the API server; each pod is a replica
-/// named after it, on the pool's first target port.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// named after it, on the pool's first target port. A pod annotated
+/// `inferrail.io/kv-events` (and `inferrail.io/kv-events-replay`) has its
+/// KV events there, `{host}` standing for its IP; the others follow the
+/// `kv_events` template.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct KubernetesPool {
     /// The InferencePool's name.
     pub pool: String,
     /// Its namespace; unset: the one the router runs in (or the kubeconfig's).
     pub namespace: Option<String>,
-    /// Models every pod serves.
-    pub models: Vec<String>,
-    /// Most requests in flight, per pod.
-    pub max_concurrency: u32,
-    /// Most requests waiting for their first byte, per pod.
-    pub max_pending: u32,
-    /// Tokens per KV block of every pod; learned from the engines when unset.
-    pub block_size: Option<usize>,
-    /// KV blocks of every pod; learned from the engines when unset.
-    pub kv_blocks: Option<usize>,
-}
-
-impl Default for KubernetesPool {
-    fn default() -> Self {
-        let l = Limits::default();
-        Self {
-            pool: String::new(),
-            namespace: None,
-            models: Vec::new(),
-            max_concurrency: l.max_concurrency,
-            max_pending: l.max_pending,
-            block_size: None,
-            kv_blocks: None,
-        }
-    }
-}
-
-impl KubernetesPool {
-    /// Limits of every pod.
-    pub fn limits(&self) -> Limits {
-        Limits { max_concurrency: self.max_concurrency, max_pending: self.max_pending }
-    }
-
-    /// Cache shape of every pod as configured.
-    pub fn cache(&self) -> CacheShape {
-        CacheShape { block_size: self.block_size, blocks: self.kv_blocks }
-    }
+    /// Every pod's models, limits and cache shape.
+    #[serde(flatten)]
+    pub serving: Serving,
 }
 
 /// Why a configuration was refused.
@@ -569,10 +508,10 @@ impl Config {
         }
         let at = format!("models[{m}].policies");
         let base = serde_yaml::to_value(&self.routing.policies).map_err(|e| vec![format!("{at}: {e}")])?;
+        let given = merged(base, over);
+        let params: Params = serde_yaml::from_value(given.clone()).map_err(|e| vec![format!("{at}: {e}")])?;
         let mut unknown = Vec::new();
-        let params: Params =
-            serde_ignored::deserialize(merged(base, over), |path| unknown.push(format!("{at}.{}: unknown key", path_text(&path))))
-                .map_err(|e| vec![format!("{at}: {e}")])?;
+        unknown_keys(&given, &serde_yaml::to_value(&params).map_err(|e| vec![format!("{at}: {e}")])?, &at, &mut unknown);
         if unknown.is_empty() { Ok(params) } else { Err(unknown) }
     }
 
@@ -584,21 +523,22 @@ impl Config {
 
     /// Parses and validates YAML text.
     pub fn parse(text: &str) -> Result<Self, ConfigError> {
-        let mut unknown = Vec::new();
-        let de = serde_yaml::Deserializer::from_str(text);
-        let config: Config = serde_ignored::deserialize(de, |path| unknown.push(format!("{}: unknown key", path_text(&path))))
-            .map_err(ConfigError::Parse)?;
-        let mut problems = unknown;
+        let config: Config = serde_yaml::from_str(text).map_err(ConfigError::Parse)?;
+        // What was given and what was read of it, side by side: a key read into no field is unknown.
+        let given: serde_yaml::Value = serde_yaml::from_str(text).map_err(ConfigError::Parse)?;
+        let mut problems = Vec::new();
+        unknown_keys(&given, &serde_yaml::to_value(&config).map_err(ConfigError::Parse)?, "", &mut problems);
         problems.extend(config.validate());
         if problems.is_empty() { Ok(config) } else { Err(ConfigError::Invalid(problems)) }
     }
 
-    /// Where the KV events of replica `id` at `ip` come from: its own
-    /// `kv_events`, else the template; none when neither says.
-    pub fn event_source(&self, id: &str, ip: std::net::IpAddr) -> Option<EventSource> {
+    /// Where the KV events of a replica at `ip` come from: its own (`own`,
+    /// from its entry or its pod's annotations), else the template; none
+    /// when neither says.
+    pub fn event_source(&self, own: Option<&ReplicaKvEvents>, ip: std::net::IpAddr) -> Option<EventSource> {
         let t = &self.kv_events;
         let host = |s: &str| s.replace("{host}", &ip.to_string());
-        match self.replicas.iter().find(|r| r.id == id).and_then(|r| r.kv_events.as_ref()) {
+        match own {
             Some(own) => Some(EventSource {
                 endpoint: host(&own.endpoint),
                 replay_endpoint: own.replay_endpoint.as_deref().map(host),
@@ -734,9 +674,7 @@ impl Config {
             if r.address.parse::<SocketAddr>().is_err() {
                 p.push(format!("{at}.address: {:?} is not ip:port (Envoy's override_host matches ip:port exactly)", r.address));
             }
-            check_models(&mut p, &at, &r.models, &known, &mut served);
-            check_limits(&mut p, &at, r.limits());
-            check_cache(&mut p, &at, r.cache());
+            r.serving.check(&mut p, &at, &known, &mut served);
         }
         for (i, g) in self.discovery.iter().enumerate() {
             let at = format!("discovery[{i}]");
@@ -746,17 +684,13 @@ impl Config {
             if g.port == 0 || g.interval_ms == 0 {
                 p.push(format!("{at}: port and interval_ms must be at least 1"));
             }
-            check_models(&mut p, &at, &g.models, &known, &mut served);
-            check_limits(&mut p, &at, g.limits());
-            check_cache(&mut p, &at, g.cache());
+            g.serving.check(&mut p, &at, &known, &mut served);
         }
         if let Some(k) = &self.kubernetes {
             if k.pool.is_empty() {
                 p.push("kubernetes.pool: the InferencePool's name is required".into());
             }
-            check_models(&mut p, "kubernetes", &k.models, &known, &mut served);
-            check_limits(&mut p, "kubernetes", k.limits());
-            check_cache(&mut p, "kubernetes", k.cache());
+            k.serving.check(&mut p, "kubernetes", &known, &mut served);
         }
         for (i, m) in self.models.iter().enumerate() {
             if !m.name.is_empty() && !served.contains(m.name.as_str()) {
@@ -767,42 +701,54 @@ impl Config {
     }
 }
 
-/// A path as validation writes it: `replicas[1].spare`.
-fn path_text(path: &serde_ignored::Path<'_>) -> String {
-    use serde_ignored::Path;
-    match path {
-        Path::Root => String::new(),
-        Path::Seq { parent, index } => format!("{}[{index}]", path_text(parent)),
-        Path::Map { parent, key } => match path_text(parent) {
-            p if p.is_empty() => key.clone(),
-            p => format!("{p}.{key}"),
-        },
-        Path::Some { parent } | Path::NewtypeStruct { parent } | Path::NewtypeVariant { parent } => path_text(parent),
-    }
-}
-
-fn check_models<'a>(p: &mut Vec<String>, at: &str, models: &'a [String], known: &HashSet<&str>, served: &mut HashSet<&'a str>) {
-    if models.is_empty() {
-        p.push(format!("{at}.models: serves no model"));
-    }
-    for (j, m) in models.iter().enumerate() {
-        if known.contains(m.as_str()) {
-            served.insert(m);
-        } else {
-            p.push(format!("{at}.models[{j}]: {m:?} is not a configured model name"));
+impl Serving {
+    /// Its problems, at path `at`; the models it names go into `served`.
+    fn check<'a>(&'a self, p: &mut Vec<String>, at: &str, known: &HashSet<&str>, served: &mut HashSet<&'a str>) {
+        if self.models.is_empty() {
+            p.push(format!("{at}.models: serves no model"));
+        }
+        for (j, m) in self.models.iter().enumerate() {
+            if known.contains(m.as_str()) {
+                served.insert(m);
+            } else {
+                p.push(format!("{at}.models[{j}]: {m:?} is not a configured model name"));
+            }
+        }
+        if self.max_concurrency == 0 || self.max_pending == 0 {
+            p.push(format!("{at}: max_concurrency and max_pending must be at least 1"));
+        }
+        if self.block_size == Some(0) || self.kv_blocks == Some(0) {
+            p.push(format!("{at}: block_size and kv_blocks must be at least 1 when set"));
         }
     }
 }
 
-fn check_limits(p: &mut Vec<String>, at: &str, l: Limits) {
-    if l.max_concurrency == 0 || l.max_pending == 0 {
-        p.push(format!("{at}: max_concurrency and max_pending must be at least 1"));
-    }
-}
-
-fn check_cache(p: &mut Vec<String>, at: &str, c: CacheShape) {
-    if c.block_size == Some(0) || c.blocks == Some(0) {
-        p.push(format!("{at}: block_size and kv_blocks must be at least 1 when set"));
+/// The keys of `given` that `read` (what was read of it, written back) lacks,
+/// each as `<path>: unknown key`, with paths as validation writes them
+/// (`replicas[1].spare`).
+fn unknown_keys(given: &serde_yaml::Value, read: &serde_yaml::Value, at: &str, out: &mut Vec<String>) {
+    use serde_yaml::Value;
+    let join = |key: &str| if at.is_empty() { key.to_owned() } else { format!("{at}.{key}") };
+    match (given, read) {
+        (Value::Mapping(g), Value::Mapping(r)) => {
+            for (k, v) in g {
+                let key = match k {
+                    Value::String(s) => s.clone(),
+                    other => serde_yaml::to_string(other).unwrap_or_default().trim().to_owned(),
+                };
+                match r.get(k) {
+                    Some(inner) => unknown_keys(v, inner, &join(&key), out),
+                    None => out.push(format!("{}: unknown key", join(&key))),
+                }
+            }
+        }
+        (Value::Sequence(g), Value::Sequence(r)) => {
+            for (i, (g, r)) in g.iter().zip(r).enumerate() {
+                unknown_keys(g, r, &format!("{at}[{i}]"), out);
+            }
+        }
+        (Value::Tagged(g), Value::Tagged(r)) => unknown_keys(&g.value, &r.value, at, out),
+        _ => {}
     }
 }
 

@@ -16,7 +16,7 @@ fn the_minimal_config_takes_defaults() {
     let c = Config::parse(MINIMAL).unwrap();
     assert_eq!(c.server.listen, "127.0.0.1:9002");
     assert_eq!(c.retry.fallbacks, 2);
-    assert_eq!(c.replicas[0].limits(), Limits::default());
+    assert_eq!(c.replicas[0].serving.limits(), Limits::default());
     assert_eq!(c.models[0].policy, PolicyKind::P2c);
     assert_eq!(c.models[0].aliases, ["sim"]);
 }
@@ -158,14 +158,15 @@ replicas:
 "#,
     )
     .unwrap();
-    let a = c.event_source("a", "10.0.0.1".parse().unwrap()).unwrap();
+    let own = |id: &str| c.replicas.iter().find(|r| r.id == id).and_then(|r| r.kv_events.as_ref());
+    let a = c.event_source(own("a"), "10.0.0.1".parse().unwrap()).unwrap();
     assert_eq!(
         (a.endpoint.as_str(), a.replay_endpoint.as_deref(), a.topic.as_str(), a.bind),
         ("tcp://10.0.0.1:5557", Some("tcp://10.0.0.1:5558"), "kv-events", false)
     );
-    let b = c.event_source("b", "10.0.0.2".parse().unwrap()).unwrap();
+    let b = c.event_source(own("b"), "10.0.0.2".parse().unwrap()).unwrap();
     assert_eq!((b.endpoint.as_str(), b.replay_endpoint, b.topic.as_str(), b.bind), ("tcp://*:6000", None, "kv-events", true));
-    assert_eq!(Config::default().event_source("a", "10.0.0.1".parse().unwrap()), None, "no template, no events");
+    assert_eq!(Config::default().event_source(None, "10.0.0.1".parse().unwrap()), None, "no template, no events");
     let bad = Config::parse("models: [{name: m}]\nkv_events: {endpoint: \"http://x\", queue: 0}\n");
     let Err(ConfigError::Invalid(problems)) = bad else { panic!("accepted {bad:?}") };
     assert!(problems.iter().any(|p| p.starts_with("kv_events.endpoint")), "{problems:?}");

@@ -33,9 +33,16 @@ pub struct ScrapeConfig {
     pub max_bytes: usize,
 }
 
+impl From<&inferrail_config::Load> for ScrapeConfig {
+    fn from(l: &inferrail_config::Load) -> Self {
+        Self { interval: Duration::from_millis(l.interval_ms), timeout: Duration::from_millis(l.timeout_ms), max_bytes: l.max_bytes }
+    }
+}
+
 impl Default for ScrapeConfig {
+    /// The `load:` section's defaults.
     fn default() -> Self {
-        Self { interval: Duration::from_millis(100), timeout: Duration::from_millis(100), max_bytes: 4 << 20 }
+        Self::from(&inferrail_config::Load::default())
     }
 }
 

@@ -25,7 +25,14 @@ fn setup(n: usize) -> (Core, Arc<Fleet>, Prompt) {
         .replicas
         .iter()
         .map(|r| {
-            Arc::new(Replica::new(r.id.clone(), r.address.parse().expect("addr"), vec![0], r.limits(), r.cache(), core.kv.slot(&r.id)))
+            Arc::new(Replica::new(
+                r.id.clone(),
+                r.address.parse().expect("addr"),
+                vec![0],
+                r.serving.limits(),
+                r.serving.cache(),
+                core.kv.slot(&r.id),
+            ))
         })
         .collect();
     for r in &replicas {

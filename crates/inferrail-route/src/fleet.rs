@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize,
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use inferrail_config::{CacheShape, Health as HealthConfig, Limits};
+use inferrail_config::{CacheShape, Health as HealthConfig, Limits, ReplicaKvEvents};
 use inferrail_kv::index::Slot;
 use inferrail_kv::mode::{Mode, Reason};
 use inferrail_policy::Candidate;
@@ -34,6 +34,8 @@ pub struct Replica {
     pub slot: Slot,
     /// Its KV cache shape as configured.
     pub cache: CacheShape,
+    /// Where its KV events come from, when its entry or its pod says (else the `kv_events` template).
+    pub kv_events: Option<ReplicaKvEvents>,
     /// A stable number for it (a hash of its id), for hashing policies and sessions.
     pub key: u64,
     learned_block_size: AtomicUsize,
@@ -107,6 +109,7 @@ impl Replica {
             max_pending: AtomicU32::new(limits.max_pending),
             slot,
             cache,
+            kv_events: None,
             key: xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
             learned_block_size: AtomicUsize::new(0),
             learned_blocks: AtomicUsize::new(0),
@@ -125,6 +128,11 @@ impl Replica {
             ejected_until_ms: AtomicU64::new(0),
             id,
         }
+    }
+
+    /// The same, with its own KV events source.
+    pub fn with_kv_events(self, kv_events: Option<ReplicaKvEvents>) -> Self {
+        Self { kv_events, ..self }
     }
 
     /// How its KV index entry is known.

@@ -17,8 +17,15 @@ pub(crate) fn core(policy: &str, n: usize) -> (Core, Arc<Fleet>) {
         .replicas
         .iter()
         .map(|r| {
-            let models = r.models.iter().map(|m| usize::from(m == "other")).collect();
-            Arc::new(Replica::new(r.id.clone(), r.address.parse().unwrap(), models, r.limits(), r.cache(), core.kv.slot(&r.id)))
+            let models = r.serving.models.iter().map(|m| usize::from(m == "other")).collect();
+            Arc::new(Replica::new(
+                r.id.clone(),
+                r.address.parse().unwrap(),
+                models,
+                r.serving.limits(),
+                r.serving.cache(),
+                core.kv.slot(&r.id),
+            ))
         })
         .collect();
     for r in &replicas {

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Parser;
+use inferrail_config::Load;
 use inferrail_load::{LoadTable, ScrapeConfig, Scraper};
 use inferrail_proto::LoadReportsService;
 use tracing_subscriber::EnvFilter;
@@ -34,13 +35,13 @@ struct Args {
     #[arg(long, default_value = "127.0.0.1:9095")]
     listen: SocketAddr,
     /// Time between two scrapes of a replica, milliseconds.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = Load::default().interval_ms)]
     interval_ms: u64,
     /// Longest one scrape may take, body included, milliseconds.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = Load::default().timeout_ms)]
     timeout_ms: u64,
     /// Largest metrics page read, bytes.
-    #[arg(long, default_value_t = 4 << 20)]
+    #[arg(long, default_value_t = Load::default().max_bytes)]
     max_bytes: usize,
 }
 
@@ -91,11 +92,8 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let args = Args::parse();
     let targets = replicas(&args)?;
-    let config = ScrapeConfig {
-        interval: Duration::from_millis(args.interval_ms),
-        timeout: Duration::from_millis(args.timeout_ms),
-        max_bytes: args.max_bytes,
-    };
+    let load = Load { interval_ms: args.interval_ms, timeout_ms: args.timeout_ms, max_bytes: args.max_bytes, ..Load::default() };
+    let config = ScrapeConfig::from(&load);
     let scraper = std::sync::Arc::new(Scraper::new(config, LoadTable::new())?);
     let count = targets.len();
     scraper.set_targets(targets.clone());

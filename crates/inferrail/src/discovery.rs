@@ -48,17 +48,11 @@ impl Discovery {
         addrs.sort();
         addrs.dedup();
         let old = &self.members[g];
-        let models: Vec<usize> = group.models.iter().filter_map(|m| router.model_index(m)).collect();
         let new: Vec<Arc<Replica>> = addrs
             .iter()
             .map(|&a| {
-                old.iter().find(|r| r.addr == a).cloned().unwrap_or_else(|| {
-                    let id = member_id(&group.group, a);
-                    let slot = router.core.kv.slot(&id);
-                    let r = Arc::new(Replica::new(id, a, models.clone(), group.limits(), group.cache(), slot));
-                    router.core.join(&r);
-                    r
-                })
+                let kept = old.iter().find(|r| r.addr == a).cloned();
+                kept.unwrap_or_else(|| router.cold_replica(member_id(&group.group, a), a, &group.serving, None))
             })
             .collect();
         let changed = new.len() != old.len() || new.iter().zip(old).any(|(a, b)| !Arc::ptr_eq(a, b));

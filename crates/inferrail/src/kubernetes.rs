@@ -10,7 +10,10 @@
 //! its Ready condition is true and it is not being deleted.
 //!
 //! A replica's identity is its pod (by uid), not its address: a new pod on
-//! a reused IP, or under a reused name, starts with a cold KV index. A pod
+//! a reused IP, or under a reused name, starts with a cold KV index. A pod's
+//! KV events come from its `inferrail.io/kv-events` annotation (and
+//! `inferrail.io/kv-events-replay`), else from the `kv_events` template
+//! with `{host}` its IP. A pod
 //! that leaves is offered no new request; its requests in flight finish
 //! on it, holding it through their leases.
 
@@ -19,7 +22,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use futures_util::StreamExt;
-use inferrail_config::KubernetesPool;
+use inferrail_config::{KubernetesPool, ReplicaKvEvents};
 use inferrail_route::fleet::Replica;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
@@ -63,7 +66,14 @@ pub struct PodView {
     pub ip: Option<IpAddr>,
     /// Its Ready condition is true and it is not being deleted.
     pub ready: bool,
+    /// Its KV events, from its annotations.
+    pub kv_events: Option<ReplicaKvEvents>,
 }
+
+/// The pod annotation naming where its engine publishes KV events (`{host}`: its IP).
+pub const KV_EVENTS_ANNOTATION: &str = "inferrail.io/kv-events";
+/// The pod annotation naming its engine's KV event replay endpoint.
+pub const KV_EVENTS_REPLAY_ANNOTATION: &str = "inferrail.io/kv-events-replay";
 
 impl PodView {
     /// Reads a pod.
@@ -74,7 +84,14 @@ impl PodView {
         let ready_condition =
             status.and_then(|s| s.conditions.as_ref()).is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
         let ready = ready_condition && meta.deletion_timestamp.is_none();
-        Some(Self { uid: meta.uid.clone()?, name: meta.name.clone()?, ip, ready })
+        let annotation = |key: &str| meta.annotations.as_ref().and_then(|a| a.get(key)).cloned();
+        let kv_events = annotation(KV_EVENTS_ANNOTATION).map(|endpoint| ReplicaKvEvents {
+            endpoint,
+            replay_endpoint: annotation(KV_EVENTS_REPLAY_ANNOTATION),
+            topic: None,
+            bind: None,
+        });
+        Some(Self { uid: meta.uid.clone()?, name: meta.name.clone()?, ip, ready, kv_events })
     }
 }
 
@@ -94,7 +111,6 @@ impl Members {
     /// Makes the replicas the pods that count under `spec` (none without
     /// one) and publishes them if that changed anything; returns whether it did.
     pub fn apply<'a>(&mut self, router: &Router, spec: Option<&PoolSpec>, pods: impl IntoIterator<Item = &'a PodView>) -> bool {
-        let models: Vec<usize> = self.config.models.iter().filter_map(|m| router.model_index(m)).collect();
         let mut wanted: Vec<(&PodView, SocketAddr)> = match spec {
             Some(spec) => pods.into_iter().filter(|p| p.ready).filter_map(|p| Some((p, SocketAddr::new(p.ip?, spec.port)))).collect(),
             None => Vec::new(),
@@ -103,16 +119,13 @@ impl Members {
         let next: Vec<(String, Arc<Replica>)> = wanted
             .into_iter()
             .map(|(pod, addr)| {
-                let kept = self.current.iter().find(|(uid, r)| *uid == pod.uid && r.addr == addr);
+                let kept = self.current.iter().find(|(uid, r)| *uid == pod.uid && r.addr == addr && r.kv_events == pod.kv_events);
                 let replica = kept.map(|(_, r)| r.clone()).unwrap_or_else(|| {
                     // Another pod of the same name (a StatefulSet's, recreated) was another engine.
                     if let Some((_, before)) = self.current.iter().find(|(_, r)| r.id == pod.name) {
                         router.core.leave(before);
                     }
-                    let slot = router.core.kv.slot(&pod.name);
-                    let r = Arc::new(Replica::new(pod.name.clone(), addr, models.clone(), self.config.limits(), self.config.cache(), slot));
-                    router.core.join(&r);
-                    r
+                    router.cold_replica(pod.name.clone(), addr, &self.config.serving, pod.kv_events.clone())
                 });
                 (pod.uid.clone(), replica)
             })

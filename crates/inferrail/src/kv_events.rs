@@ -19,8 +19,6 @@
 //! (replayed, else the replica falls back). The applying loop fetches the
 //! replays the follower asks for and ticks it every second.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -187,24 +185,25 @@ impl Follow {
 
 /// Follows the KV events of every replica with an event source, as the fleet changes.
 pub async fn run(router: Arc<Router>) {
-    let mut tasks: HashMap<String, (SocketAddr, JoinHandle<()>)> = HashMap::new();
+    // By replica: a replica replaced (a new pod, new events) is followed anew.
+    let mut tasks: Vec<(Arc<Replica>, JoinHandle<()>)> = Vec::new();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
         let fleet = router.fleet();
-        tasks.retain(|id, (addr, task)| {
-            let stays = fleet.replicas.iter().any(|r| &r.id == id && r.addr == *addr);
+        tasks.retain(|(replica, task)| {
+            let stays = fleet.replicas.iter().any(|r| Arc::ptr_eq(r, replica));
             if !stays {
                 task.abort();
             }
             stays
         });
         for r in &fleet.replicas {
-            if tasks.contains_key(&r.id) {
+            if tasks.iter().any(|(t, _)| Arc::ptr_eq(t, r)) {
                 continue;
             }
-            let Some(source) = router.config().event_source(&r.id, r.addr.ip()) else { continue };
-            tasks.insert(r.id.clone(), (r.addr, tokio::spawn(follow_replica(router.clone(), r.clone(), source))));
+            let Some(source) = router.config().event_source(r.kv_events.as_ref(), r.addr.ip()) else { continue };
+            tasks.push((r.clone(), tokio::spawn(follow_replica(router.clone(), r.clone(), source))));
         }
     }
 }

@@ -26,12 +26,7 @@ pub async fn run(router: Arc<Router>) {
         }
         return;
     }
-    let config = ScrapeConfig {
-        interval: Duration::from_millis(cfg.interval_ms),
-        timeout: Duration::from_millis(cfg.timeout_ms),
-        max_bytes: cfg.max_bytes,
-    };
-    let scraper = match Scraper::new(config, router.loads.clone()) {
+    let scraper = match Scraper::new(ScrapeConfig::from(&cfg), router.loads.clone()) {
         Ok(s) => s,
         Err(e) => {
             tracing::error!(error = %e, "cannot build the scrape client; engine load is off");

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use inferrail_config::Config;
+use inferrail_config::{Config, ReplicaKvEvents};
 use inferrail_load::table::LoadTable;
 use inferrail_policy::{EngineReport, NoReplica};
 use inferrail_route::fleet::{Fleet, Lease, Replica};
@@ -197,31 +197,19 @@ impl Router {
     /// Builds the router with the configuration's listed replicas, loading every model's tokenizer.
     pub fn new(config: Config) -> anyhow::Result<Self> {
         let core = Core::new(&config)?;
-        let names = names_of(&core.models());
-        let replicas: Vec<Arc<Replica>> = config
-            .replicas
-            .iter()
-            .filter_map(|r| {
-                let addr = r.address.parse().ok()?;
-                let served = r.models.iter().filter_map(|m| names.get(m).copied()).collect();
-                let replica = Replica::new(r.id.clone(), addr, served, r.limits(), r.cache(), core.kv.slot(&r.id));
-                replica.set_draining(r.drain);
-                Some(Arc::new(replica))
-            })
-            .collect();
-        for r in &replicas {
-            core.join(r);
-        }
-        let replicas_now = replicas.clone();
-        let fleet = ArcSwap::from_pointee(Fleet::new(replicas, core.models().len()));
+        let names = ArcSwap::from_pointee(names_of(&core.models()));
+        let fleet = ArcSwap::from_pointee(Fleet::new(Vec::new(), core.models().len()));
         let prompts = Prompts::new(&config)?;
         let decision_log = DecisionLog::start(&config.observability.decision_log)?;
         let traces = Traces::start(&config.observability)?;
         let (ledger, loads) = (Ledger::new(TIMING), LoadTable::new());
-        let sources = std::sync::Mutex::new(vec![(STATIC.to_string(), replicas_now)]);
+        let listed = config.replicas.clone();
         let config = ArcSwap::from_pointee(config);
-        let names = ArcSwap::from_pointee(names);
-        Ok(Self { config, sources, core, names, fleet, ledger, loads, clock: Instant::now(), prompts, decision_log, traces })
+        let sources = std::sync::Mutex::new(Vec::new());
+        let router = Self { config, sources, core, names, fleet, ledger, loads, clock: Instant::now(), prompts, decision_log, traces };
+        let replicas = router.listed(&listed, &[], &mut Reloaded::default());
+        router.publish(STATIC, replicas);
+        Ok(router)
     }
 
     /// The configuration in force.
@@ -415,15 +403,28 @@ impl Router {
         let mut done = Reloaded { models: self.core.reload_models(&old, &new).map_err(|e| e.to_string())?, ..Reloaded::default() };
         self.names.store(Arc::new(names_of(&self.core.models())));
         let current = self.sources.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|(s, _)| s == STATIC).map(|(_, r)| r.clone());
-        let current = current.unwrap_or_default();
+        let next = self.listed(&new.replicas, &current.unwrap_or_default(), &mut done);
+        self.config.store(Arc::new(new));
+        self.publish(STATIC, next);
+        Ok(done)
+    }
+
+    /// The replicas `listed` names: each of `current` whose identity holds
+    /// (the same id, address, models, cache shape and KV events) is kept
+    /// with everything learned of it and takes the new limits; the others
+    /// are new and cold; `current`'s others leave. All take their drain.
+    fn listed(&self, listed: &[inferrail_config::Replica], current: &[Arc<Replica>], done: &mut Reloaded) -> Vec<Arc<Replica>> {
         let mut next = Vec::new();
-        for r in &new.replicas {
+        for r in listed {
             let Ok(addr) = r.address.parse::<SocketAddr>() else { continue };
-            let models: Vec<usize> = r.models.iter().filter_map(|m| self.model_index(m)).collect();
-            let same = current.iter().find(|c| c.id == r.id && c.addr == addr && c.models == models && c.cache == r.cache());
-            let replica = match same {
+            let s = &r.serving;
+            let models = self.model_indices(&s.models);
+            let same = |c: &&Arc<Replica>| {
+                c.id == r.id && c.addr == addr && c.models == models && c.cache == s.cache() && c.kv_events == r.kv_events
+            };
+            let replica = match current.iter().find(same) {
                 Some(kept) => {
-                    kept.set_limits(r.limits());
+                    kept.set_limits(s.limits());
                     done.kept += 1;
                     kept.clone()
                 }
@@ -431,10 +432,8 @@ impl Router {
                     if let Some(before) = current.iter().find(|c| c.id == r.id) {
                         self.core.leave(before);
                     }
-                    let joined = Arc::new(Replica::new(r.id.clone(), addr, models, r.limits(), r.cache(), self.core.kv.slot(&r.id)));
-                    self.core.join(&joined);
                     done.joined += 1;
-                    joined
+                    self.cold_replica(r.id.clone(), addr, s, r.kv_events.clone())
                 }
             };
             replica.set_draining(r.drain);
@@ -444,9 +443,27 @@ impl Router {
             self.core.leave(gone);
             done.left += 1;
         }
-        self.config.store(Arc::new(new));
-        self.publish(STATIC, next);
-        Ok(done)
+        next
+    }
+
+    /// A new replica serving what `serving` says, with a cold KV slot.
+    pub fn cold_replica(
+        &self,
+        id: String,
+        addr: SocketAddr,
+        serving: &inferrail_config::Serving,
+        kv_events: Option<ReplicaKvEvents>,
+    ) -> Arc<Replica> {
+        let models = self.model_indices(&serving.models);
+        let slot = self.core.kv.slot(&id);
+        let r = Arc::new(Replica::new(id, addr, models, serving.limits(), serving.cache(), slot).with_kv_events(kv_events));
+        self.core.join(&r);
+        r
+    }
+
+    /// The indices of the models named (unknown names left out).
+    fn model_indices(&self, names: &[String]) -> Vec<usize> {
+        names.iter().filter_map(|m| self.model_index(m)).collect()
     }
 
     /// The lease a request holds.

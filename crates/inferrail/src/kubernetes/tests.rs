@@ -262,3 +262,49 @@ kubernetes: {pool: llm, namespace: ns, models: [m]}
     let relists = fake.requests("/pods?").iter().filter(|r| !r.contains("watch=true")).count();
     assert!(relists > lists, "410 led to a fresh list");
 }
+
+fn annotated(mut pod: Value, endpoint: &str, replay: Option<&str>) -> Value {
+    pod["metadata"]["annotations"] = json!({KV_EVENTS_ANNOTATION: endpoint});
+    if let Some(replay) = replay {
+        pod["metadata"]["annotations"][KV_EVENTS_REPLAY_ANNOTATION] = json!(replay);
+    }
+    pod
+}
+
+#[tokio::test]
+async fn a_pods_annotations_name_its_kv_events_else_the_template_does() {
+    let yaml = "
+models: [{name: m, policy: round_robin, tokenizer: \"builtin:sim\"}]
+kv_events: {endpoint: \"tcp://{host}:5557\"}
+kubernetes: {pool: llm, namespace: ns, models: [m]}
+";
+    let config = Config::parse(yaml).unwrap();
+    let router = Arc::new(Router::new(config.clone()).unwrap());
+    let fake = Arc::new(Fake::default());
+    fake.put(pod("vllm-0", "u0", "10.0.0.1", true));
+    fake.put(annotated(pod("vllm-1", "u1", "10.0.0.2", true), "tcp://{host}:6000", Some("tcp://{host}:6001")));
+    let client = serve(fake.clone()).await;
+    tokio::spawn(follow(router.clone(), client, config.kubernetes.clone().unwrap()));
+    until(&router, &[("vllm-0", "10.0.0.1:8000"), ("vllm-1", "10.0.0.2:8000")]).await;
+    let source = |id: &str| {
+        let fleet = router.fleet();
+        let r = fleet.replicas.iter().find(|r| r.id == id).unwrap().clone();
+        let s = router.config().event_source(r.kv_events.as_ref(), r.addr.ip()).unwrap();
+        (r, s.endpoint, s.replay_endpoint)
+    };
+    assert_eq!(source("vllm-0").1, "tcp://10.0.0.1:5557", "no annotation: the template");
+    let (before, endpoint, replay) = source("vllm-1");
+    assert_eq!((endpoint.as_str(), replay.as_deref()), ("tcp://10.0.0.2:6000", Some("tcp://10.0.0.2:6001")));
+
+    // The annotation changes: the pod's events are another stream, followed anew as another replica.
+    fake.put(annotated(pod("vllm-1", "u1", "10.0.0.2", true), "tcp://{host}:7000", None));
+    for _ in 0..500 {
+        if !Arc::ptr_eq(&source("vllm-1").0, &before) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (after, endpoint, replay) = source("vllm-1");
+    assert!(!Arc::ptr_eq(&after, &before), "a new replica for the new events");
+    assert_eq!((endpoint.as_str(), replay), ("tcp://10.0.0.2:7000", None));
+}
