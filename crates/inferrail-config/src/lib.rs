@@ -46,6 +46,28 @@ pub struct Config {
     pub discovery: Vec<DnsGroup>,
     /// Replicas found in Kubernetes: the ready pods of an InferencePool.
     pub kubernetes: Option<KubernetesPool>,
+    /// The fleet written for Envoy as EDS.
+    pub eds: Eds,
+}
+
+/// The fleet written as Envoy EDS for the replica cluster: every replica
+/// (discovered ones too) with its health, `DRAINING` while it drains, so
+/// that Envoy's own balancing, the path a request takes when the router
+/// cannot decide, honours what the router knows.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Eds {
+    /// The file the cluster's `eds_config.path_config_source` names; it is
+    /// replaced by a rename, as Envoy's watch expects. Unset: none written.
+    pub path: Option<String>,
+    /// The replica cluster's name in Envoy's bootstrap.
+    pub cluster: String,
+}
+
+impl Default for Eds {
+    fn default() -> Self {
+        Self { path: None, cluster: "replicas".into() }
+    }
 }
 
 /// The ext_proc gRPC listener.
@@ -639,6 +661,9 @@ impl Config {
             && !(s.starts_with("http://") || s.starts_with("https://"))
         {
             p.push(format!("load.sidecar: {s:?} is not an http:// or https:// address"));
+        }
+        if self.eds.cluster.is_empty() {
+            p.push("eds.cluster: the replica cluster's name is required".into());
         }
         if self.kv.block_size == 0 || self.kv.blocks == 0 {
             p.push("kv: block_size and blocks must be at least 1".into());

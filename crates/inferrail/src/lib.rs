@@ -23,6 +23,7 @@
 pub mod admin;
 pub mod decision_log;
 pub mod discovery;
+pub mod eds;
 pub mod explain;
 pub mod extproc;
 pub mod health;

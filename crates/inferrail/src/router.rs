@@ -391,6 +391,7 @@ impl Router {
                 ("models", n.models != o.models),
                 ("discovery", n.discovery != o.discovery),
                 ("kubernetes", n.kubernetes != o.kubernetes),
+                ("eds", n.eds != o.eds),
             ]
             .into_iter()
             .filter_map(|(name, changed)| changed.then_some(name))

@@ -16,7 +16,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::extproc::ExtProc;
 use crate::router::Router;
-use crate::{admin, discovery, explain, health, kubernetes, kv_events, load};
+use crate::{admin, discovery, eds, explain, health, kubernetes, kv_events, load};
 
 /// A started service.
 pub struct Running {
@@ -119,6 +119,7 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         tokio::spawn(kv_events::run(router.clone())),
         tokio::spawn(health::cards_loop(router.clone(), models)),
         tokio::spawn(discovery::run(router.clone())),
+        tokio::spawn(eds::run(router.clone())),
         tokio::spawn(kubernetes::run(router.clone())),
         tokio::spawn(sweep_loop(router.clone())),
         tokio::spawn(health::grpc_health_loop(router.clone(), health_reporter, ready)),
