@@ -69,6 +69,12 @@ pub struct ModelRoute {
     rng: Mutex<StdRng>,
 }
 
+/// How many replicas a plan orders, and the draws its policy may use.
+struct Pick {
+    k: usize,
+    rng: StdRng,
+}
+
 /// What the core needs to know of one request.
 #[derive(Debug, Clone)]
 pub struct View<'a> {
@@ -312,7 +318,7 @@ impl Core {
     ) -> Result<Plan, NoReplica> {
         let model = self.model(view.model);
         let rng = model.rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        available(self.plan_best(&model, view, fleet, reports, now, 1 + self.fallbacks, rng))
+        available(self.plan_best(&model, view, fleet, reports, now, Pick { k: 1 + self.fallbacks, rng }))
     }
 
     /// [`Core::plan`], with every offered replica in the order, and a plan
@@ -321,7 +327,7 @@ impl Core {
     pub fn plan_all(&self, view: &View, fleet: &Arc<Fleet>, reports: &dyn Fn(&Replica) -> Option<Report>, now: Duration) -> Plan {
         let model = self.model(view.model);
         let rng = model.rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        self.plan_best(&model, view, fleet, reports, now, usize::MAX, rng)
+        self.plan_best(&model, view, fleet, reports, now, Pick { k: usize::MAX, rng })
     }
 
     /// Plans and commits as one step. Decisions for one model take turns
@@ -339,12 +345,11 @@ impl Core {
         // One model throughout, even if a reload swaps the models meanwhile.
         let model = self.model(view.model);
         let mut rng = model.rng.lock().unwrap_or_else(|p| p.into_inner());
-        let plan = available(self.plan_best(&model, view, fleet, reports, now, 1 + self.fallbacks, rng.clone()))?;
+        let plan = available(self.plan_best(&model, view, fleet, reports, now, Pick { k: 1 + self.fallbacks, rng: rng.clone() }))?;
         let committed = self.commit(&model, &plan, &mut rng);
         Ok((plan, committed))
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn plan_best(
         &self,
         model: &ModelRoute,
@@ -352,8 +357,7 @@ impl Core {
         fleet: &Arc<Fleet>,
         reports: &dyn Fn(&Replica) -> Option<Report>,
         now: Duration,
-        k: usize,
-        rng: StdRng,
+        Pick { k, rng }: Pick,
     ) -> Plan {
         let replicas = fleet.serving(view.model);
         let places: Vec<Place> = replicas.iter().map(|r| self.place(r)).collect();

@@ -228,11 +228,13 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
         match m.request {
             Some(Request::ResponseHeaders(h)) => {
                 let found = |name| attribute(&m.attributes, name).or_else(|| attribute(&h.attributes, name));
-                // Not a request this router decided (or already over): nothing to learn.
-                let Some(id) = found("request.id").filter(|id| router.lease(id).is_some()) else { return };
+                let Some(id) = found("request.id") else { return };
                 let code = request::header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
                 let served_by = found("upstream.address").and_then(|a| served_by(router, &a));
-                router.hear(&id, Event::Status { code, served_by });
+                if !router.hear(&id, Event::Status { code, served_by }) {
+                    // Not a request this router decided (or already over): nothing to learn.
+                    return;
+                }
                 if h.end_of_stream {
                     router.hear(&id, Event::FirstByte);
                     return;

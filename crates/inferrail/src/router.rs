@@ -479,18 +479,26 @@ impl Router {
 
     /// Hears something of a request, from whichever stream or log said it,
     /// and does what its life calls for besides the lease and the index:
-    /// health, metrics, the decision log.
-    pub fn hear(&self, request_id: &str, event: Event) {
+    /// health, metrics, the decision log. Returns whether the request was
+    /// one it tracks (one it decided, not yet over).
+    pub fn hear(&self, request_id: &str, event: Event) -> bool {
         let fleet = self.fleet();
-        if let Some(heard) = self.ledger.hear(request_id, self.now(), event, &self.core, &fleet) {
-            self.act(&heard);
+        let heard = self.ledger.hear(request_id, self.now(), event, &self.core, &fleet);
+        if let Some(heard) = &heard {
+            self.act(heard);
         }
+        heard.is_some()
     }
 
     /// Delivers the requests' deadlines due now (an end's grace, a lifetime).
     pub fn sweep(&self) {
+        self.sweep_at(self.now());
+    }
+
+    /// Delivers the requests' deadlines due by `at` on the router's clock.
+    pub fn sweep_at(&self, at: Duration) {
         let fleet = self.fleet();
-        for heard in self.ledger.tick(self.now(), &self.core, &fleet) {
+        for heard in self.ledger.tick(at, &self.core, &fleet) {
             self.act(&heard);
         }
     }

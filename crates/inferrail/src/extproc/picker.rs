@@ -61,7 +61,8 @@ pub(super) async fn serve(ext: &ExtProc, first: ProcessingRequest, mut inbound: 
     let router = &ext.router;
     for answer in answers {
         if tx.send(Ok(answer)).await.is_err() {
-            return router.hear(&d.request_id, Event::Gone);
+            router.hear(&d.request_id, Event::Gone);
+            return;
         }
     }
     let (mut response, mut events) = (Response::default(), Vec::new());

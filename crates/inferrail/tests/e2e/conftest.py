@@ -162,6 +162,14 @@ class Fleet:
         body = {"model": "sim", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": max_tokens, **extra}
         return http("POST", f"{self.url}/v1/chat/completions", body, headers, timeout=timeout)
 
+    def open_stream(self, max_tokens=100, timeout=30):
+        """Starts a streamed completion of `max_tokens` tokens through Envoy;
+        returns its response, headers read, body still to come."""
+        c = httpc.HTTPConnection("127.0.0.1", self.listen, timeout=timeout)
+        body = {"model": "sim", "prompt": "x", "max_tokens": max_tokens, "stream": True}
+        c.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+        return c.getresponse()
+
     def send_part(self, body, first, timeout=15):
         """POSTs a completion's headers and `first` bytes of `body` and waits
         until Envoy has opened the router's stream for it; returns the

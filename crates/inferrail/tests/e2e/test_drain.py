@@ -2,7 +2,6 @@
 (real grpcurl, server reflection): it finishes the stream it has, gets no
 new request, shows as draining in `Replicas` and the metrics, and takes
 requests again once resumed."""
-import http.client as httpc
 import json
 import re
 
@@ -18,10 +17,7 @@ def drain(fleet, replica, draining=True):
 
 def test_a_drained_replica_finishes_its_stream_and_gets_no_new_request(fleet_factory):
     fleet = fleet_factory(policy="round_robin", sim_flags=["--decode-token-ms", "10"])
-    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
-    c.request("POST", "/v1/completions", body=json.dumps({"model": "sim", "prompt": "x", "max_tokens": 100, "stream": True}),
-              headers={"content-type": "application/json"})
-    streaming = c.getresponse()
+    streaming = fleet.open_stream()
     replica = streaming.getheader("x-inferrail-replica")
     shown = drain(fleet, replica)
     assert shown["draining"] and shown["inFlight"] == 1, shown

@@ -152,10 +152,7 @@ def test_as_a_gateways_picker_a_router_killed_mid_body_fails_the_request_but_nev
 def test_as_a_gateways_picker_a_router_killed_mid_response_cuts_the_stream(fleet_factory):
     # Every response byte passes through the picker: its death ends the response where it was (ADR 0030).
     fleet = make(fleet_factory, "cost_model", latency=True, filters=ISTIO)
-    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=15)
-    c.request("POST", "/v1/completions", body=json.dumps({"model": "sim", "prompt": "x", "max_tokens": 100, "stream": True}),
-              headers={"content-type": "application/json"})
-    r = c.getresponse()
+    r = fleet.open_stream(timeout=15)
     assert r.status == 200
     first = r.read1(100)
     fleet.kill("inferrail")

@@ -128,10 +128,7 @@ def test_books_balance_after_a_thousand_requests_with_disconnects(fleet_factory)
 
 def test_sigterm_lets_open_requests_finish_then_envoy_falls_back(fleet_factory):
     fleet = fleet_factory(sim_flags=["--decode-token-ms", "10"])
-    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
-    c.request("POST", "/v1/completions", body=json.dumps({"model": "sim", "prompt": "x", "max_tokens": 100, "stream": True}),
-              headers={"content-type": "application/json"})
-    r = c.getresponse()
+    r = fleet.open_stream()
     assert r.status == 200 and r.getheader("x-inferrail-replica")
     router = fleet.procs.pop("inferrail")
     router.send_signal(signal.SIGTERM)
@@ -148,10 +145,7 @@ def test_a_router_killed_mid_response_cuts_no_stream(fleet_factory):
     # The route stream carries no response bytes: killing the router after the
     # decision leaves the response to Envoy and the engine.
     fleet = fleet_factory(sim_flags=["--decode-token-ms", "10"])
-    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
-    c.request("POST", "/v1/completions", body=json.dumps({"model": "sim", "prompt": "x", "max_tokens": 100, "stream": True}),
-              headers={"content-type": "application/json"})
-    r = c.getresponse()
+    r = fleet.open_stream()
     assert r.status == 200 and r.getheader("x-inferrail-replica")
     first = r.read1(100)
     fleet.kill("inferrail")
