@@ -184,16 +184,19 @@ pub struct Committed {
 
 /// Models, their policies and the KV index.
 pub struct Core {
-    /// Models in configuration order, swapped whole when a reload changes a
-    /// model's aliases, policy or parameters ([`Core::reload_models`]).
+    /// Models by slot: a model keeps its slot (and replicas, leases and
+    /// views name it by that) for the life of the process, whatever its
+    /// place in the file; a new model takes the next slot, and a model
+    /// removed keeps its slot, unnamed, for the requests still holding it.
+    /// Swapped whole by a reload ([`Core::reload_models`]).
     models: ArcSwap<Vec<Arc<ModelRoute>>>,
     /// The KV index.
     pub kv: Kv,
     fallbacks: usize,
 }
 
-/// Model `i` of `config`, with its policy's state fresh.
-fn model_route(config: &Config, i: usize) -> Result<ModelRoute, BadParams> {
+/// Model `i` of `config`, in slot `slot`, with its policy's state fresh.
+fn model_route(config: &Config, i: usize, slot: usize) -> Result<ModelRoute, BadParams> {
     let m = &config.models[i];
     let params = config.params(i).map_err(BadParams)?;
     Ok(ModelRoute {
@@ -201,44 +204,67 @@ fn model_route(config: &Config, i: usize) -> Result<ModelRoute, BadParams> {
         aliases: m.aliases.clone(),
         policy: inferrail_policy::build(m.policy, &params),
         params,
-        rng: Mutex::new(StdRng::seed_from_u64(config.routing.seed.wrapping_add(i as u64))),
+        rng: Mutex::new(StdRng::seed_from_u64(config.routing.seed.wrapping_add(slot as u64))),
     })
 }
 
 impl Core {
-    /// From a validated configuration.
+    /// From a validated configuration: its models take slots in file order.
     pub fn new(config: &Config) -> Result<Self, BadParams> {
-        let models = (0..config.models.len()).map(|i| model_route(config, i).map(Arc::new)).collect::<Result<_, _>>()?;
+        let models = (0..config.models.len()).map(|i| model_route(config, i, i).map(Arc::new)).collect::<Result<_, _>>()?;
         Ok(Self { models: ArcSwap::from_pointee(models), kv: Kv::new(config.kv.clone()), fallbacks: config.retry.fallbacks })
     }
 
-    /// The models now, in configuration order.
+    /// Every slot's model now, removed ones included.
     pub fn models(&self) -> Arc<Vec<Arc<ModelRoute>>> {
         self.models.load_full()
     }
 
-    /// Model `i` now.
+    /// The model in slot `i` now.
     pub fn model(&self, i: usize) -> Arc<ModelRoute> {
         self.models.load()[i].clone()
     }
 
-    /// Takes `new`'s models, which must be `old`'s models in the same order:
-    /// a model whose entry and resolved parameters are unchanged keeps its
-    /// policy's state (counters, sketches, sessions, its generator); one
-    /// whose aliases, policy or parameters changed starts it fresh. Returns
-    /// how many changed.
-    pub fn reload_models(&self, old: &Config, new: &Config) -> Result<usize, BadParams> {
-        let current = self.models();
-        let mut changed = 0;
-        let next = (0..new.models.len())
-            .map(|i| {
-                if old.models.get(i) == Some(&new.models[i]) && old.params(i).ok() == new.params(i).ok() {
-                    return Ok(current[i].clone());
-                }
-                changed += 1;
-                model_route(new, i).map(Arc::new)
+    /// The slot each of `config`'s models has, or would take: its name's
+    /// slot, else the next free one.
+    pub fn slots(&self, config: &Config) -> Vec<usize> {
+        let models = self.models();
+        let mut next = models.len();
+        config
+            .models
+            .iter()
+            .map(|m| {
+                models.iter().position(|r| r.name == m.name).unwrap_or_else(|| {
+                    next += 1;
+                    next - 1
+                })
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect()
+    }
+
+    /// Takes `new`'s models into their `slots` (from [`Core::slots`]): a
+    /// model whose entry and resolved parameters are as in `old` keeps its
+    /// policy's state (counters, sketches, sessions, its generator); a new
+    /// one, or one whose aliases, policy or parameters changed, starts it
+    /// fresh; a slot no model names any more keeps its model. Returns how
+    /// many started fresh.
+    pub fn reload_models(&self, old: &Config, new: &Config, slots: &[usize]) -> Result<usize, BadParams> {
+        let mut next: Vec<Arc<ModelRoute>> = self.models().to_vec();
+        let mut changed = 0;
+        for (i, &slot) in slots.iter().enumerate() {
+            let m = &new.models[i];
+            let before = old.models.iter().position(|o| o.name == m.name);
+            let same = before.is_some_and(|j| old.models[j] == *m && old.params(j).ok() == new.params(i).ok());
+            if same && slot < next.len() {
+                continue;
+            }
+            changed += 1;
+            let route = Arc::new(model_route(new, i, slot)?);
+            match next.get_mut(slot) {
+                Some(at) => *at = route,
+                None => next.push(route),
+            }
+        }
         self.models.store(Arc::new(next));
         Ok(changed)
     }

@@ -1,7 +1,7 @@
 //! The routing path's tokenizer stage: a request body in, its prompt tokens
 //! out, and the prompt's text for a policy that reads text, from one parse.
 //!
-//! Each model's tokenizer is loaded once. Small bodies are tokenized inline;
+//! Each model's tokenizer is loaded once (again by a reload that changes it). Small bodies are tokenized inline;
 //! larger ones go to a bounded pool of worker threads so a long prompt never
 //! stalls the event loop. A body that finds the queue full, or whose tokens
 //! take longer than `tokenizer.max_wait_ms`, is routed without a prediction
@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwap;
 use inferrail_config::Config;
 use inferrail_policy::TextKind;
 pub use inferrail_route::kv::Prompt;
@@ -21,7 +22,7 @@ use serde_json::{Map, Value};
 use tokio::sync::oneshot;
 
 struct Job {
-    model: usize,
+    tokenizer: Option<Arc<Tokenizer>>,
     endpoint: Endpoint,
     body: Vec<u8>,
     text: TextKind,
@@ -39,32 +40,27 @@ pub struct Read {
     pub text: Option<String>,
 }
 
-/// Tokenizers by model, and the worker pool.
+/// A tokenizer for each model slot (none for a model without one).
+pub type Tokenizers = Vec<Option<Arc<Tokenizer>>>;
+
+/// Tokenizers by model slot, and the worker pool.
 pub struct Prompts {
-    tokenizers: Arc<Vec<Option<Tokenizer>>>,
+    tokenizers: ArcSwap<Tokenizers>,
+    cache_tokens: usize,
     jobs: SyncSender<Job>,
     inline_below: usize,
     max_wait: Duration,
 }
 
 impl Prompts {
-    /// Loads every model's tokenizer and starts the workers.
+    /// Loads every model's tokenizer (slots in file order) and starts the workers.
     pub fn new(config: &Config) -> anyhow::Result<Self> {
         let t = &config.tokenizer;
-        let mut tokenizers = Vec::with_capacity(config.models.len());
-        for m in &config.models {
-            tokenizers.push(match &m.tokenizer {
-                Some(spec) => {
-                    Some(Tokenizer::load(spec, t.cache_tokens).map_err(|e| anyhow::anyhow!("model {}: tokenizer {spec}: {e}", m.name))?)
-                }
-                None => None,
-            });
-        }
-        let tokenizers = Arc::new(tokenizers);
+        let tokenizers = config.models.iter().map(|m| load(m, t.cache_tokens)).collect::<anyhow::Result<_>>()?;
         let (jobs, queue) = sync_channel::<Job>(t.queue);
         let queue = Arc::new(std::sync::Mutex::new(queue));
         for i in 0..t.workers {
-            let (queue, tokenizers) = (queue.clone(), tokenizers.clone());
+            let queue = queue.clone();
             std::thread::Builder::new().name(format!("tokenize-{i}")).spawn(move || {
                 loop {
                     // The lock is held only while waiting for the next job.
@@ -75,26 +71,56 @@ impl Prompts {
                     if job.reply.is_closed() {
                         continue;
                     }
-                    let _ = job.reply.send(read(tokenizers[job.model].as_ref(), job.endpoint, &job.body, job.text));
+                    let _ = job.reply.send(read(job.tokenizer.as_deref(), job.endpoint, &job.body, job.text));
                 }
             })?;
         }
-        Ok(Self { tokenizers, jobs, inline_below: t.inline_below_bytes, max_wait: Duration::from_millis(t.max_wait_ms) })
+        Ok(Self {
+            tokenizers: ArcSwap::from_pointee(tokenizers),
+            cache_tokens: t.cache_tokens,
+            jobs,
+            inline_below: t.inline_below_bytes,
+            max_wait: Duration::from_millis(t.max_wait_ms),
+        })
+    }
+
+    /// The tokenizers `new`'s models need in their `slots`: the one a model
+    /// of the same name and tokenizer in `old` has, else loaded now. A slot
+    /// no model names keeps its tokenizer. Nothing changes until [`Prompts::swap`].
+    pub fn load_for(&self, old: &Config, new: &Config, slots: &[usize]) -> anyhow::Result<Tokenizers> {
+        let mut next = self.tokenizers.load().to_vec();
+        for (m, &slot) in new.models.iter().zip(slots) {
+            let kept = old.models.iter().any(|o| o.name == m.name && o.tokenizer == m.tokenizer) && slot < next.len();
+            if kept {
+                continue;
+            }
+            let tokenizer = load(m, self.cache_tokens)?;
+            match next.get_mut(slot) {
+                Some(at) => *at = tokenizer,
+                None => next.push(tokenizer),
+            }
+        }
+        Ok(next)
+    }
+
+    /// Puts `tokenizers` (from [`Prompts::load_for`]) in force.
+    pub fn swap(&self, tokenizers: Tokenizers) {
+        self.tokenizers.store(Arc::new(tokenizers));
     }
 
     /// Reads a body sent to `model`: its prompt's tokens and the text of
     /// kind `text`, parsing it once, inline or on a worker.
     pub async fn read(&self, model: usize, endpoint: Endpoint, body: &[u8], text: TextKind) -> Read {
         let started = Instant::now();
-        let tokenizer = self.tokenizers[model].as_ref();
+        let tokenizer = self.tokenizers.load().get(model).cloned().flatten();
         let read = if tokenizer.is_none() && text == TextKind::None {
             Read { prompt: Err("no_tokenizer"), text: None }
         } else if body.len() < self.inline_below {
-            read(tokenizer, endpoint, body, text)
+            read(tokenizer.as_deref(), endpoint, body, text)
         } else {
             let (reply, answer) = oneshot::channel();
             let failed = |reason| Read { prompt: Err(reason), text: None };
-            match self.jobs.try_send(Job { model, endpoint, body: body.to_vec(), text, reply }) {
+            match self.jobs.try_send(Job { tokenizer, endpoint, body: body.to_vec(), text, reply }) {
                 Err(TrySendError::Full(_)) => failed("queue_full"),
                 Err(TrySendError::Disconnected(_)) => failed("no_workers"),
                 Ok(()) => match tokio::time::timeout(self.max_wait, answer).await {
@@ -112,6 +138,13 @@ impl Prompts {
         metrics::histogram!("inferrail_tokenize_seconds").record(started.elapsed().as_secs_f64());
         read
     }
+}
+
+/// Model `m`'s tokenizer, if it names one.
+fn load(m: &inferrail_config::Model, cache_tokens: usize) -> anyhow::Result<Option<Arc<Tokenizer>>> {
+    let Some(spec) = &m.tokenizer else { return Ok(None) };
+    let tokenizer = Tokenizer::load(spec, cache_tokens).map_err(|e| anyhow::anyhow!("model {}: tokenizer {spec}: {e}", m.name))?;
+    Ok(Some(Arc::new(tokenizer)))
 }
 
 /// Parses a body once and reads its prompt (with `tokenizer`) and its text.

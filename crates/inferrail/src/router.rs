@@ -30,12 +30,12 @@ use crate::prompt::Prompts;
 use crate::request::{self, BodyError};
 use crate::traces::Traces;
 
-/// Every name clients may use for `models` (theirs and their aliases), to the model.
-fn names_of(models: &[Arc<inferrail_route::ModelRoute>]) -> HashMap<String, usize> {
+/// Every name clients may use for `config`'s models (theirs and their aliases), to the model's slot.
+fn names_of(config: &Config, slots: &[usize]) -> HashMap<String, usize> {
     let mut names = HashMap::new();
-    for (i, m) in models.iter().enumerate() {
+    for (m, &slot) in config.models.iter().zip(slots) {
         for n in std::iter::once(&m.name).chain(&m.aliases) {
-            names.insert(n.clone(), i);
+            names.insert(n.clone(), slot);
         }
     }
     names
@@ -197,7 +197,7 @@ impl Router {
     /// Builds the router with the configuration's listed replicas, loading every model's tokenizer.
     pub fn new(config: Config) -> anyhow::Result<Self> {
         let core = Core::new(&config)?;
-        let names = ArcSwap::from_pointee(names_of(&core.models()));
+        let names = ArcSwap::from_pointee(names_of(&config, &core.slots(&config)));
         let fleet = ArcSwap::from_pointee(Fleet::new(Vec::new(), core.models().len()));
         let prompts = Prompts::new(&config)?;
         let decision_log = DecisionLog::start(&config.observability.decision_log)?;
@@ -333,8 +333,10 @@ impl Router {
         let fields = request::fields(body)?;
         let index = match &fields.model {
             Some(name) => self.model_index(name).ok_or_else(|| RouteError::UnknownModel(name.clone()))?,
-            None if self.core.models().len() == 1 => 0,
-            None => return Err(RouteError::MissingModel),
+            None => match self.config().models.as_slice() {
+                [only] => self.model_index(&only.name).ok_or_else(|| RouteError::UnknownModel(only.name.clone()))?,
+                _ => return Err(RouteError::MissingModel),
+            },
         };
         let model = self.core.model(index);
         // The model's name does not change the prompt: tokenize the body as sent.
@@ -353,26 +355,26 @@ impl Router {
         Ok(Prepared { model: index, fleet, prediction, session, text: read.text, no_prediction, requested, body: forward })
     }
 
-    /// Applies a new, validated configuration: its models' aliases,
-    /// policies and parameters, and its replicas, each swapped whole. A
-    /// model whose entry and parameters are unchanged keeps its policy's
-    /// state; one that changed starts it fresh. A replica that keeps its
-    /// id, address, models and cache shape keeps everything learned of it
-    /// (requests in flight, health, its KV index entry) and takes the new
-    /// limits and drain; one whose address, models or cache shape changed
-    /// starts cold, like a new one; one gone is forgotten once its requests
-    /// are over (their leases hold it). Anything else differing from the
-    /// configuration in force (the models' names, order and tokenizers, the
-    /// listeners, ...) is refused with the sections that differ, and nothing
-    /// changes.
+    /// Applies a new, validated configuration: its models and replicas,
+    /// each swapped whole. Models are known by name: one whose entry and
+    /// parameters are unchanged keeps its policy's state and tokenizer,
+    /// wherever it now stands in the file; one that changed, or is new,
+    /// starts fresh (a new or changed tokenizer is loaded first, and a load
+    /// that fails refuses the whole file); one removed is no longer
+    /// offered. A replica that keeps its id, address, models, cache shape
+    /// and KV events keeps everything learned of it (requests in flight,
+    /// health, its KV index entry) and takes the new limits and drain; one
+    /// that changed starts cold, like a new one; one gone is forgotten once
+    /// its requests are over (their leases hold it). Anything else
+    /// differing from the configuration in force (the listeners,
+    /// `routing.seed`, ...) is refused with the sections that differ, and
+    /// nothing changes.
     pub fn reload(&self, new: Config) -> Result<Reloaded, String> {
         let old = self.config.load_full();
         let fixed = |c: &Config| {
             let mut c = Config { replicas: Vec::new(), ..c.clone() };
             c.routing.policies = Default::default();
-            for m in &mut c.models {
-                (m.aliases, m.policy, m.policies) = (Vec::new(), Default::default(), Default::default());
-            }
+            c.models = Vec::new();
             c
         };
         let (n, o) = (fixed(&new), fixed(&old));
@@ -388,7 +390,6 @@ impl Router {
                 ("kv_events", n.kv_events != o.kv_events),
                 ("load", n.load != o.load),
                 ("observability", n.observability != o.observability),
-                ("models", n.models != o.models),
                 ("discovery", n.discovery != o.discovery),
                 ("kubernetes", n.kubernetes != o.kubernetes),
                 ("eds", n.eds != o.eds),
@@ -397,12 +398,17 @@ impl Router {
             .filter_map(|(name, changed)| changed.then_some(name))
             .collect();
             return Err(format!(
-                "only replicas and models' aliases, policies and parameters reload; {} changed otherwise and need a restart",
+                "only models, replicas and policy parameters reload; {} changed otherwise and need a restart",
                 differ.join(", ")
             ));
         }
-        let mut done = Reloaded { models: self.core.reload_models(&old, &new).map_err(|e| e.to_string())?, ..Reloaded::default() };
-        self.names.store(Arc::new(names_of(&self.core.models())));
+        // Slots never move nor go: a request that read a name before the swap finds its model after it.
+        let slots = self.core.slots(&new);
+        let tokenizers = self.prompts.load_for(&old, &new, &slots).map_err(|e| e.to_string())?;
+        let models = self.core.reload_models(&old, &new, &slots).map_err(|e| e.to_string())?;
+        self.prompts.swap(tokenizers);
+        self.names.store(Arc::new(names_of(&new, &slots)));
+        let mut done = Reloaded { models, ..Reloaded::default() };
         let current = self.sources.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|(s, _)| s == STATIC).map(|(_, r)| r.clone());
         let next = self.listed(&new.replicas, &current.unwrap_or_default(), &mut done);
         self.config.store(Arc::new(new));

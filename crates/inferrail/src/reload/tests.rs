@@ -73,10 +73,15 @@ async fn a_reload_keeps_what_survives_starts_what_changed_cold_and_forgets_what_
     // A file that does not validate, and one that changes what does not reload: nothing changes.
     std::fs::write(path, yaml("  - {id: r1, address: not-an-address, models: [m]}\n")).unwrap();
     assert_eq!(apply(&router, path), "invalid");
-    std::fs::write(path, yaml(TWO).replace("builtin:sim", "hf:org/other")).unwrap();
+    std::fs::write(path, format!("routing: {{seed: 9}}\n{}", yaml(TWO))).unwrap();
     assert_eq!(apply(&router, path), "refused");
     let refused = router.reload(Config::load(path).unwrap()).unwrap_err();
-    assert!(refused.contains("models changed otherwise"), "{refused}");
+    assert!(refused.contains("routing changed otherwise"), "{refused}");
+    // A tokenizer that does not load refuses the whole file.
+    std::fs::write(path, yaml(TWO).replace("builtin:sim", "hf:org/absent")).unwrap();
+    assert_eq!(apply(&router, path), "refused");
+    let refused = router.reload(Config::load(path).unwrap()).unwrap_err();
+    assert!(refused.contains("tokenizer hf:org/absent"), "{refused}");
     assert_eq!(ids(&router), ["r1", "r2", "r3"]);
     assert_eq!(router.config().replicas.len(), 3, "the running configuration stays");
     assert_eq!(router.core.policy(0), "round_robin");
@@ -119,4 +124,48 @@ async fn a_reload_changes_a_models_policy_and_aliases_and_keeps_an_unchanged_mod
     // A changed parameter is a change too.
     let tuned = "{name: b, aliases: [bee], policy: least_request, policies: {cost_model: {epsilon: 0.5}}}";
     assert_eq!(router.reload(Config::parse(&two_models(tuned)).unwrap()).unwrap().models, 1);
+}
+
+#[tokio::test]
+async fn models_are_known_by_name_so_a_reload_may_add_remove_and_reorder_them() {
+    let config = |models: &str, served: &str| {
+        format!(
+            "models:\n{models}retry: {{fallbacks: 0}}\nreplicas:\n  - {{id: r1, address: 127.0.0.1:8001, models: [{served}]}}\n  \
+             - {{id: r2, address: 127.0.0.1:8002, models: [{served}]}}\n"
+        )
+    };
+    let (a, b, c) = ("  - {name: a, policy: round_robin}\n", "  - {name: b}\n", "  - {name: c, tokenizer: \"builtin:sim\"}\n");
+    let router = Router::new(Config::parse(&config(&format!("{a}{b}"), "a, b")).unwrap()).unwrap();
+    let pick = |model: &'static str, id: &'static str| {
+        let router = &router;
+        async move {
+            let body = format!(r#"{{"model": "{model}", "prompt": "otters hold hands while they sleep so that they do not drift apart"}}"#);
+            let d = router.decide(body.as_bytes(), Endpoint::Completions, id, None, None).await?;
+            router.forget(&d.request_id);
+            Ok::<_, crate::router::RouteError>((d.targets[0].id.clone(), d.prompt_tokens))
+        }
+    };
+    assert_eq!(pick("a", "1").await.unwrap(), ("r1".to_string(), None), "no tokenizer for a");
+    let kept = router.core.model(router.model_index("a").unwrap());
+
+    // c comes first, a moves second, b goes.
+    let done = router.reload(Config::parse(&config(&format!("{c}{a}"), "a, c")).unwrap()).unwrap();
+    assert_eq!(done.models, 1, "only c is new");
+    let at = router.model_index("a").unwrap();
+    assert!(Arc::ptr_eq(&kept, &router.core.model(at)), "a keeps its policy and its state wherever it stands");
+    assert_eq!(pick("a", "2").await.unwrap().0, "r2", "a's round robin goes on where it was");
+    let (_, tokens) = pick("c", "3").await.unwrap();
+    assert!(tokens.is_some_and(|t| t > 0), "c's tokenizer was loaded by the reload");
+    assert_eq!(pick("b", "4").await.unwrap_err(), crate::router::RouteError::UnknownModel("b".into()));
+    let listed: Vec<String> = serde_json::from_str::<serde_json::Value>(&crate::health::models_json(&router, &[])).unwrap()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(listed, ["c", "a"], "/v1/models lists what the file offers, in its order");
+    // b comes back: a fresh start in its old place.
+    router.reload(Config::parse(&config(&format!("{a}{b}{c}"), "a, b, c")).unwrap()).unwrap();
+    assert_eq!(pick("b", "5").await.unwrap().0, "r1");
+    assert_eq!(router.core.models().len(), 3, "three names, three slots");
 }

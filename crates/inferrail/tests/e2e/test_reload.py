@@ -1,8 +1,9 @@
 """Reloading the routing YAML under load through a real Envoy: the file is
 rewritten while clients keep sending (a drain, a replica removed, one put
 back, a file that does not validate, one that changes what does not
-reload, a model's policy changed and changed back, and a SIGHUP with
-nothing changed). Not one request fails, each
+reload (the seed), a model's policy changed and changed back, a model
+added ahead of the one in use and taken away, and a SIGHUP with nothing
+changed). Not one request fails, each
 version takes effect, and the refused ones change nothing."""
 import json
 import signal
@@ -33,8 +34,11 @@ def test_a_reload_under_load_fails_no_request_and_a_bad_one_changes_nothing(flee
         ("ok", original.replace("{id: sim-2, ", "{id: sim-2, drain: true, ")),
         ("invalid", original.replace("address: 127.0.0.1", "address: nowhere", 1)),
         ("ok", original.replace(sim3 + "\n", "")),
-        ("refused", original.replace("tokenizer: builtin:sim", "tokenizer: hf:org/other")),
+        ("refused", original.replace("seed: 7", "seed: 8")),
         ("ok", original.replace("policy: round_robin", "policy: least_request")),
+        # A model added ahead of the one the clients ask for, with its own tokenizer and replica: theirs stays where it was.
+        ("ok", original.replace("models:\n", "models:\n  - {name: other, tokenizer: builtin:sim}\n").replace(
+            sim3 + "\n", sim3 + "\n  - {id: spare, address: 127.0.0.1:9, models: [other]}\n")),
         ("ok", original),
     ]
     statuses, lock, sent = [], threading.Lock(), [0]
@@ -62,6 +66,8 @@ def test_a_reload_under_load_fails_no_request_and_a_bad_one_changes_nothing(flee
         wait_until(lambda: reloads(fleet, result) > before, f"a reload counted as {result}")
         if result == "ok" and "drain: true" in text:
             wait_until(lambda: fleet.metric("inferrail_replica_draining", 'replica="sim-2"') == 1, "sim-2 to drain")
+        if "spare" in text:
+            wait_until(lambda: "spare" in replicas(fleet), "the new model's replica to join")
         if result == "ok" and sim3 not in text:
             wait_until(lambda: replicas(fleet) == ["sim-1", "sim-2"], "sim-3 to leave")
     before = reloads(fleet, "ok")
