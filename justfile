@@ -138,6 +138,18 @@ bench-overhead *args: setup setup-sglang
     envoy="Envoy $("{{venv}}/bin/envoy" --version | grep -oE '/[0-9]+\.[0-9]+\.[0-9]+/' | tr -d / | head -1)"
     target/release/inferrail-bench overhead --setup "$(nproc)-core machine shared by everything; $envoy, one worker each; inferrail, simulators and this client release builds" {{args}}
 
+# The reload test on release builds with 6,000 requests: the rate it held through seven rewrites and a SIGHUP, none failed. Writes bench/results/reload/<commit>.txt.
+bench-reload: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail -p inferrail-sim
+    mkdir -p bench/results/reload
+    out="bench/results/reload/$(git rev-parse --short HEAD).txt"
+    INFERRAIL_PROFILE=release INFERRAIL_RELOAD_REQUESTS=6000 "{{venv}}/bin/pytest" -q -s crates/inferrail/tests/e2e/test_reload.py | tee "$out.full"
+    grep "req/s" "$out.full" > "$out" && rm "$out.full"
+    echo "$(nproc)-core machine shared by the 8 Python clients, Envoy (2 workers), inferrail and three simulators (release builds)" >> "$out"
+    cat "$out"
+
 # Install SGLang's router (PyPI sglang-router 0.3.2, the comparison's real peer) into the gitignored .venv-sglang; idempotent.
 setup-sglang:
     #!/usr/bin/env bash

@@ -52,7 +52,9 @@ impl Discovery {
             .iter()
             .map(|&a| {
                 let kept = old.iter().find(|r| r.addr == a).cloned();
-                kept.unwrap_or_else(|| router.cold_replica(member_id(&group.group, a), a, &group.serving, None))
+                kept.unwrap_or_else(|| {
+                    router.cold_replica(member_id(&group.group, a), a, router.model_slots(&group.serving.models), &group.serving, None)
+                })
             })
             .collect();
         let changed = new.len() != old.len() || new.iter().zip(old).any(|(a, b)| !Arc::ptr_eq(a, b));

@@ -125,7 +125,13 @@ impl Members {
                     if let Some((_, before)) = self.current.iter().find(|(_, r)| r.id == pod.name) {
                         router.core.leave(before);
                     }
-                    router.cold_replica(pod.name.clone(), addr, &self.config.serving, pod.kv_events.clone())
+                    router.cold_replica(
+                        pod.name.clone(),
+                        addr,
+                        router.model_slots(&self.config.serving.models),
+                        &self.config.serving,
+                        pod.kv_events.clone(),
+                    )
                 });
                 (pod.uid.clone(), replica)
             })

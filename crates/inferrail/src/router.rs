@@ -41,6 +41,11 @@ fn names_of(config: &Config, slots: &[usize]) -> HashMap<String, usize> {
     names
 }
 
+/// The slots `names` gives the models named (unknown names left out).
+fn slots_of(names: &HashMap<String, usize>, models: &[String]) -> Vec<usize> {
+    models.iter().filter_map(|m| names.get(m).copied()).collect()
+}
+
 /// What a reload did to the models and the listed replicas.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Reloaded {
@@ -169,17 +174,28 @@ impl RouteError {
     }
 }
 
+/// What requests are routed by, swapped whole: a reload replaces all of it
+/// at once, a discovery change its fleet. A request reads one and keeps it
+/// to its decision.
+#[derive(Clone)]
+pub struct Routing {
+    /// The configuration in force.
+    pub config: Arc<Config>,
+    /// Every name clients may use (models' and their aliases), to its model's slot.
+    pub names: Arc<HashMap<String, usize>>,
+    /// The replicas: the union of every discovery source's.
+    pub fleet: Arc<Fleet>,
+}
+
 /// The router: models, the fleet, the engines' reports and the requests in flight.
 pub struct Router {
-    /// The configuration in force (a reload swaps it, [`Router::reload`]).
-    config: ArcSwap<Config>,
+    /// The configuration, the names and the fleet in force ([`Router::reload`], [`Router::publish`]).
+    routing: ArcSwap<Routing>,
     /// The replicas each discovery source wants, by source: the fleet is their union.
     sources: std::sync::Mutex<Vec<(String, Vec<Arc<Replica>>)>>,
-    /// The decision core: models, policies, the KV index.
+    /// The decision core: models by slot (added to before a reload names
+    /// them, never taken from), policies, the KV index.
     pub core: Core,
-    /// Every name clients may use (models' and their aliases), to its model; swapped with the models.
-    names: ArcSwap<HashMap<String, usize>>,
-    fleet: ArcSwap<Fleet>,
     /// The requests in flight and their lives.
     pub ledger: Ledger,
     /// The engines' latest load reports, by replica id.
@@ -197,24 +213,29 @@ impl Router {
     /// Builds the router with the configuration's listed replicas, loading every model's tokenizer.
     pub fn new(config: Config) -> anyhow::Result<Self> {
         let core = Core::new(&config)?;
-        let names = ArcSwap::from_pointee(names_of(&config, &core.slots(&config)));
-        let fleet = ArcSwap::from_pointee(Fleet::new(Vec::new(), core.models().len()));
+        let names = Arc::new(names_of(&config, &core.slots(&config)));
+        let fleet = Arc::new(Fleet::new(Vec::new(), core.models().len()));
         let prompts = Prompts::new(&config)?;
         let decision_log = DecisionLog::start(&config.observability.decision_log)?;
         let traces = Traces::start(&config.observability)?;
         let (ledger, loads) = (Ledger::new(TIMING), LoadTable::new());
-        let listed = config.replicas.clone();
-        let config = ArcSwap::from_pointee(config);
+        let config = Arc::new(config);
+        let routing = ArcSwap::from_pointee(Routing { config: config.clone(), names: names.clone(), fleet });
         let sources = std::sync::Mutex::new(Vec::new());
-        let router = Self { config, sources, core, names, fleet, ledger, loads, clock: Instant::now(), prompts, decision_log, traces };
-        let replicas = router.listed(&listed, &[], &mut Reloaded::default());
+        let router = Self { routing, sources, core, ledger, loads, clock: Instant::now(), prompts, decision_log, traces };
+        let replicas = router.listed(&config.replicas, &names, &[], &mut Reloaded::default());
         router.publish(STATIC, replicas);
         Ok(router)
     }
 
+    /// What requests are routed by now.
+    pub fn routing(&self) -> Arc<Routing> {
+        self.routing.load_full()
+    }
+
     /// The configuration in force.
-    pub fn config(&self) -> arc_swap::Guard<Arc<Config>> {
-        self.config.load()
+    pub fn config(&self) -> Arc<Config> {
+        self.routing.load().config.clone()
     }
 
     /// Time since the router started: the clock decisions, reports and health use.
@@ -229,7 +250,7 @@ impl Router {
 
     /// The current fleet.
     pub fn fleet(&self) -> Arc<Fleet> {
-        self.fleet.load_full()
+        self.routing.load().fleet.clone()
     }
 
     /// The replicas discovery source `source` wants now (the routing YAML's
@@ -238,17 +259,23 @@ impl Router {
     /// swapped whole.
     pub fn publish(&self, source: &str, replicas: Vec<Arc<Replica>>) {
         let mut sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
+        let fleet = self.wanted(&mut sources, source, replicas);
+        self.routing.rcu(|r| Routing { fleet: fleet.clone(), ..Routing::clone(r) });
+    }
+
+    /// Puts `replicas` as what `source` wants into `sources`; returns the fleet that makes.
+    fn wanted(&self, sources: &mut Vec<(String, Vec<Arc<Replica>>)>, source: &str, replicas: Vec<Arc<Replica>>) -> Arc<Fleet> {
         match sources.iter_mut().find(|(s, _)| s == source) {
             Some((_, wanted)) => *wanted = replicas,
             None => sources.push((source.to_string(), replicas)),
         }
         let all = sources.iter().flat_map(|(_, r)| r).cloned().collect();
-        self.fleet.store(Arc::new(Fleet::new(all, self.core.models().len())));
+        Arc::new(Fleet::new(all, self.core.models().len()))
     }
 
-    /// Model index of a name clients may use.
+    /// The slot of the model a name clients may use stands for.
     pub fn model_index(&self, name: &str) -> Option<usize> {
-        self.names.load().get(name).copied()
+        self.routing.load().names.get(name).copied()
     }
 
     /// Decides where a generation request goes, among `subset` when the
@@ -326,22 +353,23 @@ impl Router {
 
     /// Reads a request up to the decision: its model, its prompt's blocks and text, the body to forward.
     async fn prepare(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>) -> Result<Prepared, RouteError> {
-        let max = self.config().server.max_body_bytes;
+        // One snapshot from the name to the fleet: a reload meanwhile is seen whole or not at all.
+        let routing = self.routing();
+        let max = routing.config.server.max_body_bytes;
         if body.len() > max {
             return Err(RouteError::TooLarge(max));
         }
         let fields = request::fields(body)?;
-        let index = match &fields.model {
-            Some(name) => self.model_index(name).ok_or_else(|| RouteError::UnknownModel(name.clone()))?,
-            None => match self.config().models.as_slice() {
-                [only] => self.model_index(&only.name).ok_or_else(|| RouteError::UnknownModel(only.name.clone()))?,
-                _ => return Err(RouteError::MissingModel),
-            },
+        let slot = |name: &String| routing.names.get(name).copied().ok_or_else(|| RouteError::UnknownModel(name.clone()));
+        let index = match (&fields.model, routing.config.models.as_slice()) {
+            (Some(name), _) => slot(name)?,
+            (None, [only]) => slot(&only.name)?,
+            (None, _) => return Err(RouteError::MissingModel),
         };
         let model = self.core.model(index);
         // The model's name does not change the prompt: tokenize the body as sent.
         let read = self.prompts.read(index, endpoint, body, self.core.wants_text(index)).await;
-        let fleet = self.fleet.load_full();
+        let fleet = routing.fleet.clone();
         let (prediction, no_prediction) = match &read.prompt {
             Ok(p) => (Some(self.core.prepare(index, p, &fleet)), None),
             Err(reason) => (None, Some(*reason)),
@@ -370,7 +398,7 @@ impl Router {
     /// `routing.seed`, ...) is refused with the sections that differ, and
     /// nothing changes.
     pub fn reload(&self, new: Config) -> Result<Reloaded, String> {
-        let old = self.config.load_full();
+        let old = self.config();
         let fixed = |c: &Config| {
             let mut c = Config { replicas: Vec::new(), ..c.clone() };
             c.routing.policies = Default::default();
@@ -407,12 +435,14 @@ impl Router {
         let tokenizers = self.prompts.load_for(&old, &new, &slots).map_err(|e| e.to_string())?;
         let models = self.core.reload_models(&old, &new, &slots).map_err(|e| e.to_string())?;
         self.prompts.swap(tokenizers);
-        self.names.store(Arc::new(names_of(&new, &slots)));
+        // The new models are in their slots, unnamed; one swap names them, with their replicas.
+        let names = Arc::new(names_of(&new, &slots));
         let mut done = Reloaded { models, ..Reloaded::default() };
-        let current = self.sources.lock().unwrap_or_else(|p| p.into_inner()).iter().find(|(s, _)| s == STATIC).map(|(_, r)| r.clone());
-        let next = self.listed(&new.replicas, &current.unwrap_or_default(), &mut done);
-        self.config.store(Arc::new(new));
-        self.publish(STATIC, next);
+        let mut sources = self.sources.lock().unwrap_or_else(|p| p.into_inner());
+        let current = sources.iter().find(|(s, _)| s == STATIC).map(|(_, r)| r.clone()).unwrap_or_default();
+        let next = self.listed(&new.replicas, &names, &current, &mut done);
+        let fleet = self.wanted(&mut sources, STATIC, next);
+        self.routing.store(Arc::new(Routing { config: Arc::new(new), names, fleet }));
         Ok(done)
     }
 
@@ -420,12 +450,18 @@ impl Router {
     /// (the same id, address, models, cache shape and KV events) is kept
     /// with everything learned of it and takes the new limits; the others
     /// are new and cold; `current`'s others leave. All take their drain.
-    fn listed(&self, listed: &[inferrail_config::Replica], current: &[Arc<Replica>], done: &mut Reloaded) -> Vec<Arc<Replica>> {
+    fn listed(
+        &self,
+        listed: &[inferrail_config::Replica],
+        names: &HashMap<String, usize>,
+        current: &[Arc<Replica>],
+        done: &mut Reloaded,
+    ) -> Vec<Arc<Replica>> {
         let mut next = Vec::new();
         for r in listed {
             let Ok(addr) = r.address.parse::<SocketAddr>() else { continue };
             let s = &r.serving;
-            let models = self.model_indices(&s.models);
+            let models = slots_of(names, &s.models);
             let same = |c: &&Arc<Replica>| {
                 c.id == r.id && c.addr == addr && c.models == models && c.cache == s.cache() && c.kv_events == r.kv_events
             };
@@ -440,7 +476,7 @@ impl Router {
                         self.core.leave(before);
                     }
                     done.joined += 1;
-                    self.cold_replica(r.id.clone(), addr, s, r.kv_events.clone())
+                    self.cold_replica(r.id.clone(), addr, models, s, r.kv_events.clone())
                 }
             };
             replica.set_draining(r.drain);
@@ -453,24 +489,24 @@ impl Router {
         next
     }
 
-    /// A new replica serving what `serving` says, with a cold KV slot.
+    /// A new replica serving `models` (slots) with `serving`'s limits and cache shape, with a cold KV slot.
     pub fn cold_replica(
         &self,
         id: String,
         addr: SocketAddr,
+        models: Vec<usize>,
         serving: &inferrail_config::Serving,
         kv_events: Option<ReplicaKvEvents>,
     ) -> Arc<Replica> {
-        let models = self.model_indices(&serving.models);
         let slot = self.core.kv.slot(&id);
         let r = Arc::new(Replica::new(id, addr, models, serving.limits(), serving.cache(), slot).with_kv_events(kv_events));
         self.core.join(&r);
         r
     }
 
-    /// The indices of the models named (unknown names left out).
-    fn model_indices(&self, names: &[String]) -> Vec<usize> {
-        names.iter().filter_map(|m| self.model_index(m)).collect()
+    /// The slots of the models named now (unknown names left out).
+    pub fn model_slots(&self, models: &[String]) -> Vec<usize> {
+        slots_of(&self.routing.load().names, models)
     }
 
     /// The lease a request holds.

@@ -13,7 +13,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / "debug"
+# Debug builds for the suite; `just bench-reload` runs a test on release builds (INFERRAIL_PROFILE=release).
+TARGET = Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target")) / os.environ.get("INFERRAIL_PROFILE", "debug")
 ENVOY = ROOT / ".venv" / "bin" / "envoy"
 
 
