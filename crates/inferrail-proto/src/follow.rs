@@ -1,6 +1,8 @@
 //! The router's side of the sidecar: follow its `Watch` stream into a
 //! [`LoadTable`], reconnecting forever.
 
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use inferrail_load::{LoadTable, Snapshot};
@@ -27,20 +29,34 @@ pub async fn follow(endpoint: Endpoint, table: LoadTable) {
         .http2_keep_alive_interval(Duration::from_secs(1))
         .keep_alive_timeout(Duration::from_secs(2))
         .keep_alive_while_idle(true);
-    let mut backoff = MIN_BACKOFF;
     // Whether reports are coming: a change is logged once. True at the start,
     // so that a sidecar that is not there is reported.
-    let mut flowing = true;
+    let flowing = AtomicBool::new(true);
+    let ended = |received, why: &str, retry_in| {
+        if flowing.swap(false, Ordering::Relaxed) {
+            tracing::warn!(endpoint = %endpoint.uri(), %why, "no load reports from the sidecar; routing on the router's own counters until they come");
+        }
+        tracing::debug!(endpoint = %endpoint.uri(), received, %why, ?retry_in, "load stream ended");
+    };
+    reopening(|| watch_once(&endpoint, &table, &flowing), ended).await
+}
+
+/// Reopens a stream forever. `once` is one connection's worth of it: how
+/// many messages arrived and why it ended; `ended` hears that and the wait
+/// before the next attempt, 100 ms doubling to 2 s, back to 100 ms once a
+/// message arrived.
+pub async fn reopening<F, Fut>(mut once: F, ended: impl Fn(u64, &str, Duration)) -> !
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = (u64, String)>,
+{
+    let mut backoff = MIN_BACKOFF;
     loop {
-        let (received, why) = watch_once(&endpoint, &table, &mut flowing).await;
+        let (received, why) = once().await;
         if received > 0 {
             backoff = MIN_BACKOFF;
         }
-        if flowing {
-            tracing::warn!(endpoint = %endpoint.uri(), %why, "no load reports from the sidecar; routing on the router's own counters until they come");
-            flowing = false;
-        }
-        tracing::debug!(endpoint = %endpoint.uri(), received, %why, retry_in = ?backoff, "load stream ended");
+        ended(received, &why, backoff);
         tokio::time::sleep(backoff).await;
         if received == 0 {
             backoff = (backoff * 2).min(MAX_BACKOFF);
@@ -49,7 +65,7 @@ pub async fn follow(endpoint: Endpoint, table: LoadTable) {
 }
 
 /// One connection's worth of reports; how many arrived and why it ended.
-async fn watch_once(endpoint: &Endpoint, table: &LoadTable, flowing: &mut bool) -> (u64, String) {
+async fn watch_once(endpoint: &Endpoint, table: &LoadTable, flowing: &AtomicBool) -> (u64, String) {
     let channel = match endpoint.connect().await {
         Ok(c) => c,
         Err(e) => return (0, format!("connect: {e}")),
@@ -66,9 +82,8 @@ async fn watch_once(endpoint: &Endpoint, table: &LoadTable, flowing: &mut bool) 
             Err(status) => return (received, format!("stream: {status}")),
         };
         received += 1;
-        if !*flowing {
+        if !flowing.swap(true, Ordering::Relaxed) {
             tracing::info!(endpoint = %endpoint.uri(), "load reports from the sidecar are coming");
-            *flowing = true;
         }
         match convert::outcome(&report) {
             Ok(Ok(load)) => {

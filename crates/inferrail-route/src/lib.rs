@@ -229,17 +229,12 @@ impl Core {
     /// slot, else the next free one.
     pub fn slots(&self, config: &Config) -> Vec<usize> {
         let models = self.models();
-        let mut next = models.len();
-        config
-            .models
-            .iter()
-            .map(|m| {
-                models.iter().position(|r| r.name == m.name).unwrap_or_else(|| {
-                    next += 1;
-                    next - 1
-                })
-            })
-            .collect()
+        let mut taken = models.len();
+        let mut take = || {
+            taken += 1;
+            taken - 1
+        };
+        config.models.iter().map(|m| models.iter().position(|r| r.name == m.name).unwrap_or_else(&mut take)).collect()
     }
 
     /// Takes `new`'s models into their `slots` (from [`Core::slots`]): a
@@ -255,7 +250,7 @@ impl Core {
             let m = &new.models[i];
             let before = old.models.iter().position(|o| o.name == m.name);
             let same = before.is_some_and(|j| old.models[j] == *m && old.params(j).ok() == new.params(i).ok());
-            if same && slot < next.len() {
+            if same {
                 continue;
             }
             changed += 1;

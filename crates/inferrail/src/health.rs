@@ -112,9 +112,8 @@ pub fn models_json(router: &Router, cards: &[Value]) -> String {
     let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let card = |name: &str| cards.iter().find(|c| c["id"] == name);
     let mut data = Vec::new();
-    let offered =
-        router.config().models.iter().filter_map(|m| router.model_index(&m.name)).map(|i| router.core.model(i)).collect::<Vec<_>>();
-    for m in &offered {
+    let routing = router.routing();
+    for m in routing.config.models.iter().filter_map(|m| routing.names.get(&m.name)).map(|&i| router.core.model(i)) {
         let engine = card(&m.name);
         let entry = |id: &str, parent: Option<&str>| {
             json!({

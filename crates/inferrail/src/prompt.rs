@@ -90,8 +90,7 @@ impl Prompts {
     pub fn load_for(&self, old: &Config, new: &Config, slots: &[usize]) -> anyhow::Result<Tokenizers> {
         let mut next = self.tokenizers.load().to_vec();
         for (m, &slot) in new.models.iter().zip(slots) {
-            let kept = old.models.iter().any(|o| o.name == m.name && o.tokenizer == m.tokenizer) && slot < next.len();
-            if kept {
+            if old.models.iter().any(|o| o.name == m.name && o.tokenizer == m.tokenizer) {
                 continue;
             }
             let tokenizer = load(m, self.cache_tokens)?;

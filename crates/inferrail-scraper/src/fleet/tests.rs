@@ -1,6 +1,7 @@
 //! Following a router's WatchReplicas, served here by a stand-in admin service.
 
 use std::pin::Pin;
+use std::time::Duration;
 
 use inferrail_load::{LoadTable, ScrapeConfig};
 use inferrail_proto::admin::v1::admin_server::{Admin, AdminServer};
