@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
-    let files = [root.join("inferrail/load/v1/load.proto"), root.join("inferrail/admin/v1/admin.proto")];
+    let files =
+        [root.join("inferrail/load/v1/load.proto"), root.join("inferrail/admin/v1/admin.proto"), root.join("inferrail/peer/v1/peer.proto")];
     for file in &files {
         println!("cargo:rerun-if-changed={}", file.display());
     }

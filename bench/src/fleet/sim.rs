@@ -33,7 +33,7 @@ use inferrail_config::{CacheShape, Config, Limits, Model};
 use inferrail_policy::{EngineReport, PolicyKind};
 use inferrail_route::fleet::{Fleet, Lease, Replica};
 use inferrail_route::kv::{Prediction, Prompt};
-use inferrail_route::{Core, Report, View};
+use inferrail_route::{Core, Report, Share, View};
 use inferrail_sim::cache::{BlockId, BlockPool};
 use inferrail_sim::cost::LatencyModel;
 use serde::Serialize;
@@ -355,8 +355,14 @@ impl<'a> World<'a> {
     fn arrive(&mut self, a: Arrival, now: u64, id: usize) -> bool {
         let prompt = Prompt { ids: a.ids, max_tokens: Some(a.max_tokens), cache_salt: None };
         let prediction = self.core.prepare(0, &prompt, &self.fleet);
-        let view =
-            View { model: 0, prediction: Some(prediction.clone()), session: a.session.as_deref(), text: a.text.as_deref(), subset: None };
+        let view = View {
+            model: 0,
+            prediction: Some(prediction.clone()),
+            session: a.session.as_deref(),
+            text: a.text.as_deref(),
+            subset: None,
+            share: Share::ALONE,
+        };
         let now_d = Duration::from_nanos(now);
         self.scrape(now_d);
         let report = |r: &Replica| self.by_slot.get(&u64::from(r.slot)).map(|&i| self.reports[i]);

@@ -48,6 +48,37 @@ pub struct Config {
     pub kubernetes: Option<KubernetesPool>,
     /// The fleet written for Envoy as EDS.
     pub eds: Eds,
+    /// Other routers behind the same Envoys, sharing the requests in flight (ADR 0034).
+    pub peers: Peers,
+}
+
+/// The other router replicas behind the same Envoys. Each router tells
+/// every peer what it decided and what it heard of its requests, so that
+/// all of them count every request in flight, hold its KV record and learn
+/// its outcome, whichever router Envoy sent each stream to. The router's
+/// own address may be among them (one list for all, or a headless Service
+/// that resolves to every router); it recognises itself and skips it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Peers {
+    /// Their ext_proc listeners, `host:port`.
+    pub addresses: Vec<String>,
+    /// A name that resolves to every router, with their port (`name:port`),
+    /// read again every `resolve_interval_ms`: a Kubernetes headless Service.
+    pub dns: Option<String>,
+    /// How often `dns` is resolved, milliseconds.
+    pub resolve_interval_ms: u64,
+}
+
+impl Default for Peers {
+    fn default() -> Self {
+        Self { addresses: Vec::new(), dns: None, resolve_interval_ms: 1000 }
+    }
+}
+
+/// `host:port` with a host and a port number.
+fn host_port(s: &str) -> bool {
+    s.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
 }
 
 /// The fleet written as Envoy EDS for the replica cluster: every replica
@@ -661,6 +692,19 @@ impl Config {
             && !(s.starts_with("http://") || s.starts_with("https://"))
         {
             p.push(format!("load.sidecar: {s:?} is not an http:// or https:// address"));
+        }
+        for (i, a) in self.peers.addresses.iter().enumerate() {
+            if !host_port(a) {
+                p.push(format!("peers.addresses[{i}]: {a:?} is not host:port"));
+            }
+        }
+        if let Some(d) = &self.peers.dns
+            && !host_port(d)
+        {
+            p.push(format!("peers.dns: {d:?} is not name:port"));
+        }
+        if self.peers.resolve_interval_ms == 0 {
+            p.push("peers.resolve_interval_ms: must be at least 1".into());
         }
         if self.eds.cluster.is_empty() {
             p.push("eds.cluster: the replica cluster's name is required".into());

@@ -24,6 +24,7 @@ fn fleet(n: usize) -> Vec<Candidate> {
             kv_capacity_tokens: 0,
             unreported_kv_tokens: 0,
             engine: None,
+            own: None,
         })
         .collect()
 }

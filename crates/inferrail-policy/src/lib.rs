@@ -67,12 +67,55 @@ pub struct Candidate {
     pub unreported_kv_tokens: u64,
     /// The engine's own last report, only while it is fresh.
     pub engine: Option<EngineReport>,
+    /// With several routers: this router's own requests there and its part
+    /// of the limits, which it must stay within as well (ADR 0034).
+    pub own: Option<Own>,
+}
+
+/// One router's requests on a replica and its part of the replica's limits,
+/// when several routers share it. The parts add up to the limits, so the
+/// routers together never exceed them, even when two decide at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Own {
+    /// This router's requests in flight there.
+    pub in_flight: u32,
+    /// Of those, the ones waiting for their first byte.
+    pub pending: u32,
+    /// Its part of `max_concurrency`.
+    pub max_concurrency: u32,
+    /// Its part of `max_pending`.
+    pub max_pending: u32,
+}
+
+/// Where a router stands among the routers sharing the fleet: its place in
+/// their order by id, and how many there are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Share {
+    /// Its place, from 0.
+    pub rank: u32,
+    /// How many routers, itself included.
+    pub of: u32,
+}
+
+impl Share {
+    /// A router on its own.
+    pub const ALONE: Share = Share { rank: 0, of: 1 };
+
+    /// Its part of `limit`: an even split, the remainder to the first ranks,
+    /// so the parts add up to `limit`.
+    pub fn part(self, limit: u32) -> u32 {
+        let of = self.of.max(1);
+        limit / of + u32::from(self.rank < limit % of)
+    }
 }
 
 impl Candidate {
-    /// Has room for one more request.
+    /// Has room for one more request: below the limits, and below this
+    /// router's part of them when it shares the replica.
     pub fn has_room(&self) -> bool {
-        self.in_flight < self.max_concurrency && self.pending < self.max_pending
+        self.in_flight < self.max_concurrency
+            && self.pending < self.max_pending
+            && self.own.is_none_or(|o| o.in_flight < o.max_concurrency && o.pending < o.max_pending)
     }
 
     /// Requests decoding now: the engine's count while its report is fresh,
@@ -512,6 +555,7 @@ pub(crate) mod testing {
             kv_capacity_tokens: 0,
             unreported_kv_tokens: 0,
             engine: None,
+            own: None,
         }
     }
 
@@ -546,6 +590,23 @@ mod tests {
         assert_eq!(eligible(&[sick.clone(), full.clone()]), Err(NoReplica::AllFull));
         let waiting = Candidate { pending: 100, ..load(0) };
         assert_eq!(eligible(&[sick, full, waiting, load(3)]), Ok(vec![3]));
+    }
+
+    #[test]
+    fn routers_sharing_a_replica_split_its_limits_so_that_the_parts_add_up() {
+        for limit in [0, 1, 2, 7, 256] {
+            for of in 1..=5 {
+                assert_eq!((0..of).map(|rank| Share { rank, of }.part(limit)).sum::<u32>(), limit, "{limit} over {of}");
+            }
+        }
+        assert_eq!([0, 1, 2].map(|rank| Share { rank, of: 3 }.part(7)), [3, 2, 2]);
+        assert_eq!(Share::ALONE.part(7), 7);
+        let own = |in_flight| Some(Own { in_flight, pending: 0, max_concurrency: 3, max_pending: 3 });
+        assert!(Candidate { own: own(2), ..load(10) }.has_room());
+        assert!(!Candidate { own: own(3), ..load(10) }.has_room(), "its part is used up though the replica has room");
+        assert!(!Candidate { own: own(0), ..load(100) }.has_room(), "the replica's own limit still holds");
+        let waiting = Some(Own { pending: 3, ..own(3).unwrap() });
+        assert!(!Candidate { own: waiting, max_concurrency: 1_000, ..load(10) }.has_room(), "its part of max_pending is used up");
     }
 
     #[test]

@@ -3,8 +3,8 @@
 //! protobuf messages and the domain types of `inferrail-load` ([`convert`]),
 //! the sidecar's `LoadReports` service ([`service`]) and the router's client
 //! that follows it into a `LoadTable` ([`follow`]). The router's admin API
-//! (`inferrail.admin.v1`: Explain, Replicas) is generated here too; the
-//! router implements it.
+//! (`inferrail.admin.v1`: Explain, Replicas) and the routers' peer API
+//! (`inferrail.peer.v1`) are generated here too; the router implements them.
 #![forbid(unsafe_code)]
 
 pub mod convert;
@@ -26,6 +26,15 @@ pub mod admin {
     /// Version 1.
     pub mod v1 {
         tonic::include_proto!("inferrail.admin.v1");
+    }
+}
+
+/// `inferrail.peer.v1`: routers sharing the requests in flight.
+#[allow(missing_docs, clippy::all, clippy::unwrap_used, clippy::expect_used)]
+pub mod peer {
+    /// Version 1.
+    pub mod v1 {
+        tonic::include_proto!("inferrail.peer.v1");
     }
 }
 

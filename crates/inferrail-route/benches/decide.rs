@@ -11,7 +11,7 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use inferrail_config::Config;
 use inferrail_route::fleet::{Fleet, Replica};
 use inferrail_route::kv::{Place, Prompt};
-use inferrail_route::{Core, Report, View};
+use inferrail_route::{Core, Report, Share, View};
 use std::sync::Arc;
 
 fn setup(n: usize) -> (Core, Arc<Fleet>, Prompt) {
@@ -65,7 +65,7 @@ fn decide(c: &mut Criterion) {
     for n in [8usize, 64, 256] {
         let (core, fleet, prompt) = setup(n);
         let prediction = core.prepare(0, &prompt, &fleet);
-        let view = View { model: 0, prediction: Some(prediction), session: None, text: None, subset: None };
+        let view = View { model: 0, prediction: Some(prediction), session: None, text: None, subset: None, share: Share::ALONE };
         let reports = |_: &Replica| None::<Report>;
         let plan = || std::hint::black_box(core.plan(&view, &fleet, &reports, Duration::from_secs(1)).expect("plan"));
         percentiles(&format!("plan/{n}"), || {

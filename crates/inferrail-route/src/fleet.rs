@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use inferrail_config::{CacheShape, Health as HealthConfig, Limits, ReplicaKvEvents};
 use inferrail_kv::index::Slot;
 use inferrail_kv::mode::{Mode, Reason};
-use inferrail_policy::Candidate;
+use inferrail_policy::{Candidate, Own, Share};
 
 use crate::kv::{Prediction, Record};
 use crate::{FRESH, Report};
@@ -48,6 +48,10 @@ pub struct Replica {
     kv_mode: AtomicU8,
     in_flight: AtomicU32,
     pending: AtomicU32,
+    /// Of `in_flight` and `pending`, the requests this router decided (the
+    /// rest are its peers', mirrored).
+    own_in_flight: AtomicU32,
+    own_pending: AtomicU32,
     prompt_tokens: AtomicU64,
     /// Estimated prefill of the requests still waiting for their first byte, microseconds.
     pending_prefill_us: AtomicU64,
@@ -118,6 +122,8 @@ impl Replica {
             kv_mode: AtomicU8::new(mode_code(Mode::Approximate(Reason::NoEventsConfigured))),
             in_flight: AtomicU32::new(0),
             pending: AtomicU32::new(0),
+            own_in_flight: AtomicU32::new(0),
+            own_pending: AtomicU32::new(0),
             prompt_tokens: AtomicU64::new(0),
             pending_prefill_us: AtomicU64::new(0),
             sent_kv: Mutex::new(VecDeque::new()),
@@ -224,15 +230,29 @@ impl Replica {
     }
 
     /// What a policy sees of it at `now`, with the prompt's predicted cached
-    /// tokens there (and of those, the ones requests in flight hold) and the
-    /// engine's report when it is fresh.
-    pub fn candidate(&self, now: Duration, (cached_tokens, held_cached_tokens): (usize, usize), engine: Option<Report>) -> Candidate {
+    /// tokens there (and of those, the ones requests in flight hold), the
+    /// engine's report when it is fresh, and where this router stands among
+    /// the routers sharing it.
+    pub fn candidate(
+        &self,
+        now: Duration,
+        (cached_tokens, held_cached_tokens): (usize, usize),
+        engine: Option<Report>,
+        share: Share,
+    ) -> Candidate {
+        let limits = self.limits();
+        let own = (share.of > 1).then(|| Own {
+            in_flight: self.own_in_flight.load(Ordering::Relaxed),
+            pending: self.own_pending.load(Ordering::Relaxed),
+            max_concurrency: share.part(limits.max_concurrency),
+            max_pending: share.part(limits.max_pending),
+        });
         Candidate {
             key: self.key,
             in_flight: self.in_flight.load(Ordering::Relaxed),
             pending: self.pending(),
-            max_concurrency: self.max_concurrency.load(Ordering::Relaxed),
-            max_pending: self.max_pending.load(Ordering::Relaxed),
+            max_concurrency: limits.max_concurrency,
+            max_pending: limits.max_pending,
             healthy: self.healthy(now.as_millis() as u64),
             cached_tokens,
             held_cached_tokens,
@@ -241,6 +261,7 @@ impl Replica {
             kv_capacity_tokens: (self.blocks(0) * self.block_size(0)) as u64,
             unreported_kv_tokens: engine.map_or(0, |e| self.sent_kv_since(e.at)),
             engine: engine.map(|e| e.load),
+            own,
         }
     }
 
@@ -295,9 +316,13 @@ impl Replica {
         length
     }
 
-    fn acquire(&self, prompt_tokens: u64) {
+    fn acquire(&self, prompt_tokens: u64, mine: bool) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.pending.fetch_add(1, Ordering::Relaxed);
+        if mine {
+            self.own_in_flight.fetch_add(1, Ordering::Relaxed);
+            self.own_pending.fetch_add(1, Ordering::Relaxed);
+        }
         self.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
     }
 }
@@ -317,6 +342,8 @@ pub struct Lease {
     pub start: Instant,
     /// Prompt tokens it counts in flight on its replica.
     pub prompt_tokens: u64,
+    /// This router decided it (else it mirrors a peer's decision).
+    pub mine: bool,
     /// The router's estimate of its time to first token, microseconds (0: none).
     estimate_us: AtomicU64,
     state: AtomicU8,
@@ -336,11 +363,28 @@ impl Lease {
 
     /// Takes a slot on `replica` for a request decided at `start`.
     pub fn since(replica: Arc<Replica>, model: usize, start: Instant, prompt_tokens: u64) -> Self {
-        replica.acquire(prompt_tokens);
+        Self::held(replica, model, start, prompt_tokens, true)
+    }
+
+    /// Takes a slot on `replica` for a request a peer router decided: it
+    /// counts in flight there, but not in this router's part of the limits.
+    pub fn mirror(replica: Arc<Replica>, model: usize, prompt_tokens: u64) -> Self {
+        Self::held(replica, model, Instant::now(), prompt_tokens, false)
+    }
+
+    fn held(replica: Arc<Replica>, model: usize, start: Instant, prompt_tokens: u64, mine: bool) -> Self {
+        replica.acquire(prompt_tokens, mine);
         let (state, kv) = (AtomicU8::new(PENDING), Mutex::new(None));
         let (estimate_us, prefill_us) = (AtomicU64::new(0), AtomicU64::new(0));
         let sent_kv = OnceLock::new();
-        Self { replica, model, start, prompt_tokens, estimate_us, state, prefill_us, sent_kv, kv }
+        Self { replica, model, start, prompt_tokens, mine, estimate_us, state, prefill_us, sent_kv, kv }
+    }
+
+    /// Its estimated prefill while it is queued, and the KV room it takes
+    /// (zero once released): what a peer is told to hold for it.
+    pub fn held_room(&self) -> (Duration, u64) {
+        let kv = self.sent_kv.get().map_or(0, |n| n.load(Ordering::Relaxed));
+        (Duration::from_micros(self.prefill_us.load(Ordering::Relaxed)), kv)
     }
 
     /// Queues its estimated `prefill` on its replica, until its first byte or release.
@@ -382,10 +426,16 @@ impl Lease {
         let before = self.state.swap(RELEASED, Ordering::SeqCst);
         if before == PENDING {
             self.replica.pending.fetch_sub(1, Ordering::Relaxed);
+            if self.mine {
+                self.replica.own_pending.fetch_sub(1, Ordering::Relaxed);
+            }
             self.unqueue();
         }
         if before != RELEASED {
             self.replica.in_flight.fetch_sub(1, Ordering::Relaxed);
+            if self.mine {
+                self.replica.own_in_flight.fetch_sub(1, Ordering::Relaxed);
+            }
             self.replica.prompt_tokens.fetch_sub(self.prompt_tokens, Ordering::Relaxed);
             if let Some(sent) = self.sent_kv.get() {
                 sent.store(0, Ordering::Relaxed);
@@ -398,6 +448,9 @@ impl Lease {
         let first = self.state.compare_exchange(PENDING, STREAMING, Ordering::AcqRel, Ordering::Relaxed).is_ok();
         if first {
             self.replica.pending.fetch_sub(1, Ordering::Relaxed);
+            if self.mine {
+                self.replica.own_pending.fetch_sub(1, Ordering::Relaxed);
+            }
             self.unqueue();
         }
         first
@@ -430,7 +483,7 @@ mod tests {
     }
 
     fn counts(r: &Replica) -> (u32, u32, u64) {
-        let c = r.candidate(Duration::ZERO, (0, 0), None);
+        let c = r.candidate(Duration::ZERO, (0, 0), None, Share::ALONE);
         (c.in_flight, c.pending, r.prompt_tokens())
     }
 
@@ -441,27 +494,31 @@ mod tests {
         let report = |at| Some(Report { at, load: inferrail_policy::EngineReport { running: 0, waiting: 0, kv_usage: 0.0 } });
         r.sent_kv(ms(1_000), 300);
         r.sent_kv(ms(1_050), 200);
-        assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(1_000))).unreported_kv_tokens, 200, "the first was sent before the report");
-        assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(900))).unreported_kv_tokens, 500);
+        assert_eq!(
+            r.candidate(ms(1_060), (0, 0), report(ms(1_000)), Share::ALONE).unreported_kv_tokens,
+            200,
+            "the first was sent before the report"
+        );
+        assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(900)), Share::ALONE).unreported_kv_tokens, 500);
         // A request over has freed its blocks: it takes no room the report counts as free.
         let lease = Lease::new(r.clone(), 0, 400);
         lease.sent_kv(ms(1_055), 400);
-        assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(900))).unreported_kv_tokens, 900);
+        assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(900)), Share::ALONE).unreported_kv_tokens, 900);
         lease.release();
-        assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(900))).unreported_kv_tokens, 500, "released, it counts no more");
-        assert_eq!(r.candidate(ms(1_060), (0, 0), None).unreported_kv_tokens, 0, "no report, nothing to correct");
+        assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(900)), Share::ALONE).unreported_kv_tokens, 500, "released, it counts no more");
+        assert_eq!(r.candidate(ms(1_060), (0, 0), None, Share::ALONE).unreported_kv_tokens, 0, "no report, nothing to correct");
         // Sends older than any fresh report are let go.
         r.sent_kv(ms(1_000) + FRESH + ms(20), 7);
         assert_eq!(r.sent_kv.lock().unwrap().len(), 3, "the send at 1,000 ms can predate no fresh report");
-        assert_eq!(r.candidate(ms(1_400), (0, 0), report(ms(1_200))).unreported_kv_tokens, 7);
+        assert_eq!(r.candidate(ms(1_400), (0, 0), report(ms(1_200)), Share::ALONE).unreported_kv_tokens, 7);
     }
 
     #[test]
     fn a_candidate_knows_its_kv_cache_size_once_the_engine_reported_it() {
         let r = replica(vec![0]);
-        assert_eq!(r.candidate(Duration::ZERO, (0, 0), None).kv_capacity_tokens, 0, "unknown until reported");
+        assert_eq!(r.candidate(Duration::ZERO, (0, 0), None, Share::ALONE).kv_capacity_tokens, 0, "unknown until reported");
         r.learn_cache(16, 1_100);
-        assert_eq!(r.candidate(Duration::ZERO, (0, 0), None).kv_capacity_tokens, 17_600);
+        assert_eq!(r.candidate(Duration::ZERO, (0, 0), None, Share::ALONE).kv_capacity_tokens, 17_600);
     }
 
     #[test]
@@ -469,7 +526,7 @@ mod tests {
         let r = replica(vec![0]);
         let lease = Lease::new(r.clone(), 0, 700);
         assert_eq!(counts(&r), (1, 1, 700));
-        assert!(!r.candidate(Duration::ZERO, (0, 0), None).has_room(), "max_pending is 1");
+        assert!(!r.candidate(Duration::ZERO, (0, 0), None, Share::ALONE).has_room(), "max_pending is 1");
         assert!(lease.first_byte());
         assert!(!lease.first_byte());
         assert_eq!(counts(&r), (1, 0, 700));
@@ -477,6 +534,27 @@ mod tests {
         assert_eq!(counts(&r), (0, 0, 0));
         drop(Lease::new(r.clone(), 0, 5));
         assert_eq!(counts(&r), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_peers_request_counts_on_the_replica_but_not_in_this_routers_part_of_its_limits() {
+        let r = replica(vec![0]);
+        let half = Share { rank: 1, of: 2 };
+        let mirrored = Lease::mirror(r.clone(), 0, 5);
+        let c = r.candidate(Duration::ZERO, (0, 0), None, half);
+        assert_eq!((c.in_flight, c.pending), (1, 1));
+        assert_eq!(c.own, Some(Own { in_flight: 0, pending: 0, max_concurrency: 1, max_pending: 0 }), "2 and 1 split over two routers");
+        assert!(!c.has_room(), "its part of max_pending is nothing");
+        assert!(r.candidate(Duration::ZERO, (0, 0), None, Share { rank: 0, of: 2 }).own.is_some_and(|o| o.max_pending == 1));
+        let mine = Lease::new(r.clone(), 0, 5);
+        assert_eq!(r.candidate(Duration::ZERO, (0, 0), None, half).own.map(|o| (o.in_flight, o.pending)), Some((1, 1)));
+        mine.first_byte();
+        assert_eq!(r.candidate(Duration::ZERO, (0, 0), None, half).own.map(|o| (o.in_flight, o.pending)), Some((1, 0)));
+        drop(mine);
+        drop(mirrored);
+        assert_eq!(r.candidate(Duration::ZERO, (0, 0), None, half).own.map(|o| (o.in_flight, o.pending)), Some((0, 0)));
+        assert_eq!(counts(&r), (0, 0, 0));
+        assert_eq!(r.candidate(Duration::ZERO, (0, 0), None, Share::ALONE).own, None, "alone, its part is the whole");
     }
 
     #[test]

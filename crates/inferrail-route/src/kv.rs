@@ -62,6 +62,17 @@ pub struct Prediction {
 }
 
 impl Prediction {
+    /// A prompt of `prompt_tokens` cut at one block size, as another router
+    /// recorded it: its blocks' hashes at `block_size` and the output it expected.
+    pub fn of_blocks(prompt_tokens: usize, output_tokens: usize, block_size: usize, hashes: Vec<BlockHash>) -> Self {
+        Self { prompt_tokens, output_tokens, hashes: vec![(block_size, hashes)] }
+    }
+
+    /// Output tokens expected.
+    pub fn output_tokens(&self) -> usize {
+        self.output_tokens
+    }
+
     /// The prompt's full blocks' hashes at `block_size`, if it was cut at that size.
     pub fn blocks(&self, block_size: usize) -> Option<&[BlockHash]> {
         self.hashes.iter().find(|(b, _)| *b == block_size).map(|(_, h)| h.as_slice())

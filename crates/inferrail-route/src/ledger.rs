@@ -6,7 +6,9 @@
 //! lock (the route and observe streams of one request may speak at once).
 //! It hands back what the service does besides: health, metrics and the
 //! decision log. [`Ledger::tick`] delivers the deadlines that came due;
-//! a request whose life is over is forgotten.
+//! a request whose life is over is forgotten. With several routers it also
+//! holds the requests its peers decided ([`Ledger::mirror`]), under the
+//! decider's id and their own, driven by what the decider tells.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,6 +20,13 @@ use crate::lifecycle::{Effects, Event, Life, Timing};
 struct Entry {
     life: Life,
     lease: Arc<Lease>,
+    /// The peer that decided it, for a mirror.
+    decider: Option<u64>,
+}
+
+/// The id a peer's request is mirrored under: the decider's, then its own.
+pub fn mirror_id(decider: u64, id: &str) -> String {
+    format!("{decider:016x}/{id}")
 }
 
 /// What one event did, for the service to act on.
@@ -33,6 +42,8 @@ pub struct Heard {
     pub effects: Effects,
     /// Whether a KV record was taken back.
     pub took_back: bool,
+    /// The peer that decided it, when it is a mirror: that router counts its outcome.
+    pub decider: Option<u64>,
 }
 
 impl Heard {
@@ -58,7 +69,7 @@ impl Ledger {
     /// when a request in flight already uses it (ids come from clients).
     /// Returns the id it is known by.
     pub fn insert(&self, id: &str, lease: Arc<Lease>, at: Duration) -> String {
-        let entry = Arc::new(Mutex::new(Entry { life: Life::new(at, lease.replica.key, self.timing), lease }));
+        let entry = Arc::new(Mutex::new(Entry { life: Life::new(at, lease.replica.key, self.timing), lease, decider: None }));
         let entries = self.entries.pin();
         let mut key = id.to_string();
         let mut n = 0u32;
@@ -67,6 +78,37 @@ impl Ledger {
             key = format!("{id}.{n}");
         }
         key
+    }
+
+    /// Mirrors request `id` that peer `decider` decided at `at` (on this
+    /// router's clock), under [`mirror_id`]. A mirror still under that id
+    /// (the decider has forgotten it, this router is still in its grace) is
+    /// released and replaced.
+    pub fn mirror(&self, decider: u64, id: &str, lease: Arc<Lease>, at: Duration) {
+        let entry = Arc::new(Mutex::new(Entry { life: Life::new(at, lease.replica.key, self.timing), lease, decider: Some(decider) }));
+        if let Some(old) = self.entries.pin().insert(mirror_id(decider, id), entry) {
+            lock(old).lease.release();
+        }
+    }
+
+    /// Forgets every request peer `decider` decided (it is gone: nobody will
+    /// tell their end), releasing their leases. Returns how many.
+    pub fn forget_decider(&self, decider: u64) -> usize {
+        let entries = self.entries.pin();
+        let theirs: Vec<String> = entries.iter().filter(|(_, e)| lock(e).decider == Some(decider)).map(|(id, _)| id.clone()).collect();
+        theirs.iter().filter(|id| self.forget(id).is_some()).count()
+    }
+
+    /// The requests this router decided that hold their lease now, by id.
+    pub fn own(&self) -> Vec<(String, Arc<Lease>)> {
+        let entries = self.entries.pin();
+        entries
+            .iter()
+            .filter_map(|(id, e)| {
+                let e = lock(e);
+                (e.decider.is_none() && !e.lease.released()).then(|| (id.clone(), e.lease.clone()))
+            })
+            .collect()
     }
 
     /// The lease a request holds now.
@@ -124,7 +166,7 @@ impl Ledger {
             // Only this entry: the id may be taken again by a request decided since.
             let _ = self.entries.pin().remove_if(id, |_, e| Arc::ptr_eq(e, entry));
         }
-        Heard { id: id.to_string(), lease: held.lease.clone(), retried_from, effects, took_back }
+        Heard { id: id.to_string(), lease: held.lease.clone(), retried_from, effects, took_back, decider: held.decider }
     }
 
     /// Stops tracking a request (releasing its lease) and returns its lease.

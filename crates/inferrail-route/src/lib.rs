@@ -33,6 +33,7 @@ use std::time::Duration;
 
 use inferrail_config::Config;
 use inferrail_kv::mode::{Mode, Reason};
+pub use inferrail_policy::Share;
 use inferrail_policy::{Candidate, EngineReport, NoReplica, Params, Request, RoutingPolicy, Score, SetAside, TextKind, eligibility, order};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -88,6 +89,8 @@ pub struct View<'a> {
     pub text: Option<&'a str>,
     /// The only replicas it may go to (an Inference Extension gateway's subset hint), by address.
     pub subset: Option<&'a [SocketAddr]>,
+    /// Where this router stands among the routers sharing the fleet (its part of the limits).
+    pub share: Share,
 }
 
 /// What the model's policy would do now, and why. Each replica serving the
@@ -178,8 +181,21 @@ pub struct Committed {
     pub targets: Vec<Arc<Replica>>,
     /// Predicted cached prompt tokens on each target, when the prompt was tokenized.
     pub cached_tokens: Vec<usize>,
-    /// The prefill queued on the winner for it.
+    /// What it holds on the winner.
+    pub hold: Hold,
+}
+
+/// What a decision holds on its replica besides the slot ([`Core::hold`]).
+#[derive(Debug, Clone)]
+pub struct Hold {
+    /// Prompt tokens, when the prompt was tokenized.
+    pub prompt_tokens: Option<usize>,
+    /// The prefill it queues there.
     pub prefill: Duration,
+    /// The free KV room it takes there, tokens.
+    pub kv_tokens: u64,
+    /// The prompt's blocks, recorded there.
+    pub prediction: Option<Arc<Prediction>>,
 }
 
 /// Models, their policies and the KV index.
@@ -394,7 +410,7 @@ impl Core {
             .zip(&reports)
             .map(|((r, cached), report)| {
                 let fresh = report.filter(|(_, age)| *age <= FRESH).map(|(rep, _)| rep);
-                r.candidate(now, cached, fresh)
+                r.candidate(now, cached, fresh, view.share)
             })
             .collect();
         let mut aside = vec![None; candidates.len()];
@@ -462,25 +478,44 @@ impl Core {
         let cached = plan.candidates[winner].cached_tokens;
         let prefill =
             prompt_tokens.map_or(model.params.prefill.secs(0, 0), |n| model.params.prefill.secs(n.saturating_sub(cached), cached));
-        let prefill = Duration::from_secs_f64(prefill);
-        let lease = Arc::new(Lease::new(won.clone(), plan.model, prompt_tokens.unwrap_or(0) as u64));
-        lease.queue_prefill(prefill);
         // It takes free room for its prompt but the cached blocks requests in flight hold.
         let held = plan.candidates[winner].held_cached_tokens;
-        lease.sent_kv(plan.now, prompt_tokens.map_or(0, |n| n.saturating_sub(held)) as u64);
-        // The first byte can come once the prefill queued ahead and this one's are done.
-        lease.set_estimate(won.queued_prefill());
+        let hold = Hold {
+            prompt_tokens,
+            prefill: Duration::from_secs_f64(prefill),
+            kv_tokens: prompt_tokens.map_or(0, |n| n.saturating_sub(held)) as u64,
+            prediction: plan.prediction.clone(),
+        };
+        let lease = self.hold(plan.model, won, &hold, plan.now, true);
         let picked = &plan.order[..plan.order.len().min(1 + self.fallbacks)];
         let targets: Vec<Arc<Replica>> = picked.iter().map(|&i| plan.replica(i).clone()).collect();
         let cached_tokens = match &plan.prediction {
-            Some(prediction) => {
-                let record = self.kv.record(prediction, self.place(won));
-                *lease.kv.lock().unwrap_or_else(|p| p.into_inner()) = Some((prediction.clone(), record));
-                picked.iter().map(|&i| plan.candidates[i].cached_tokens).collect()
-            }
+            Some(_) => picked.iter().map(|&i| plan.candidates[i].cached_tokens).collect(),
             None => Vec::new(),
         };
-        Committed { lease, targets, cached_tokens, prefill }
+        Committed { lease, targets, cached_tokens, hold }
+    }
+
+    /// Takes what a decision holds on `replica` for model `model`, decided
+    /// at `at`: a slot, its prefill queued, free KV room, and its prompt's
+    /// record. The same for this router's decisions (`mine`) and a peer's.
+    pub fn hold(&self, model: usize, replica: &Arc<Replica>, hold: &Hold, at: Duration, mine: bool) -> Arc<Lease> {
+        let tokens = hold.prompt_tokens.unwrap_or(0) as u64;
+        let lease = Arc::new(if mine { Lease::new(replica.clone(), model, tokens) } else { Lease::mirror(replica.clone(), model, tokens) });
+        lease.queue_prefill(hold.prefill);
+        lease.sent_kv(at, hold.kv_tokens);
+        // The first byte can come once the prefill queued ahead and this one's are done.
+        lease.set_estimate(replica.queued_prefill());
+        if let Some(prediction) = &hold.prediction {
+            let record = self.kv.record(prediction, self.place(replica));
+            *lease.kv.lock().unwrap_or_else(|p| p.into_inner()) = Some((prediction.clone(), record));
+        }
+        lease
+    }
+
+    /// The block size a prompt going to `r` is recorded at.
+    pub fn block_size(&self, r: &Replica) -> usize {
+        self.place(r).block_size
     }
 
     /// Moves a request's lease to the replica that really served it (Envoy

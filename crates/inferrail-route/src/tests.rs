@@ -39,7 +39,7 @@ pub(crate) fn prompt(first: u32, n: u32) -> Prompt {
 }
 
 pub(crate) fn view<'a>(core: &Core, fleet: &Fleet, p: &Prompt) -> View<'a> {
-    View { model: 0, prediction: Some(core.prepare(0, p, fleet)), session: None, text: None, subset: None }
+    View { model: 0, prediction: Some(core.prepare(0, p, fleet)), session: None, text: None, subset: None, share: Share::ALONE }
 }
 
 pub(crate) const NONE: &dyn Fn(&Replica) -> Option<Report> = &|_| None;
@@ -72,8 +72,8 @@ fn a_committed_prompt_is_predicted_cached_and_its_prefill_queued_on_the_winner()
     let (_, first) = core.decide(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap();
     let winner = first.targets[0].clone();
     let expected = core.model(0).params.prefill.secs(2_000, 0);
-    assert!((first.prefill.as_secs_f64() - expected).abs() < 1e-6);
-    assert_eq!(winner.queued_prefill(), Duration::from_micros(first.prefill.as_micros() as u64));
+    assert!((first.hold.prefill.as_secs_f64() - expected).abs() < 1e-6);
+    assert_eq!(winner.queued_prefill(), Duration::from_micros(first.hold.prefill.as_micros() as u64));
     assert_eq!(winner.prompt_tokens(), 2_000);
     let plan = core.plan(&view(&core, &fleet, &prompt(0, 2_100)), &fleet, NONE, Duration::ZERO).unwrap();
     let on = |id: &str| (0..3).find(|&i| plan.replica(i).id == id).unwrap();
@@ -81,7 +81,7 @@ fn a_committed_prompt_is_predicted_cached_and_its_prefill_queued_on_the_winner()
     assert!((0..3).filter(|&i| plan.replica(i).id != winner.id).all(|i| plan.candidates[i].cached_tokens == 0));
     assert_eq!(plan.terms, ["queue", "decode", "prefill", "hot_credit", "share", "copy"]);
     let score = plan.scores[on(&winner.id)].unwrap();
-    assert!((score.terms[0] - first.prefill.as_secs_f64()).abs() < 1e-6, "the queued prefill is the queue term");
+    assert!((score.terms[0] - first.hold.prefill.as_secs_f64()).abs() < 1e-6, "the queued prefill is the queue term");
     // Its first byte empties the queue; the lease's end the counters.
     first.lease.first_byte();
     assert_eq!(winner.queued_prefill(), Duration::ZERO);

@@ -197,7 +197,7 @@ fn fleet(router: &Router) -> pb::ReplicasResponse {
         .replicas
         .iter()
         .map(|r: &Arc<Replica>| {
-            let c = r.candidate(now, (0, 0), None);
+            let c = r.candidate(now, (0, 0), None, router.peers.share());
             let defaults = &router.config().kv;
             pb::Replica {
                 id: r.id.clone(),

@@ -220,30 +220,49 @@ fn served_by(router: &Router, addr: &str) -> Option<u64> {
     router.fleet().replicas.iter().find(|r| r.addr == addr).map(|r| r.key)
 }
 
-/// Follows one request's upstream response: status, who served, first byte.
+/// The router that decided a request and the id it knows it by, from the
+/// `inferrail` metadata its decision set (the observe filter forwards that
+/// namespace).
+fn decided_by(metadata: &Option<Metadata>) -> Option<(u64, String)> {
+    let ours = &metadata.as_ref()?.filter_metadata.get("inferrail")?.fields;
+    let text = |key: &str| match ours.get(key).and_then(|v| v.kind.as_ref()) {
+        Some(Kind::StringValue(s)) => Some(s.clone()),
+        _ => None,
+    };
+    Some((u64::from_str_radix(&text("router")?, 16).ok()?, text("request_id")?))
+}
+
+/// Follows one request's upstream response: status, who served, first byte;
+/// each goes to the router that decided the request.
 async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>) {
-    let mut request_id = None;
+    let mut request = None;
     let mut message = Some(first);
     while let Some(m) = message {
         match m.request {
             Some(Request::ResponseHeaders(h)) => {
                 let found = |name| attribute(&m.attributes, name).or_else(|| attribute(&h.attributes, name));
-                let Some(id) = found("request.id") else { return };
+                let (decider, id) = match decided_by(&m.metadata_context) {
+                    Some((decider, id)) => (Some(decider), id),
+                    None => match found("request.id") {
+                        Some(id) => (None, id),
+                        None => return,
+                    },
+                };
                 let code = request::header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
                 let served_by = found("upstream.address").and_then(|a| served_by(router, &a));
-                if !router.hear(&id, Event::Status { code, served_by }) {
-                    // Not a request this router decided (or already over): nothing to learn.
+                if !router.hear_for(decider, &id, Event::Status { code, served_by }) {
+                    // Not a request any router tracks (or already over): nothing to learn.
                     return;
                 }
                 if h.end_of_stream {
-                    router.hear(&id, Event::FirstByte);
+                    router.hear_for(decider, &id, Event::FirstByte);
                     return;
                 }
-                request_id = Some(id);
+                request = Some((decider, id));
             }
             Some(Request::ResponseBody(_)) => {
-                if let Some(id) = &request_id {
-                    router.hear(id, Event::FirstByte);
+                if let Some((decider, id)) = &request {
+                    router.hear_for(*decider, id, Event::FirstByte);
                 }
                 // The first byte is all this stream is for.
                 return;

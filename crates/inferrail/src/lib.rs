@@ -13,7 +13,7 @@
 //! closing; the observe stream's status, the replica that served and the
 //! first byte) into events of the request's life, which the router hands to
 //! the ledger (crate `inferrail-route`) and acts on. [`health`] probes replicas and ejects failing
-//! ones; [`load`] keeps the engines' load reports current; [`kv_events`] applies the engines' KV events to the index; [`discovery`] keeps DNS groups' members current and [`kubernetes`] an InferencePool's; [`reload`] applies a changed routing YAML; [`admin`] serves
+//! ones; [`load`] keeps the engines' load reports current; [`kv_events`] applies the engines' KV events to the index; [`discovery`] keeps DNS groups' members current and [`kubernetes`] an InferencePool's; [`reload`] applies a changed routing YAML; [`peers`] shares the requests in flight with the other routers; [`admin`] serves
 //! metrics and health; [`explain`] answers why a request would go where it
 //! goes; [`decision_log`] writes sampled decisions and [`traces`] exports a
 //! span per decision, whose `traceparent` [`reply`] passes on to the engine;
@@ -30,6 +30,7 @@ pub mod health;
 pub mod kubernetes;
 pub mod kv_events;
 pub mod load;
+pub mod peers;
 pub mod prompt;
 pub mod reload;
 pub mod reply;

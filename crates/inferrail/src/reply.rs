@@ -182,6 +182,7 @@ fn decision_metadata(d: &Decision) -> Struct {
         ("policy", string(d.policy)),
         ("model", string(&d.model)),
         ("request_id", string(&d.request_id)),
+        ("router", string(&format!("{:016x}", d.decider))),
     ];
     if let (Some(n), Some(cached)) = (d.prompt_tokens, d.cached_tokens.first()) {
         ours.push(("prompt_tokens", string(&n.to_string())));

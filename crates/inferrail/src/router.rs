@@ -20,12 +20,13 @@ use inferrail_load::table::LoadTable;
 use inferrail_policy::{EngineReport, NoReplica};
 use inferrail_route::fleet::{Fleet, Lease, Replica};
 use inferrail_route::kv::Prediction;
-use inferrail_route::ledger::{Heard, Ledger};
+use inferrail_route::ledger::{Heard, Ledger, mirror_id};
 use inferrail_route::lifecycle::{Event, Timing};
-use inferrail_route::{Core, Plan, Report, View};
+use inferrail_route::{Core, Plan, Report, Share, View};
 use inferrail_tokenize::chat::Endpoint;
 
 use crate::decision_log::DecisionLog;
+use crate::peers::{self, Peers};
 use crate::prompt::Prompts;
 use crate::request::{self, BodyError};
 use crate::traces::Traces;
@@ -91,6 +92,8 @@ pub struct Decision {
     /// The winner's estimated time to first token (the prefill queued there
     /// and its own, from the model's prefill cost, whatever the policy).
     pub estimate: Option<Duration>,
+    /// The router that decided it ([`Peers::id`]), for what is heard elsewhere to find it.
+    pub decider: u64,
 }
 
 /// A request read up to the decision.
@@ -109,9 +112,9 @@ struct Prepared {
 }
 
 impl Prepared {
-    fn view<'a>(&'a self, subset: Option<&'a [SocketAddr]>) -> View<'a> {
+    fn view<'a>(&'a self, subset: Option<&'a [SocketAddr]>, share: Share) -> View<'a> {
         let (session, text) = (self.session.as_deref(), self.text.as_deref());
-        View { model: self.model, prediction: self.prediction.clone(), session, text, subset }
+        View { model: self.model, prediction: self.prediction.clone(), session, text, subset, share }
     }
 }
 
@@ -207,6 +210,8 @@ pub struct Router {
     pub decision_log: Option<DecisionLog>,
     /// OpenTelemetry traces, when a collector is configured.
     pub traces: Option<Traces>,
+    /// The other routers, told what this one decides and hears.
+    pub peers: Peers,
 }
 
 impl Router {
@@ -222,7 +227,8 @@ impl Router {
         let config = Arc::new(config);
         let routing = ArcSwap::from_pointee(Routing { config: config.clone(), names: names.clone(), fleet });
         let sources = std::sync::Mutex::new(Vec::new());
-        let router = Self { routing, sources, core, ledger, loads, clock: Instant::now(), prompts, decision_log, traces };
+        let peers = Peers::new(&config.server.listen);
+        let router = Self { routing, sources, core, ledger, loads, clock: Instant::now(), prompts, decision_log, traces, peers };
         let replicas = router.listed(&config.replicas, &names, &[], &mut Reloaded::default());
         router.publish(STATIC, replicas);
         Ok(router)
@@ -319,13 +325,17 @@ impl Router {
     ) -> Result<Decision, RouteError> {
         let read = self.prepare(body, endpoint, session).await?;
         let model = self.core.model(read.model);
-        let (plan, committed) = self.core.decide(&read.view(subset), &read.fleet, &|r: &Replica| self.report(&r.id), self.now())?;
+        let (plan, committed) =
+            self.core.decide(&read.view(subset, self.peers.share()), &read.fleet, &|r: &Replica| self.report(&r.id), self.now())?;
         record_plan(&plan);
         let (policy, steer, prompt_tokens) = (plan.policy, plan.steer, plan.prompt_tokens());
         if let Some(&cached) = committed.cached_tokens.first() {
             metrics::histogram!("inferrail_predicted_cached_tokens").record(cached as f64);
         }
         let key = self.ledger.insert(request_id, committed.lease.clone(), self.now());
+        if self.peers.any() {
+            self.peers.tell_all(peers::decided(self, &key, &committed.lease));
+        }
         if let Some(log) = &self.decision_log {
             log.decision(&key, &model.name, &plan, self.config().retry.fallbacks);
         }
@@ -340,6 +350,7 @@ impl Router {
             steer,
             candidates: plan.set_aside.iter().filter(|a| a.is_none()).count(),
             estimate: committed.lease.estimate(),
+            decider: self.peers.id,
         })
     }
 
@@ -347,7 +358,7 @@ impl Router {
     /// changing nothing: every offered replica is in the plan's order.
     pub async fn explain(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>) -> Result<Explained, RouteError> {
         let read = self.prepare(body, endpoint, session).await?;
-        let plan = self.core.plan_all(&read.view(None), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
+        let plan = self.core.plan_all(&read.view(None, self.peers.share()), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
         Ok(Explained { requested: read.requested, no_prediction: read.no_prediction, plan })
     }
 
@@ -519,13 +530,44 @@ impl Router {
         self.ledger.forget(request_id)
     }
 
-    /// Hears something of a request, from whichever stream or log said it,
-    /// and does what its life calls for besides the lease and the index:
-    /// health, metrics, the decision log. Returns whether the request was
-    /// one it tracks (one it decided, not yet over).
+    /// Hears something of a request this router decided, from whichever
+    /// stream, log or peer said it, and does what its life calls for besides
+    /// the lease and the index: health, metrics, the decision log; the peers
+    /// are told. Returns whether the request was one it tracks (not yet over).
     pub fn hear(&self, request_id: &str, event: Event) -> bool {
         let fleet = self.fleet();
         let heard = self.ledger.hear(request_id, self.now(), event, &self.core, &fleet);
+        if let Some(heard) = &heard {
+            self.act(heard);
+            if heard.decider.is_none()
+                && self.peers.any()
+                && let Some(told) = peers::heard(request_id, event, false)
+            {
+                self.peers.tell_all(told);
+            }
+        }
+        heard.is_some()
+    }
+
+    /// Hears something of request `request_id` that router `decider`
+    /// decided (`None`: not said, taken as this router's): it goes to that
+    /// router, or, when it is not linked (gone), to this router's mirror of
+    /// the request. Returns whether anyone took it.
+    pub fn hear_for(&self, decider: Option<u64>, request_id: &str, event: Event) -> bool {
+        match decider {
+            Some(d) if d != self.peers.id => {
+                let told = peers::heard(request_id, event, true).is_some_and(|told| self.peers.tell(d, told));
+                told || self.hear_mirror(d, request_id, event)
+            }
+            _ => self.hear(request_id, event),
+        }
+    }
+
+    /// Hears something of this router's mirror of a request peer `decider`
+    /// decided; the decider counts its outcome.
+    pub fn hear_mirror(&self, decider: u64, request_id: &str, event: Event) -> bool {
+        let fleet = self.fleet();
+        let heard = self.ledger.hear(&mirror_id(decider, request_id), self.now(), event, &self.core, &fleet);
         if let Some(heard) = &heard {
             self.act(heard);
         }
@@ -554,6 +596,10 @@ impl Router {
             Some((replica, true)) => replica.record_success(),
             Some((replica, false)) => crate::health::request_failed(self, replica),
             None => {}
+        }
+        if heard.decider.is_some() {
+            // A peer's request: it counts the outcome, here only health learns.
+            return;
         }
         if heard.took_back {
             metrics::counter!("inferrail_kv_take_backs_total").increment(1);

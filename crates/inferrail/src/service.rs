@@ -10,13 +10,15 @@ use anyhow::Context;
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use inferrail_config::Config;
+use inferrail_proto::peer::v1::peer_server::PeerServer;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::extproc::ExtProc;
+use crate::peers::PeerService;
 use crate::router::Router;
-use crate::{admin, discovery, eds, explain, health, kubernetes, kv_events, load};
+use crate::{admin, discovery, eds, explain, health, kubernetes, kv_events, load, peers};
 
 /// A started service.
 pub struct Running {
@@ -96,6 +98,7 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         .max_frame_size(1 << 20)
         .add_service(health_service)
         .add_service(ext_proc)
+        .add_service(PeerServer::new(PeerService::new(router.clone())).max_decoding_message_size(64 << 20))
         .serve_with_incoming_shutdown(nodelay(grpc_listener), async move {
             shutdown.await;
             tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down: no new streams, open ones may finish");
@@ -122,6 +125,7 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         tokio::spawn(eds::run(router.clone())),
         tokio::spawn(kubernetes::run(router.clone())),
         tokio::spawn(sweep_loop(router.clone())),
+        tokio::spawn(peers::run(router.clone())),
         tokio::spawn(health::grpc_health_loop(router.clone(), health_reporter, ready)),
     ];
     Ok(Running { grpc, admin, admin_grpc, router, server, stopping, grace, background })

@@ -100,6 +100,11 @@ fn string(s: &str) -> Value {
 }
 
 async fn observe(client: &mut ExternalProcessorClient<Channel>, id: &str, upstream: &str, status: &str) {
+    observe_with(client, id, upstream, status, None).await;
+}
+
+/// [`observe`] with the `inferrail` metadata the decision set, forwarded as the observe filter's config says.
+async fn observe_with(client: &mut ExternalProcessorClient<Channel>, id: &str, upstream: &str, status: &str, metadata: Option<Metadata>) {
     let stream = Stream::open(client).await;
     let fields = HashMap::from([("request.id".to_string(), string(id)), ("upstream.address".to_string(), string(upstream))]);
     let attributes = HashMap::from([("envoy.filters.http.ext_proc".to_string(), Struct { fields })]);
@@ -108,6 +113,7 @@ async fn observe(client: &mut ExternalProcessorClient<Channel>, id: &str, upstre
         .send(ProcessingRequest {
             observability_mode: true,
             attributes,
+            metadata_context: metadata,
             request: Some(Request::ResponseHeaders(head)),
             ..Default::default()
         })
@@ -312,4 +318,114 @@ async fn a_subset_hint_limits_the_pick_and_one_naming_no_replica_gets_a_503() {
         assert_eq!(refused.status.unwrap().code, 503);
         assert!(String::from_utf8(refused.body).unwrap().contains("among the endpoints the gateway offered"));
     }
+}
+
+/// Two routers that name each other as peers, each behind its own loopback
+/// ext_proc server (the peer service beside it), linked both ways.
+async fn serve_pair(policy: &str) -> [(Arc<Router>, ExternalProcessorClient<Channel>); 2] {
+    let listeners =
+        [tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(), tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap()];
+    let addrs: Vec<std::net::SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let mut pair = Vec::new();
+    for (k, listener) in listeners.into_iter().enumerate() {
+        let config = format!(
+            "server: {{listen: '{}'}}\npeers: {{addresses: ['{}', '{}'], resolve_interval_ms: 20}}\n\
+             models: [{{name: m, policy: {policy}, tokenizer: 'builtin:sim'}}]\nreplicas:\n\
+             - {{id: r1, address: 127.0.0.1:8001, models: [m], block_size: 4, kv_blocks: 64}}\n\
+             - {{id: r2, address: 127.0.0.1:8002, models: [m], block_size: 4, kv_blocks: 64}}\n",
+            addrs[k], addrs[0], addrs[1]
+        );
+        let router = Arc::new(Router::new(Config::parse(&config).unwrap()).unwrap());
+        let models = Arc::new(arc_swap::ArcSwap::from_pointee(String::new()));
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let server = tonic::transport::Server::builder()
+            .add_service(ExternalProcessorServer::new(ExtProc::new(router.clone(), models)))
+            .add_service(inferrail_proto::peer::v1::peer_server::PeerServer::new(crate::peers::PeerService::new(router.clone())));
+        tokio::spawn(server.serve_with_incoming(incoming));
+        tokio::spawn(crate::peers::run(router.clone()));
+        pair.push(router);
+    }
+    while pair.iter().any(|r| r.peers.linked() < 1) {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let mut out = Vec::new();
+    for (router, addr) in pair.into_iter().zip(addrs) {
+        out.push((router, ExternalProcessorClient::connect(format!("http://{addr}")).await.unwrap()));
+    }
+    out.try_into().unwrap_or_else(|_| unreachable!())
+}
+
+/// Waits until `done` holds (a peer's message crossing loopback).
+async fn until(mut done: impl FnMut() -> bool) {
+    while !done() {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
+/// The `inferrail` metadata of a decision's answer, as the observe filter forwards it.
+fn decision_metadata(answer: &ProcessingResponse) -> Metadata {
+    let ours = &answer.dynamic_metadata.as_ref().unwrap().fields["inferrail"];
+    let Some(Kind::StructValue(ours)) = &ours.kind else { panic!("inferrail is a struct") };
+    Metadata { filter_metadata: HashMap::from([("inferrail".to_string(), ours.clone())]), ..Default::default() }
+}
+
+#[tokio::test]
+async fn with_two_routers_each_holds_the_others_requests_and_the_decider_hears_what_the_other_heard() {
+    let [(a, mut client_a), (b, mut client_b)] = serve_pair("kv_aware").await;
+    assert_ne!(a.peers.id, b.peers.id);
+    // Decided by A: B mirrors it (its slot, its KV record) from A's word.
+    let mut stream = Stream::open(&mut client_a).await;
+    let head = headers(&[(":method", "POST"), (":path", "/v1/completions"), ("x-request-id", "q")]);
+    stream
+        .send(ProcessingRequest {
+            request: Some(Request::RequestHeaders(HttpHeaders { headers: head, ..Default::default() })),
+            ..Default::default()
+        })
+        .await;
+    stream.rx.message().await.unwrap().unwrap();
+    let body = br#"{"model": "m", "prompt": "tell me about otters, all of them, at length", "max_tokens": 4}"#.to_vec();
+    stream
+        .send(ProcessingRequest {
+            request: Some(Request::RequestBody(HttpBody { body: body.clone(), end_of_stream: true, ..Default::default() })),
+            ..Default::default()
+        })
+        .await;
+    let decided = stream.rx.message().await.unwrap().unwrap();
+    let metadata = decision_metadata(&decided);
+    let winner = a.fleet().replicas.iter().position(|r| r.in_flight() == 1).expect("A leased a replica");
+    until(|| b.leases_held() == 1).await;
+    assert_eq!(counts(&b), counts(&a), "B counts A's request on the same replica");
+    // Envoy sent the observe stream to B: the status and first byte reach A, and come back to B's mirror.
+    let upstream = a.fleet().replicas[winner].addr.to_string();
+    observe_with(&mut client_b, "q", &upstream, "200", Some(metadata)).await;
+    until(|| a.fleet().replicas[winner].pending() == 0 && b.fleet().replicas[winner].pending() == 0).await;
+    assert_eq!(a.leases_held(), 1, "A waits for the end: the route stream is still open");
+    stream.close().await;
+    until(|| a.leases_held() == 0 && b.leases_held() == 0).await;
+    assert_eq!(counts(&a), [(0, 0), (0, 0)]);
+    assert_eq!(counts(&b), [(0, 0), (0, 0)], "B released its mirror when A told it the end");
+    // The engine answered: the prompt stays recorded at the winner in both routers' indexes (not taken back).
+    for router in [&a, &b] {
+        let explained = router.explain(&body, inferrail_tokenize::chat::Endpoint::Completions, None).await.unwrap();
+        let i = explained.plan.fleet.serving(0).iter().position(|r| r.addr.to_string() == upstream).unwrap();
+        assert!(
+            explained.plan.candidates[i].cached_tokens > 0,
+            "the prompt is predicted cached at the winner: {:?}",
+            explained.plan.candidates
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_peer_that_goes_takes_its_mirrors_with_it() {
+    let [(a, mut client_a), (b, _)] = serve_pair("round_robin").await;
+    let (stream, _) = route(&mut client_a, "p").await;
+    until(|| b.leases_held() == 1).await;
+    assert_eq!(counts(&b), counts(&a));
+    // A's stream to B ends (A is gone, as far as B can tell): nobody is left to tell B the request's end.
+    a.peers.close();
+    until(|| b.leases_held() == 0).await;
+    assert_eq!(counts(&b), [(0, 0), (0, 0)], "B's mirror released its slot");
+    assert_eq!(a.leases_held(), 1, "A still holds its own request");
+    stream.close().await;
 }

@@ -25,7 +25,7 @@ MODEL = "inferrail/sim-8b"
 
 class Fleet:
     def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
-                 kv_events=None, routers=1, filters=None, envoy_edit=None):
+                 kv_events=None, routers=1, filters=None, envoy_edit=None, peers=True):
         """`kv_events`, to publish and follow KV events: a dict with `bind`
         ("router": the router binds and the engines connect, vLLM's way with
         an IP endpoint; "engine": the engines bind `tcp://*:port` and the
@@ -37,7 +37,8 @@ class Fleet:
         fields of the router's `kv_events`, YAML flow text). `filters`, YAML
         text of http filters that stand in for envoy/local.yaml's two
         inferrail filters (as a gateway would write them); `envoy_edit`, a
-        function that changes the rest of the bootstrap's text."""
+        function that changes the rest of the bootstrap's text. With
+        several `routers`, `peers` lists them to one another (ADR 0034)."""
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
@@ -55,6 +56,9 @@ class Fleet:
             for i, p in enumerate(self.sim_ports))
         if kv_events is not None:
             config_extra += f"kv_events: {{{kv_events.get('template', '')}}}\n"
+        self.peers = peers and routers > 1
+        if self.peers:
+            config_extra += f"peers: {{addresses: [{', '.join(f'127.0.0.1:{g}' for g, _, _ in self.routers)}], resolve_interval_ms: 100}}\n"
         self.configs = []
         for k, (grpc, admin, admin_grpc) in enumerate(self.routers):
             config = tmp / ("inferrail.yaml" if k == 0 else f"inferrail-{k + 1}.yaml")
@@ -136,6 +140,8 @@ class Fleet:
             self.start_sim(i)
         for k in range(len(self.routers)):
             self.start_router(k)
+        if self.peers:
+            self.until_linked()
         self.procs["envoy"] = self._spawn(
             "envoy", [ENVOY, "-c", self.envoy_config, "--disable-hot-restart", "--log-level", "warn", "--concurrency", "2"])
         try:
@@ -144,6 +150,11 @@ class Fleet:
             logs = {p.name: p.read_text(errors="replace")[-1500:] for p in self.tmp.glob("*.log")}
             raise AssertionError(f"the fleet never served a request; logs: {logs}")
         return self
+
+    def until_linked(self, routers=None):
+        """Waits until each of `routers` (all by default) has a stream to every other."""
+        routers = range(len(self.routers)) if routers is None else routers
+        wait_until(lambda: all(self.metric("inferrail_peers", router=k) == len(routers) - 1 for k in routers), "the routers linked")
 
     def _spawn(self, name, cmd):
         log = open(self.tmp / f"{name}.log", "ab")
