@@ -43,7 +43,7 @@ impl std::error::Error for Dropped {}
 const MAX_BODY: usize = 64 << 20;
 
 /// Routes and the methods each takes, for 405 `Allow`.
-const ROUTES: [(&str, &str); 12] = [
+const ROUTES: [(&str, &str); 13] = [
     ("/v1/chat/completions", "POST"),
     ("/v1/completions", "POST"),
     ("/v1/models", "GET"),
@@ -56,6 +56,7 @@ const ROUTES: [(&str, &str); 12] = [
     ("/reset_prefix_cache", "POST"),
     ("/_sim/fault", "GET, POST"),
     ("/_sim/kv_events", "GET"),
+    ("/_sim/requests", "GET"),
 ];
 
 /// Everything a request handler needs.
@@ -74,6 +75,8 @@ pub struct App {
     perm_id: String,
     rng: Mutex<StdRng>,
     in_flight: Arc<AtomicUsize>,
+    /// The most generation requests it has had at once (`/_sim/requests`, for tests of routers' limits).
+    peak_in_flight: AtomicUsize,
 }
 
 /// Settings of the API layer.
@@ -154,8 +157,10 @@ fn sse(data: &str) -> Bytes {
 struct InFlight(Arc<AtomicUsize>);
 
 impl InFlight {
-    fn new(c: &Arc<AtomicUsize>) -> Self {
-        c.fetch_add(1, Ordering::Relaxed);
+    /// Counts one more request in `c`, and in `peak` the most there have been.
+    fn new(c: &Arc<AtomicUsize>, peak: &AtomicUsize) -> Self {
+        let now = c.fetch_add(1, Ordering::Relaxed) + 1;
+        peak.fetch_max(now, Ordering::Relaxed);
         Self(c.clone())
     }
 }
@@ -184,6 +189,7 @@ impl App {
             perm_id,
             rng: Mutex::new(rng),
             in_flight: Arc::new(AtomicUsize::new(0)),
+            peak_in_flight: AtomicUsize::new(0),
         }
     }
 
@@ -252,6 +258,11 @@ impl App {
                 full(StatusCode::OK, None, Bytes::new())
             }
             "/_sim/kv_events" => json(kv_event_stats(self.engine.kv_events().map(|p| p.stats()))),
+            "/_sim/requests" => json(format!(
+                r#"{{"in_flight":{},"peak_in_flight":{}}}"#,
+                self.in_flight.load(Ordering::Relaxed),
+                self.peak_in_flight.load(Ordering::Relaxed)
+            )),
             _ => self.control(&method, &body),
         }
     }
@@ -294,7 +305,7 @@ impl App {
             salt: req.salt,
             cache_salt: req.cache_salt.clone(),
         });
-        let busy = InFlight::new(&self.in_flight);
+        let busy = InFlight::new(&self.in_flight, &self.peak_in_flight);
         let mut response = if req.stream { self.stream(sub, busy, reply, req) } else { self.whole(sub, reply, req).await };
         if let Ok(v) = HeaderValue::from_str(&request_id) {
             response.headers_mut().insert("x-request-id", v);

@@ -86,10 +86,12 @@ async fn a_client_that_leaves_mid_stream_frees_its_slot_and_blocks() {
     let page = get(&sim, "/metrics").await.1;
     assert_eq!(metric(&page, "vllm:num_requests_running", ENGINE), 1.0);
     assert!(metric(&page, "vllm:kv_cache_usage_perc", ENGINE) > 0.0);
+    assert_eq!(json(&get(&sim, "/_sim/requests").await.1), json!({"in_flight": 1, "peak_in_flight": 1}));
     drop(stream);
     let page = wait_for_metrics(&sim, 500, |p| metric(p, "vllm:request_success_total", ABORTS) == 1.0).await;
     assert_eq!(metric(&page, "vllm:num_requests_running", ENGINE), 0.0);
     assert_eq!(metric(&page, "vllm:kv_cache_usage_perc", ENGINE), 0.0);
+    assert_eq!(json(&get(&sim, "/_sim/requests").await.1), json!({"in_flight": 0, "peak_in_flight": 1}), "the peak stays");
 }
 
 #[tokio::test]

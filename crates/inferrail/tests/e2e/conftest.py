@@ -83,10 +83,14 @@ class Fleet:
         if envoy_edit is not None:
             envoy = envoy_edit(envoy)
         if routers > 1:
-            # The ext_proc cluster gets every router; Envoy's default balancing is round robin, stream by stream.
+            # The ext_proc cluster gets every router, stream by stream.
             one = f"{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {self.grpc}}}}}}}}}"
             assert envoy.count(one) == 1, "envoy/local.yaml's inferrail cluster should have one endpoint"
             envoy = envoy.replace(one, ", ".join(one.replace(str(self.grpc), str(g)) for g, _, _ in self.routers))
+            # Each stream to a router drawn at random: with round robin, one client's requests alternate their route
+            # and observe streams, so one router would decide them all.
+            envoy, n = re.subn(r"(  - name: inferrail\n    type: STATIC\n)", r"\1    lb_policy: RANDOM\n", envoy)
+            assert n == 1
         self.envoy_config = tmp / "envoy.yaml"
         self.envoy_config.write_text(envoy)
 
