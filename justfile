@@ -8,6 +8,8 @@ cache := justfile_directory() / ".cache"
 tokenizer_version := "3.7.2"
 tokenizer_families := "qwen3 llama3_1 gemma3 deepseek_v3"
 font_version := "2.37.3"
+# Routers in the local fleet: `just ROUTERS=2 up` runs two, peers of each other (ADR 0034).
+ROUTERS := "1"
 
 # List the recipes.
 default:
@@ -99,12 +101,27 @@ up LOAD="embedded": setup
         { cat "$config"; printf 'load:\n  sidecar: http://127.0.0.1:9095\n'; } > "$run/inferrail.yaml"
         config="$run/inferrail.yaml"
     fi
-    start inferrail target/debug/inferrail --config "$config"
-    start envoy "{{venv}}/bin/envoy" -c envoy/local.yaml --log-level warn --disable-hot-restart
+    envoy=envoy/local.yaml
+    if [ "{{ROUTERS}}" -gt 1 ]; then
+        # Router k listens on 90k2 (ext_proc) and 9k90/9k91 (admin); each lists every router as a peer, Envoy all of them.
+        peers=$(for k in $(seq 0 $(({{ROUTERS}} - 1))); do printf '127.0.0.1:90%d2, ' "$k"; done)
+        endpoints=$(for k in $(seq 0 $(({{ROUTERS}} - 1))); do printf '{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 90%d2}}}}, ' "$k"; done)
+        sed "s|{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 9002}}}}|${endpoints%, }|" envoy/local.yaml > "$run/envoy.yaml"
+        envoy="$run/envoy.yaml"
+        for k in $(seq 0 $(({{ROUTERS}} - 1))); do
+            admin=$((9090 + 100 * k))
+            { sed "s|^  listen: 127.0.0.1:9002|  listen: 127.0.0.1:90${k}2|; s|^  listen: 127.0.0.1:9090|  listen: 127.0.0.1:$admin\n  grpc_listen: 127.0.0.1:$((admin + 1))|" "$config"
+              printf 'peers:\n  addresses: [%s]\n' "${peers%, }"; } > "$run/inferrail-$k.yaml"
+            start "inferrail-$k" target/debug/inferrail --config "$run/inferrail-$k.yaml"
+        done
+    else
+        start inferrail target/debug/inferrail --config "$config"
+    fi
+    start envoy "{{venv}}/bin/envoy" -c "$envoy" --log-level warn --disable-hot-restart
     body='{"model": "sim", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}'
     for _ in $(seq 200); do
         if curl -sf -o /dev/null localhost:8080/v1/chat/completions -H 'content-type: application/json' -d "$body"; then
-            echo "The fleet is up: Envoy on :8080, inferrail admin on :9090, logs in $run. Try:"
+            echo "The fleet is up: Envoy on :8080, {{ROUTERS}} router(s), inferrail admin on :9090, logs in $run. Try:"
             echo "  curl -si localhost:8080/v1/chat/completions -H 'content-type: application/json' -d '$body'"
             echo "Ask why a request would go where it goes: see the README (grpcurl is in .venv/bin, the admin gRPC API on :9091)."
             echo "Stop it with: just down"

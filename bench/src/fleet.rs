@@ -81,6 +81,15 @@ pub struct FleetArgs {
     /// Bisection stops once the bracket is this fraction of the rate.
     #[arg(long, default_value_t = 0.02)]
     pub tolerance: f64,
+    /// Routers deciding in turn (as Envoy balances ext_proc streams).
+    #[arg(long, default_value_t = 1)]
+    pub routers: usize,
+    /// The routers are not each other's peers: each knows only its own decisions.
+    #[arg(long)]
+    pub no_peers: bool,
+    /// How long a router's word takes to reach its peers, microseconds.
+    #[arg(long, default_value_t = 500)]
+    pub peer_delay_us: u64,
     /// Where to write the JSON result.
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -106,6 +115,9 @@ pub(crate) fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> 
         limits: Limits { max_concurrency: args.max_concurrency, max_pending: args.max_concurrency },
         seed: args.seed,
         model: args.spec.model.clone(),
+        routers: args.routers,
+        peers: !args.no_peers,
+        peer_delay: std::time::Duration::from_micros(args.peer_delay_us),
     };
     // The router checks them as it checks a model's own `policies`: unknown keys and ranges.
     let params = sim::config(&setup, PolicyKind::RoundRobin).params(0).map_err(|p| anyhow::anyhow!("--policy-params: {}", p.join("; ")))?;
@@ -242,9 +254,11 @@ fn name(p: PolicyKind) -> String {
 /// One line per simulation, for the terminal.
 pub fn line(o: &Outcome) -> String {
     format!(
-        "{:<20} {:>4} replicas: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}%, {:.1} virtual s in {:.2} s",
+        "{:<20} {:>4} replicas, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}%, {:.1} virtual s in {:.2} s",
         o.policy,
         o.replicas,
+        o.routers.0,
+        if o.routers.0 > 1 && !o.routers.1 { " without peers" } else { "" },
         o.hit_rate * 100.0,
         o.replica_hit_rate.0 * 100.0,
         o.replica_hit_rate.1 * 100.0,

@@ -185,6 +185,21 @@ def test_the_service_exposes_the_ext_proc_port_alone(name):
 
 
 @pytest.mark.parametrize("name", EXPECTED)
+def test_the_routers_find_one_another_through_a_headless_service(name):
+    objs = build(name)
+    config, _ = routing_file(objs)
+    assert one(objs, "Deployment")["spec"]["replicas"] >= 2
+    host, port = config["peers"]["dns"].rsplit(":", 1)
+    service, namespace, rest = host.split(".", 2)
+    assert (namespace, rest) == (NAMESPACE, "svc.cluster.local")
+    peers = one(objs, "Service", service)["spec"]
+    assert peers["clusterIP"] == "None" and peers["publishNotReadyAddresses"] is True
+    assert peers["selector"] == one(objs, "Service", "inferrail")["spec"]["selector"]
+    named = {p["name"]: p["containerPort"] for p in container(objs, "inferrail")["ports"]}
+    assert [(p["port"], named[p["targetPort"]]) for p in peers["ports"]] == [(int(port), port_of(config["server"]["listen"]))]
+
+
+@pytest.mark.parametrize("name", EXPECTED)
 def test_the_pools_picker_is_the_service_and_the_routes_name_what_exists(name):
     objs = build(name)
     config, _ = routing_file(objs)

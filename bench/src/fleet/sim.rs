@@ -22,6 +22,13 @@
 //! is read as the scraper reads it, every scrape interval of virtual time
 //! (the scraper's default at the time scale, [`timescale::scrape_interval`]),
 //! and the decisions see those reports with their age, as the router's do.
+//!
+//! With several routers (`Setup::routers`) arrivals go to them in turn, as
+//! Envoy balances ext_proc streams. Each router has its own core, counters
+//! and KV index. With `peers` on, as `inferrail` with `peers:` (ADR 0034),
+//! each router's decisions, first tokens and completions reach the others
+//! `peer_delay` later and they hold those requests as mirrors, and each
+//! admits within its part of the limits; without, each knows only its own.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -33,7 +40,7 @@ use inferrail_config::{CacheShape, Config, Limits, Model};
 use inferrail_policy::{EngineReport, PolicyKind};
 use inferrail_route::fleet::{Fleet, Lease, Replica};
 use inferrail_route::kv::{Prediction, Prompt};
-use inferrail_route::{Core, Report, Share, View};
+use inferrail_route::{Core, Hold, Report, Share, View};
 use inferrail_sim::cache::{BlockId, BlockPool};
 use inferrail_sim::cost::LatencyModel;
 use serde::Serialize;
@@ -62,6 +69,12 @@ pub struct Setup {
     pub seed: u64,
     /// The model the requests ask for.
     pub model: String,
+    /// Routers deciding, in turn.
+    pub routers: usize,
+    /// Whether the routers are each other's peers.
+    pub peers: bool,
+    /// How long a router's word takes to reach its peers.
+    pub peer_delay: Duration,
 }
 
 impl Setup {
@@ -78,6 +91,10 @@ pub struct Outcome {
     pub policy: String,
     /// Replicas.
     pub replicas: usize,
+    /// Routers, and whether they were peers.
+    pub routers: (usize, bool),
+    /// The most requests one engine had at once (queued, prefilling or decoding).
+    pub peak_in_flight: usize,
     /// Requests that arrived.
     pub requests: usize,
     /// Requests the router refused (every replica full).
@@ -196,16 +213,45 @@ struct Engine {
 enum Event {
     PrefillDone(usize),
     Complete(usize),
+    /// A peer hears of job `.0`, decided by another router.
+    Peer(usize, usize, Heard),
+}
+
+/// What a peer hears of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Heard {
+    Decided,
+    FirstByte,
+    End,
+}
+
+/// One router: its decision core, its view of the replicas and its place among the routers.
+struct Router {
+    core: Core,
+    fleet: Arc<Fleet>,
+    by_slot: HashMap<u64, usize>,
+    share: Share,
+}
+
+/// What a router's peers are told of a decision, to hold it as a mirror.
+#[derive(Clone)]
+struct Told {
+    replica: usize,
+    hold: Hold,
 }
 
 /// The simulation's state.
 struct World<'a> {
     setup: &'a Setup,
-    core: Core,
-    fleet: Arc<Fleet>,
+    routers: Vec<Router>,
     engines: Vec<Engine>,
-    by_slot: HashMap<u64, usize>,
     jobs: HashMap<usize, Job>,
+    /// The most requests one engine had at once.
+    peak_in_flight: usize,
+    /// The decisions peers are told of, by job, until every peer holds them.
+    told: HashMap<usize, Told>,
+    /// Each peer's mirror of a job, by (job, router).
+    mirrors: HashMap<(usize, usize), Arc<Lease>>,
     events: BinaryHeap<Reverse<(u64, u64, Event)>>,
     seq: u64,
     ttft: Vec<Duration>,
@@ -246,8 +292,10 @@ pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item 
     let min = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
     let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
     Ok(Outcome {
-        policy: world.core.policy(0).to_owned(),
+        policy: world.routers[0].core.policy(0).to_owned(),
         replicas: setup.replicas,
+        routers: (setup.routers, setup.peers),
+        peak_in_flight: world.peak_in_flight,
         requests,
         rejected,
         hit_rate: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
@@ -280,25 +328,36 @@ pub fn config(setup: &Setup, policy: PolicyKind) -> Config {
     config
 }
 
+/// One router over `setup`'s replicas.
+fn router(setup: &Setup, policy: PolicyKind, share: Share) -> anyhow::Result<Router> {
+    let core = Core::new(&config(setup, policy))?;
+    let cache = CacheShape { block_size: Some(setup.block_size), blocks: Some(setup.kv_blocks) };
+    let mut by_slot = HashMap::new();
+    let replicas: Vec<Arc<Replica>> = (0..setup.replicas)
+        .map(|i| {
+            let id = format!("sim-{i}");
+            let addr = SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8000));
+            let r = Arc::new(Replica::new(id.clone(), addr, vec![0], setup.limits, cache, core.kv.slot(&id)));
+            core.join(&r);
+            by_slot.insert(u64::from(r.slot), i);
+            r
+        })
+        .collect();
+    Ok(Router { core, fleet: Arc::new(Fleet::new(replicas, 1)), by_slot, share })
+}
+
 impl<'a> World<'a> {
     fn new(setup: &'a Setup, policy: PolicyKind) -> anyhow::Result<Self> {
         anyhow::ensure!(
-            setup.replicas > 0 && setup.block_size > 0 && setup.kv_blocks > 0,
-            "replicas, block size and KV blocks must be positive"
+            setup.replicas > 0 && setup.block_size > 0 && setup.kv_blocks > 0 && setup.routers > 0,
+            "replicas, block size, KV blocks and routers must be positive"
         );
-        let core = Core::new(&config(setup, policy))?;
-        let cache = CacheShape { block_size: Some(setup.block_size), blocks: Some(setup.kv_blocks) };
-        let mut by_slot = HashMap::new();
-        let replicas: Vec<Arc<Replica>> = (0..setup.replicas)
-            .map(|i| {
-                let id = format!("sim-{i}");
-                let addr = SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8000));
-                let r = Arc::new(Replica::new(id.clone(), addr, vec![0], setup.limits, cache, core.kv.slot(&id)));
-                core.join(&r);
-                by_slot.insert(u64::from(r.slot), i);
-                r
+        let routers = (0..setup.routers)
+            .map(|k| {
+                let share = if setup.peers { Share { rank: k as u32, of: setup.routers as u32 } } else { Share::ALONE };
+                router(setup, policy, share)
             })
-            .collect();
+            .collect::<anyhow::Result<_>>()?;
         let engines = (0..setup.replicas)
             .map(|_| Engine {
                 pool: BlockPool::new(setup.kv_blocks),
@@ -313,11 +372,12 @@ impl<'a> World<'a> {
             .collect();
         Ok(Self {
             setup,
-            core,
-            fleet: Arc::new(Fleet::new(replicas, 1)),
+            routers,
             engines,
-            by_slot,
             jobs: HashMap::new(),
+            told: HashMap::new(),
+            mirrors: HashMap::new(),
+            peak_in_flight: 0,
             events: BinaryHeap::new(),
             seq: 0,
             ttft: Vec::new(),
@@ -346,32 +406,40 @@ impl<'a> World<'a> {
             match event {
                 Event::PrefillDone(r) => self.prefill_done(r, ns),
                 Event::Complete(j) => self.complete(j, ns),
+                Event::Peer(j, k, heard) => self.peer_heard(j, k, heard, ns),
             }
         }
         last
     }
 
-    /// Routes one arrival; false when the router refused it.
+    /// Routes one arrival (the `id`th) on router `id` mod routers; false when the router refused it.
     fn arrive(&mut self, a: Arrival, now: u64, id: usize) -> bool {
+        let decider = id % self.routers.len();
+        let router = &self.routers[decider];
         let prompt = Prompt { ids: a.ids, max_tokens: Some(a.max_tokens), cache_salt: None };
-        let prediction = self.core.prepare(0, &prompt, &self.fleet);
+        let prediction = router.core.prepare(0, &prompt, &router.fleet);
         let view = View {
             model: 0,
             prediction: Some(prediction.clone()),
             session: a.session.as_deref(),
             text: a.text.as_deref(),
             subset: None,
-            share: Share::ALONE,
+            share: router.share,
         };
         let now_d = Duration::from_nanos(now);
         self.scrape(now_d);
-        let report = |r: &Replica| self.by_slot.get(&u64::from(r.slot)).map(|&i| self.reports[i]);
-        let Ok((_, committed)) = self.core.decide(&view, &self.fleet, &report, now_d) else {
+        let router = &self.routers[decider];
+        let report = |r: &Replica| router.by_slot.get(&u64::from(r.slot)).map(|&i| self.reports[i]);
+        let Ok((_, committed)) = router.core.decide(&view, &router.fleet, &report, now_d) else {
             return false;
         };
-        let Some(&replica) = self.by_slot.get(&u64::from(committed.lease.replica.slot)) else {
+        let Some(&replica) = router.by_slot.get(&u64::from(committed.lease.replica.slot)) else {
             return false;
         };
+        self.tell_peers(id, decider, Heard::Decided, now);
+        if self.setup.peers && self.routers.len() > 1 {
+            self.told.insert(id, Told { replica, hold: committed.hold.clone() });
+        }
         let job = Job {
             arrival_ns: now,
             replica,
@@ -386,7 +454,10 @@ impl<'a> World<'a> {
             started_ns: 0,
         };
         self.jobs.insert(id, job);
-        self.engines[replica].queue.push_back(id);
+        let engine = &mut self.engines[replica];
+        engine.queue.push_back(id);
+        let in_flight = engine.queue.len() + usize::from(engine.prefilling.is_some()) + engine.running;
+        self.peak_in_flight = self.peak_in_flight.max(in_flight);
         self.start_prefill(replica, now);
         true
     }
@@ -480,6 +551,7 @@ impl<'a> World<'a> {
             engine.running += 1;
             let decode = job.max_tokens as f64 * self.setup.latency().decode_secs(engine.running);
             self.at(now + (decode * 1e9) as u64, Event::Complete(j));
+            self.tell_peers(j, j % self.routers.len(), Heard::FirstByte, now);
         }
         self.start_prefill(r, now);
     }
@@ -489,8 +561,51 @@ impl<'a> World<'a> {
         let engine = &mut self.engines[job.replica];
         engine.pool.release(job.blocks.iter().rev().copied());
         engine.running -= 1;
-        self.core.complete(&job.lease);
+        let decider = j % self.routers.len();
+        self.routers[decider].core.complete(&job.lease);
         job.lease.release();
+        self.tell_peers(j, decider, Heard::End, now);
         self.start_prefill(job.replica, now);
+    }
+
+    /// Tells every peer of router `decider` what it heard of job `j`, `peer_delay` from `now`.
+    fn tell_peers(&mut self, j: usize, decider: usize, heard: Heard, now: u64) {
+        if !self.setup.peers {
+            return;
+        }
+        let at = now + self.setup.peer_delay.as_nanos() as u64;
+        for k in (0..self.routers.len()).filter(|&k| k != decider) {
+            self.at(at, Event::Peer(j, k, heard));
+        }
+    }
+
+    /// Router `k` hears of job `j`, which another decided: it holds it as
+    /// its own (slot, queued prefill, KV record), marks its first token,
+    /// and completes and releases it at its end.
+    fn peer_heard(&mut self, j: usize, k: usize, heard: Heard, now: u64) {
+        let router = &self.routers[k];
+        match heard {
+            Heard::Decided => {
+                let Some(told) = self.told.get(&j) else { return };
+                let replica = &router.fleet.replicas[told.replica];
+                let lease = router.core.hold(0, replica, &told.hold, Duration::from_nanos(now), false);
+                self.mirrors.insert((j, k), lease);
+                // Every peer is told at the same instant, in router order: the last one lets go of it.
+                if (k + 1..self.routers.len()).all(|later| later == j % self.routers.len()) {
+                    self.told.remove(&j);
+                }
+            }
+            Heard::FirstByte => {
+                if let Some(lease) = self.mirrors.get(&(j, k)) {
+                    lease.first_byte();
+                }
+            }
+            Heard::End => {
+                if let Some(lease) = self.mirrors.remove(&(j, k)) {
+                    router.core.complete(&lease);
+                    lease.release();
+                }
+            }
+        }
     }
 }

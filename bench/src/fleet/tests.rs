@@ -32,6 +32,9 @@ fn setup(spec: &Spec, replicas: usize) -> Setup {
         limits: Limits::default(),
         seed: 1,
         model: spec.model.clone(),
+        routers: 1,
+        peers: true,
+        peer_delay: std::time::Duration::from_micros(500),
     }
 }
 
@@ -92,6 +95,30 @@ fn cost_model_keeps_w1_cached_where_round_robin_cannot() {
     assert!(cost.rejected == 0 && rr.rejected == 0);
     assert!(cost.ttft.p50_ms < rr.ttft.p50_ms);
     assert!(cost.prediction_exact > 0.9, "the router's shadow follows the engines: {:.3}", cost.prediction_exact);
+}
+
+#[test]
+fn routers_that_are_peers_route_as_one_and_keep_the_limits_together() {
+    let spec = small(Kind::W1);
+    let go = |routers, peers, max_concurrency| {
+        let s = Setup { routers, peers, limits: Limits { max_concurrency, max_pending: max_concurrency }, ..setup(&spec, 3) };
+        let text = inferrail_route::Core::new(&sim::config(&s, PolicyKind::CostModel)).expect("core").wants_text(0);
+        let o = sim::simulate(&s, PolicyKind::CostModel, Traffic::new(&spec, 2.0, 3_000, 1, text).expect("traffic")).expect("simulate");
+        eprintln!("{}", line(&o));
+        o
+    };
+    let (one, two, blind) = (go(1, true, 256), go(2, true, 256), go(2, false, 256));
+    assert!((one.hit_rate - two.hit_rate).abs() <= 0.03, "one router {:.3}, two peers {:.3}", one.hit_rate, two.hit_rate);
+    assert!(blind.hit_rate < two.hit_rate, "without peers each router knows half: {:.3} against {:.3}", blind.hit_rate, two.hit_rate);
+    // Three replicas of two slots, far more traffic than they serve: the routers shed, and as peers never exceed the limit together.
+    let busy = |routers, peers| {
+        let s = Setup { routers, peers, limits: Limits { max_concurrency: 2, max_pending: 2 }, ..setup(&spec, 3) };
+        sim::simulate(&s, PolicyKind::LeastRequest, Traffic::new(&spec, 50.0, 2_000, 1, TextKind::None).expect("traffic"))
+            .expect("simulate")
+    };
+    let (peers, alone) = (busy(3, true), busy(3, false));
+    assert!(peers.rejected > 0 && peers.peak_in_flight == 2, "{} refused, peak {}", peers.rejected, peers.peak_in_flight);
+    assert!(alone.peak_in_flight > 2, "routers that are not peers each admit the limit: peak {}", alone.peak_in_flight);
 }
 
 #[test]

@@ -29,9 +29,11 @@ import os
 import random
 import re
 import subprocess
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import ENVOY, ROOT, free_ports, http, wait_until
+from conftest import ENVOY, MODEL, ROOT, free_ports, http, wait_until
 from test_cache_routing import BLOCKS, PROMPTS, system_prompts
 from test_kv_events import Checker
 
@@ -165,4 +167,76 @@ def test_two_envoys_and_two_routers_never_exceed_a_replicas_max_concurrency(flee
     assert set(codes) <= {200, 429}, sorted(set(codes))
     assert codes.count(429) > 0 and max(peaks) == LIMIT, f"the limit was reached: {codes.count(429)} shed, peaks {peaks}"
     assert all(p <= LIMIT for p in peaks), f"an engine had more than {LIMIT} requests at once: {peaks}"
+    fleet.stop()
+
+
+def test_a_router_killed_under_load_loses_no_request_and_the_other_routes_on(fleet_factory):
+    """Two routers with peers, clients sending without pause; one router is
+    killed (SIGKILL). No request fails: streams to the dead router fall
+    open (Envoy's failure_mode_allow) until Envoy leaves it out (a failed
+    connection, then its gRPC health). Then every request is decided by
+    the survivor, which already holds the dead router's KV records.
+    `INFERRAIL_FAILOVER_OUT=path` writes the figures as JSON."""
+    fleet = fleet_factory(policy="cost_model", sim_flags=["--decode-token-ms", "2"], routers=2)
+    prompts = system_prompts()
+    stop, log, lock = [], [], threading.Lock()
+    start = time.monotonic()
+
+    def client(c):
+        rng = random.Random(c)
+        while not stop:
+            # The engines' own name: a request that falls open reaches an engine as sent.
+            body = {"model": MODEL, "max_tokens": 4, "messages": [
+                {"role": "system", "content": prompts[rng.randrange(PROMPTS)]},
+                {"role": "user", "content": f"Question {rng.randrange(10**6)}: why?"}]}
+            r = http("POST", f"{fleet.url}/v1/chat/completions", body, timeout=60)
+            usage = json.loads(r.body).get("usage", {}) if r.status == 200 else {}
+            with lock:
+                log.append((time.monotonic() - start, r.status, "x-inferrail-replica" in r.headers,
+                            usage.get("prompt_tokens", 0), (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)))
+
+    def decided_since(t):
+        after = [decided for at, _, decided, _, _ in log if at > t]
+        return len(after) >= 50 and all(after[-50:])
+
+    with ThreadPoolExecutor(4) as pool:
+        clients = [pool.submit(client, c) for c in range(4)]
+        wait_until(lambda: log and log[-1][0] > 3, "three seconds of requests before the kill", timeout=60)
+        killed = time.monotonic() - start
+        fleet.kill("inferrail-2")
+        wait_until(lambda: decided_since(killed), "50 requests in a row decided by the survivor", timeout=60)
+        wait_until(lambda: log[-1][0] > killed + 10, "ten seconds of requests after the kill", timeout=60)
+        stop.append(True)
+        for c in clients:
+            c.result()
+    statuses = sorted({status for _, status, _, _, _ in log})
+    assert statuses == [200], f"every request served: {statuses}"
+    # Envoy left the dead router out: its health or a failed connection.
+    clusters = http("GET", f"http://127.0.0.1:{fleet.envoy_admin}/clusters").body.decode()
+    dead = f"inferrail::127.0.0.1:{fleet.routers[1][0]}::health_flags::"
+    assert re.search(rf"^{re.escape(dead)}.*failed_(active_hc|outlier_check)", clusters, re.M), "Envoy still offers the dead router"
+    fell_open = [at for at, _, decided, _, _ in log if at > killed and not decided]
+    last_open = max(fell_open, default=killed)
+    assert all(decided for at, _, decided, _, _ in log if at > last_open), "after the last one, the survivor decided every request"
+    window = [(p, c) for at, _, _, p, c in log if killed < at <= killed + 10]
+    before = [(p, c) for at, _, _, p, c in log if at <= killed]
+    share = lambda rows: sum(c for _, c in rows) / max(1, sum(p for p, _ in rows))
+    figures = {
+        "requests": len(log), "failed": 0, "after_kill_fell_open": len(fell_open),
+        "ms_from_kill_to_last_fell_open": round((last_open - killed) * 1e3),
+        "cached_share_before_kill": round(share(before), 4), "cached_share_10s_after_kill": round(share(window), 4),
+        "rate_rps": round(len(log) / log[-1][0], 1),
+    }
+    print(figures)
+    out = os.environ.get("INFERRAIL_FAILOVER_OUT")
+    if out:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        result = {"benchmark": "router-failover", "commit": commit,
+                  "setup": "3 inferrail-sim (--decode-token-ms 2), Envoy (envoy/local.yaml's inferrail cluster: gRPC health every 0.5 s, "
+                           "outlier detection on local-origin failures), two inferrail debug builds with peers, cost_model; 4 closed-loop "
+                           f"clients, {PROMPTS} system prompts; router 2 killed with SIGKILL after 3 s of load (cold caches), 10 s more after it",
+                  "command": f"INFERRAIL_FAILOVER_OUT={out} .venv/bin/pytest -q crates/inferrail/tests/e2e/test_two_routers.py -k killed",
+                  **figures}
+        (ROOT / out).parent.mkdir(parents=True, exist_ok=True)
+        (ROOT / out).write_text(json.dumps(result, indent=1) + "\n")
     fleet.stop()
