@@ -106,7 +106,9 @@ up LOAD="embedded": setup
         # Router k listens on 90k2 (ext_proc) and 9k90/9k91 (admin); each lists every router as a peer, Envoy all of them.
         peers=$(for k in $(seq 0 $(({{ROUTERS}} - 1))); do printf '127.0.0.1:90%d2, ' "$k"; done)
         endpoints=$(for k in $(seq 0 $(({{ROUTERS}} - 1))); do printf '{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 90%d2}}}}, ' "$k"; done)
-        sed "s|{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 9002}}}}|${endpoints%, }|" envoy/local.yaml > "$run/envoy.yaml"
+        # Each ext_proc stream's router drawn at random: round robin would pair every route stream with one router.
+        sed -e "s|{endpoint: {address: {socket_address: {address: 127.0.0.1, port_value: 9002}}}}|${endpoints%, }|" \
+            -e "s|^  - name: inferrail$|&\n    lb_policy: RANDOM|" envoy/local.yaml > "$run/envoy.yaml"
         envoy="$run/envoy.yaml"
         for k in $(seq 0 $(({{ROUTERS}} - 1))); do
             admin=$((9090 + 100 * k))
@@ -236,6 +238,51 @@ bench-routing *args: setup setup-sglang
     done
     $bench report --routing "$(IFS=,; echo "${dirs[*]}")"
     echo "just bench-routing took $((SECONDS / 60)) min $((SECONDS % 60)) s"
+
+# One, two and three routers (peers of one another, ADR 0034) behind one Envoy, cost_model, approximate and exact mode: W1 at 70% of round robin's capacity, as bench-routing runs it (about 10 minutes). Results: bench/results/routers/<mode>/<routers>/; bench/results/routers/summary.json compares them.
+bench-routers *args: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
+    sim="--block-size 16 --num-gpu-blocks-override 1100 --max-model-len 10240"
+    rate=$(python3 -c "import json; print(round(0.7 * json.load(open('bench/results/routing/capacity/capacity-w1-round_robin.json'))['rate'], 3))")
+    for mode in approximate exact; do
+        events=(); [ "$mode" = exact ] && events=(--kv-events)
+        for routers in 1 2 3; do
+            target/release/inferrail-bench compare --time-scale 0.1 --sim-flags "$sim" --think-s 1-2 --warmup-s 5 "${events[@]}" \
+                --workloads w1 --reps 2 --rate "$rate" --duration-s 24 --contenders cost_model --routers "$routers" \
+                --out-dir "bench/results/routers/$mode/$routers" {{args}}
+        done
+    done
+    # Pooled over the repetitions: cached share, every first token's p50 and p99, predictions equal to the engine's.
+    python3 - bench/results/routers <<'PY' | tee bench/results/routers/summary.json
+    import glob, json, math, sys
+    root = sys.argv[1]
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[max(0, math.ceil(q * len(xs)) - 1)]
+    out = {"benchmark": "routers-compare", "command": "just bench-routers", "modes": {}}
+    for mode in ("approximate", "exact"):
+        rows = {}
+        for routers in (1, 2, 3):
+            runs = [json.load(open(f)) for f in sorted(glob.glob(f"{root}/{mode}/{routers}/w1-cost_model-rep*.json"))]
+            if not runs:
+                continue
+            s = [r["summary"] for r in runs]
+            ttft = [t for r in runs for t in r["ttft_ms"]]
+            rows[routers] = {
+                "commit": runs[0]["commit"], "measured": len(ttft), "errors": sum(sum(x["errors"].values()) for x in s),
+                "cached_share": round(sum(x["prefix"]["cached_tokens"] for x in s) / sum(x["prefix"]["prompt_tokens"] for x in s), 4),
+                "predictions_exact": round(sum(x["prediction"]["exact"] for x in s) / sum(x["prediction"]["compared"] for x in s), 4),
+                "ttft_p50_ms": round(pct(ttft, 0.5), 1), "ttft_p99_ms": round(pct(ttft, 0.99), 1),
+            }
+        for n in (2, 3):
+            if 1 in rows and n in rows:
+                rows[n]["p99_over_one_router"] = round(rows[n]["ttft_p99_ms"] / rows[1]["ttft_p99_ms"], 3)
+                rows[n]["cached_points_from_one_router"] = round(100 * (rows[n]["cached_share"] - rows[1]["cached_share"]), 2)
+        out["modes"][mode] = rows
+    print(json.dumps(out, indent=1))
+    PY
 
 # Capacity in the fleet simulation: for every policy, the highest arrival rate with p99 TTFT within 2 s on W1 and mix at 4, 16 and 64 replicas, on three seeds (about 11 minutes a seed on one core). Results: bench/results/fleet/capacity-<workload>-seed<seed>.json; the report compares policies by the ratio of their sums over the seeds.
 bench-fleet *args:

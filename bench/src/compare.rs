@@ -94,6 +94,10 @@ pub struct CompareArgs {
     /// The router's tokenizer for the simulators' model.
     #[arg(long, default_value = "builtin:sim")]
     pub tokenizer: String,
+    /// Inferrail routers behind Envoy, peers of one another (ADR 0034);
+    /// Envoy draws each ext_proc stream's router at random.
+    #[arg(long, default_value_t = 1)]
+    pub routers: u16,
     /// Where results (and the processes' logs) go.
     #[arg(long, default_value = "bench/results/routing/runs")]
     pub out_dir: PathBuf,
@@ -121,6 +125,8 @@ pub struct CompareRun {
     commit: String,
     command: String,
     contender: String,
+    /// Inferrail routers, peers of one another.
+    routers: u16,
     workload: Kind,
     rep: u64,
     seed: u64,
@@ -183,26 +189,43 @@ async fn start(
             None
         }
         None => {
-            let config = logs.join("inferrail.yaml");
-            let ports = processes::RouterPorts { ext_proc: EXT_PROC, admin: ADMIN, admin_grpc: ADMIN_GRPC };
-            let (yaml, parsed) = processes::router_config(
-                contender,
-                &args.tokenizer,
-                seed,
-                ports,
-                &SIMS,
-                (args.time_scale, args.policy_params.as_ref()),
-                args.kv_events.then_some(&KV_EVENTS[..]),
-            )?;
-            // Every decision, beside the run's other logs, to say afterwards why a request went where it did.
-            let decisions = logs.join("decisions.jsonl");
-            let _ = std::fs::remove_file(&decisions);
-            let log = format!("observability: {{decision_log: {{path: '{}', sample_rate: 1.0}}}}\n", decisions.display());
-            std::fs::write(&config, format!("{yaml}{log}"))?;
-            fleet.spawn("inferrail", logs, &args.programs.bin_dir.join("inferrail"), &["--config".into(), config.display().to_string()])?;
+            // Router k on the ports 10 k above the first's.
+            let ports =
+                |k: u16| processes::RouterPorts { ext_proc: EXT_PROC + 10 * k, admin: ADMIN + 10 * k, admin_grpc: ADMIN_GRPC + 10 * k };
+            let routers = args.routers.max(1);
+            let addresses: Vec<String> = (0..routers).map(|k| format!("127.0.0.1:{}", ports(k).ext_proc)).collect();
+            let mut parsed = None;
+            for k in 0..routers {
+                let (yaml, config) = processes::router_config(
+                    contender,
+                    &args.tokenizer,
+                    seed,
+                    ports(k),
+                    &SIMS,
+                    (args.time_scale, args.policy_params.as_ref()),
+                    args.kv_events.then_some(&KV_EVENTS[..]),
+                )?;
+                let name = if k == 0 { "inferrail".to_string() } else { format!("inferrail-{}", k + 1) };
+                // Every decision, beside the run's other logs, to say afterwards why a request went where it did.
+                let decisions = logs.join(format!("{}.jsonl", name.replace("inferrail", "decisions")));
+                let _ = std::fs::remove_file(&decisions);
+                let mut extra = format!("observability: {{decision_log: {{path: '{}', sample_rate: 1.0}}}}\n", decisions.display());
+                if routers > 1 {
+                    extra += &format!("peers: {{addresses: [{}]}}\n", addresses.join(", "));
+                }
+                let file = logs.join(format!("{name}.yaml"));
+                std::fs::write(&file, format!("{yaml}{extra}"))?;
+                fleet.spawn(&name, logs, &args.programs.bin_dir.join("inferrail"), &["--config".into(), file.display().to_string()])?;
+                parsed.get_or_insert(config);
+            }
+            let parsed = parsed.ok_or_else(|| anyhow::anyhow!("no router"))?;
             let envoy = logs.join("envoy.yaml");
             let moves = [(8080, ENTRY), (9901, ENVOY_ADMIN), (9002, EXT_PROC), (8001, SIMS[0]), (8002, SIMS[1]), (8003, SIMS[2])];
-            std::fs::write(&envoy, processes::envoy_config("envoy/local.yaml", &moves)?)?;
+            let mut bootstrap = processes::envoy_config("envoy/local.yaml", &moves)?;
+            if routers > 1 {
+                bootstrap = processes::several_routers(&bootstrap, &addresses)?;
+            }
+            std::fs::write(&envoy, bootstrap)?;
             let flags = ["-c", &envoy.display().to_string(), "--disable-hot-restart", "--log-level", "warn", "--concurrency", "1"];
             fleet.spawn("envoy", logs, &args.programs.envoy, &flags.map(str::to_string))?;
             Some(parsed.load.interval_ms)
@@ -292,6 +315,7 @@ impl Bench {
             commit: self.commit.clone(),
             command: self.command.clone(),
             contender: contender.to_owned(),
+            routers: if contender.starts_with("sglang:") { 0 } else { args.routers.max(1) },
             workload: spec.workload,
             rep,
             seed,

@@ -96,6 +96,23 @@ pub fn envoy_config(path: &str, moves: &[(u16, u16)]) -> anyhow::Result<String> 
     Ok(text)
 }
 
+/// An Envoy bootstrap whose `inferrail` cluster has one router, turned
+/// into one over every router at `addresses` (`ip:port`), each ext_proc
+/// stream's router drawn at random: round robin would send one client's
+/// route streams to one router and its observe streams to the next.
+pub fn several_routers(bootstrap: &str, addresses: &[String]) -> anyhow::Result<String> {
+    let cluster = "  - name: inferrail\n    type: STATIC\n";
+    anyhow::ensure!(bootstrap.matches(cluster).count() == 1, "the bootstrap should have one STATIC inferrail cluster");
+    let endpoint = |a: &str| -> anyhow::Result<String> {
+        let (ip, port) = a.rsplit_once(':').ok_or_else(|| anyhow::anyhow!("{a:?} is not ip:port"))?;
+        Ok(format!("{{endpoint: {{address: {{socket_address: {{address: {ip}, port_value: {port}}}}}}}}}"))
+    };
+    let first = endpoint(addresses.first().ok_or_else(|| anyhow::anyhow!("no router"))?)?;
+    anyhow::ensure!(bootstrap.matches(&first).count() == 1, "the inferrail cluster should name {} once", addresses[0]);
+    let all = addresses.iter().map(|a| endpoint(a)).collect::<anyhow::Result<Vec<_>>>()?.join(", ");
+    Ok(bootstrap.replace(cluster, &format!("{cluster}    lb_policy: RANDOM\n")).replace(&first, &all))
+}
+
 /// The ports inferrail listens on.
 #[derive(Debug, Clone, Copy)]
 pub struct RouterPorts {
@@ -190,6 +207,22 @@ pub fn sglang_flags(port: u16, policy: &str, sims: &[u16], prometheus_port: u16)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn several_routers_share_the_inferrail_cluster_drawn_at_random() -> anyhow::Result<()> {
+        let one = envoy_config("../envoy/local.yaml", &[(9002, 19002)])?;
+        let two = several_routers(&one, &["127.0.0.1:19002".into(), "127.0.0.1:19012".into()])?;
+        let config: serde_yaml::Value = serde_yaml::from_str(&two)?;
+        let inferrail = config["static_resources"]["clusters"].as_sequence().and_then(|c| c.iter().find(|c| c["name"] == "inferrail"));
+        let inferrail = inferrail.ok_or_else(|| anyhow::anyhow!("no inferrail cluster"))?;
+        assert_eq!(inferrail["lb_policy"], "RANDOM");
+        let ports: Vec<u64> = inferrail["load_assignment"]["endpoints"][0]["lb_endpoints"]
+            .as_sequence()
+            .map(|e| e.iter().filter_map(|e| e["endpoint"]["address"]["socket_address"]["port_value"].as_u64()).collect())
+            .unwrap_or_default();
+        assert_eq!(ports, [19002, 19012]);
+        Ok(())
+    }
 
     #[test]
     fn envoy_ports_move_as_whole_numbers() -> anyhow::Result<()> {

@@ -27,8 +27,9 @@
 //! Envoy balances ext_proc streams. Each router has its own core, counters
 //! and KV index. With `peers` on, as `inferrail` with `peers:` (ADR 0034),
 //! each router's decisions, first tokens and completions reach the others
-//! `peer_delay` later and they hold those requests as mirrors, and each
-//! admits within its part of the limits; without, each knows only its own.
+//! `peer_delay` later and they hold those requests as mirrors (their
+//! policies learn the pick too), and each admits within its part of the
+//! limits; without, each knows only its own.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
@@ -238,6 +239,7 @@ struct Router {
 struct Told {
     replica: usize,
     hold: Hold,
+    session: Option<String>,
 }
 
 /// The simulation's state.
@@ -438,7 +440,7 @@ impl<'a> World<'a> {
         };
         self.tell_peers(id, decider, Heard::Decided, now);
         if self.setup.peers && self.routers.len() > 1 {
-            self.told.insert(id, Told { replica, hold: committed.hold.clone() });
+            self.told.insert(id, Told { replica, hold: committed.hold.clone(), session: a.session.clone() });
         }
         let job = Job {
             arrival_ns: now,
@@ -588,7 +590,7 @@ impl<'a> World<'a> {
             Heard::Decided => {
                 let Some(told) = self.told.get(&j) else { return };
                 let replica = &router.fleet.replicas[told.replica];
-                let lease = router.core.hold(0, replica, &told.hold, Duration::from_nanos(now), false);
+                let lease = router.core.mirror(0, replica, &told.hold, told.session.as_deref(), Duration::from_nanos(now));
                 self.mirrors.insert((j, k), lease);
                 // Every peer is told at the same instant, in router order: the last one lets go of it.
                 if (k + 1..self.routers.len()).all(|later| later == j % self.routers.len()) {

@@ -513,6 +513,22 @@ impl Core {
         lease
     }
 
+    /// Holds a request another router decided, for model `model` on
+    /// `replica` at `at` ([`Core::hold`]), and lets the model's policy learn
+    /// the pick as if it were its own (cost_model's demand and hot-prefix
+    /// sketches, sessions, round-robin turns), so that every router's policy
+    /// sees the whole fleet's traffic (ADR 0034). A policy that reads the
+    /// prompt's text learns nothing: peers are not sent it.
+    pub fn mirror(&self, model: usize, replica: &Arc<Replica>, hold: &Hold, session: Option<&str>, at: Duration) -> Arc<Lease> {
+        let lease = self.hold(model, replica, hold, at, false);
+        let block_size = self.block_size(replica);
+        let blocks = hold.prediction.as_ref().and_then(|p| p.blocks(block_size)).unwrap_or_default();
+        let req = Request { now: at, prompt_tokens: hold.prompt_tokens, blocks, block_size, session, text: None };
+        let winner = replica.candidate(at, (0, 0), None, Share::ALONE);
+        self.model(model).policy.picked(&req, &[winner], 0);
+        lease
+    }
+
     /// The block size a prompt going to `r` is recorded at.
     pub fn block_size(&self, r: &Replica) -> usize {
         self.place(r).block_size

@@ -227,3 +227,24 @@ fn a_draining_replica_is_offered_nothing_and_a_fleet_all_draining_is_unavailable
     serving[2].set_draining(false);
     assert_eq!(core.decide(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap().1.targets[0].id, serving[2].id);
 }
+
+#[test]
+fn a_peers_decision_held_here_counts_caches_and_teaches_the_policy() {
+    // Router A decides; router B, with its own core over the same replicas, mirrors it.
+    let (a, fleet_a) = core("round_robin", 3);
+    let (b, fleet_b) = core("round_robin", 3);
+    let p = prompt(0, 200);
+    let (_, decided) = a.decide(&view(&a, &fleet_a, &p), &fleet_a, NONE, Duration::ZERO).unwrap();
+    let on_b = fleet_b.replicas.iter().find(|r| r.id == decided.targets[0].id).unwrap().clone();
+    let mirror = b.mirror(0, &on_b, &decided.hold, None, Duration::ZERO);
+    assert!(!mirror.mine);
+    let plan = b.plan(&view(&b, &fleet_b, &prompt(0, 300)), &fleet_b, NONE, Duration::ZERO).unwrap();
+    let i = (0..3).find(|&i| plan.replica(i).id == on_b.id).unwrap();
+    assert_eq!((plan.candidates[i].in_flight, plan.candidates[i].cached_tokens), (1, 192), "held there, its prompt's blocks recorded");
+    assert_eq!(plan.candidates[i].own, None, "alone, no part of the limits");
+    // Round robin's turn moved past the mirrored pick, as A's did.
+    let (_, next_a) = a.decide(&view(&a, &fleet_a, &prompt(1, 50)), &fleet_a, NONE, Duration::ZERO).unwrap();
+    let (_, next_b) = b.decide(&view(&b, &fleet_b, &prompt(1, 50)), &fleet_b, NONE, Duration::ZERO).unwrap();
+    assert_eq!(next_b.targets[0].id, next_a.targets[0].id);
+    assert_ne!(next_b.targets[0].id, on_b.id);
+}

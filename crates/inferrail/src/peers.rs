@@ -164,8 +164,9 @@ fn send(link: &mpsc::Sender<PeerMessage>, m: PeerMessage) {
 }
 
 /// A request this router decided, as its peers are told it: what its lease
-/// holds now (a request past its first byte has no prefill queued).
-pub fn decided(router: &Router, request: &str, lease: &Lease) -> Kind {
+/// holds now (a request past its first byte has no prefill queued), and the
+/// conversation it names.
+pub fn decided(router: &Router, request: &str, lease: &Lease, session: Option<&str>) -> Kind {
     let block_size = router.core.block_size(&lease.replica);
     let prediction = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(p, _)| p.clone());
     let (output, blocks) = match &prediction {
@@ -184,6 +185,7 @@ pub fn decided(router: &Router, request: &str, lease: &Lease) -> Kind {
         blocks,
         prefill_us: prefill.as_micros() as u64,
         kv_tokens,
+        session: session.map(str::to_owned),
     })
 }
 
@@ -250,7 +252,7 @@ fn mirror(router: &Router, from: u64, d: Decided) {
         prediction,
     };
     let now = router.now();
-    let lease = router.core.hold(model, replica, &hold, now, false);
+    let lease = router.core.mirror(model, replica, &hold, d.session.as_deref(), now);
     router.ledger.mirror(from, &d.request, lease, now);
 }
 
@@ -370,7 +372,7 @@ async fn link_once(router: &Router, addr: &str) -> (u64, String) {
         lock(&router.peers.selves).push(addr.to_string());
         return (0, "this router's own address".into());
     }
-    router.peers.link(peer, &tx, || router.ledger.own().iter().map(|(id, lease)| decided(router, id, lease)).collect());
+    router.peers.link(peer, &tx, || router.ledger.own().iter().map(|(id, lease)| decided(router, id, lease, None)).collect());
     metrics::gauge!("inferrail_peers").set(router.peers.linked() as f64);
     tracing::info!(peer = format!("{peer:016x}"), addr, "linked to a peer router");
     let why = loop {

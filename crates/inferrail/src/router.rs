@@ -334,7 +334,7 @@ impl Router {
         }
         let key = self.ledger.insert(request_id, committed.lease.clone(), self.now());
         if self.peers.any() {
-            self.peers.tell_all(peers::decided(self, &key, &committed.lease));
+            self.peers.tell_all(peers::decided(self, &key, &committed.lease, read.session.as_deref()));
         }
         if let Some(log) = &self.decision_log {
             log.decision(&key, &model.name, &plan, self.config().retry.fallbacks);

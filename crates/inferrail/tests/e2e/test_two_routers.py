@@ -33,7 +33,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from conftest import ENVOY, MODEL, ROOT, free_ports, http, wait_until
+from conftest import ENVOY, MODEL, ROOT, TARGET, free_ports, http, wait_until
 from test_cache_routing import BLOCKS, PROMPTS, system_prompts
 from test_kv_events import Checker
 
@@ -199,8 +199,9 @@ def test_a_router_killed_under_load_loses_no_request_and_the_other_routes_on(fle
         after = [decided for at, _, decided, _, _ in log if at > t]
         return len(after) >= 50 and all(after[-50:])
 
-    with ThreadPoolExecutor(4) as pool:
-        clients = [pool.submit(client, c) for c in range(4)]
+    n = int(os.environ.get("INFERRAIL_FAILOVER_CLIENTS", "4"))
+    with ThreadPoolExecutor(n) as pool:
+        clients = [pool.submit(client, c) for c in range(n)]
         wait_until(lambda: log and log[-1][0] > 3, "three seconds of requests before the kill", timeout=60)
         killed = time.monotonic() - start
         fleet.kill("inferrail-2")
@@ -233,9 +234,9 @@ def test_a_router_killed_under_load_loses_no_request_and_the_other_routes_on(fle
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         result = {"benchmark": "router-failover", "commit": commit,
                   "setup": "3 inferrail-sim (--decode-token-ms 2), Envoy (envoy/local.yaml's inferrail cluster: gRPC health every 0.5 s, "
-                           "outlier detection on local-origin failures), two inferrail debug builds with peers, cost_model; 4 closed-loop "
+                           f"outlier detection on local-origin failures), two inferrail {TARGET.name} builds with peers, cost_model; {n} closed-loop "
                            f"clients, {PROMPTS} system prompts; router 2 killed with SIGKILL after 3 s of load (cold caches), 10 s more after it",
-                  "command": f"INFERRAIL_FAILOVER_OUT={out} .venv/bin/pytest -q crates/inferrail/tests/e2e/test_two_routers.py -k killed",
+                  "command": f"INFERRAIL_PROFILE={TARGET.name} INFERRAIL_FAILOVER_CLIENTS={n} INFERRAIL_FAILOVER_OUT={out} .venv/bin/pytest -q crates/inferrail/tests/e2e/test_two_routers.py -k killed",
                   **figures}
         (ROOT / out).parent.mkdir(parents=True, exist_ok=True)
         (ROOT / out).write_text(json.dumps(result, indent=1) + "\n")
