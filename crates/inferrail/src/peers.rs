@@ -114,9 +114,7 @@ impl Peers {
             None => false,
         }
     }
-}
 
-impl Peers {
     /// Links `peer` through `tx`, unless this router is closing, first
     /// telling it the requests in flight that this router decided
     /// (`in_flight`). Under the links' lock, so that every decision after
