@@ -40,21 +40,23 @@ from test_kv_events import Checker
 REQUESTS, WARMUP, SEED = 300, 30, 5
 
 
-def measure(fleet_factory, routers, exact):
+def measure(fleet_factory, routers, exact, envoys=1):
     """Returns (cached share of prompt tokens after the warm-up, share of
     predictions equal to the engine's cached tokens after the warm-up,
-    records taken back over the routers)."""
+    records taken back over the routers). With two `envoys`, requests
+    alternate between them."""
     events = {"bind": "engine", "replay": True} if exact else None
     flags = ["--zero-latency", "--block-size", "16", "--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "768"]
     fleet = fleet_factory(policy="kv_aware", sim_flags=flags, replica_extra=f", block_size: 16, kv_blocks: {BLOCKS}",
                           kv_events=events, routers=routers)
     if exact:
         fleet.until_exact()
+    urls = [fleet.url] + ([second_envoy(fleet)] if envoys == 2 else [])
     check = Checker(fleet)
     prompts = system_prompts()
     rng = random.Random(SEED)
     prompt_tokens = cached_tokens = claims = exact_predictions = 0
-    served = 1  # the fleet's first request, at its start
+    served = len(urls)  # each Envoy's first request, at its start
     for i in range(REQUESTS):
         # Both modes at the same pace: one request at a time, each after the last is over in every router.
         wait_until(check.caught_up, "every router to apply every batch the engines sent, nothing in flight")
@@ -62,7 +64,7 @@ def measure(fleet_factory, routers, exact):
         body = {"model": "sim", "max_tokens": 2, "messages": [
             {"role": "system", "content": prompts[rng.randrange(PROMPTS)]},
             {"role": "user", "content": f"Question {rng.randrange(10**6)}: why?"}]}
-        r = http("POST", f"{fleet.url}/v1/chat/completions", body)
+        r = http("POST", f"{urls[i % len(urls)]}/v1/chat/completions", body)
         assert r.status == 200, (i, r.status, r.body[:300], "ext_proc fell open:", fleet.envoy_stat("failure_mode_allowed"))
         served += 1
         usage = json.loads(r.body)["usage"]
@@ -97,21 +99,24 @@ def measure(fleet_factory, routers, exact):
 
 
 def test_two_routers_serve_as_much_from_cache_as_one_and_count_each_outcome_once(fleet_factory):
-    runs = {(routers, exact): measure(fleet_factory, routers, exact) for exact in (True, False) for routers in (1, 2)}
-    for exact in (True, False):
-        (one, one_exact, _), (two, two_exact, take_backs) = runs[1, exact], runs[2, exact]
-        mode = "exact" if exact else "approximate"
-        assert abs(one - two) <= 0.02, f"{mode} mode: cached share with one router {one:.1%}, with two {two:.1%}"
-        assert abs(one_exact - two_exact) <= 0.02, f"{mode} mode: exact predictions with one router {one_exact:.1%}, with two {two_exact:.1%}"
-        assert take_backs == 0, f"{mode} mode: {take_backs} records of requests that succeeded were taken back"
+    # (routers, envoys, exact)
+    runs = {(routers, envoys, exact): measure(fleet_factory, routers, exact, envoys)
+            for exact in (True, False) for routers, envoys in ((1, 1), (2, 1), (2, 2))}
+    for (routers, envoys, exact), (share, exact_share, take_backs) in runs.items():
+        mode, (one, one_exact, _) = "exact" if exact else "approximate", runs[1, 1, exact]
+        what = f"{mode} mode, {routers} routers behind {envoys} Envoys"
+        assert abs(one - share) <= 0.02, f"{what}: cached share {share:.1%} against one router's {one:.1%}"
+        assert abs(one_exact - exact_share) <= 0.02, f"{what}: exact predictions {exact_share:.1%} against one router's {one_exact:.1%}"
+        assert take_backs == 0, f"{what}: {take_backs} records of requests that succeeded were taken back"
     out = os.environ.get("INFERRAIL_TWO_ROUTERS_OUT")
     if out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        ordered = sorted(runs.items(), key=lambda kv: (not kv[0][1], kv[0][0]))
-        name = lambda routers, exact: f"{'one_router' if routers == 1 else 'two_routers'}_{'exact' if exact else 'approximate'}"
+        ordered = sorted(runs.items(), key=lambda kv: (not kv[0][2], kv[0][0], kv[0][1]))
+        name = lambda routers, envoys, exact: (f"{'one_router' if routers == 1 else 'two_routers'}"
+                                               f"{'_two_envoys' if envoys == 2 else ''}_{'exact' if exact else 'approximate'}")
         result = {
             "benchmark": "two-routers-cached-share",
-            "setup": f"3 inferrail-sim --zero-latency ({BLOCKS} blocks of 16 tokens), Envoy, inferrail (debug build) x1 or x2 "
+            "setup": f"3 inferrail-sim --zero-latency ({BLOCKS} blocks of 16 tokens), Envoy (x1, or x2 taking requests in turn), inferrail (debug build) x1 or x2 "
                      f"behind one ext_proc cluster (streams drawn at random), peers listed, kv_aware; {PROMPTS} system prompts of ~330 tokens, {REQUESTS} requests one at a time "
                      f"(seed {SEED}), the first {WARMUP} not measured; exact: engines bind, routers connect, replay on; commit {commit}",
             "command": "INFERRAIL_TWO_ROUTERS_OUT=bench/results/prediction/two-routers.json .venv/bin/pytest -q "
@@ -131,15 +136,9 @@ def test_two_routers_serve_as_much_from_cache_as_one_and_count_each_outcome_once
 LIMIT, CLIENTS, PER_CLIENT = 3, 16, 25
 
 
-def test_two_envoys_and_two_routers_never_exceed_a_replicas_max_concurrency(fleet_factory):
-    """Each router admits within its part of every replica's limit (the
-    parts add up to it), so two routers deciding at once, for two Envoys,
-    never put more than `max_concurrency` requests on an engine: the
-    engines' own peak says so. More clients than the fleet has slots, so
-    the limit is reached (some requests are shed with 429)."""
-    fleet = fleet_factory(policy="least_request", sim_flags=["--decode-token-ms", "4"],
-                          replica_extra=f", max_concurrency: {LIMIT}, max_pending: {LIMIT}", routers=2)
-    # A second Envoy like the first, on its own ports, with the same two routers.
+def second_envoy(fleet):
+    """Starts a second Envoy like the fleet's, on its own ports, in front of
+    the same routers and engines; returns its URL once it serves."""
     listen, admin = free_ports(2)
     second = fleet.envoy_config.read_text()
     for old, new in [(fleet.listen, listen), (fleet.envoy_admin, admin)]:
@@ -148,9 +147,21 @@ def test_two_envoys_and_two_routers_never_exceed_a_replicas_max_concurrency(flee
     (fleet.tmp / "envoy-2.yaml").write_text(second)
     fleet.procs["envoy-2"] = fleet._spawn("envoy-2", [ENVOY, "-c", fleet.tmp / "envoy-2.yaml", "--disable-hot-restart",
                                                       "--log-level", "warn", "--concurrency", "2", "--base-id", "1"])
-    urls = [fleet.url, f"http://127.0.0.1:{listen}"]
-    wait_until(lambda: http("POST", f"{urls[1]}/v1/completions", {"model": "sim", "prompt": "x", "max_tokens": 1}).status == 200,
+    url = f"http://127.0.0.1:{listen}"
+    wait_until(lambda: http("POST", f"{url}/v1/completions", {"model": "sim", "prompt": "x", "max_tokens": 1}).status == 200,
                "a request through the second Envoy")
+    return url
+
+
+def test_two_envoys_and_two_routers_never_exceed_a_replicas_max_concurrency(fleet_factory):
+    """Each router admits within its part of every replica's limit (the
+    parts add up to it), so two routers deciding at once, for two Envoys,
+    never put more than `max_concurrency` requests on an engine: the
+    engines' own peak says so. More clients than the fleet has slots, so
+    the limit is reached (some requests are shed with 429)."""
+    fleet = fleet_factory(policy="least_request", sim_flags=["--decode-token-ms", "4"],
+                          replica_extra=f", max_concurrency: {LIMIT}, max_pending: {LIMIT}", routers=2)
+    urls = [fleet.url, second_envoy(fleet)]
 
     def client(c):
         codes = []
