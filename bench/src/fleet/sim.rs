@@ -593,7 +593,8 @@ impl<'a> World<'a> {
                 let lease = router.core.mirror(0, replica, &told.hold, told.session.as_deref(), Duration::from_nanos(now));
                 self.mirrors.insert((j, k), lease);
                 // Every peer is told at the same instant, in router order: the last one lets go of it.
-                if (k + 1..self.routers.len()).all(|later| later == j % self.routers.len()) {
+                let decider = j % self.routers.len();
+                if (0..self.routers.len()).rev().find(|&p| p != decider) == Some(k) {
                     self.told.remove(&j);
                 }
             }

@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -47,9 +47,9 @@ pub struct Peers {
     /// papaya one: a sender taken out must drop at once, since that is what
     /// ends the stream (papaya would keep it until its epoch is reclaimed).
     links: Mutex<HashMap<u64, mpsc::Sender<PeerMessage>>>,
-    /// How many are linked, read without the lock on every decision.
-    linked: AtomicUsize,
-    /// This router's [`Share`], packed: rank in the high half, count in the low.
+    /// This router's [`Share`] (how many routers are linked, and its rank
+    /// among them), read without the lock on every decision: packed, rank
+    /// in the high half, count in the low.
     share: AtomicU64,
     /// The task keeping each peer address's stream open.
     tasks: Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
@@ -63,10 +63,10 @@ impl Peers {
     pub fn new(salt: &str) -> Self {
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
         let id = xxhash_rust::xxh3::xxh3_64(format!("{nanos}/{}/{salt}", std::process::id()).as_bytes());
+        metrics::gauge!("inferrail_peers").set(0.0);
         Self {
             id,
             links: Mutex::new(HashMap::new()),
-            linked: AtomicUsize::new(0),
             share: AtomicU64::new(1),
             tasks: Mutex::new(HashMap::new()),
             selves: Mutex::new(Vec::new()),
@@ -93,7 +93,7 @@ impl Peers {
 
     /// Peers linked now.
     pub fn linked(&self) -> usize {
-        self.linked.load(Ordering::Relaxed)
+        self.share().of as usize - 1
     }
 
     /// Tells every linked peer.
@@ -130,11 +130,11 @@ impl Peers {
         self.relinked(&links);
     }
 
-    /// Keeps the count and this router's share current after the links changed.
+    /// Keeps this router's share (and the gauge of peers linked) current after the links changed.
     fn relinked(&self, links: &HashMap<u64, mpsc::Sender<PeerMessage>>) {
         let rank = links.keys().filter(|&&p| p < self.id).count() as u64;
         self.share.store(rank << 32 | (links.len() as u64 + 1), Ordering::SeqCst);
-        self.linked.store(links.len(), Ordering::SeqCst);
+        metrics::gauge!("inferrail_peers").set(links.len() as f64);
     }
 
     /// Where this router stands among the routers linked now (itself and
@@ -332,7 +332,6 @@ pub async fn run(router: Arc<Router>) {
                 }
             }
         }
-        metrics::gauge!("inferrail_peers").set(router.peers.linked() as f64);
         tokio::time::sleep(Duration::from_millis(config.peers.resolve_interval_ms)).await;
     }
 }
@@ -371,7 +370,6 @@ async fn link_once(router: &Router, addr: &str) -> (u64, String) {
         return (0, "this router's own address".into());
     }
     router.peers.link(peer, &tx, || router.ledger.own().iter().map(|(id, lease)| decided(router, id, lease, None)).collect());
-    metrics::gauge!("inferrail_peers").set(router.peers.linked() as f64);
     tracing::info!(peer = format!("{peer:016x}"), addr, "linked to a peer router");
     let why = loop {
         match answers.message().await {
@@ -382,7 +380,6 @@ async fn link_once(router: &Router, addr: &str) -> (u64, String) {
     };
     // Only this link: the peer may have linked again meanwhile.
     router.peers.unlink(peer, &tx);
-    metrics::gauge!("inferrail_peers").set(router.peers.linked() as f64);
     (1, why)
 }
 

@@ -227,9 +227,9 @@ def test_a_router_killed_under_load_loses_no_request_and_the_other_routes_on(fle
     clusters = http("GET", f"http://127.0.0.1:{fleet.envoy_admin}/clusters").body.decode()
     dead = f"inferrail::127.0.0.1:{fleet.routers[1][0]}::health_flags::"
     assert re.search(rf"^{re.escape(dead)}.*failed_(active_hc|outlier_check)", clusters, re.M), "Envoy still offers the dead router"
+    # The survivor decided 50 requests in a row after the kill (the wait above); the streams that fell open before:
     fell_open = [at for at, _, decided, _, _ in log if at > killed and not decided]
     last_open = max(fell_open, default=killed)
-    assert all(decided for at, _, decided, _, _ in log if at > last_open), "after the last one, the survivor decided every request"
     window = [(p, c) for at, _, _, p, c in log if killed < at <= killed + 10]
     before = [(p, c) for at, _, _, p, c in log if at <= killed]
     share = lambda rows: sum(c for _, c in rows) / max(1, sum(p for p, _ in rows))
