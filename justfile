@@ -284,10 +284,10 @@ bench-routers *args: setup
     print(json.dumps(out, indent=1))
     PY
 
-# Router CPU per request with one router and two peer routers through Envoy (release builds, about 2 minutes). Result: bench/results/routers/cpu/one-and-two-routers.json.
-bench-routers-cpu *args: setup
+# CPU per small request of the router and Envoy, for the shipped layout (access log, one router thread), the observe filter with one and two threads (before ADR 0035) and two peer routers (release builds, about 6 minutes). Result: bench/results/overhead/small-requests.json.
+bench-cpu *args: setup
     cargo build --release --quiet -p inferrail -p inferrail-sim
-    INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/routers_cpu.py --out bench/results/routers/cpu/one-and-two-routers.json {{args}}
+    INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/cpu_per_request.py --out bench/results/overhead/small-requests.json {{args}}
 
 # Capacity in the fleet simulation: for every policy, the highest arrival rate with p99 TTFT within 2 s on W1 and mix at 4, 16 and 64 replicas, on three seeds (about 11 minutes a seed on one core). Results: bench/results/fleet/capacity-<workload>-seed<seed>.json; the report compares policies by the ratio of their sums over the seeds.
 bench-fleet *args:

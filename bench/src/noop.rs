@@ -1,10 +1,10 @@
 //! `noop-extproc`: an ext_proc processor that decides nothing. Put in
-//! place of inferrail behind the same filters (`envoy/local.yaml`: headers
-//! sent, the body buffered, an observe filter in observability mode), it
-//! measures what the ext_proc architecture itself costs: every phase is
-//! answered CONTINUE with no mutation, so Envoy's replica cluster falls back
-//! to its round robin, and observe streams are read to their end unanswered,
-//! as inferrail does.
+//! place of inferrail behind the same filter (`envoy/local.yaml`: headers
+//! sent, the body buffered), it measures what the ext_proc architecture
+//! itself costs: every phase is answered CONTINUE with no mutation, so
+//! Envoy's replica cluster falls back to its round robin. It sets no
+//! metadata, so the access log sends it nothing; a stream in observability
+//! mode (an observe filter) is read to its end unanswered.
 
 use std::net::SocketAddr;
 use std::pin::Pin;

@@ -385,7 +385,7 @@ def test_the_envoyfilter_applied_to_a_gateway_bootstrap_passes_envoy_validate(tm
             "load_assignment": {"cluster_name": grpc, "endpoints": [{"lb_endpoints": [
                 {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": port}}}}]}]}})
     # The same filters as the project's own, but for the cluster's name.
-    own = {f["name"]: f for f in yaml.safe_load((ROOT / "envoy" / "filters" / "http-filters.yaml").read_text())}
+    own = own_filters()
     for f in http_filters[:-1]:
         mine = copy.deepcopy(f)
         mine["typed_config"]["grpc_service"] = own[f["name"]]["typed_config"]["grpc_service"]
@@ -396,6 +396,13 @@ def test_the_envoyfilter_applied_to_a_gateway_bootstrap_passes_envoy_validate(tm
     bootstrap.write_text(yaml.safe_dump({"static_resources": {"listeners": [listener], "clusters": list(clusters.values())}}))
     r = subprocess.run([ENVOY, "--mode", "validate", "-c", bootstrap, "--disable-hot-restart"], capture_output=True, text=True)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+
+
+def own_filters():
+    """The project's own ext_proc filters by name: the route filter and the
+    observe filter gateways use where no access log is added."""
+    snippets = ROOT / "envoy" / "filters"
+    return {f["name"]: f for s in ("http-filters.yaml", "observe.yaml") for f in yaml.safe_load((snippets / s).read_text())}
 
 
 def test_the_envoy_gateway_policies_write_the_same_filters_and_pick_the_named_pod():
@@ -414,9 +421,11 @@ def test_the_envoy_gateway_policies_write_the_same_filters_and_pick_the_named_po
         assert f["failOpen"] is True
         assert f["backendSettings"]["circuitBreaker"]["maxParallelRequests"] >= 100000
     decide, observe = eep["extProc"]
-    own = {f["name"]: f["typed_config"] for f in yaml.safe_load((ROOT / "envoy" / "filters" / "http-filters.yaml").read_text())}
-    assert own["inferrail.route"]["processing_mode"]["request_body_mode"] == "BUFFERED"
-    assert decide["processingMode"] == {"request": {"body": "Buffered"}}           # headers SEND, body BUFFERED, response SKIP
+    own = {name: f["typed_config"] for name, f in own_filters().items()}
+    route_mode = own["inferrail.route"]["processing_mode"]
+    assert (route_mode["request_body_mode"], route_mode["response_header_mode"]) == ("BUFFERED", "SEND")
+    # Headers SEND, body BUFFERED; response headers SEND (present) with the same attributes.
+    assert decide["processingMode"] == {"request": {"body": "Buffered"}, "response": {"attributes": own["inferrail.route"]["response_attributes"]}}
     assert decide["messageTimeout"] == own["inferrail.route"]["message_timeout"]
     assert observe["shadowMode"] is True and own["inferrail.observe"]["observability_mode"] is True
     assert observe["processingMode"] == {"response": {"body": "Streamed", "attributes": own["inferrail.observe"]["response_attributes"]}}

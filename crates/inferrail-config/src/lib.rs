@@ -111,11 +111,16 @@ pub struct Server {
     pub max_body_bytes: usize,
     /// On SIGTERM, how long open streams may finish, milliseconds.
     pub shutdown_grace_ms: u64,
+    /// Threads serving gRPC and the routing path: 1 runs everything on one
+    /// thread (least waking between threads, the cheapest per request on a
+    /// few cores), more runs a work-stealing pool of that many. Long bodies
+    /// are tokenized on `tokenizer.workers` either way. Fixed at start.
+    pub threads: usize,
 }
 
 impl Default for Server {
     fn default() -> Self {
-        Self { listen: "127.0.0.1:9002".into(), max_body_bytes: 16 << 20, shutdown_grace_ms: 30_000 }
+        Self { listen: "127.0.0.1:9002".into(), max_body_bytes: 16 << 20, shutdown_grace_ms: 30_000, threads: 1 }
     }
 }
 
@@ -636,6 +641,9 @@ impl Config {
         }
         if self.server.max_body_bytes == 0 {
             p.push("server.max_body_bytes: must be at least 1".into());
+        }
+        if self.server.threads == 0 {
+            p.push("server.threads: must be at least 1".into());
         }
         if self.retry.fallbacks > 8 {
             p.push(format!("retry.fallbacks: {} is more than 8", self.retry.fallbacks));

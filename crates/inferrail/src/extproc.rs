@@ -2,20 +2,23 @@
 //!
 //! Envoy's route filter sends headers, then the buffered body, and gets the
 //! decision (traced as a span continuing the client's `traceparent`, when
-//! traces are on); Envoy keeps that stream open until the HTTP request ends,
-//! however it ends, so its closing is the request's end. The observe filter
-//! (observability mode, asynchronous, no added latency) reports the upstream
-//! response: status, the replica that really served after retries, and the
-//! first body byte. A stream's first message says which filter it comes from.
-//! A stream whose `protocol_config` says `FULL_DUPLEX_STREAMED` is an
-//! Inference Extension gateway's, carrying request and response alike
-//! ([`picker`]). What each stream hears becomes an event of the request's
-//! life ([`Router::hear`]); this module decides nothing about the lease itself.
+//! traces are on); then the response's headers (status, the replica that
+//! really served after retries). Envoy keeps that stream open until the
+//! HTTP request ends, however it ends, so its closing is the request's end.
+//! The first body byte comes from the access log ([`crate::access_log`]) or,
+//! where none is added, from an observe filter (observability mode,
+//! asynchronous, no added latency). A stream's first message says which
+//! filter it comes from. A stream whose `protocol_config` says
+//! `FULL_DUPLEX_STREAMED` is an Inference Extension gateway's, carrying
+//! request and response alike ([`picker`]). What each stream hears becomes
+//! an event of the request's life ([`Router::hear`]); this module decides
+//! nothing about the lease itself.
 
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
@@ -165,7 +168,16 @@ impl ExtProc {
                         let answer = reply::decision(&d, d.request_id != request_id, traceparent.as_deref());
                         // If Envoy is gone it no longer needs the answer.
                         let _ = tx.send(Ok(answer)).await;
-                        while let Ok(Some(_)) = inbound.message().await {}
+                        while let Ok(Some(m)) = inbound.message().await {
+                            // The response's headers: its status and who served, before the end.
+                            if let Some(Request::ResponseHeaders(h)) = &m.request {
+                                self.router.hear(&d.request_id, status(&self.router, h, attribute(&m.attributes, "upstream.address")));
+                                if h.end_of_stream {
+                                    self.router.hear(&d.request_id, Event::FirstByte);
+                                }
+                                let _ = tx.send(Ok(reply::continue_response_headers())).await;
+                            }
+                        }
                         // Envoy closes the stream when the HTTP request is over, however it ended.
                         self.router.hear(&d.request_id, Event::End);
                         return;
@@ -214,8 +226,14 @@ fn subset(metadata: &Option<Metadata>) -> Option<Vec<SocketAddr>> {
     })
 }
 
+/// The status response headers carry, from the replica at `served` (`ip:port`) when known.
+fn status(router: &Router, h: &HttpHeaders, served: Option<String>) -> Event {
+    let code = request::header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
+    Event::Status { code, served_by: served.and_then(|a| served_by(router, &a)) }
+}
+
 /// The replica at `addr` (`ip:port`, as Envoy names an upstream host), by its key.
-fn served_by(router: &Router, addr: &str) -> Option<u64> {
+pub(crate) fn served_by(router: &Router, addr: &str) -> Option<u64> {
     let addr: SocketAddr = addr.parse().ok()?;
     router.fleet().replicas.iter().find(|r| r.addr == addr).map(|r| r.key)
 }
@@ -229,7 +247,7 @@ fn decided_by(metadata: &Option<Metadata>) -> Option<(u64, String)> {
         Some(Kind::StringValue(s)) => Some(s.clone()),
         _ => None,
     };
-    Some((u64::from_str_radix(&text("router")?, 16).ok()?, text("request_id")?))
+    Some((reply::decider_id(&text("router")?)?, text("request_id")?))
 }
 
 /// Follows one request's upstream response: status, who served, first byte;
@@ -248,21 +266,19 @@ async fn observe(router: &Router, first: ProcessingRequest, mut inbound: Streami
                         None => return,
                     },
                 };
-                let code = request::header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
-                let served_by = found("upstream.address").and_then(|a| served_by(router, &a));
-                if !router.hear_for(decider, &id, Event::Status { code, served_by }) {
+                if !router.hear_for(decider, &id, status(router, &h, found("upstream.address")), Duration::ZERO) {
                     // Not a request any router tracks (or already over): nothing to learn.
                     return;
                 }
                 if h.end_of_stream {
-                    router.hear_for(decider, &id, Event::FirstByte);
+                    router.hear_for(decider, &id, Event::FirstByte, Duration::ZERO);
                     return;
                 }
                 request = Some((decider, id));
             }
             Some(Request::ResponseBody(_)) => {
                 if let Some((decider, id)) = &request {
-                    router.hear_for(*decider, id, Event::FirstByte);
+                    router.hear_for(*decider, id, Event::FirstByte, Duration::ZERO);
                 }
                 // The first byte is all this stream is for.
                 return;

@@ -9,9 +9,9 @@
 //! `inferrail-kv`), scores the model's eligible replicas with the model's
 //! policy (crate `inferrail-policy`) and leases the winner;
 //! [`reply`] turns the decision into headers and dynamic metadata for Envoy.
-//! After it, [`extproc`] turns what the streams hear (the route stream's
-//! closing; the observe stream's status, the replica that served and the
-//! first byte) into events of the request's life, which the router hands to
+//! After it, [`extproc`] and [`access_log`] turn what Envoy tells (the route
+//! stream's closing; the access log's, or an observe stream's, status,
+//! replica that served and first byte) into events of the request's life, which the router hands to
 //! the ledger (crate `inferrail-route`) and acts on. [`health`] probes replicas and ejects failing
 //! ones; [`load`] keeps the engines' load reports current; [`kv_events`] applies the engines' KV events to the index; [`discovery`] keeps DNS groups' members current and [`kubernetes`] an InferencePool's; [`reload`] applies a changed routing YAML; [`peers`] shares the requests in flight with the other routers; [`admin`] serves
 //! metrics and health; [`explain`] answers why a request would go where it
@@ -20,6 +20,7 @@
 //! [`service`] wires it together.
 #![forbid(unsafe_code)]
 
+pub mod access_log;
 pub mod admin;
 pub mod decision_log;
 pub mod discovery;

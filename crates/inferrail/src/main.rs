@@ -18,11 +18,7 @@ struct Args {
     check: bool,
 }
 
-// One worker thread per core: a long prompt's KV record (a millisecond or
-// more for 40,000 tokens) holds one worker while the others keep reading
-// and answering Envoy's streams.
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let config = match Config::load(&args.config) {
         Ok(c) => c,
@@ -41,6 +37,17 @@ async fn main() -> anyhow::Result<()> {
         );
         return Ok(());
     }
+    // `server.threads` (ADR 0035): one thread by default, since on a few
+    // cores shared with Envoy and engines a pool spends more waking its
+    // workers than it gains.
+    let runtime = match config.server.threads {
+        1 => tokio::runtime::Builder::new_current_thread().enable_all().build()?,
+        n => tokio::runtime::Builder::new_multi_thread().worker_threads(n).enable_all().build()?,
+    };
+    runtime.block_on(serve(args, config))
+}
+
+async fn serve(args: Args, config: Config) -> anyhow::Result<()> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let running = inferrail::service::start(config, async {

@@ -187,8 +187,8 @@ pub fn decided(router: &Router, request: &str, lease: &Lease, session: Option<&s
     })
 }
 
-/// An event of request `request` as a peer is told it.
-pub fn heard(request: &str, event: Event, to_decider: bool) -> Option<Kind> {
+/// An event of request `request` that happened `ago`, as a peer is told it.
+pub fn heard(request: &str, event: Event, to_decider: bool, ago: Duration) -> Option<Kind> {
     let event = match event {
         Event::Status { code, served_by } => WireEvent::Status(WireStatus { code: u32::from(code), served_by }),
         Event::FirstByte => WireEvent::FirstByte(true),
@@ -202,7 +202,7 @@ pub fn heard(request: &str, event: Event, to_decider: bool) -> Option<Kind> {
         // Each router keeps its own time.
         Event::Tick => return None,
     };
-    Some(Kind::Heard(Heard { request: request.to_string(), to_decider, event: Some(event) }))
+    Some(Kind::Heard(Heard { request: request.to_string(), to_decider, event: Some(event), ago_us: ago.as_micros() as u64 }))
 }
 
 fn event(e: WireEvent) -> Event {
@@ -222,11 +222,12 @@ fn apply(router: &Router, from: u64, m: Kind) {
     metrics::counter!("inferrail_peer_messages_total", "direction" => "received").increment(1);
     match m {
         Kind::Decided(d) => mirror(router, from, d),
-        Kind::Heard(Heard { request, to_decider, event: Some(e) }) => {
+        Kind::Heard(Heard { request, to_decider, event: Some(e), ago_us }) => {
+            let ago = Duration::from_micros(ago_us);
             if to_decider {
-                router.hear(&request, event(e));
+                router.hear_for(None, &request, event(e), ago);
             } else {
-                router.hear_mirror(from, &request, event(e));
+                router.hear_mirror(from, &request, event(e), ago);
             }
         }
         Kind::Heard(_) | Kind::Hello(_) => {}

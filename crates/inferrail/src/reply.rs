@@ -173,6 +173,16 @@ fn targets(d: &Decision) -> String {
     targets.join(",")
 }
 
+/// How the `router` metadata names the router that decided.
+fn router_text(id: u64) -> String {
+    format!("{id:016x}")
+}
+
+/// The router the `router` metadata names.
+pub fn decider_id(text: &str) -> Option<u64> {
+    u64::from_str_radix(text, 16).ok()
+}
+
 /// The decision as dynamic metadata: `envoy.lb` for the override-host load
 /// balancer (the same value as the destination header), `inferrail` for the
 /// route's response headers.
@@ -182,7 +192,7 @@ fn decision_metadata(d: &Decision) -> Struct {
         ("policy", string(d.policy)),
         ("model", string(&d.model)),
         ("request_id", string(&d.request_id)),
-        ("router", string(&format!("{:016x}", d.decider))),
+        ("router", string(&router_text(d.decider))),
     ];
     if let (Some(n), Some(cached)) = (d.prompt_tokens, d.cached_tokens.first()) {
         ours.push(("prompt_tokens", string(&n.to_string())));

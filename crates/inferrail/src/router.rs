@@ -535,13 +535,19 @@ impl Router {
     /// the lease and the index: health, metrics, the decision log; the peers
     /// are told. Returns whether the request was one it tracks (not yet over).
     pub fn hear(&self, request_id: &str, event: Event) -> bool {
+        self.hear_ago(request_id, event, Duration::ZERO)
+    }
+
+    /// [`Router::hear`] for something that happened `ago` (an access log
+    /// tells of a first byte after the response ended).
+    fn hear_ago(&self, request_id: &str, event: Event, ago: Duration) -> bool {
         let fleet = self.fleet();
-        let heard = self.ledger.hear(request_id, self.now(), event, &self.core, &fleet);
+        let heard = self.ledger.hear(request_id, self.now().saturating_sub(ago), event, &self.core, &fleet);
         if let Some(heard) = &heard {
             self.act(heard);
             if heard.decider.is_none()
                 && self.peers.any()
-                && let Some(told) = peers::heard(request_id, event, false)
+                && let Some(told) = peers::heard(request_id, event, false, ago)
             {
                 self.peers.tell_all(told);
             }
@@ -549,25 +555,25 @@ impl Router {
         heard.is_some()
     }
 
-    /// Hears something of request `request_id` that router `decider`
-    /// decided (`None`: not said, taken as this router's): it goes to that
-    /// router, or, when it is not linked (gone), to this router's mirror of
-    /// the request. Returns whether anyone took it.
-    pub fn hear_for(&self, decider: Option<u64>, request_id: &str, event: Event) -> bool {
+    /// Hears something that happened `ago` of request `request_id` that
+    /// router `decider` decided (`None`: not said, taken as this router's):
+    /// it goes to that router, or, when it is not linked (gone), to this
+    /// router's mirror of the request. Returns whether anyone took it.
+    pub fn hear_for(&self, decider: Option<u64>, request_id: &str, event: Event, ago: Duration) -> bool {
         match decider {
             Some(d) if d != self.peers.id => {
-                let told = peers::heard(request_id, event, true).is_some_and(|told| self.peers.tell(d, told));
-                told || self.hear_mirror(d, request_id, event)
+                let told = peers::heard(request_id, event, true, ago).is_some_and(|told| self.peers.tell(d, told));
+                told || self.hear_mirror(d, request_id, event, ago)
             }
-            _ => self.hear(request_id, event),
+            _ => self.hear_ago(request_id, event, ago),
         }
     }
 
-    /// Hears something of this router's mirror of a request peer `decider`
-    /// decided; the decider counts its outcome.
-    pub fn hear_mirror(&self, decider: u64, request_id: &str, event: Event) -> bool {
+    /// Hears something that happened `ago` of this router's mirror of a
+    /// request peer `decider` decided; the decider counts its outcome.
+    pub fn hear_mirror(&self, decider: u64, request_id: &str, event: Event, ago: Duration) -> bool {
         let fleet = self.fleet();
-        let heard = self.ledger.hear(&mirror_id(decider, request_id), self.now(), event, &self.core, &fleet);
+        let heard = self.ledger.hear(&mirror_id(decider, request_id), self.now().saturating_sub(ago), event, &self.core, &fleet);
         if let Some(heard) = &heard {
             self.act(heard);
         }

@@ -12,9 +12,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::Ex
 use inferrail_config::Config;
 use inferrail_proto::peer::v1::peer_server::PeerServer;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::LogsServiceServer;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
+use crate::access_log::AccessLog;
 use crate::extproc::ExtProc;
 use crate::peers::PeerService;
 use crate::router::Router;
@@ -99,6 +101,7 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         .add_service(health_service)
         .add_service(ext_proc)
         .add_service(PeerServer::new(PeerService::new(router.clone())).max_decoding_message_size(64 << 20))
+        .add_service(LogsServiceServer::new(AccessLog::new(router.clone())).max_decoding_message_size(64 << 20))
         .serve_with_incoming_shutdown(nodelay(grpc_listener), async move {
             shutdown.await;
             tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down: no new streams, open ones may finish");

@@ -102,9 +102,7 @@ impl Response {
     fn answer(&mut self, router: &Router, m: ProcessingRequest, events: &mut Vec<Event>) -> Option<ProcessingResponse> {
         Some(match m.request {
             Some(Request::ResponseHeaders(h)) => {
-                let code = request::header(h.headers.as_ref(), ":status").and_then(|s| s.parse().ok()).unwrap_or(0u16);
-                let served = served(&m.metadata_context).or_else(|| attribute(&m.attributes, "upstream.address"));
-                events.push(Event::Status { code, served_by: served.and_then(|a| served_by(router, &a)) });
+                events.push(status(router, &h, served(&m.metadata_context).or_else(|| attribute(&m.attributes, "upstream.address"))));
                 if h.end_of_stream {
                     events.extend([Event::FirstByte, Event::End]);
                 }

@@ -35,8 +35,8 @@ class Fleet:
         a dict of these by sim index),
         `skip` ({sim index: `--kv-events-skip` value}) and `template` (more
         fields of the router's `kv_events`, YAML flow text). `filters`, YAML
-        text of http filters that stand in for envoy/local.yaml's two
-        inferrail filters (as a gateway would write them); `envoy_edit`, a
+        text of http filters that stand in for envoy/local.yaml's inferrail
+        filter and its access log (as a gateway would write them); `envoy_edit`, a
         function that changes the rest of the bootstrap's text. With
         several `routers`, `peers` lists them to one another (ADR 0034)."""
         self.tmp = tmp
@@ -77,9 +77,11 @@ class Fleet:
             envoy, n = re.subn(rf"port_value: {old}\b", f"port_value: {new}", envoy)
             assert n == 1, f"envoy/local.yaml should name port {old} once"
         if filters is not None:
-            envoy, n = re.subn(r"          # 1\. The decision.*?(?=          - name: envoy\.filters\.http\.router)", lambda _: filters, envoy,
+            envoy, n = re.subn(r"          # The decision.*?(?=          - name: envoy\.filters\.http\.router)", lambda _: filters, envoy,
                                flags=re.S)
             assert n == 1, "envoy/local.yaml's inferrail filters should stand before the router filter"
+            envoy, n = re.subn(r"          # What happened upstream.*?(?=          route_config:)", "", envoy, flags=re.S)
+            assert n == 1, "envoy/local.yaml's access log should stand before its route_config"
         if envoy_edit is not None:
             envoy = envoy_edit(envoy)
         if routers > 1:

@@ -25,6 +25,7 @@ SKELETON = """static_resources:
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: clients
+{access_log}
           route_config:
             virtual_hosts:
             - name: all
@@ -44,10 +45,23 @@ def indent(path, n):
     return "\n".join(" " * n + line for line in path.read_text().splitlines())
 
 
-def test_filter_snippets_validate_inside_a_minimal_bootstrap(tmp_path):
+def body(path, n):
+    """A snippet's YAML without its opening comment, indented `n`."""
+    lines = path.read_text().splitlines()
+    while lines[0].startswith("#"):
+        lines.pop(0)
+    return "\n".join(" " * n + line for line in lines)
+
+
+def test_filter_snippets_validate_inside_a_minimal_bootstrap_and_are_what_local_yaml_runs(tmp_path):
     snippets = ROOT / "envoy" / "filters"
-    bootstrap = SKELETON.format(route=indent(snippets / "route.yaml", 14), filters=indent(snippets / "http-filters.yaml", 10),
-                                clusters=indent(snippets / "clusters.yaml", 2))
+    # observe.yaml stands in for access-log.yaml where no access log can be added; both validate.
+    filters = indent(snippets / "http-filters.yaml", 10) + "\n" + indent(snippets / "observe.yaml", 10)
+    bootstrap = SKELETON.format(route=indent(snippets / "route.yaml", 14), filters=filters,
+                                clusters=indent(snippets / "clusters.yaml", 2), access_log=indent(snippets / "access-log.yaml", 10))
+    local = (ROOT / "envoy" / "local.yaml").read_text()
+    for snippet in ["http-filters.yaml", "access-log.yaml"]:
+        assert body(snippets / snippet, 10) in local, f"envoy/local.yaml should run filters/{snippet} as it is"
     path = tmp_path / "assembled.yaml"
     path.write_text(bootstrap)
     r = subprocess.run([ENVOY, "--mode", "validate", "-c", path, "--disable-hot-restart"], capture_output=True, text=True)

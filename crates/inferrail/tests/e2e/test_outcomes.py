@@ -1,0 +1,76 @@
+"""How the router learns what happened upstream (ADR 0035): the route
+stream carries the response's status; the first body byte comes from
+Envoy's access log (`envoy/local.yaml`) or, where no access log can be
+added, from the observe filter (`envoy/filters/observe.yaml`). Either way
+the time to first byte the router records is the first byte's, not the
+end's, and every request is counted once, answered, with no record taken
+back."""
+
+import re
+import time
+
+from conftest import ROOT
+
+STREAMS = 4
+TOKENS = 40
+
+
+def ttft_and_counts(fleet):
+    """The router's TTFT sum and count, requests counted ok, and access-log records."""
+    total = lambda name: sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", fleet.metrics(), re.M))
+    return (total("inferrail_ttft_seconds_sum"), total("inferrail_ttft_seconds_count"),
+            total("inferrail_requests_total"), total("inferrail_access_log_records_total"))
+
+
+def stream_and_measure(fleet):
+    """Streams completions of TOKENS tokens one at a time; returns their
+    mean duration, client-side, and what the router recorded meanwhile."""
+    before = ttft_and_counts(fleet)
+    durations = []
+    for _ in range(STREAMS):
+        started = time.monotonic()
+        response = fleet.open_stream(max_tokens=TOKENS)
+        assert response.status == 200
+        body = response.read()
+        durations.append(time.monotonic() - started)
+        assert body.rstrip().endswith(b"data: [DONE]")
+    deadline = time.monotonic() + 10
+    while True:
+        after = ttft_and_counts(fleet)
+        counted = after[2] - before[2]
+        if counted >= STREAMS or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    ttft_sum, ttft_count, counted, records = (a - b for a, b in zip(after, before))
+    return sum(durations) / STREAMS, ttft_sum, ttft_count, counted, records
+
+
+def check(fleet, records_expected):
+    mean_duration, ttft_sum, ttft_count, counted, records = stream_and_measure(fleet)
+    assert counted == STREAMS, f"{counted} of {STREAMS} requests counted"
+    assert not re.search(r'^inferrail_requests_total\{[^}]*outcome="(no_response|expired|5xx|4xx)"\}', fleet.metrics(), re.M)
+    assert ttft_count == STREAMS, f"{ttft_count} first bytes heard of {STREAMS}"
+    # The simulator streams TOKENS tokens after its prefill: the end comes
+    # many times later than the first byte (a first byte heard at the end
+    # would make the mean TTFT about the mean duration).
+    assert 0 < ttft_sum / ttft_count < mean_duration / 4, (ttft_sum / ttft_count, mean_duration)
+    assert records == records_expected, f"{records} access-log records"
+    assert fleet.metric("inferrail_kv_take_backs_total") in (None, 0.0), "a request that succeeded was taken back"
+
+
+def test_the_access_log_tells_the_first_byte_and_the_route_stream_the_status(fleet_factory):
+    check(fleet_factory(policy="cost_model"), STREAMS)
+
+
+def test_the_observe_filter_tells_them_where_no_access_log_is_added(fleet_factory):
+    observe = (ROOT / "envoy" / "filters" / "observe.yaml").read_text()
+    observe = "\n".join(" " * 10 + line for line in observe.splitlines() if not line.startswith("#")) + "\n"
+
+    def edit(envoy):
+        envoy, n = re.subn(r"          # What happened upstream.*?(?=          route_config:)", "", envoy, flags=re.S)
+        assert n == 1, "envoy/local.yaml's access log should stand before its route_config"
+        envoy, n = re.subn(r"(?=          - name: envoy\.filters\.http\.router)", lambda _: observe, envoy, count=1)
+        assert n == 1
+        return envoy
+
+    check(fleet_factory(policy="cost_model", envoy_edit=edit), 0)
