@@ -289,6 +289,47 @@ bench-cpu *args: setup
     cargo build --release --quiet -p inferrail -p inferrail-sim
     INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/cpu_per_request.py --out bench/results/overhead/small-requests.json {{args}}
 
+# W1 under load (70% of round robin's capacity, time scale 0.1, cost_model) with each way the router hears first bytes: the access log envoy/local.yaml ships, and the observe filter in its place (ADR 0035); three rounds, both layouts on the same requests in each (release builds, about 5 minutes). Results: bench/results/outcomes/<layout>/round<N>/ and bench/results/outcomes/summary.json.
+bench-outcomes *args: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
+    mkdir -p target/bench
+    "{{venv}}/bin/python" -c 'import sys; sys.path.insert(0, "bench"); from cpu_per_request import observe_filter; print(observe_filter(open("envoy/local.yaml").read()), end="")' > target/bench/local-observe.yaml
+    sim="--block-size 16 --num-gpu-blocks-override 1100 --max-model-len 10240"
+    rate=$(python3 -c "import json; print(round(0.7 * json.load(open('bench/results/routing/capacity/capacity-w1-round_robin.json'))['rate'], 3))")
+    for round in 1 2 3; do
+        for layout in access-log observe; do
+            config=envoy/local.yaml; [ "$layout" = observe ] && config=target/bench/local-observe.yaml
+            target/release/inferrail-bench compare --time-scale 0.1 --sim-flags "$sim" --think-s 1-2 --warmup-s 5 \
+                --workloads w1 --reps 1 --seed "$round" --rate "$rate" --duration-s 24 --contenders cost_model \
+                --envoy-config "$config" --out-dir "bench/results/outcomes/$layout/round$round" {{args}}
+        done
+    done
+    # Pooled over the rounds: cached share, every first token's p50 and p99, predictions equal to the engine's; and each round's p99 ratio.
+    python3 - bench/results/outcomes <<'PY' | tee bench/results/outcomes/summary.json
+    import glob, json, math, sys
+    root = sys.argv[1]
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[max(0, math.ceil(q * len(xs)) - 1)]
+    out = {"benchmark": "outcome-transports", "command": "just bench-outcomes", "layouts": {}, "p99_access_log_over_observe_by_round": []}
+    p99 = {}
+    for layout in ("access-log", "observe"):
+        runs = [json.load(open(f)) for f in sorted(glob.glob(f"{root}/{layout}/round*/w1-cost_model-rep0.json"))]
+        s = [r["summary"] for r in runs]
+        ttft = [t for r in runs for t in r["ttft_ms"]]
+        p99[layout] = [pct(r["ttft_ms"], 0.99) for r in runs]
+        out["layouts"][layout] = {
+            "commit": runs[0]["commit"], "measured": len(ttft), "errors": sum(sum(x["errors"].values()) for x in s),
+            "cached_share": round(sum(x["prefix"]["cached_tokens"] for x in s) / sum(x["prefix"]["prompt_tokens"] for x in s), 4),
+            "predictions_exact": round(sum(x["prediction"]["exact"] for x in s) / sum(x["prediction"]["compared"] for x in s), 4),
+            "ttft_p50_ms": round(pct(ttft, 0.5), 1), "ttft_p99_ms": round(pct(ttft, 0.99), 1),
+        }
+    out["p99_access_log_over_observe_by_round"] = [round(a / o, 3) for a, o in zip(p99["access-log"], p99["observe"])]
+    print(json.dumps(out, indent=1))
+    PY
+
 # Capacity in the fleet simulation: for every policy, the highest arrival rate with p99 TTFT within 2 s on W1 and mix at 4, 16 and 64 replicas, on three seeds (about 11 minutes a seed on one core). Results: bench/results/fleet/capacity-<workload>-seed<seed>.json; the report compares policies by the ratio of their sums over the seeds.
 bench-fleet *args:
     #!/usr/bin/env bash

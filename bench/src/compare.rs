@@ -98,6 +98,10 @@ pub struct CompareArgs {
     /// Envoy draws each ext_proc stream's router at random.
     #[arg(long, default_value_t = 1)]
     pub routers: u16,
+    /// The Envoy bootstrap in front of inferrail, with the local fleet's
+    /// ports (8080, 9901, 9002, 8001-8003), which the run moves to its own.
+    #[arg(long, default_value = "envoy/local.yaml")]
+    pub envoy_config: PathBuf,
     /// Where results (and the processes' logs) go.
     #[arg(long, default_value = "bench/results/routing/runs")]
     pub out_dir: PathBuf,
@@ -221,7 +225,7 @@ async fn start(
             let parsed = parsed.ok_or_else(|| anyhow::anyhow!("no router"))?;
             let envoy = logs.join("envoy.yaml");
             let moves = [(8080, ENTRY), (9901, ENVOY_ADMIN), (9002, EXT_PROC), (8001, SIMS[0]), (8002, SIMS[1]), (8003, SIMS[2])];
-            let mut bootstrap = processes::envoy_config("envoy/local.yaml", &moves)?;
+            let mut bootstrap = processes::envoy_config(&args.envoy_config, &moves)?;
             if routers > 1 {
                 bootstrap = processes::several_routers(&bootstrap, &addresses)?;
             }

@@ -80,8 +80,9 @@ pub async fn until(fleet: &mut Processes, limit: Duration, what: &str, mut ok: i
 
 /// An Envoy bootstrap read from `path` with each `port_value: from` moved to
 /// `to`; every port named must stand in it exactly once.
-pub fn envoy_config(path: &str, moves: &[(u16, u16)]) -> anyhow::Result<String> {
-    let mut text = std::fs::read_to_string(path).with_context(|| format!("reading {path} (run from the repository root)"))?;
+pub fn envoy_config(path: impl AsRef<std::path::Path>, moves: &[(u16, u16)]) -> anyhow::Result<String> {
+    let path = path.as_ref();
+    let mut text = std::fs::read_to_string(path).with_context(|| format!("reading {} (run from the repository root)", path.display()))?;
     for &(from, to) in moves {
         let old = format!("port_value: {from}");
         // The port as a whole number: 8001 must not match 80010.
@@ -90,7 +91,7 @@ pub fn envoy_config(path: &str, moves: &[(u16, u16)]) -> anyhow::Result<String> 
             .map(|(i, _)| i)
             .filter(|&i| !text[i + old.len()..].starts_with(|c: char| c.is_ascii_digit()))
             .collect();
-        anyhow::ensure!(at.len() == 1, "{path} should name port {from} once");
+        anyhow::ensure!(at.len() == 1, "{} should name port {from} once", path.display());
         text.replace_range(at[0]..at[0] + old.len(), &format!("port_value: {to}"));
     }
     Ok(text)
