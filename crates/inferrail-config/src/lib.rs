@@ -221,7 +221,7 @@ pub struct Tokenization {
 
 impl Default for Tokenization {
     fn default() -> Self {
-        Self { cache_tokens: 1 << 20, workers: 2, queue: 256, max_wait_ms: 50, inline_below_bytes: 8 << 10 }
+        Self { cache_tokens: 1 << 20, workers: 2, queue: 256, max_wait_ms: 50, inline_below_bytes: 32 << 10 }
     }
 }
 
