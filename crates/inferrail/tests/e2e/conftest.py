@@ -243,7 +243,7 @@ class Fleet:
             wait_until(exact, f"{rid} exact in every router", timeout)
 
     def envoy_stat(self, name):
-        """An ext_proc counter of Envoy's, summed over both filters."""
+        """An ext_proc counter of Envoy's, summed over its ext_proc filters."""
         text = http("GET", f"http://127.0.0.1:{self.envoy_admin}/stats?filter=ext_proc").body.decode()
         return sum(int(line.split(": ")[1]) for line in text.splitlines() if line.split(": ")[0].endswith("." + name))
 

@@ -172,3 +172,27 @@ def test_a_stalled_router_holds_a_request_only_until_the_message_timeout(fleet_f
         fleet.procs["inferrail"].send_signal(signal.SIGCONT)
     direct = http("POST", f"{fleet.sim_url(0)}/v1/completions", body).json()
     assert reply["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+
+
+def test_a_router_that_stalls_before_the_response_holds_its_headers_only_until_the_message_timeout(fleet_factory):
+    # The route stream now carries the response's headers (ADR 0035), and
+    # Envoy waits for the router's answer to them. A router stopped after the
+    # decision, before a non-streamed response comes (100 tokens of the
+    # simulator's default latency), delays those headers by the route
+    # filter's message_timeout (1 s); the response still comes whole.
+    fleet = fleet_factory()
+    decided = lambda: fleet.metric("inferrail_decisions_total", 'policy="round_robin",model="inferrail/sim-8b"') or 0
+    before, timeouts = decided(), fleet.envoy_stat("message_timeouts")
+    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+    c.request("POST", "/v1/completions", body=json.dumps({"model": "sim", "prompt": "x", "max_tokens": 100}),
+              headers={"content-type": "application/json"})
+    wait_until(lambda: decided() > before, "the router's decision")
+    fleet.procs["inferrail"].send_signal(signal.SIGSTOP)
+    try:
+        r = c.getresponse()
+        reply = json.loads(r.read())
+        assert r.status == 200, reply
+        assert reply["usage"]["completion_tokens"] == 100
+        assert fleet.envoy_stat("message_timeouts") > timeouts, "the router never answered the headers: Envoy timed it out"
+    finally:
+        fleet.procs["inferrail"].send_signal(signal.SIGCONT)
