@@ -13,7 +13,7 @@
 //! - The first status wins; later ones (a second source, a duplicate) are
 //!   ignored. A status from another replica than the one holding the
 //!   request means Envoy retried there: the holder failed it and the
-//!   request moves.
+//!   request moves. A first byte heard as before the decision is ignored.
 //! - The KV record settles once: taken back on a status of 400 or more,
 //!   completed once both a status below 400 and the end are known, taken
 //!   back when the request ends with no status and none comes within the
@@ -225,7 +225,9 @@ impl Life {
                 }
             }
             Event::Status { .. } => {}
-            Event::FirstByte if self.ttft.is_none() => {
+            // A first byte told as before the decision is not this request's
+            // (an id reused while a log record of the last one was on its way).
+            Event::FirstByte if self.ttft.is_none() && at >= self.decided => {
                 let ttft = at.saturating_sub(self.decided);
                 self.ttft = Some(ttft);
                 e.first_byte = Some(ttft);

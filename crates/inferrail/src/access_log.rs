@@ -1,14 +1,16 @@
-//! What happened upstream, from Envoy's access log instead of a second
-//! ext_proc stream per request (ADR 0035).
+//! When each response's first body byte came, from Envoy's access log
+//! instead of a second ext_proc stream per request (ADR 0035).
 //!
 //! Envoy's OpenTelemetry access logger (`envoy/local.yaml`) sends one record
 //! per routed request, batched, to `LogsService/Export` on the ext_proc
-//! port: the status, the host that served after retries, and how long after
-//! the request began the first response body byte came. Each record becomes
-//! events of the request's life, sent to the router that decided it: the
-//! status, the first byte as the moment it happened however late the batch
-//! arrives, and the end. The route stream's closing still ends the request
-//! first; the record settles what the end alone cannot.
+//! port: the request's id and deciding router, and how long after the
+//! request began (the record's time) the first response body byte came.
+//! Each record becomes the request's first byte, heard as the moment it
+//! happened however late the batch arrives, and sent to the router that
+//! decided. The status and the end come on the route stream, before the
+//! record: the log tells nothing else, so a late record of a request whose
+//! id a newer one took cannot end or move the newer one (and its first
+//! byte, before the newer decision, is ignored).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -20,7 +22,6 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::logs::v1::LogRecord;
 use tonic::{Request, Response, Status};
 
-use crate::extproc::served_by;
 use crate::reply::decider_id;
 use crate::router::Router;
 
@@ -30,10 +31,6 @@ pub mod attribute {
     pub const REQUEST_ID: &str = "inferrail.request_id";
     /// `%DYNAMIC_METADATA(inferrail:router)%`: the router that decided.
     pub const ROUTER: &str = "inferrail.router";
-    /// `%RESPONSE_CODE%`.
-    pub const STATUS: &str = "http.status";
-    /// `%UPSTREAM_HOST%`: who served, after retries.
-    pub const UPSTREAM: &str = "upstream.host";
     /// `%COMMON_DURATION(DS_RX_BEG:US_RX_BODY_BEG:us)%`: from the request's
     /// start (the record's time) to the first response body byte.
     pub const FIRST_BODY_US: &str = "first_body_us";
@@ -44,8 +41,6 @@ pub mod attribute {
 struct Entry {
     request_id: String,
     decider: Option<u64>,
-    status: Option<u16>,
-    upstream: Option<String>,
     /// When the first response body byte came.
     first_byte: Option<SystemTime>,
 }
@@ -65,24 +60,16 @@ impl Entry {
         Some(Self {
             request_id: text(attribute::REQUEST_ID)?,
             decider: text(attribute::ROUTER).and_then(|r| decider_id(&r)),
-            status: text(attribute::STATUS).and_then(|s| s.parse().ok()).filter(|&s| s > 0),
-            upstream: text(attribute::UPSTREAM),
             first_byte: text(attribute::FIRST_BODY_US).and_then(|us| us.parse().ok()).map(|us| started + Duration::from_micros(us)),
         })
     }
 
-    /// Tells the request's life what the record says, at `now` (wall clock).
+    /// Tells the request's life its first byte, at `now` (wall clock).
     fn tell(&self, router: &Router, now: SystemTime) {
-        let (decider, id) = (self.decider, self.request_id.as_str());
-        if let Some(code) = self.status {
-            let served_by = self.upstream.as_deref().and_then(|a| served_by(router, a));
-            router.hear_for(decider, id, Event::Status { code, served_by }, Duration::ZERO);
-        }
         if let Some(at) = self.first_byte {
             // Envoy's and this clock may disagree a little: never in the future.
-            router.hear_for(decider, id, Event::FirstByte, now.duration_since(at).unwrap_or_default());
+            router.hear_for(self.decider, &self.request_id, Event::FirstByte, now.duration_since(at).unwrap_or_default());
         }
-        router.hear_for(decider, id, Event::End, Duration::ZERO);
     }
 }
 

@@ -233,7 +233,7 @@ fn status(router: &Router, h: &HttpHeaders, served: Option<String>) -> Event {
 }
 
 /// The replica at `addr` (`ip:port`, as Envoy names an upstream host), by its key.
-pub(crate) fn served_by(router: &Router, addr: &str) -> Option<u64> {
+fn served_by(router: &Router, addr: &str) -> Option<u64> {
     let addr: SocketAddr = addr.parse().ok()?;
     router.fleet().replicas.iter().find(|r| r.addr == addr).map(|r| r.key)
 }

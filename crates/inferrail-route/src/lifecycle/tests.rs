@@ -280,3 +280,10 @@ fn a_request_whose_end_is_never_heard_expires() {
     assert!(e.release && e.complete);
     assert_eq!(e.outcome.map(|o| (o.verdict, o.duration)), Some((Verdict::Expired, ms(3_000))));
 }
+
+#[test]
+fn a_first_byte_told_as_before_the_decision_is_not_this_requests() {
+    let mut life = Life::new(ms(100), WINNER, TIMING);
+    assert_eq!(life.on(ms(99), Event::FirstByte), Effects::default(), "a late record of an earlier request with the same id");
+    assert_eq!(life.on(ms(130), Event::FirstByte).first_byte, Some(ms(30)));
+}

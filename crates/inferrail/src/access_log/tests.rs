@@ -14,33 +14,21 @@ fn record(attributes: &[(&str, &str)], started_ns: u64) -> LogRecord {
 }
 
 #[test]
-fn a_record_reads_as_the_request_its_decider_status_host_and_first_body_byte() {
+fn a_record_reads_as_the_request_its_decider_and_first_body_byte() {
     let r = record(
-        &[
-            (attribute::REQUEST_ID, "req-1"),
-            (attribute::ROUTER, "00000000000000ff"),
-            (attribute::STATUS, "200"),
-            (attribute::UPSTREAM, "127.0.0.1:8002"),
-            (attribute::FIRST_BODY_US, "11488"),
-        ],
+        &[(attribute::REQUEST_ID, "req-1"), (attribute::ROUTER, "00000000000000ff"), (attribute::FIRST_BODY_US, "11488")],
         1_000_000_000,
     );
     let e = Entry::read(&r).unwrap();
     assert_eq!(e.request_id, "req-1");
     assert_eq!(e.decider, Some(255));
-    assert_eq!(e.status, Some(200));
-    assert_eq!(e.upstream.as_deref(), Some("127.0.0.1:8002"));
     assert_eq!(e.first_byte, Some(UNIX_EPOCH + Duration::from_micros(1_011_488)));
 }
 
 #[test]
 fn envoys_dash_for_a_missing_value_is_missing_and_a_record_no_router_decided_is_left_out() {
-    let e = Entry::read(&record(
-        &[(attribute::REQUEST_ID, "r"), (attribute::STATUS, "0"), (attribute::FIRST_BODY_US, "-"), (attribute::UPSTREAM, "-")],
-        5,
-    ))
-    .unwrap();
-    assert_eq!((e.decider, e.status, e.upstream, e.first_byte), (None, None, None, None));
-    assert_eq!(Entry::read(&record(&[(attribute::REQUEST_ID, "-"), (attribute::STATUS, "200")], 5)), None);
-    assert_eq!(Entry::read(&record(&[(attribute::STATUS, "200")], 5)), None);
+    let e = Entry::read(&record(&[(attribute::REQUEST_ID, "r"), (attribute::FIRST_BODY_US, "-"), (attribute::ROUTER, "")], 5)).unwrap();
+    assert_eq!((e.decider, e.first_byte), (None, None));
+    assert_eq!(Entry::read(&record(&[(attribute::REQUEST_ID, "-"), (attribute::FIRST_BODY_US, "10")], 5)), None);
+    assert_eq!(Entry::read(&record(&[(attribute::FIRST_BODY_US, "10")], 5)), None);
 }

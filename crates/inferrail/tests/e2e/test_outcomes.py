@@ -9,7 +9,7 @@ back."""
 import re
 import time
 
-from conftest import ROOT
+from conftest import ROOT, wait_until
 
 STREAMS = 4
 TOKENS = 40
@@ -74,3 +74,22 @@ def test_the_observe_filter_tells_them_where_no_access_log_is_added(fleet_factor
         return envoy
 
     check(fleet_factory(policy="cost_model", envoy_edit=edit), 0)
+
+
+def test_the_route_stream_holds_the_request_until_its_response_ends(fleet_factory):
+    # Envoy closes an ext_proc stream after the last answer it expects; with
+    # the response's headers sent and its body not, a future Envoy could
+    # count the headers' answer as the last and end the request at its
+    # headers. Half-way through a 100-token stream (the simulator's default
+    # latency) the request still holds its slot, and gives it back after.
+    fleet = fleet_factory(policy="cost_model")
+    in_flight = lambda: sum(float(v) for v in re.findall(r"^inferrail_replica_in_flight\{[^}]*\} (\S+)$", fleet.metrics(), re.M))
+    response = fleet.open_stream(max_tokens=100)
+    events = 0
+    while events < 50:
+        events += response.readline().startswith(b"data: ")
+    # The gauge is refreshed every probe (100 ms here): a slot given back at
+    # the headers, half a stream ago, would read 0 by now.
+    assert in_flight() == 1
+    assert response.read().rstrip().endswith(b"data: [DONE]")
+    wait_until(lambda: in_flight() == 0, "the slot given back at the end")
