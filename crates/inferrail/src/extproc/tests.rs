@@ -1,8 +1,9 @@
 //! The ext_proc service over loopback gRPC, driven by tonic's generated
 //! client the way Envoy drives it: the route stream (headers, then the
-//! buffered body, held open until the request is over) and the observe
-//! stream (response headers with `request.id` and `upstream.address`, then
-//! the first body chunk).
+//! buffered body, then the response's headers, held open until the request
+//! is over), the observe stream (response headers with `request.id` and
+//! `upstream.address`, then the first body chunk), and the access log's
+//! records of first bytes.
 
 use std::collections::HashMap;
 
@@ -427,5 +428,72 @@ async fn a_peer_that_goes_takes_its_mirrors_with_it() {
     until(|| b.leases_held() == 0).await;
     assert_eq!(counts(&b), [(0, 0), (0, 0)], "B's mirror released its slot");
     assert_eq!(a.leases_held(), 1, "A still holds its own request");
+    stream.close().await;
+}
+
+/// Envoy's answer-awaited response headers on the route stream, from `upstream`.
+async fn response_headers(stream: &mut Stream, upstream: &str, status: &str) {
+    let fields = HashMap::from([("upstream.address".to_string(), string(upstream))]);
+    let attributes = HashMap::from([("envoy.filters.http.ext_proc".to_string(), Struct { fields })]);
+    let head = HttpHeaders { headers: headers(&[(":status", status)]), ..Default::default() };
+    stream.send(ProcessingRequest { attributes, request: Some(Request::ResponseHeaders(head)), ..Default::default() }).await;
+    let answer = stream.rx.message().await.unwrap().unwrap();
+    assert!(matches!(answer.response, Some(Response::ResponseHeaders(_))), "Envoy waits for this answer");
+}
+
+/// An access-log record of request `id` whose first body byte came `ago`.
+fn log_record(
+    router: &Router,
+    id: &str,
+    ago: std::time::Duration,
+) -> opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest {
+    use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value};
+    use opentelemetry_proto::tonic::logs::v1::{LogRecord, ResourceLogs, ScopeLogs};
+    let first_byte = std::time::SystemTime::now() - ago;
+    let started = first_byte - std::time::Duration::from_millis(5);
+    let text = |k: &str, v: String| KeyValue { key: k.into(), value: Some(AnyValue { value: Some(any_value::Value::StringValue(v)) }) };
+    let record = LogRecord {
+        time_unix_nano: started.duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64,
+        attributes: vec![
+            text(crate::access_log::attribute::REQUEST_ID, id.into()),
+            text(crate::access_log::attribute::ROUTER, format!("{:016x}", router.peers.id)),
+            text(crate::access_log::attribute::FIRST_BODY_US, "5000".into()),
+        ],
+        ..Default::default()
+    };
+    let scope = ScopeLogs { log_records: vec![record], ..Default::default() };
+    opentelemetry_proto::tonic::collector::logs::v1::ExportLogsServiceRequest {
+        resource_logs: vec![ResourceLogs { scope_logs: vec![scope], ..Default::default() }],
+    }
+}
+
+#[tokio::test]
+async fn the_route_stream_hears_the_status_and_a_retry_and_the_access_log_the_first_byte() {
+    use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::LogsService;
+    let (router, mut client) = serve().await;
+    let (mut stream, _) = route(&mut client, "e").await;
+    response_headers(&mut stream, "127.0.0.1:8002", "200").await;
+    assert_eq!(counts(&router), [(0, 0), (1, 1)], "Envoy retried on the fallback: the request moved, not yet streaming");
+    stream.close().await;
+    assert_eq!(counts(&router), [(0, 0), (0, 0)], "the slot goes back at the end");
+    assert_eq!(router.leases_held(), 1, "the first byte is still to come, in the access log");
+    // The record comes after the end and tells of a first byte before it (after the decision).
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    let log = crate::access_log::AccessLog::new(router.clone());
+    log.export(tonic::Request::new(log_record(&router, "e", std::time::Duration::from_millis(10)))).await.unwrap();
+    assert_eq!(router.leases_held(), 0, "status, end and first byte known: counted and forgotten");
+}
+
+#[tokio::test]
+async fn an_access_log_record_of_an_earlier_request_with_the_same_id_is_not_the_new_ones() {
+    use opentelemetry_proto::tonic::collector::logs::v1::logs_service_server::LogsService;
+    let (router, mut client) = serve().await;
+    let (stream, _) = route(&mut client, "f").await;
+    let log = crate::access_log::AccessLog::new(router.clone());
+    // A record of a request that took the id before: its first byte came before this decision.
+    log.export(tonic::Request::new(log_record(&router, "f", std::time::Duration::from_secs(3600)))).await.unwrap();
+    assert_eq!(counts(&router), [(1, 1), (0, 0)], "still waiting for its own first byte");
+    log.export(tonic::Request::new(log_record(&router, "f", std::time::Duration::ZERO))).await.unwrap();
+    assert_eq!(counts(&router), [(1, 0), (0, 0)], "its own first byte");
     stream.close().await;
 }
