@@ -169,14 +169,25 @@ impl ExtProc {
                         // If Envoy is gone it no longer needs the answer.
                         let _ = tx.send(Ok(answer)).await;
                         while let Ok(Some(m)) = inbound.message().await {
-                            // The response's headers: its status and who served, before the end.
-                            if let Some(Request::ResponseHeaders(h)) = &m.request {
-                                self.router.hear(&d.request_id, status(&self.router, h, attribute(&m.attributes, "upstream.address")));
-                                if h.end_of_stream {
-                                    self.router.hear(&d.request_id, Event::FirstByte);
+                            let answer = match &m.request {
+                                // The response's headers: its status and who served, before the end.
+                                Some(Request::ResponseHeaders(h)) => {
+                                    self.router.hear(&d.request_id, status(&self.router, h, attribute(&m.attributes, "upstream.address")));
+                                    if h.end_of_stream {
+                                        self.router.hear(&d.request_id, Event::FirstByte);
+                                    }
+                                    reply::continue_response_headers()
                                 }
-                                let _ = tx.send(Ok(reply::continue_response_headers())).await;
-                            }
+                                // Only where the filter is set to send them (not shipped): each is
+                                // let through at once, so Envoy never waits out its timeout.
+                                Some(Request::ResponseBody(_)) => {
+                                    self.router.hear(&d.request_id, Event::FirstByte);
+                                    reply::continue_response_body()
+                                }
+                                Some(Request::ResponseTrailers(_)) => reply::continue_trailers(true),
+                                _ => continue,
+                            };
+                            let _ = tx.send(Ok(answer)).await;
                         }
                         // Envoy closes the stream when the HTTP request is over, however it ended.
                         self.router.hear(&d.request_id, Event::End);

@@ -148,6 +148,11 @@ pub fn continue_response_headers() -> ProcessingResponse {
     ProcessingResponse { response: Some(Response::ResponseHeaders(HeadersResponse::default())), ..Default::default() }
 }
 
+/// Let a (buffered or streamed) response body chunk through unchanged.
+pub fn continue_response_body() -> ProcessingResponse {
+    ProcessingResponse { response: Some(Response::ResponseBody(BodyResponse::default())), ..Default::default() }
+}
+
 /// Let trailers through unchanged: the request's, or with `response` the response's.
 pub fn continue_trailers(response: bool) -> ProcessingResponse {
     let answer = TrailersResponse::default();

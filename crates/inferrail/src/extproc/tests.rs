@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata}
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, ProcessingResponse, ProtocolConfiguration, body_mutation};
+use envoy_types::pb::envoy::service::ext_proc::v3::{BodyResponse, HttpBody, ProcessingResponse, ProtocolConfiguration, body_mutation};
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value};
 use inferrail_config::Config;
 use inferrail_route::lifecycle::Usage;
@@ -496,4 +496,21 @@ async fn an_access_log_record_of_an_earlier_request_with_the_same_id_is_not_the_
     log.export(tonic::Request::new(log_record(&router, "f", std::time::Duration::ZERO))).await.unwrap();
     assert_eq!(counts(&router), [(1, 0), (0, 0)], "its own first byte");
     stream.close().await;
+}
+
+#[tokio::test]
+async fn a_route_filter_set_to_send_the_response_body_and_trailers_gets_each_answered_at_once() {
+    let (router, mut client) = serve().await;
+    let (mut stream, _) = route(&mut client, "g").await;
+    response_headers(&mut stream, "127.0.0.1:8001", "200").await;
+    let chunk = HttpBody { body: b"data: {}\n\n".to_vec(), ..Default::default() };
+    stream.send(ProcessingRequest { request: Some(Request::ResponseBody(chunk)), ..Default::default() }).await;
+    let answer = stream.rx.message().await.unwrap().unwrap();
+    assert!(matches!(answer.response, Some(Response::ResponseBody(BodyResponse { response: None }))), "let through unchanged");
+    assert_eq!(counts(&router), [(1, 0), (0, 0)], "the first body chunk is the first byte");
+    stream.send(ProcessingRequest { request: Some(Request::ResponseTrailers(Default::default())), ..Default::default() }).await;
+    let answer = stream.rx.message().await.unwrap().unwrap();
+    assert!(matches!(answer.response, Some(Response::ResponseTrailers(_))));
+    stream.close().await;
+    assert_eq!(router.leases_held(), 0);
 }
