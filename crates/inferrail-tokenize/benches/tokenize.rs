@@ -64,6 +64,32 @@ fn tokenize(c: &mut Criterion) {
             b.iter(|| tok.encode(&system, false))
         });
     }
+    // One 220 KB user message (a long document) after a prefix never seen
+    // before: the passage's pieces are cached from the runs before, its words
+    // too. Words of random letters, so the passage has as many places to cut
+    // as prose.
+    let mut state = 3u64;
+    let passage: String = (0..36_000)
+        .map(|_| {
+            let mut word = String::from(" ");
+            for _ in 0..5 {
+                state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                word.push(char::from(b'a' + ((state >> 33) % 26) as u8));
+            }
+            word
+        })
+        .collect();
+    let mut request = 0u64;
+    c.bench_function("220 KB message, a passage seen before after a new prefix", |b| {
+        b.iter_batched_ref(
+            || {
+                request += 1;
+                format!("<|im_start|>user\nrequest {request}:{passage}<|im_end|>\n")
+            },
+            |text| warm.encode(text, false),
+            criterion::BatchSize::SmallInput,
+        )
+    });
     // One 8,000-letter word (a blob without spaces): merged every time, never cached.
     let blob: String = (0..8_000u32).map(|i| char::from(b'a' + (i.wrapping_mul(2_654_435_761) >> 27) as u8 % 26)).collect();
     c.bench_function("one 8,000-letter word, encode only", |b| b.iter(|| cold.encode(&blob, false)));

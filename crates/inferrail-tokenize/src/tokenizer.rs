@@ -6,7 +6,10 @@
 //! downloaded). Text is encoded in chunks that start at special tokens; a
 //! special token splits the text for the Hugging Face tokenizer anyway, so the
 //! chunks encode independently, and long ones (a system prompt, earlier turns)
-//! are kept, up to a token budget, so a repeated piece is encoded once.
+//! are kept, up to a token budget, so a repeated piece is encoded once. A
+//! long chunk (one long message) is cut further, where its words are cut
+//! anyway and at places its text chooses, so the same passage is cut the
+//! same way whatever comes before it, and its pieces are kept too ([`pieces`]).
 
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
@@ -22,6 +25,11 @@ use bpe::Bpe;
 
 /// A chunk shorter than this is encoded every time rather than cached.
 const MIN_CACHED_BYTES: usize = 256;
+/// A chunk longer than this is cut into pieces cached on their own.
+const PIECES_ABOVE_BYTES: usize = 4 << 10;
+/// One in this many places a chunk may be cut at is a cut: pieces of about
+/// 1.5 KB of English.
+const CUT_ONE_IN: u64 = 256;
 
 /// Why a tokenizer could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -180,6 +188,13 @@ impl Tokenizer {
     }
 
     fn encode_chunk(&self, tok: &tokenizers::Tokenizer, fast: Option<&Bpe>, chunk: &str, out: &mut Vec<u32>) {
+        match fast.filter(|f| chunk.len() > PIECES_ABOVE_BYTES && self.cache.is_some() && f.cuts_at_spaces()) {
+            Some(_) => pieces(chunk, CUT_ONE_IN).for_each(|piece| self.encode_piece(tok, fast, piece, out)),
+            None => self.encode_piece(tok, fast, chunk, out),
+        }
+    }
+
+    fn encode_piece(&self, tok: &tokenizers::Tokenizer, fast: Option<&Bpe>, chunk: &str, out: &mut Vec<u32>) {
         let cache = self.cache.as_ref().filter(|_| chunk.len() >= MIN_CACHED_BYTES);
         let key = cache.map(|_| xxh3_128(chunk.as_bytes()));
         if let (Some(cache), Some(key)) = (cache, key)
@@ -290,6 +305,34 @@ fn cut_tokens(tok: &tokenizers::Tokenizer) -> Option<AhoCorasick> {
         .collect();
     patterns.sort();
     AhoCorasick::builder().match_kind(MatchKind::LeftmostLongest).build(patterns).ok()
+}
+
+/// `text` cut before some of the spaces that stand between two ASCII
+/// letters, where the byte-level families end one word and start the next
+/// (`" word"`), so the pieces encode to the ids of the whole. Which of those
+/// spaces is a cut depends only on the (up to) eight bytes before it, about
+/// one in `one_in`: a passage is cut the same way wherever it appears, and
+/// its pieces hit the cache after a prefix the cache has never seen.
+fn pieces(text: &str, one_in: u64) -> impl Iterator<Item = &str> {
+    let bytes = text.as_bytes();
+    let cut = move |p: usize| {
+        if !(bytes[p] == b' ' && bytes[p - 1].is_ascii_alphabetic() && bytes.get(p + 1).is_some_and(u8::is_ascii_alphabetic)) {
+            return false;
+        }
+        let window = &bytes[p.saturating_sub(8)..p];
+        let word = window.iter().fold(0u64, |w, &b| (w << 8) | u64::from(b));
+        // A multiplicative hash: its high bits depend on every byte of the window.
+        (word.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % one_in == 0
+    };
+    let mut start = 0;
+    let mut cuts = (1..bytes.len()).filter(move |&p| cut(p)).chain(std::iter::once(bytes.len()));
+    std::iter::from_fn(move || {
+        let end = cuts.next()?;
+        // Cuts stand before ASCII spaces: char boundaries.
+        let piece = &text[start..end];
+        start = end;
+        Some(piece)
+    })
 }
 
 /// Resolves `org/name` to its snapshot in the local Hugging Face cache.

@@ -134,6 +134,15 @@ impl Bpe {
         Some(Bpe { normalizer, split, added, alphabet, merges, whole_words, words })
     }
 
+    /// Whether text may be cut before a space between two ASCII letters and
+    /// its pieces encoded apart (see [`super::pieces`]): true for the
+    /// byte-level families, whose split ends a word at a space and starts the
+    /// next with it, and whose normalizer (none, or NFC) composes nothing
+    /// across a space. Gemma's metaspace merges whole texts: never.
+    pub(super) fn cuts_at_spaces(&self) -> bool {
+        self.normalizer != Normalizer::Metaspace
+    }
+
     /// Appends the ids of `text`, encoded without added special tokens.
     pub(super) fn encode(&self, text: &str, out: &mut Vec<u32>) {
         let words = self.words.pin();

@@ -131,3 +131,80 @@ fn gemma_words_split_only_where_no_token_spans() {
         assert_eq!(tok.encode(text, false), whole(&tok, text), "{text:?}");
     }
 }
+
+/// Words and gaps that make many places to cut, and some that must not be cut at.
+fn prose() -> impl Strategy<Value = String> {
+    proptest::collection::vec(
+        prop_oneof![
+            "[a-zA-Z]{1,9}",
+            Just(" ".to_owned()),
+            Just("  ".to_owned()),
+            Just("\n".to_owned()),
+            "[0-9]{1,5}",
+            "[.,;'!?-]{1,2}",
+            Just("'s".to_owned()),
+            Just(" \u{301}".to_owned()),
+            Just("e\u{308}".to_owned()),
+            Just("数据".to_owned()),
+            Just("<think>".to_owned()),
+            Just("<|im_start|>".to_owned()),
+        ],
+        0..200,
+    )
+    .prop_map(|parts| parts.concat())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn pieces_cut_where_words_are_cut_encode_to_the_ids_of_the_whole(text in prose()) {
+        let cut: Vec<&str> = pieces(&text, 2).collect();
+        prop_assert_eq!(cut.concat(), text.clone());
+        for (family, tok) in FAMILIES.iter().zip(ALL.iter()) {
+            let Encoder::Hf { fast: Some(fast), .. } = &tok.encoder else { continue };
+            if !fast.cuts_at_spaces() {
+                continue;
+            }
+            let mut ids = Vec::new();
+            for piece in &cut {
+                fast.encode(piece, &mut ids);
+            }
+            let mut whole_fast = Vec::new();
+            fast.encode(&text, &mut whole_fast);
+            prop_assert_eq!(&ids, &whole_fast, "{}", family);
+        }
+    }
+}
+
+#[test]
+fn a_long_passage_is_cut_the_same_way_after_any_prefix_and_its_pieces_hit_the_cache() {
+    // Words of random letters: English has as many different places to cut.
+    let mut state = 11u64;
+    let mut next = move |n: u64| {
+        state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) % n
+    };
+    let passage: String = (0..4_000)
+        .map(|_| {
+            let word: String = (0..3 + next(6)).map(|_| char::from(b'a' + next(26) as u8)).collect();
+            word + " "
+        })
+        .collect::<String>()
+        + "end";
+    let a = format!("request one {passage}");
+    let b = format!("another request, number two: {passage}");
+    let tail = |text: &str| pieces(text, CUT_ONE_IN).skip(1).map(str::to_owned).collect::<Vec<_>>();
+    let (ta, tb) = (tail(&a), tail(&b));
+    assert!(ta.len() > 5, "a 25 KB passage is cut into pieces");
+    assert_eq!(ta[1..], tb[1..], "past the first cut, the same pieces");
+    let tok = Tokenizer::load(family_dir("qwen3").to_str().unwrap(), 1_000_000).unwrap();
+    assert_eq!(tok.encode(&a, false), whole(&tok, &a));
+    let kept = tok.cached_tokens();
+    assert_eq!(tok.encode(&b, false), whole(&tok, &b));
+    assert!(
+        tok.cached_tokens() - kept < kept / 4,
+        "the second text's pieces were mostly in the cache: {kept} then {}",
+        tok.cached_tokens()
+    );
+}
