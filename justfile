@@ -295,7 +295,7 @@ bench-outcomes *args: setup
     set -euo pipefail
     cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
     mkdir -p target/bench
-    "{{venv}}/bin/python" -c 'import sys; sys.path.insert(0, "bench"); from cpu_per_request import observe_filter; print(observe_filter(open("envoy/local.yaml").read()), end="")' > target/bench/local-observe.yaml
+    "{{venv}}/bin/python" -c 'import sys; sys.path.insert(0, "bench"); from cpu_per_request import observe_layout; print(observe_layout(open("envoy/local.yaml").read()), end="")' > target/bench/local-observe.yaml
     sim="--block-size 16 --num-gpu-blocks-override 1100 --max-model-len 10240"
     rate=$(python3 -c "import json; print(round(0.7 * json.load(open('bench/results/routing/capacity/capacity-w1-round_robin.json'))['rate'], 3))")
     for round in 1 2 3; do

@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "crates" / "inferrail" / "tests" / "e2e"))
-from conftest import MODEL, Fleet, http  # noqa: E402  (the end-to-end suite's fleet)
+from conftest import MODEL, Fleet, http, observe_filter  # noqa: E402  (the end-to-end suite's fleet)
 
 HZ = os.sysconf("SC_CLK_TCK")
 BODY = {"model": MODEL, "max_tokens": 1,
@@ -49,23 +49,18 @@ def cpu_s(pid):
     return (int(fields[11]) + int(fields[12])) / HZ
 
 
-def observe_filter(envoy):
-    """`envoy/local.yaml` with the observe filter in place of the access log."""
-    observe = (ROOT / "envoy" / "filters" / "observe.yaml").read_text()
-    observe = "\n".join(" " * 10 + line for line in observe.splitlines() if not line.startswith("#")) + "\n"
-    envoy, n = re.subn(r"          # What happened upstream.*?(?=          route_config:)", "", envoy, flags=re.S)
-    assert n == 1, "envoy/local.yaml's access log should stand before its route_config"
+def observe_layout(envoy):
+    """`envoy/local.yaml` as it ran before ADR 0035: the observe filter in
+    place of the access log, and the route stream without the response's headers."""
     envoy, n = re.subn(r"response_header_mode: SEND", "response_header_mode: SKIP", envoy)
-    assert n == 1
-    envoy, n = re.subn(r"(?=          - name: envoy\.filters\.http\.router)", lambda _: observe, envoy, count=1)
-    assert n == 1
-    return envoy
+    assert n == 1, "envoy/local.yaml's route filter should send the response's headers"
+    return observe_filter(envoy)
 
 
 VARIANTS = {
     "shipped": dict(routers=1, threads=1, edit=None),
-    "observe": dict(routers=1, threads=1, edit=observe_filter),
-    "observe-2-threads": dict(routers=1, threads=2, edit=observe_filter),
+    "observe": dict(routers=1, threads=1, edit=observe_layout),
+    "observe-2-threads": dict(routers=1, threads=2, edit=observe_layout),
     "two-routers": dict(routers=2, threads=1, edit=None),
 }
 

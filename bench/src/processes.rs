@@ -99,8 +99,8 @@ pub fn envoy_config(path: impl AsRef<std::path::Path>, moves: &[(u16, u16)]) -> 
 
 /// An Envoy bootstrap whose `inferrail` cluster has one router, turned
 /// into one over every router at `addresses` (`ip:port`), each ext_proc
-/// stream's router drawn at random: round robin would send one client's
-/// route streams to one router and its observe streams to the next.
+/// stream's router drawn at random, as `just ROUTERS=2 up` and the e2e
+/// fleet draw them (ADR 0034).
 pub fn several_routers(bootstrap: &str, addresses: &[String]) -> anyhow::Result<String> {
     let cluster = "  - name: inferrail\n    type: STATIC\n";
     anyhow::ensure!(bootstrap.matches(cluster).count() == 1, "the bootstrap should have one STATIC inferrail cluster");

@@ -440,7 +440,7 @@ impl<'a> World<'a> {
         };
         self.tell_peers(id, decider, Heard::Decided, now);
         if self.setup.peers && self.routers.len() > 1 {
-            self.told.insert(id, Told { replica, hold: committed.hold.clone(), session: a.session.clone() });
+            self.told.insert(id, Told { replica, hold: committed.lease.hold(), session: a.session.clone() });
         }
         let job = Job {
             arrival_ns: now,

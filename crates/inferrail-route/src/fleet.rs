@@ -17,7 +17,7 @@ use inferrail_kv::mode::{Mode, Reason};
 use inferrail_policy::{Candidate, Own, Share};
 
 use crate::kv::{Prediction, Record};
-use crate::{FRESH, Report};
+use crate::{FRESH, Hold, Report};
 
 /// One replica and its live state.
 #[derive(Debug)]
@@ -358,12 +358,13 @@ pub struct Lease {
 impl Lease {
     /// Takes a slot on `replica` for a prompt of `prompt_tokens`.
     pub fn new(replica: Arc<Replica>, model: usize, prompt_tokens: u64) -> Self {
-        Self::since(replica, model, Instant::now(), prompt_tokens)
+        Self::held(replica, model, Instant::now(), prompt_tokens, true)
     }
 
-    /// Takes a slot on `replica` for a request decided at `start`.
-    pub fn since(replica: Arc<Replica>, model: usize, start: Instant, prompt_tokens: u64) -> Self {
-        Self::held(replica, model, start, prompt_tokens, true)
+    /// A slot on `to` for the same request (Envoy retried there): decided
+    /// when this one was, and this router's or a peer's as this one is.
+    pub fn moved(&self, to: Arc<Replica>) -> Self {
+        Self::held(to, self.model, self.start, self.prompt_tokens, self.mine)
     }
 
     /// Takes a slot on `replica` for a request a peer router decided: it
@@ -380,11 +381,16 @@ impl Lease {
         Self { replica, model, start, prompt_tokens, mine, estimate_us, state, prefill_us, sent_kv, kv }
     }
 
-    /// Its estimated prefill while it is queued, and the KV room it takes
-    /// (zero once released): what a peer is told to hold for it.
-    pub fn held_room(&self) -> (Duration, u64) {
-        let kv = self.sent_kv.get().map_or(0, |n| n.load(Ordering::Relaxed));
-        (Duration::from_micros(self.prefill_us.load(Ordering::Relaxed)), kv)
+    /// What it holds now, as a peer is told to hold it: its prompt, the
+    /// prefill still queued (none once its first byte came), the KV room it
+    /// takes (none once released) and its prompt's record.
+    pub fn hold(&self) -> Hold {
+        Hold {
+            prompt_tokens: (self.prompt_tokens > 0).then_some(self.prompt_tokens as usize),
+            prefill: Duration::from_micros(self.prefill_us.load(Ordering::Relaxed)),
+            kv_tokens: self.sent_kv.get().map_or(0, |n| n.load(Ordering::Relaxed)),
+            prediction: self.kv.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(p, _)| p.clone()),
+        }
     }
 
     /// Queues its estimated `prefill` on its replica, until its first byte or release.

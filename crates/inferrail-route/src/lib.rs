@@ -181,11 +181,9 @@ pub struct Committed {
     pub targets: Vec<Arc<Replica>>,
     /// Predicted cached prompt tokens on each target, when the prompt was tokenized.
     pub cached_tokens: Vec<usize>,
-    /// What it holds on the winner.
-    pub hold: Hold,
 }
 
-/// What a decision holds on its replica besides the slot ([`Core::hold`]).
+/// What a decision holds on its replica besides the slot ([`Core::hold`], [`Lease::hold`]).
 #[derive(Debug, Clone)]
 pub struct Hold {
     /// Prompt tokens, when the prompt was tokenized.
@@ -493,7 +491,7 @@ impl Core {
             Some(_) => picked.iter().map(|&i| plan.candidates[i].cached_tokens).collect(),
             None => Vec::new(),
         };
-        Committed { lease, targets, cached_tokens, hold }
+        Committed { lease, targets, cached_tokens }
     }
 
     /// Takes what a decision holds on `replica` for model `model`, decided
@@ -537,7 +535,7 @@ impl Core {
     /// Moves a request's lease to the replica that really served it (Envoy
     /// retried on a fallback), and its prompt's record with it. Returns the new lease.
     pub fn move_lease(&self, old: &Lease, to: &Arc<Replica>) -> Arc<Lease> {
-        let moved = Arc::new(Lease::since(to.clone(), old.model, old.start, old.prompt_tokens));
+        let moved = Arc::new(old.moved(to.clone()));
         if let Some((prediction, record)) = old.kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
             self.kv.take_back(&record);
             let again = self.kv.record(&prediction, self.place(to));

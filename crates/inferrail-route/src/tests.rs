@@ -72,8 +72,9 @@ fn a_committed_prompt_is_predicted_cached_and_its_prefill_queued_on_the_winner()
     let (_, first) = core.decide(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap();
     let winner = first.targets[0].clone();
     let expected = core.model(0).params.prefill.secs(2_000, 0);
-    assert!((first.hold.prefill.as_secs_f64() - expected).abs() < 1e-6);
-    assert_eq!(winner.queued_prefill(), Duration::from_micros(first.hold.prefill.as_micros() as u64));
+    let queued = first.lease.hold().prefill;
+    assert!((queued.as_secs_f64() - expected).abs() < 2e-6, "to the microsecond");
+    assert_eq!(winner.queued_prefill(), queued);
     assert_eq!(winner.prompt_tokens(), 2_000);
     let plan = core.plan(&view(&core, &fleet, &prompt(0, 2_100)), &fleet, NONE, Duration::ZERO).unwrap();
     let on = |id: &str| (0..3).find(|&i| plan.replica(i).id == id).unwrap();
@@ -81,7 +82,7 @@ fn a_committed_prompt_is_predicted_cached_and_its_prefill_queued_on_the_winner()
     assert!((0..3).filter(|&i| plan.replica(i).id != winner.id).all(|i| plan.candidates[i].cached_tokens == 0));
     assert_eq!(plan.terms, ["queue", "decode", "prefill", "hot_credit", "share", "copy"]);
     let score = plan.scores[on(&winner.id)].unwrap();
-    assert!((score.terms[0] - first.hold.prefill.as_secs_f64()).abs() < 1e-6, "the queued prefill is the queue term");
+    assert!((score.terms[0] - queued.as_secs_f64()).abs() < 1e-6, "the queued prefill is the queue term");
     // Its first byte empties the queue; the lease's end the counters.
     first.lease.first_byte();
     assert_eq!(winner.queued_prefill(), Duration::ZERO);
@@ -236,7 +237,7 @@ fn a_peers_decision_held_here_counts_caches_and_teaches_the_policy() {
     let p = prompt(0, 200);
     let (_, decided) = a.decide(&view(&a, &fleet_a, &p), &fleet_a, NONE, Duration::ZERO).unwrap();
     let on_b = fleet_b.replicas.iter().find(|r| r.id == decided.targets[0].id).unwrap().clone();
-    let mirror = b.mirror(0, &on_b, &decided.hold, None, Duration::ZERO);
+    let mirror = b.mirror(0, &on_b, &decided.lease.hold(), None, Duration::ZERO);
     assert!(!mirror.mine);
     let plan = b.plan(&view(&b, &fleet_b, &prompt(0, 300)), &fleet_b, NONE, Duration::ZERO).unwrap();
     let i = (0..3).find(|&i| plan.replica(i).id == on_b.id).unwrap();
@@ -247,4 +248,15 @@ fn a_peers_decision_held_here_counts_caches_and_teaches_the_policy() {
     let (_, next_b) = b.decide(&view(&b, &fleet_b, &prompt(1, 50)), &fleet_b, NONE, Duration::ZERO).unwrap();
     assert_eq!(next_b.targets[0].id, next_a.targets[0].id);
     assert_ne!(next_b.targets[0].id, on_b.id);
+}
+
+#[test]
+fn a_peers_request_that_envoy_retried_elsewhere_stays_the_peers() {
+    let (core, fleet) = core("round_robin", 3);
+    let hold = Hold { prompt_tokens: Some(100), prefill: Duration::from_millis(5), kv_tokens: 100, prediction: None };
+    let mirror = core.mirror(0, &fleet.replicas[0], &hold, None, Duration::ZERO);
+    let moved = core.move_lease(&mirror, &fleet.replicas[1]);
+    assert!(!moved.mine);
+    let c = fleet.replicas[1].candidate(Duration::ZERO, (0, 0), None, Share { rank: 0, of: 2 });
+    assert_eq!((c.in_flight, c.own.map(|o| o.in_flight)), (1, Some(0)), "on the replica, but not in this router's part of its limits");
 }

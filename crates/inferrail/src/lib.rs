@@ -9,9 +9,10 @@
 //! `inferrail-kv`), scores the model's eligible replicas with the model's
 //! policy (crate `inferrail-policy`) and leases the winner;
 //! [`reply`] turns the decision into headers and dynamic metadata for Envoy.
-//! After it, [`extproc`] and [`access_log`] turn what Envoy tells (the route
-//! stream's closing; the access log's, or an observe stream's, status,
-//! replica that served and first byte) into events of the request's life, which the router hands to
+//! After it, [`extproc`] and [`access_log`] turn what Envoy tells (on the
+//! route stream, the response's status, the replica that served and the
+//! stream's closing; in the access log, or on an observe stream, the first
+//! byte) into events of the request's life, which the router hands to
 //! the ledger (crate `inferrail-route`) and acts on. [`health`] probes replicas and ejects failing
 //! ones; [`load`] keeps the engines' load reports current; [`kv_events`] applies the engines' KV events to the index; [`discovery`] keeps DNS groups' members current and [`kubernetes`] an InferencePool's; [`reload`] applies a changed routing YAML; [`peers`] shares the requests in flight with the other routers; [`admin`] serves
 //! metrics and health; [`explain`] answers why a request would go where it

@@ -166,23 +166,22 @@ fn send(link: &mpsc::Sender<PeerMessage>, m: PeerMessage) {
 /// conversation it names.
 pub fn decided(router: &Router, request: &str, lease: &Lease, session: Option<&str>) -> Kind {
     let block_size = router.core.block_size(&lease.replica);
-    let prediction = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(p, _)| p.clone());
-    let (output, blocks) = match &prediction {
+    let hold = lease.hold();
+    let (output, blocks) = match &hold.prediction {
         Some(p) => (p.output_tokens(), p.blocks(block_size).unwrap_or_default().iter().flat_map(|h| h.to_le_bytes()).collect()),
         None => (0, Vec::new()),
     };
-    let (prefill, kv_tokens) = lease.held_room();
     Kind::Decided(Decided {
         request: request.to_string(),
         model: router.core.model(lease.model).name.clone(),
         replica: lease.replica.id.clone(),
         prompt_tokens: lease.prompt_tokens,
-        tokenized: prediction.is_some(),
+        tokenized: hold.prediction.is_some(),
         output_tokens: output as u64,
         block_size: block_size as u32,
         blocks,
-        prefill_us: prefill.as_micros() as u64,
-        kv_tokens,
+        prefill_us: hold.prefill.as_micros() as u64,
+        kv_tokens: hold.kv_tokens,
         session: session.map(str::to_owned),
     })
 }

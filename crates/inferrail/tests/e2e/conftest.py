@@ -23,6 +23,23 @@ from harness import ENVOY, ROOT, TARGET, free_ports, http, wait_until  # noqa: E
 MODEL = "inferrail/sim-8b"
 
 
+def without_access_log(envoy):
+    """`envoy/local.yaml`'s text without inferrail's access log."""
+    envoy, n = re.subn(r"          # What happened upstream.*?(?=          route_config:)", "", envoy, flags=re.S)
+    assert n == 1, "envoy/local.yaml's access log should stand before its route_config"
+    return envoy
+
+
+def observe_filter(envoy):
+    """`envoy/local.yaml`'s text with the observe filter (`envoy/filters/observe.yaml`)
+    in place of the access log, as a gateway that cannot add one runs it."""
+    observe = (ROOT / "envoy" / "filters" / "observe.yaml").read_text()
+    observe = "\n".join(" " * 10 + line for line in observe.splitlines() if not line.startswith("#")) + "\n"
+    envoy, n = re.subn(r"(?=          - name: envoy\.filters\.http\.router)", lambda _: observe, without_access_log(envoy), count=1)
+    assert n == 1, "envoy/local.yaml's filters should end with the router filter"
+    return envoy
+
+
 class Fleet:
     def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
                  kv_events=None, routers=1, filters=None, envoy_edit=None, peers=True):
@@ -80,8 +97,7 @@ class Fleet:
             envoy, n = re.subn(r"          # The decision.*?(?=          - name: envoy\.filters\.http\.router)", lambda _: filters, envoy,
                                flags=re.S)
             assert n == 1, "envoy/local.yaml's inferrail filters should stand before the router filter"
-            envoy, n = re.subn(r"          # What happened upstream.*?(?=          route_config:)", "", envoy, flags=re.S)
-            assert n == 1, "envoy/local.yaml's access log should stand before its route_config"
+            envoy = without_access_log(envoy)
         if envoy_edit is not None:
             envoy = envoy_edit(envoy)
         if routers > 1:
