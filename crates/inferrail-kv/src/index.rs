@@ -25,9 +25,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::hash::BlockHash;
 use exact::{Change, Exact};
 pub use exact::{Event, EventError, Stored, Tier};
+use holders::Holders;
 use shadow::Shadow;
 
 mod exact;
+mod holders;
 mod shadow;
 
 /// Most blocks a shadow, and the holder map, take room for before they
@@ -104,7 +106,7 @@ type FoldState = std::hash::BuildHasherDefault<Fold>;
 #[derive(Debug)]
 pub struct KvIndex {
     /// Block -> the slots holding it.
-    holders: papaya::HashMap<BlockHash, Bits, FoldState>,
+    holders: Holders,
     replicas: Mutex<HashMap<Slot, Replica>>,
     placeholders: AtomicU64,
     /// Replica incarnations and requests take their ids from here.
@@ -128,14 +130,7 @@ impl Default for KvIndex {
 impl KvIndex {
     /// An empty index.
     pub fn new() -> Self {
-        Self {
-            // Growing copies the whole table at once: lookups, the hot path,
-            // never search an old table and a new one while a copy is under way.
-            holders: papaya::HashMap::builder().hasher(FoldState::default()).resize_mode(papaya::ResizeMode::Blocking).build(),
-            replicas: Mutex::default(),
-            placeholders: AtomicU64::new(0),
-            ids: AtomicU64::new(0),
-        }
+        Self { holders: Holders::new(), replicas: Mutex::default(), placeholders: AtomicU64::new(0), ids: AtomicU64::new(0) }
     }
 
     /// Adds a replica that holds nothing and can hold `capacity` blocks (at least one).
@@ -145,10 +140,8 @@ impl KvIndex {
             self.drop_all(slot, old);
         }
         // The map holds no more blocks than the replicas together: room for
-        // them now spares the lookups that would wait while a large table
-        // is copied to grow (churn still copies it now and then: papaya
-        // does not reuse a removed entry's slot).
-        self.holders.pin().reserve(room_up_front(&replicas).saturating_sub(self.holders.len()));
+        // them now spares the writes that would wait while a table grows.
+        self.holders.reserve(room_up_front(&replicas));
     }
 
     fn new_replica(&self, capacity: usize) -> Replica {
@@ -207,9 +200,8 @@ impl KvIndex {
         }
         let old = std::mem::replace(entry, fresh);
         self.drop_all(slot, old);
-        let holders = self.holders.pin();
         for h in replicas.get(&slot).into_iter().flat_map(|r| r.shadow.blocks()) {
-            add(&holders, h, slot);
+            self.holders.add(h, slot);
         }
     }
 
@@ -241,12 +233,11 @@ impl KvIndex {
         if changes.is_empty() {
             return;
         }
-        let holders = self.holders.pin();
         for &(h, present) in changes {
             if present {
-                add(&holders, h, slot);
+                self.holders.add(h, slot);
             } else {
-                release(&holders, h, slot);
+                self.holders.release(h, slot);
             }
         }
     }
@@ -345,16 +336,15 @@ impl KvIndex {
     fn take_fresh(&self, shadow: &mut Shadow, slot: Slot, n: usize, names: &[BlockHash]) -> Vec<BlockHash> {
         let mut evicted = Vec::new();
         let room = shadow.make_room(n, &mut evicted);
-        let holders = self.holders.pin();
         for h in evicted.into_iter().filter(|&h| !is_placeholder(h)) {
-            release(&holders, h, slot);
+            self.holders.release(h, slot);
         }
         let mut fresh = Vec::with_capacity(room);
         for i in 0..room {
             // The slot's bit in the holder map is whether its shadow holds
             // the block: one probe asks and, when it does not, adds it.
             let key = match names.get(i) {
-                Some(&h) if add(&holders, h, slot) => h,
+                Some(&h) if self.holders.add(h, slot) => h,
                 _ => self.placeholder(),
             };
             // Cannot fail: `make_room` left room for it.
@@ -402,14 +392,13 @@ impl KvIndex {
     pub fn take_back(&self, recorded: &Recorded) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
-        let holders = self.holders.pin();
         let shadow = &mut rep.shadow;
         // Last block first, as every release goes, so a prefix stays newer than what follows it.
         match rep.requests.remove(&recorded.request) {
             Some(Request::Running { keys, reused, .. }) => {
                 for &h in keys[reused..].iter().rev() {
                     if shadow.withdraw(h) && !is_placeholder(h) {
-                        release(&holders, h, recorded.slot);
+                        self.holders.release(h, recorded.slot);
                     }
                 }
                 for &h in keys[..reused].iter().rev() {
@@ -459,7 +448,6 @@ impl KvIndex {
     /// replica stops are probed further, about log2(blocks) probes per
     /// distinct depth rather than one per block.
     pub fn matched(&self, hashes: &[BlockHash], slots: &[Slot]) -> Vec<usize> {
-        let holders = self.holders.pin();
         // The slots asked about, 64 to a word of the holder bitmaps; each word is searched on its own.
         let mut words: Vec<u64> = Vec::new();
         for &s in slots {
@@ -484,7 +472,7 @@ impl KvIndex {
                         continue;
                     }
                     let mid = (lo + hi) / 2;
-                    let at_mid = at_lo & holders.get(&hashes[mid - 1]).map_or(0, |b| b.word(w));
+                    let at_mid = at_lo & self.holders.word(hashes[mid - 1], w);
                     for half in [(lo, mid, at_lo, at_mid), (mid, hi, at_mid, at_hi)] {
                         if half.2 != half.3 {
                             next.push(half);
@@ -526,17 +514,11 @@ impl KvIndex {
     }
 
     /// Bytes the index has allocated: the shadows' exactly, the holder
-    /// map's estimated (papaya does not say its table's size): an entry on
-    /// the heap a block, and a table of 9-byte slots reserved for every
-    /// replica's capacity, kept under three quarters full (churn may double
-    /// it).
+    /// map's tables estimated from their capacity.
     pub fn bytes(&self) -> usize {
         let replicas = self.lock();
         let shadows: usize = replicas.values().map(|r| r.shadow.bytes() + r.exact.as_ref().map_or(0, Exact::bytes)).sum();
-        let most = room_up_front(&replicas).max(self.holders.len());
-        let entry = size_of::<(BlockHash, Bits)>().next_multiple_of(16);
-        let table = (most * 4 / 3).next_power_of_two() * (size_of::<usize>() + 1);
-        shadows + self.holders.len() * entry + table
+        shadows + self.holders.bytes()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Slot, Replica>> {
@@ -545,12 +527,11 @@ impl KvIndex {
 
     /// Releases every block of a replica's old shadow or exact view; called under the lock.
     fn drop_all(&self, slot: Slot, old: Replica) {
-        let holders = self.holders.pin();
         for h in old.shadow.blocks().filter(|&h| !is_placeholder(h)) {
-            release(&holders, h, slot);
+            self.holders.release(h, slot);
         }
         for h in old.exact.iter().flat_map(Exact::present) {
-            release(&holders, h, slot);
+            self.holders.release(h, slot);
         }
     }
 }
@@ -559,82 +540,6 @@ impl KvIndex {
 /// up to `UP_FRONT`.
 fn room_up_front(replicas: &HashMap<Slot, Replica>) -> usize {
     replicas.values().map(|r| r.shadow.cap()).fold(0, usize::saturating_add).min(UP_FRONT)
-}
-
-type Holders<'a, G> = papaya::HashMapRef<'a, BlockHash, Bits, FoldState, G>;
-
-/// `slot` holds `h` from now on; false if it did already.
-fn add<G: papaya::Guard>(holders: &Holders<'_, G>, h: BlockHash, slot: Slot) -> bool {
-    let added = holders.compute(h, |entry| match entry {
-        Some((_, bits)) if bits.has(slot) => papaya::Operation::Abort(()),
-        Some((_, bits)) => papaya::Operation::Insert(bits.with(slot)),
-        None => papaya::Operation::Insert(Bits::default().with(slot)),
-    });
-    !matches!(added, papaya::Compute::Aborted(()))
-}
-
-/// `slot` no longer holds `h`.
-fn release<G: papaya::Guard>(holders: &Holders<'_, G>, h: BlockHash, slot: Slot) {
-    // Abort means there was nothing to release.
-    let _ = holders.compute(h, |entry| match entry {
-        Some((_, bits)) if bits.has(slot) => {
-            let rest = bits.without(slot);
-            if rest == Bits::default() { papaya::Operation::Remove } else { papaya::Operation::Insert(rest) }
-        }
-        _ => papaya::Operation::Abort(()),
-    });
-}
-
-/// The slots holding a block: the first 64 inline, so the common fleet costs
-/// no allocation beyond the map's entry; more in a boxed tail.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Bits {
-    low: u64,
-    /// Words 1.. of the bitmap (slot `s` is bit `s % 64` of word `s / 64`).
-    high: Option<Box<[u64]>>,
-}
-
-impl Bits {
-    fn word(&self, i: usize) -> u64 {
-        match i {
-            0 => self.low,
-            _ => self.high.as_ref().and_then(|h| h.get(i - 1)).copied().unwrap_or(0),
-        }
-    }
-
-    fn has(&self, slot: Slot) -> bool {
-        self.word(slot as usize / 64) & (1 << (slot % 64)) != 0
-    }
-
-    fn with(&self, slot: Slot) -> Bits {
-        let mut out = self.clone();
-        let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
-        if w == 0 {
-            out.low |= bit;
-        } else {
-            let mut high = out.high.map(Vec::from).unwrap_or_default();
-            if high.len() < w {
-                high.resize(w, 0);
-            }
-            high[w - 1] |= bit;
-            out.high = Some(high.into());
-        }
-        out
-    }
-
-    fn without(&self, slot: Slot) -> Bits {
-        let mut out = self.clone();
-        let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
-        match (w, out.high.as_mut()) {
-            (0, _) => out.low &= !bit,
-            (w, Some(high)) if w <= high.len() => high[w - 1] &= !bit,
-            _ => {}
-        }
-        if out.high.as_ref().is_some_and(|h| h.iter().all(|&x| x == 0)) {
-            out.high = None;
-        }
-        out
-    }
 }
 
 fn set_bit(bits: &mut Vec<u64>, slot: Slot) {

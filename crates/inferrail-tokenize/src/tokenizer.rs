@@ -316,16 +316,22 @@ fn cut_tokens(tok: &tokenizers::Tokenizer) -> Option<AhoCorasick> {
 fn pieces(text: &str, one_in: u64) -> impl Iterator<Item = &str> {
     let bytes = text.as_bytes();
     let cut = move |p: usize| {
-        if !(bytes[p] == b' ' && bytes[p - 1].is_ascii_alphabetic() && bytes.get(p + 1).is_some_and(u8::is_ascii_alphabetic)) {
+        if p == 0 || !(bytes[p - 1].is_ascii_alphabetic() && bytes.get(p + 1).is_some_and(u8::is_ascii_alphabetic)) {
             return false;
         }
-        let window = &bytes[p.saturating_sub(8)..p];
-        let word = window.iter().fold(0u64, |w, &b| (w << 8) | u64::from(b));
-        // A multiplicative hash: its high bits depend on every byte of the window.
-        (word.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) % one_in == 0
+        let word = match bytes[..p].last_chunk::<8>() {
+            Some(window) => u64::from_be_bytes(*window),
+            None => bytes[..p].iter().fold(0u64, |w, &b| (w << 8) | u64::from(b)),
+        };
+        // SplitMix64's finalizer: every bit of the result depends on every
+        // byte of the window. (One multiply's bits 32-39 saw only the last
+        // five bytes: a text of 64 distinct words was never cut.)
+        let mut z = (word ^ (word >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        (z ^ (z >> 31)) % one_in == 0
     };
     let mut start = 0;
-    let mut cuts = (1..bytes.len()).filter(move |&p| cut(p)).chain(std::iter::once(bytes.len()));
+    let mut cuts = memchr::memchr_iter(b' ', bytes).filter(move |&p| cut(p)).chain(std::iter::once(bytes.len()));
     std::iter::from_fn(move || {
         let end = cuts.next()?;
         // Cuts stand before ASCII spaces: char boundaries.

@@ -177,21 +177,25 @@ proptest! {
     }
 }
 
+/// Draws below `n`, seeded: a linear congruential generator.
+fn draws(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut state = seed;
+    move |n| {
+        state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) % n
+    }
+}
+
+/// A word of three to eight random lowercase letters.
+fn random_word(next: &mut impl FnMut(u64) -> u64) -> String {
+    (0..3 + next(6)).map(|_| char::from(b'a' + next(26) as u8)).collect()
+}
+
 #[test]
 fn a_long_passage_is_cut_the_same_way_after_any_prefix_and_its_pieces_hit_the_cache() {
     // Words of random letters: English has as many different places to cut.
-    let mut state = 11u64;
-    let mut next = move |n: u64| {
-        state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-        (state >> 33) % n
-    };
-    let passage: String = (0..4_000)
-        .map(|_| {
-            let word: String = (0..3 + next(6)).map(|_| char::from(b'a' + next(26) as u8)).collect();
-            word + " "
-        })
-        .collect::<String>()
-        + "end";
+    let mut next = draws(11);
+    let passage: String = (0..4_000).map(|_| random_word(&mut next) + " ").collect::<String>() + "end";
     let a = format!("request one {passage}");
     let b = format!("another request, number two: {passage}");
     let tail = |text: &str| pieces(text, CUT_ONE_IN).skip(1).map(str::to_owned).collect::<Vec<_>>();
@@ -207,4 +211,15 @@ fn a_long_passage_is_cut_the_same_way_after_any_prefix_and_its_pieces_hit_the_ca
         "the second text's pieces were mostly in the cache: {kept} then {}",
         tok.cached_tokens()
     );
+}
+
+#[test]
+fn a_text_of_few_distinct_words_is_cut_as_often_as_any() {
+    // Sixty-four words, as in the benchmarks' filler: few distinct windows before a space.
+    let mut next = draws(5);
+    let words: Vec<String> = (0..64).map(|_| random_word(&mut next)).collect();
+    let text = (0..36_000).map(|_| words[next(64) as usize].as_str()).collect::<Vec<_>>().join(" ");
+    let cuts = pieces(&text, CUT_ONE_IN).count() - 1;
+    // About 36,000 places to cut, one in 256 of them a cut.
+    assert!((36_000 / 512..36_000 / 128).contains(&cuts), "{cuts} cuts");
 }
