@@ -61,7 +61,9 @@ def fleet(tmp, blocks, mode):
     events = {"bind": "router", "replay": True} if mode == "events" else None
     f = Fleet(tmp, tokenizer=QWEN3,
               sim_flags=["--block-size", "16", "--num-gpu-blocks-override", str(blocks), "--max-model-len", "1024"],
-              replica_extra=f", block_size: 16, kv_blocks: {blocks}", kv_events=events).start()
+              replica_extra=f", block_size: 16, kv_blocks: {blocks}", kv_events=events,
+              # The users keep replies of their own in their histories, not the engine's.
+              config_extra="kv: {resent_replies: false}\n").start()
     if events:
         f.until_exact()
     return f

@@ -418,7 +418,7 @@ impl<'a> World<'a> {
     fn arrive(&mut self, a: Arrival, now: u64, id: usize) -> bool {
         let decider = id % self.routers.len();
         let router = &self.routers[decider];
-        let prompt = Prompt { ids: a.ids, max_tokens: Some(a.max_tokens), cache_salt: None };
+        let prompt = Prompt { ids: a.ids, max_tokens: Some(a.max_tokens), cache_salt: None, special_at: Vec::new() };
         let prediction = router.core.prepare(0, &prompt, &router.fleet);
         let view = View {
             model: 0,

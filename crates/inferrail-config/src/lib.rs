@@ -235,11 +235,17 @@ pub struct Kv {
     pub blocks: usize,
     /// Output tokens expected of a chat request without `max_tokens` (they take cache room).
     pub expected_output_tokens: usize,
+    /// Clients resend the replies they got, as they came, in their next
+    /// turn (agent loops, chat apps): a replica that generated a reply is
+    /// predicted to hold its blocks when the next turn resends it
+    /// (approximate mode). Off for clients that replay recorded
+    /// conversations or edit replies.
+    pub resent_replies: bool,
 }
 
 impl Default for Kv {
     fn default() -> Self {
-        Self { block_size: 16, blocks: 8192, expected_output_tokens: 256 }
+        Self { block_size: 16, blocks: 8192, expected_output_tokens: 256, resent_replies: true }
     }
 }
 

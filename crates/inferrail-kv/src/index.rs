@@ -50,6 +50,28 @@ pub struct Recorded {
     request: u64,
 }
 
+/// What a request's reply leaves in the engine's cache after its prompt,
+/// for the conversation's next turn, which resends prompt and reply
+/// (approximate mode): the engine caches the blocks its generated tokens
+/// fill, and the router learns their names from the next turn's prompt.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reply {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Output tokens the request asked for at most, if it said.
+    pub asked: Option<usize>,
+    /// The prompt's tokens after its last full block.
+    pub tail: Vec<u32>,
+}
+
+/// A completed request's reply: its blocks in the shadow, unnamed, from the
+/// one holding the prompt's partial last block on.
+#[derive(Debug)]
+struct Replied {
+    reply: Reply,
+    blocks: Vec<BlockHash>,
+}
+
 /// One replica as the index sees it: its shadow or exact view, and the requests it runs or queues.
 #[derive(Debug)]
 struct Replica {
@@ -62,7 +84,16 @@ struct Replica {
     requests: HashMap<u64, Request>,
     /// Requests waiting for room, first come first, as in the engine's queue.
     queue: VecDeque<u64>,
+    /// The replies requests recorded and not yet completed will leave, and their prompts' full blocks.
+    coming: HashMap<u64, (Reply, usize)>,
+    /// Completed requests' replies by their prompt's last full block.
+    replies: HashMap<BlockHash, Replied>,
+    /// When `replies` holds more, the ones evicted from the shadow go.
+    prune_at: usize,
 }
+
+/// Replies kept before the first prune.
+const REPLIES_KEPT: usize = 1024;
 
 #[derive(Debug)]
 enum Request {
@@ -146,7 +177,16 @@ impl KvIndex {
 
     fn new_replica(&self, capacity: usize) -> Replica {
         let id = self.ids.fetch_add(1, Ordering::Relaxed);
-        Replica { id, shadow: Shadow::new(capacity), exact: None, requests: HashMap::new(), queue: VecDeque::new() }
+        Replica {
+            id,
+            shadow: Shadow::new(capacity),
+            exact: None,
+            requests: HashMap::new(),
+            queue: VecDeque::new(),
+            coming: HashMap::new(),
+            replies: HashMap::new(),
+            prune_at: REPLIES_KEPT,
+        }
     }
 
     /// Forgets a replica that left.
@@ -381,7 +421,55 @@ impl KvIndex {
         for &h in generated.iter().rev().chain(keys.iter().rev()) {
             shadow.release(h);
         }
+        if let Some((reply, full)) = rep.coming.remove(&recorded.request) {
+            // Kept when the prompt's blocks all went in under their names.
+            if keys.len() >= full && !is_placeholder(keys[full - 1]) && keys.len() + generated.len() > full {
+                let blocks = keys[full..].iter().chain(&generated).copied().collect();
+                keep_reply(rep, keys[full - 1], Replied { reply, blocks });
+            }
+        }
         self.admit_waiting(recorded.slot, rep);
+    }
+
+    /// A recorded request on an approximate replica keeps, when it
+    /// completes, the blocks its reply fills after its prompt's `full` full
+    /// blocks, for the next turn to name (`adopt`).
+    pub fn expect_reply(&self, recorded: &Recorded, reply: Reply, full: usize) {
+        let mut replicas = self.lock();
+        let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica && r.exact.is_none()) else { return };
+        if full > 0 && rep.requests.contains_key(&recorded.request) {
+            rep.coming.insert(recorded.request, (reply, full));
+        }
+    }
+
+    /// The reply a completed request left after a prompt whose last full
+    /// block is `last` on `slot`, and how many of its leading blocks the
+    /// replica still holds.
+    pub fn reply(&self, slot: Slot, last: BlockHash) -> Option<(Reply, usize)> {
+        let replicas = self.lock();
+        let rep = replicas.get(&slot).filter(|r| r.exact.is_none())?;
+        let replied = rep.replies.get(&last)?;
+        let held = replied.blocks.iter().take_while(|&&h| rep.shadow.contains(h)).count();
+        Some((replied.reply.clone(), held))
+    }
+
+    /// A prompt resends the reply kept after `last` on `slot`: its blocks
+    /// take the prompt's names for them, `names`, as far as the replica
+    /// still holds them, and are looked up like any other from now on.
+    /// Returns how many were named.
+    pub fn adopt(&self, slot: Slot, last: BlockHash, names: &[BlockHash]) -> usize {
+        let mut replicas = self.lock();
+        let Some(rep) = replicas.get_mut(&slot).filter(|r| r.exact.is_none()) else { return 0 };
+        let Some(replied) = rep.replies.remove(&last) else { return 0 };
+        let mut named = 0;
+        for (&block, &name) in replied.blocks.iter().zip(names) {
+            if !rep.shadow.rename(block, name) {
+                break;
+            }
+            self.holders.add(name, slot);
+            named += 1;
+        }
+        named
     }
 
     /// Takes back what an attempt recorded (the engine refused or failed it):
@@ -392,6 +480,7 @@ impl KvIndex {
     pub fn take_back(&self, recorded: &Recorded) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        rep.coming.remove(&recorded.request);
         let shadow = &mut rep.shadow;
         // Last block first, as every release goes, so a prefix stays newer than what follows it.
         match rep.requests.remove(&recorded.request) {
@@ -534,6 +623,17 @@ impl KvIndex {
             self.holders.release(h, slot);
         }
     }
+}
+
+/// Keeps a completed request's reply; past `prune_at` replies, those whose
+/// blocks the shadow no longer holds go first.
+fn keep_reply(rep: &mut Replica, last: BlockHash, replied: Replied) {
+    if rep.replies.len() >= rep.prune_at {
+        let shadow = &rep.shadow;
+        rep.replies.retain(|_, r| r.blocks.first().is_some_and(|&h| shadow.contains(h)));
+        rep.prune_at = (rep.replies.len() * 2).max(REPLIES_KEPT);
+    }
+    rep.replies.insert(last, replied);
 }
 
 /// The blocks the holder map takes room for up front: every replica full,

@@ -14,7 +14,7 @@ use std::sync::Mutex;
 
 use inferrail_config::Kv as KvConfig;
 use inferrail_kv::hash::{BlockHash, block_hashes, salt};
-use inferrail_kv::index::{KvIndex, Recorded, Slot, predicted_cached_tokens};
+use inferrail_kv::index::{KvIndex, Recorded, Reply, Slot, predicted_cached_tokens};
 
 /// A prompt as the engine will see it, and what the KV index needs besides.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +25,9 @@ pub struct Prompt {
     pub max_tokens: Option<usize>,
     /// The request's `cache_salt`, which keeps its blocks apart.
     pub cache_salt: Option<String>,
+    /// Where in `ids` the special tokens are (the chat template's turn
+    /// markers), in order: a resent reply ends at the first after it.
+    pub special_at: Vec<usize>,
 }
 
 /// Where a replica's cache is in the index: its slot and block size.
@@ -57,15 +60,21 @@ pub struct Prediction {
     pub prompt_tokens: usize,
     /// Output tokens expected (they take cache room).
     output_tokens: usize,
+    /// Output tokens the request asked for at most, if it said.
+    asked: Option<usize>,
     /// Block hashes by block size.
     hashes: Vec<(usize, Vec<BlockHash>)>,
+    /// The prompt's ids and where its special tokens are, to find the
+    /// replies it resends; empty for a prompt another router recorded.
+    ids: Vec<u32>,
+    special_at: Vec<usize>,
 }
 
 impl Prediction {
     /// A prompt of `prompt_tokens` cut at one block size, as another router
     /// recorded it: its blocks' hashes at `block_size` and the output it expected.
     pub fn of_blocks(prompt_tokens: usize, output_tokens: usize, block_size: usize, hashes: Vec<BlockHash>) -> Self {
-        Self { prompt_tokens, output_tokens, hashes: vec![(block_size, hashes)] }
+        Self { prompt_tokens, output_tokens, hashes: vec![(block_size, hashes)], ..Self::default() }
     }
 
     /// Output tokens expected.
@@ -141,7 +150,43 @@ impl Kv {
             }
         }
         let output_tokens = prompt.max_tokens.unwrap_or(self.defaults.expected_output_tokens).max(1);
-        Prediction { prompt_tokens: prompt.ids.len(), output_tokens, hashes }
+        Prediction {
+            prompt_tokens: prompt.ids.len(),
+            output_tokens,
+            asked: prompt.max_tokens,
+            hashes,
+            ids: prompt.ids.clone(),
+            special_at: prompt.special_at.clone(),
+        }
+    }
+
+    /// Blocks past the `depth` leading ones `slot` holds that the engine
+    /// holds too because the prompt resends a reply it generated: the reply
+    /// kept after the prompt's block `depth - 1`, when the prompt goes on
+    /// with that request's prompt tail and then the reply up to the next
+    /// special token (the end of the turn). The engine computed the reply's
+    /// tokens but the last it generated: a reply cut at the request's
+    /// `max_tokens`, all but its last; one that ended at a stop token, all.
+    /// Assumes the client resent the reply as it came (the usual agent
+    /// loop and chat); the engine's usage shows where it did not.
+    fn reply_blocks(&self, p: &Prediction, slot: Slot, bs: usize, depth: usize) -> usize {
+        let Some(hashes) = p.blocks(bs) else { return 0 };
+        if !self.defaults.resent_replies || depth == 0 || depth > hashes.len() || p.ids.is_empty() {
+            return 0;
+        }
+        let Some((reply, held)) = self.index.reply(slot, hashes[depth - 1]) else { return 0 };
+        let n = reply.prompt_tokens;
+        if n / bs != depth || n >= p.ids.len() || p.ids[depth * bs..n] != reply.tail[..] {
+            return 0;
+        }
+        let Some(&end) = p.special_at.get(p.special_at.partition_point(|&at| at < n)) else { return 0 };
+        let resent = end - n;
+        let computed = match reply.asked {
+            Some(asked) if resent > asked => return 0,
+            Some(asked) if resent == asked => n + resent - 1,
+            _ => n + resent,
+        };
+        (computed / bs).saturating_sub(depth).min(held).min(hashes.len() - depth)
     }
 
     /// Predicted cached tokens of the prompt at each place, and of those the
@@ -154,7 +199,8 @@ impl Kv {
             slots.extend(places.iter().filter(|pl| pl.block_size == *bs).map(|pl| pl.slot));
             let at = places.iter().enumerate().filter(|(_, pl)| pl.block_size == *bs).map(|(i, _)| i);
             let depths: Vec<(Slot, usize)> = slots.iter().copied().zip(self.index.matched(hashes, &slots)).collect();
-            for ((i, &(_, matched)), held) in at.zip(&depths).zip(self.index.held(hashes, &depths)) {
+            for ((i, &(slot, matched)), held) in at.zip(&depths).zip(self.index.held(hashes, &depths)) {
+                let matched = matched + self.reply_blocks(p, slot, *bs, matched);
                 let tokens = predicted_cached_tokens(matched, p.prompt_tokens, *bs);
                 cached[i] = (tokens, (held * bs).min(tokens));
             }
@@ -172,7 +218,18 @@ impl Kv {
         let output_blocks = (n + p.output_tokens - 1).div_ceil(bs).saturating_sub(prompt_blocks);
         let partial = prompt_blocks.saturating_sub(hashes.len());
         let ends_partial = !(n + p.output_tokens).saturating_sub(1).is_multiple_of(bs);
-        Record(self.index.record(at.slot, hashes, n.saturating_sub(1) / bs, partial, output_blocks, ends_partial))
+        // A resent reply's blocks take their names first, so the request reuses them.
+        let depth = self.index.matched(hashes, &[at.slot])[0];
+        let named = self.reply_blocks(p, at.slot, bs, depth);
+        if named > 0 {
+            self.index.adopt(at.slot, hashes[depth - 1], &hashes[depth..depth + named]);
+        }
+        let recorded = self.index.record(at.slot, hashes, n.saturating_sub(1) / bs, partial, output_blocks, ends_partial);
+        if !p.ids.is_empty() {
+            let full = hashes.len();
+            self.index.expect_reply(&recorded, Reply { prompt_tokens: n, asked: p.asked, tail: p.ids[full * bs..].to_vec() }, full);
+        }
+        Record(recorded)
     }
 
     /// The engine refused or failed the request: forget what it recorded.
@@ -207,25 +264,72 @@ mod tests {
     use super::*;
 
     fn prompt(n: u32) -> Prompt {
-        Prompt { ids: (0..n).collect(), max_tokens: Some(1), cache_salt: None }
+        Prompt { ids: (0..n).collect(), max_tokens: Some(1), cache_salt: None, special_at: Vec::new() }
+    }
+
+    /// An index over replicas `a` and `b` of 100 blocks, with these block sizes.
+    fn two_replicas(config: KvConfig, sizes: [usize; 2]) -> (Kv, Place, Place) {
+        let kv = Kv::new(config);
+        let (a, b) = (kv.slot("a"), kv.slot("b"));
+        kv.reset(a, 100);
+        kv.reset(b, 100);
+        (kv, Place { slot: a, block_size: sizes[0] }, Place { slot: b, block_size: sizes[1] })
     }
 
     #[test]
     fn a_recorded_prompt_is_predicted_at_its_place_and_block_size_only() {
-        let kv = Kv::new(KvConfig::default());
-        let (a, b) = (kv.slot("a"), kv.slot("b"));
-        kv.reset(a, 100);
-        kv.reset(b, 100);
-        let (pa, pb) = (Place { slot: a, block_size: 16 }, Place { slot: b, block_size: 32 });
+        let (kv, pa, pb) = two_replicas(KvConfig::default(), [16, 32]);
         let p = kv.prepare("m", &prompt(100), [16, 32, 16]);
         assert_eq!(p.hashes.len(), 2, "hashed once per block size");
         kv.record(&p, pa);
         assert_eq!(kv.cached(&p, &[pa, pb]), [(96, 96), (0, 0)], "the request recorded holds its blocks until it completes");
-        kv.clear(a);
+        kv.clear(pa.slot);
         assert_eq!(kv.cached(&p, &[pa, pb]), [(0, 0), (0, 0)]);
         let salted = kv.prepare("m", &Prompt { cache_salt: Some("s".into()), ..prompt(100) }, [16]);
         kv.record(&p, pa);
         assert_eq!(kv.cached(&salted, &[pa]), [(0, 0)], "a cache salt keeps blocks apart");
+    }
+
+    /// `prompt` then `reply`, the end of the turn (a special token), and `more`.
+    fn next_turn(prompt: &Prompt, reply: std::ops::Range<u32>, more: std::ops::Range<u32>, max_tokens: Option<usize>) -> Prompt {
+        let mut ids = prompt.ids.clone();
+        ids.extend(reply);
+        let end = ids.len();
+        ids.push(7);
+        ids.extend(more);
+        let mut special_at = prompt.special_at.clone();
+        special_at.push(end);
+        Prompt { ids, max_tokens, cache_salt: None, special_at }
+    }
+
+    #[test]
+    fn a_resent_reply_is_predicted_where_it_was_generated() {
+        let (kv, pa, pb) = two_replicas(KvConfig::default(), [16, 16]);
+        // 40 prompt tokens, a reply cut at its 20 max_tokens: the engine computed 59 tokens, 3 full blocks.
+        let first = Prompt { max_tokens: Some(20), ..prompt(40) };
+        kv.complete(&kv.record(&kv.prepare("m", &first, [16]), pa));
+        let second = next_turn(&first, 1_000..1_020, 2_000..2_030, Some(10));
+        let p = kv.prepare("m", &second, [16]);
+        assert_eq!(kv.cached(&p, &[pa, pb]), [(48, 0), (0, 0)], "the prompt's 2 full blocks and the one its reply filled");
+        kv.complete(&kv.record(&p, pa));
+        // The reply's blocks were named by the second turn: a copy of it finds them by hash.
+        assert_eq!(kv.cached(&kv.prepare("m", &second, [16]), &[pa]), [(80, 0)], "91 tokens: 5 full blocks");
+        // A reply that ended at a stop token (5 of 10): all its tokens were computed, 96 tokens in all.
+        let third = next_turn(&second, 3_000..3_005, 4_000..4_020, Some(10));
+        assert_eq!(kv.cached(&kv.prepare("m", &third, [16]), &[pa, pb]), [(96, 0), (0, 0)]);
+        // A turn that changed the earlier prompt's last tokens resends no reply of this replica's.
+        let mut edited = second.clone();
+        edited.ids[35] = 999;
+        assert_eq!(kv.cached(&kv.prepare("m", &edited, [16]), &[pa]), [(32, 0)]);
+    }
+
+    #[test]
+    fn replies_are_not_predicted_when_clients_do_not_resend_them() {
+        let (kv, pa, _) = two_replicas(KvConfig { resent_replies: false, ..KvConfig::default() }, [16, 16]);
+        let first = Prompt { max_tokens: Some(20), ..prompt(40) };
+        kv.complete(&kv.record(&kv.prepare("m", &first, [16]), pa));
+        let second = next_turn(&first, 1_000..1_020, 2_000..2_030, None);
+        assert_eq!(kv.cached(&kv.prepare("m", &second, [16]), &[pa]), [(32, 0)]);
     }
 
     #[test]

@@ -35,7 +35,7 @@ pub(crate) fn core(policy: &str, n: usize) -> (Core, Arc<Fleet>) {
 }
 
 pub(crate) fn prompt(first: u32, n: u32) -> Prompt {
-    Prompt { ids: (first..first + n).collect(), max_tokens: Some(4), cache_salt: None }
+    Prompt { ids: (first..first + n).collect(), max_tokens: Some(4), cache_salt: None, special_at: Vec::new() }
 }
 
 pub(crate) fn view<'a>(core: &Core, fleet: &Fleet, p: &Prompt) -> View<'a> {

@@ -71,6 +71,8 @@ pub struct Tokenizer {
     pub special: SpecialTokens,
     /// Ids an engine adds around a completion prompt (`add_special_tokens`).
     added: (Vec<u32>, Vec<u32>),
+    /// The special tokens' ids, sorted.
+    special_ids: Vec<u32>,
     cache: Option<Mutex<ChunkCache>>,
 }
 
@@ -98,6 +100,7 @@ impl Tokenizer {
                 template: Template::new(sim::CHAT_TEMPLATE).ok(),
                 special: SpecialTokens::default(),
                 added: (Vec::new(), Vec::new()),
+                special_ids: Vec::new(),
                 cache: None,
             }
         } else if let Some(repo) = spec.strip_prefix("hf:") {
@@ -148,11 +151,14 @@ impl Tokenizer {
         }
         let added = added_around(&hf);
         let cuts = cut_tokens(&hf);
+        let mut special_ids: Vec<u32> = hf.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, _)| id).collect();
+        special_ids.sort_unstable();
         Ok(Tokenizer {
             encoder: Encoder::Hf { tok: Box::new(hf), cuts, fast },
             template,
             special: SpecialTokens { named },
             added,
+            special_ids,
             cache: None,
         })
     }
@@ -211,6 +217,21 @@ impl Tokenizer {
         }
         if let (Some(cache), Some(key)) = (cache, key) {
             cache.lock().unwrap_or_else(|p| p.into_inner()).put(key, out[start..].into());
+        }
+    }
+
+    /// Where in `ids` the special tokens are (a chat template's turn
+    /// markers). The simulator's tokenizer has none: its chat format's
+    /// markers (`<|im_end|>`) start with a piece `<` followed by a piece `|`.
+    pub fn special_positions(&self, ids: &[u32]) -> Vec<usize> {
+        match self.encoder {
+            Encoder::Sim => {
+                let marker = [sim::piece_id("<"), sim::piece_id("|")];
+                ids.windows(2).enumerate().filter(|(_, w)| *w == marker).map(|(at, _)| at).collect()
+            }
+            Encoder::Hf { .. } => {
+                ids.iter().enumerate().filter(|(_, id)| self.special_ids.binary_search(id).is_ok()).map(|(at, _)| at).collect()
+            }
         }
     }
 

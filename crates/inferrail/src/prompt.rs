@@ -161,6 +161,7 @@ fn prompt(tokenizer: &Tokenizer, endpoint: Endpoint, body: &Map<String, Value>) 
         return Err("empty");
     }
     Ok(Prompt {
+        special_at: tokenizer.special_positions(&ids),
         ids,
         max_tokens: max_tokens(body, endpoint),
         cache_salt: body.get("cache_salt").and_then(Value::as_str).map(str::to_owned),

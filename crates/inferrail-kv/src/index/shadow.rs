@@ -182,6 +182,23 @@ impl Shadow {
         }
     }
 
+    /// Gives block `from` the name `to`, keeping its place in the pool and
+    /// its holders; false (and nothing changes) when `from` is not held or
+    /// `to` is.
+    pub(super) fn rename(&mut self, from: BlockHash, to: BlockHash) -> bool {
+        let Some(i) = self.find(from) else { return false };
+        if self.contains(to) {
+            return false;
+        }
+        if let Ok(entry) = self.table.find_entry(hash(from), |&j| j == i) {
+            entry.remove();
+        }
+        self.nodes[i as usize].key = split(to);
+        let nodes = &self.nodes;
+        self.table.insert_unique(hash(to), i, |&j| hash(join(nodes[j as usize].key)));
+        true
+    }
+
     /// Whether a running request holds a block; `None` if the block is not held.
     pub(super) fn in_use(&self, h: BlockHash) -> Option<bool> {
         self.find(h).map(|i| self.nodes[i as usize].older == IN_USE)
@@ -283,6 +300,7 @@ mod tests {
         Release(u8),
         Remove(u8),
         MakeRoom(u8),
+        Rename(u8, u8),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -291,7 +309,8 @@ mod tests {
             any::<u8>().prop_map(Op::Hold),
             any::<u8>().prop_map(Op::Release),
             any::<u8>().prop_map(Op::Remove),
-            any::<u8>().prop_map(Op::MakeRoom)
+            any::<u8>().prop_map(Op::MakeRoom),
+            (any::<u8>(), any::<u8>()).prop_map(|(a, b)| Op::Rename(a, b))
         ]
     }
 
@@ -348,6 +367,20 @@ mod tests {
                         let held = in_use.remove(&key(k)).is_some()
                             || free.iter().position(|&h| h == key(k)).map(|at| free.remove(at)).is_some();
                         prop_assert_eq!(shadow.remove(key(k)), held);
+                    }
+                    Op::Rename(a, b) => {
+                        let (from, to) = (key(a), key(b));
+                        let held = |h: &BlockHash| free.contains(h) || in_use.contains_key(h);
+                        let renamed = held(&from) && !held(&to);
+                        if renamed {
+                            if let Some(n) = in_use.remove(&from) {
+                                in_use.insert(to, n);
+                            }
+                            for h in free.iter_mut().filter(|h| **h == from) {
+                                *h = to;
+                            }
+                        }
+                        prop_assert_eq!(shadow.rename(from, to), renamed);
                     }
                     Op::MakeRoom(n) => {
                         // The least recently freed go while n more would not fit; n fit, or as many as there is room for.

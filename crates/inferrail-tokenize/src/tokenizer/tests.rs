@@ -223,3 +223,18 @@ fn a_text_of_few_distinct_words_is_cut_as_often_as_any() {
     // About 36,000 places to cut, one in 256 of them a cut.
     assert!((36_000 / 512..36_000 / 128).contains(&cuts), "{cuts} cuts");
 }
+
+#[test]
+fn special_positions_are_the_turn_markers() {
+    let text = "<|im_start|>user\nhi <there>|<|im_end|>\n<|im_start|>assistant\n";
+    let qwen = Tokenizer::load(family_dir("qwen3").to_str().unwrap(), 0).unwrap();
+    let ids = qwen.encode(text, false);
+    let at = qwen.special_positions(&ids);
+    assert_eq!(at.len(), 3, "{ids:?}");
+    assert!(at.iter().all(|&i| qwen.decode(ids[i]).is_some_and(|t| t.starts_with("<|im_"))));
+    let sim = Tokenizer::load("builtin:sim", 0).unwrap();
+    let ids = sim.encode(text, false);
+    let at = sim.special_positions(&ids);
+    assert_eq!(at.len(), 3, "a lone `<` or `|` is not a marker: {ids:?}");
+    assert_eq!(at[0], 0);
+}

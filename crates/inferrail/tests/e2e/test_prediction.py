@@ -5,7 +5,11 @@ Three simulators with a real Qwen3 tokenizer and small caches (64 blocks of
 robin. Conversations share system prompts and grow turn by turn; completions
 share prefixes. Every response's x-inferrail-prompt-tokens and
 x-inferrail-cached-tokens must equal the engine's usage.prompt_tokens and
-cached_tokens, streaming and not, chat and completions.
+cached_tokens, streaming and not, chat and completions. That workload's
+clients keep replies of their own in the history (a replayed conversation),
+so its router is told they do not resend the engine's (`resent_replies:
+false`). Agents that resend the replies as they came, to a router that
+expects it, get the reply's blocks predicted where the engine cached them.
 """
 import json
 import random
@@ -24,7 +28,16 @@ def fleet(tmp_path_factory):
     assert (QWEN3 / "tokenizer.json").is_file(), "run `just setup` for the tokenizer files"
     f = Fleet(tmp_path_factory.mktemp("prediction"), tokenizer=QWEN3,
               sim_flags=["--block-size", "16", "--num-gpu-blocks-override", "64", "--max-model-len", "1024"],
-              replica_extra=", block_size: 16, kv_blocks: 64")
+              replica_extra=", block_size: 16, kv_blocks: 64", config_extra="kv: {resent_replies: false}\n")
+    yield f.start()
+    f.stop()
+
+
+@pytest.fixture(scope="module")
+def agents_fleet(tmp_path_factory):
+    f = Fleet(tmp_path_factory.mktemp("resent"),
+              sim_flags=["--block-size", "16", "--num-gpu-blocks-override", "512", "--max-model-len", "4096"],
+              replica_extra=", block_size: 16, kv_blocks: 512")
     yield f.start()
     f.stop()
 
@@ -98,3 +111,26 @@ def test_a_request_the_tokenizer_cannot_follow_is_still_served(fleet):
     # The simulator refuses batches as it refuses every unsupported parameter; routing did not stop it.
     assert r.headers.get("x-inferrail-replica") and "x-inferrail-prompt-tokens" not in r.headers
     assert 'outcome="batch"' in fleet.metrics()
+
+
+def test_a_reply_resent_as_it_came_is_predicted_cached_where_it_was_generated(agents_fleet):
+    """Three agent loops, each resending its history (the model's replies as they came, then a tool's output); round
+    robin keeps each agent on one engine. From the second step on, the engine holds the previous reply's blocks."""
+    rng = random.Random(5)
+    agents = [[{"role": "system", "content": f"You are agent {a}. " + text(rng, 30)}] for a in range(3)]
+    previous = [0, 0, 0]
+    beyond_the_prompt = 0
+    for step in range(6):
+        for a, conv in enumerate(agents):
+            conv.append({"role": "user", "content": "Tool output: " + text(rng, rng.randint(5, 30))})
+            r = http("POST", f"{agents_fleet.url}/v1/chat/completions", {"model": "sim", "messages": conv, "max_tokens": rng.randint(8, 40)})
+            assert r.status == 200, r.body[:300]
+            out = json.loads(r.body)
+            prompt, cached = out["usage"]["prompt_tokens"], out["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert r.headers.get("x-inferrail-prompt-tokens") == str(prompt), (step, a, r.headers)
+            assert r.headers.get("x-inferrail-cached-tokens") == str(cached), (step, a, prompt, cached, r.headers)
+            # The previous prompt's full blocks were cached before; more means the reply's were too.
+            beyond_the_prompt += cached > previous[a] // 16 * 16
+            previous[a] = prompt
+            conv.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
+    assert beyond_the_prompt >= 10, f"replies' blocks should be cached on most later steps, were on {beyond_the_prompt} of 15"
