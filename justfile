@@ -384,6 +384,11 @@ bench-accuracy out="bench/results/prediction/accuracy.json" *args: setup
     cargo build --quiet -p inferrail -p inferrail-sim
     "{{venv}}/bin/python" bench/prediction_accuracy.py --out {{out}} {{args}}
 
+# Agent loops (about 5 minutes): 15 agents at a time resending their history, the model's replies as they came, through the suite's fleet on release builds; cost_model with and without resent replies (ADR 0037) and round robin. Writes bench/results/agents/agent-loops.json; flags go to bench/agent_loops.py.
+bench-agents out="bench/results/agents/agent-loops.json" *args: setup
+    cargo build --release --quiet -p inferrail -p inferrail-sim
+    INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/agent_loops.py --out {{out}} {{args}}
+
 # Benchmark decision time per policy (criterion); the medians are recorded in bench/results/decision/.
 bench-decision:
     cargo bench -p inferrail-policy --bench rank -- --warm-up-time 1 --measurement-time 2
