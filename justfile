@@ -178,6 +178,18 @@ setup-sglang:
     "$venv/bin/python" -c 'import sglang_router' 2>/dev/null && [ "$("$venv/bin/pip" show sglang-router 2>/dev/null | sed -n 's/^Version: //p')" = 0.3.2 ] ||
         "$venv/bin/pip" install --quiet --disable-pip-version-check sglang-router==0.3.2
 
+# Install the newest peer routers into gitignored virtualenvs, one each (PyPI smg 1.13.0, SGLang's router today, in .venv-smg; vllm-router 0.1.17 in .venv-vllm-router); idempotent.
+setup-peers:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    for peer in smg==1.13.0 vllm-router==0.1.17; do
+        name="${peer%%==*}" version="${peer##*==}"
+        venv="{{justfile_directory()}}/.venv-$name"
+        [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+        [ "$("$venv/bin/pip" show "$name" 2>/dev/null | sed -n 's/^Version: //p')" = "$version" ] ||
+            "$venv/bin/pip" install --quiet --disable-pip-version-check "$peer"
+    done
+
 # Every policy and SGLang's router on the same requests, each on a cold fleet of three simulators whose caches hold a third of W1's shared prompts and room for the requests running: first the rate round robin sustains on each workload (and cost_model's on W1 and mix), then every contender at 70% of it, three repetitions on W1 and mix and two on W6 and hot, and the fleet simulation on the same requests; then the report. `--quick` gives a first answer in minutes (W1 and mix, a few contenders). Other flags go to `inferrail-bench compare`. Results: bench/results/routing/.
 bench-routing *args: setup setup-sglang
     #!/usr/bin/env bash
@@ -384,8 +396,8 @@ bench-accuracy out="bench/results/prediction/accuracy.json" *args: setup
     cargo build --quiet -p inferrail -p inferrail-sim
     "{{venv}}/bin/python" bench/prediction_accuracy.py --out {{out}} {{args}}
 
-# Agent loops (about 5 minutes): 15 agents at a time resending their history, the model's replies as they came, through the suite's fleet on release builds; cost_model with and without resent replies (ADR 0037) and round robin. Writes bench/results/agents/agent-loops.json; flags go to bench/agent_loops.py.
-bench-agents out="bench/results/agents/agent-loops.json" *args: setup
+# Agent loops (about 8 minutes): 15 agents at a time resending their history, the model's replies as they came, through the suite's fleet on release builds; cost_model with and without resent replies (ADR 0037), round robin, and the peer routers' cache_aware (SGLang's router 0.3.2, smg 1.13.0, vllm-router 0.1.17). Writes bench/results/agents/agent-loops.json; flags go to bench/agent_loops.py.
+bench-agents out="bench/results/agents/agent-loops.json" *args: setup setup-sglang setup-peers
     cargo build --release --quiet -p inferrail -p inferrail-sim
     INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/agent_loops.py --out {{out}} {{args}}
 

@@ -10,7 +10,11 @@ small caches, Envoy, inferrail), run once per variant:
 
 - `cost_model`: as shipped (`kv.resent_replies: true`, ADR 0037);
 - `cost_model-no-replies`: `kv.resent_replies: false`, as before ADR 0037;
-- `round_robin`.
+- `round_robin`;
+- `sglang`, `smg`, `vllm-router`: the peer routers (PyPI `sglang-router`
+  0.3.2, `smg` 1.13.0, `vllm-router` 0.1.17; `just setup-sglang
+  setup-peers`) with their default `cache_aware` policy in front of the
+  same simulators, no Envoy.
 
 Each step's x-inferrail-cached-tokens is compared with the engine's
 cached_tokens. Steps sent in the first `--warmup-s` are not counted.
@@ -19,6 +23,7 @@ Run with `just bench-agents` (it builds the release binaries).
 """
 
 import argparse
+import socket
 import http.client as httpc
 import json
 import os
@@ -32,7 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "crates" / "inferrail" / "tests" / "e2e"))
-from conftest import Fleet  # noqa: E402  (the end-to-end suite's fleet)
+from conftest import MODEL, Fleet  # noqa: E402  (the end-to-end suite's fleet)
+from harness import free_ports, http, wait_until  # noqa: E402
 
 WORDS = ("the of and to in is that river stone cloud lantern garden silver copper window mountain ocean forest "
          "delta build test file error result value function return list table query index status").split(" ")
@@ -40,6 +46,15 @@ VARIANTS = {
     "cost_model": ("cost_model", ""),
     "cost_model-no-replies": ("cost_model", "kv: {resent_replies: false}\n"),
     "round_robin": ("round_robin", ""),
+    "sglang": (None, ""),
+    "smg": (None, ""),
+    "vllm-router": (None, ""),
+}
+# Each peer's command and log level; the rest of their flags are SGLang's router's.
+PEERS = {
+    "sglang": [ROOT / ".venv-sglang" / "bin" / "python", "-m", "sglang_router.launch_router", "--log-level", "warn"],
+    "smg": [ROOT / ".venv-smg" / "bin" / "smg", "launch", "--log-level", "warn"],
+    "vllm-router": [ROOT / ".venv-vllm-router" / "bin" / "vllm-router", "--log-level", "warning"],
 }
 
 
@@ -50,7 +65,7 @@ def text(rng, n):
 def step(port, conv, max_tokens):
     """One streamed step; returns (TTFT s, reply text, engine prompt tokens, engine cached tokens, predicted cached)."""
     c = httpc.HTTPConnection("127.0.0.1", port, timeout=120)
-    body = {"model": "sim", "messages": conv, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": MODEL, "messages": conv, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}}
     sent = time.monotonic()
     c.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"content-type": "application/json"})
     r = c.getresponse()
@@ -58,12 +73,12 @@ def step(port, conv, max_tokens):
     ttft = time.monotonic() - sent
     raw = (first + r.read()).decode()
     assert r.status == 200, raw[:300]
-    predicted = int(r.getheader("x-inferrail-cached-tokens", "-1"))
+    predicted = r.getheader("x-inferrail-cached-tokens")
     c.close()
     events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
     reply = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices"))
     usage = events[-1]["usage"]
-    return ttft, reply, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], predicted
+    return ttft, reply, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"], predicted and int(predicted)
 
 
 def agent(port, seed, args, framework, start, stop_at, out, lock):
@@ -81,13 +96,36 @@ def agent(port, seed, args, framework, start, stop_at, out, lock):
         time.sleep(rng.uniform(0.2, 1.0))
 
 
-def run(variant, args):
+def launch(variant, tmp, args):
+    """The variant's fleet, started, and the port its clients send to."""
     policy, extra = VARIANTS[variant]
+    fleet = Fleet(tmp, policy=policy or "round_robin", config_extra=extra,
+                  sim_flags=["--block-size", "16", "--num-gpu-blocks-override", str(args.blocks), "--max-model-len", "16384"],
+                  replica_extra=f", block_size: 16, kv_blocks: {args.blocks}")
+    if policy is not None:
+        return fleet.start(), fleet.listen
+    for i in range(3):
+        fleet.start_sim(i)
+    port, prometheus = free_ports(2)
+    fleet.procs[variant] = fleet._spawn(variant, [
+        *PEERS[variant], "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+        "--worker-urls", *[f"http://127.0.0.1:{p}" for p in fleet.sim_ports],
+        "--prometheus-port", str(prometheus)])
+    wait_until(lambda: up(port) and http("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                                         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).status == 200,
+               variant, timeout=60)
+    return fleet, port
+
+
+def up(port):
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def run(variant, args):
     framework = text(random.Random(1), args.framework_words)
     with tempfile.TemporaryDirectory() as tmp:
-        fleet = Fleet(Path(tmp), policy=policy, config_extra=extra,
-                      sim_flags=["--block-size", "16", "--num-gpu-blocks-override", str(args.blocks), "--max-model-len", "16384"],
-                      replica_extra=f", block_size: 16, kv_blocks: {args.blocks}").start()
+        fleet, port = launch(variant, Path(tmp), args)
         try:
             out, lock = [], threading.Lock()
             start = time.monotonic()
@@ -99,7 +137,7 @@ def run(variant, args):
                 while time.monotonic() < stop_at:
                     with seeds_lock:
                         seed = next(seeds)
-                    agent(fleet.listen, seed, args, framework, start, stop_at, out, lock)
+                    agent(port, seed, args, framework, start, stop_at, out, lock)
 
             threads = [threading.Thread(target=slot) for _ in range(args.agents)]
             for t in threads:
@@ -111,17 +149,19 @@ def run(variant, args):
     steps = [s for s in out if s["at"] >= args.warmup_s]
     ttfts = sorted(s["ttft"] * 1e3 for s in steps)
     pct = lambda q: round(ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))], 1)  # noqa: E731
-    return {
+    result = {
         "variant": variant,
         "steps": len(steps),
         "steps_per_s": round(len(steps) / args.duration_s, 2),
         "ttft_p50_ms": pct(0.5),
         "ttft_p99_ms": pct(0.99),
         "cached_fraction": round(sum(s["cached"] for s in steps) / sum(s["prompt"] for s in steps), 4),
-        "predictions_exact": round(sum(s["predicted"] == s["cached"] for s in steps) / len(steps), 4),
-        "over_predicted": sum(s["predicted"] > s["cached"] for s in steps),
-        "under_predicted": sum(s["predicted"] < s["cached"] for s in steps),
     }
+    if steps[0]["predicted"] is not None:
+        result["predictions_exact"] = round(sum(s["predicted"] == s["cached"] for s in steps) / len(steps), 4)
+        result["over_predicted"] = sum(s["predicted"] > s["cached"] for s in steps)
+        result["under_predicted"] = sum(s["predicted"] < s["cached"] for s in steps)
+    return result
 
 
 def main():
