@@ -10,12 +10,16 @@
 //!   the length of a `w1` prompt.
 //! - `mix`: each request `w1` or `w6` with even odds.
 //! - `w2`: multi-turn chats resending their history, in `sessions`.
+//! - `rag` and `burst`: documents by Zipf weight between an application's
+//!   prompt and a question, and few-shot batches arriving within a second,
+//!   in `reuse`.
 //! - `replay`: a JSONL trace, in `replay`.
 //!
 //! Same seed, same requests. Arrivals are Poisson at `rate` (for `w2`,
 //! conversations arrive at `rate` divided by the mean turn count).
 
 mod replay;
+mod reuse;
 mod sessions;
 #[cfg(test)]
 mod tests;
@@ -87,6 +91,10 @@ pub enum Kind {
     Mix,
     /// W1 with prompts drawn by Zipf weight.
     Hot,
+    /// Retrieval-augmented questions: documents drawn by Zipf weight.
+    Rag,
+    /// Few-shot batches: bursts of requests sharing a long prefix within a second.
+    Burst,
     /// A JSONL trace (`--trace`).
     Replay,
 }
@@ -115,9 +123,23 @@ pub struct Spec {
     #[arg(long, default_value = "50-300")]
     #[serde(serialize_with = "display")]
     pub output_tokens: Span,
-    /// Zipf exponent of `hot`.
+    /// Zipf exponent of `hot` and of `rag`'s documents.
     #[arg(long, default_value_t = 1.1)]
     pub zipf_exponent: f64,
+    /// Tokens of each `rag` application's system prompt.
+    #[arg(long, default_value = "200-800")]
+    #[serde(serialize_with = "display")]
+    pub app_tokens: Span,
+    /// Documents `rag` retrieves from.
+    #[arg(long, default_value_t = 50)]
+    pub documents: usize,
+    /// Tokens of each `rag` document.
+    #[arg(long, default_value = "1000-4000")]
+    #[serde(serialize_with = "display")]
+    pub document_tokens: Span,
+    /// Requests of each `burst`.
+    #[arg(long, default_value_t = 200)]
+    pub burst_size: usize,
     /// Turns per w2 conversation.
     #[arg(long, default_value = "2-6")]
     #[serde(serialize_with = "display")]
@@ -151,6 +173,10 @@ impl Spec {
             question_tokens: Span { min: 50, max: 500 },
             output_tokens: Span { min: 50, max: 300 },
             zipf_exponent: 1.1,
+            app_tokens: Span { min: 200, max: 800 },
+            documents: 50,
+            document_tokens: Span { min: 1000, max: 4000 },
+            burst_size: 200,
             turns: Span { min: 2, max: 6 },
             think_s: Span { min: 10, max: 20 },
             sharegpt: None,
@@ -166,6 +192,8 @@ pub fn generate(spec: &Spec, rate: f64, secs: f64, seed: u64) -> anyhow::Result<
     let mut out = match spec.workload {
         Kind::W1 | Kind::W6 | Kind::Mix | Kind::Hot => single_turn(spec, rate, secs, seed, &counter)?,
         Kind::W2 => sessions::generate(spec, rate, secs, seed, &counter)?,
+        Kind::Rag => reuse::rag(spec, rate, secs, seed, &counter)?,
+        Kind::Burst => reuse::burst(spec, rate, secs, seed, &counter)?,
         Kind::Replay => {
             let path = spec.trace.as_ref().context("replay needs --trace")?;
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -180,21 +208,9 @@ pub fn generate(spec: &Spec, rate: f64, secs: f64, seed: u64) -> anyhow::Result<
 fn single_turn(spec: &Spec, rate: f64, secs: f64, seed: u64, counter: &Counter) -> anyhow::Result<Vec<Request>> {
     anyhow::ensure!(spec.system_prompts > 0, "--system-prompts must be at least 1");
     let mut rng = StdRng::seed_from_u64(seed);
-    let prompts: Vec<String> = (0..spec.system_prompts)
-        .map(|k| {
-            let tokens = spec.system_tokens.draw(&mut rng) as usize;
-            text::unique(&mut rng, &format!("sys{k}"), tokens)
-        })
-        .collect();
-    // What each system prompt shares: the prompt up to where the question starts.
-    let shared = prompts
-        .iter()
-        .map(|p| {
-            let a = counter.ids(Api::Chat, &chat_body(&spec.model, Some(p), "a", 1))?;
-            let b = counter.ids(Api::Chat, &chat_body(&spec.model, Some(p), "b", 1))?;
-            Ok(common_prefix(&a, &b))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
+    let prompts = unique_texts(&mut rng, spec.system_prompts, spec.system_tokens, "sys");
+    let shared =
+        prompts.iter().map(|p| shared_up_to_question(counter, &spec.model, p, str::to_owned)).collect::<anyhow::Result<Vec<_>>>()?;
     let zipf = Zipf::new(spec.system_prompts, spec.zipf_exponent);
     let times = arrivals::poisson(&mut StdRng::seed_from_u64(seed ^ 0x5eed_a77e), rate, secs);
     let mut out = Vec::with_capacity(times.len());
@@ -218,6 +234,24 @@ fn single_turn(spec: &Spec, rate: f64, secs: f64, seed: u64, counter: &Counter) 
         out.push(Request { at, api: Api::Chat, body, session: None, prompt_tokens, shared_prefix_tokens });
     }
     Ok(out)
+}
+
+/// `n` unique texts of `tokens` each, the `k`th marked `{marker}{k}`.
+fn unique_texts(rng: &mut StdRng, n: usize, tokens: Span, marker: &str) -> Vec<String> {
+    (0..n)
+        .map(|k| {
+            let tokens = tokens.draw(rng) as usize;
+            text::unique(rng, &format!("{marker}{k}"), tokens)
+        })
+        .collect()
+}
+
+/// The tokens two chats with `system` and the user message `user(question)`
+/// share whatever the question: up to where it starts.
+fn shared_up_to_question(counter: &Counter, model: &str, system: &str, user: impl Fn(&str) -> String) -> anyhow::Result<usize> {
+    let a = counter.ids(Api::Chat, &chat_body(model, Some(system), &user("a"), 1))?;
+    let b = counter.ids(Api::Chat, &chat_body(model, Some(system), &user("b"), 1))?;
+    Ok(common_prefix(&a, &b))
 }
 
 /// A chat body: an optional system message and one user message.

@@ -22,7 +22,7 @@ fn max_tokens(r: &Request) -> u64 {
 
 #[test]
 fn the_same_seed_gives_the_same_requests_and_another_seed_others() {
-    for kind in [Kind::W1, Kind::W2, Kind::W6, Kind::Mix, Kind::Hot] {
+    for kind in [Kind::W1, Kind::W2, Kind::W6, Kind::Mix, Kind::Hot, Kind::Rag, Kind::Burst] {
         let spec = small(kind);
         let a = generate(&spec, 4.0, 60.0, 1).expect("generates");
         assert!(!a.is_empty(), "{kind:?}");
@@ -97,6 +97,61 @@ fn hot_draws_prompts_by_zipf_weight() {
     }
     let top = by_prompt.values().max().copied().unwrap_or(0) as f64 / reqs.len() as f64;
     assert!((top - expected).abs() < 0.04, "top share {top}, expected {expected}");
+}
+
+/// A `rag` request's document: the user message up to the question.
+fn document_of(r: &Request) -> &str {
+    let user = r.body["messages"][1]["content"].as_str().unwrap_or("");
+    user.split("\n\nQuestion: ").next().unwrap_or("")
+}
+
+#[test]
+fn rag_places_documents_drawn_by_zipf_weight_between_an_apps_prompt_and_the_question() {
+    let spec = Spec { documents: 20, document_tokens: Span { min: 300, max: 600 }, ..small(Kind::Rag) };
+    let reqs = generate(&spec, 20.0, 100.0, 3).expect("generates");
+    let mut by_doc: HashMap<&str, usize> = HashMap::new();
+    for r in &reqs {
+        *by_doc.entry(document_of(r)).or_default() += 1;
+    }
+    let expected = Zipf::new(20, 1.1).top_share();
+    let top = by_doc.values().max().copied().unwrap_or(0) as f64 / reqs.len() as f64;
+    assert!((top - expected).abs() < 0.04, "the top document's share {top}, expected {expected}");
+    let apps: HashSet<&str> = reqs.iter().filter_map(system_of).collect();
+    assert_eq!(apps.len(), 6);
+    // Requests of one application and document share exactly the known prefix: its prompt and the document.
+    let counter = Counter::new().expect("tokenizer");
+    let (a, b) = reqs
+        .iter()
+        .enumerate()
+        .find_map(|(i, a)| reqs[i + 1..].iter().find(|b| system_of(a) == system_of(b) && document_of(a) == document_of(b)).map(|b| (a, b)))
+        .expect("two requests share an application and a document");
+    let lcp = common_prefix(&counter.ids(a.api, &a.body).expect("ids"), &counter.ids(b.api, &b.body).expect("ids"));
+    assert_eq!(lcp, a.shared_prefix_tokens);
+    assert!(a.shared_prefix_tokens >= 300, "{}", a.shared_prefix_tokens);
+}
+
+#[test]
+fn bursts_share_one_task_and_arrive_within_a_second() {
+    let spec = Spec { burst_size: 50, ..small(Kind::Burst) };
+    let reqs = generate(&spec, 10.0, 100.0, 4).expect("generates");
+    // Each question starts with its marker, `b{burst}q{i}`.
+    let mut bursts: HashMap<&str, Vec<&Request>> = HashMap::new();
+    for r in &reqs {
+        let question = r.body["messages"][1]["content"].as_str().unwrap_or("");
+        let burst = question.split('q').next().unwrap_or("");
+        bursts.entry(burst).or_default().push(r);
+    }
+    // 0.2 bursts a second over 100 s.
+    assert!((10..=30).contains(&bursts.len()), "{} bursts", bursts.len());
+    for (name, b) in &bursts {
+        let (first, last) = (b[0].at.as_secs_f64(), b[b.len() - 1].at.as_secs_f64());
+        assert!(last - first < 1.0, "{name} spans {first}..{last}");
+        // The last burst may be cut at the end of the run.
+        assert!(b.len() == 50 || last > 98.0, "{name}: {} requests", b.len());
+        let tasks: HashSet<&str> = b.iter().filter_map(|r| system_of(r)).collect();
+        assert_eq!(tasks.len(), 1, "one task a burst");
+        assert!(b.iter().all(|r| r.shared_prefix_tokens >= 200));
+    }
 }
 
 #[test]
