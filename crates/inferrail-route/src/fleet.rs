@@ -55,10 +55,9 @@ pub struct Replica {
     prompt_tokens: AtomicU64,
     /// Estimated prefill of the requests still waiting for their first byte, microseconds.
     pending_prefill_us: AtomicU64,
-    /// KV tokens each request sent lately will take, by decision time, as
-    /// long as a fresh engine report may predate it; zero once it is over
-    /// (the engine freed its blocks).
-    sent_kv: Mutex<VecDeque<(Duration, Arc<AtomicU64>)>>,
+    /// What each request sent lately takes, by decision time, as long as a
+    /// fresh engine report may predate it.
+    sent: Mutex<VecDeque<(Duration, Arc<Sent>)>>,
     probe_ok: AtomicBool,
     draining: AtomicBool,
     failures: AtomicU32,
@@ -126,7 +125,7 @@ impl Replica {
             own_pending: AtomicU32::new(0),
             prompt_tokens: AtomicU64::new(0),
             pending_prefill_us: AtomicU64::new(0),
-            sent_kv: Mutex::new(VecDeque::new()),
+            sent: Mutex::new(VecDeque::new()),
             probe_ok: AtomicBool::new(true),
             draining: AtomicBool::new(false),
             failures: AtomicU32::new(0),
@@ -205,28 +204,39 @@ impl Replica {
         Duration::from_micros(self.pending_prefill_us.load(Ordering::Relaxed))
     }
 
-    /// A request decided at `at` was sent to it and will take `tokens` of its
-    /// KV cache (its prompt less what is cached there) until the returned
-    /// count is zeroed, when it is over.
-    pub fn sent_kv(&self, at: Duration, tokens: u64) -> Arc<AtomicU64> {
-        let mut sent = self.sent_kv.lock().unwrap_or_else(|p| p.into_inner());
+    /// The prefill queued there as its engine's `report` corrects it: an
+    /// engine with no request waiting had started every request sent
+    /// before it reported, so only the prefill of those sent since is
+    /// queued (the router hears a first byte only at the response's end,
+    /// ADR 0035, and long generations would otherwise count as queued to
+    /// the end; the prefill under way is not counted).
+    fn reported_queued_prefill(&self, report: Option<Report>) -> Duration {
+        let queued = self.queued_prefill();
+        match report {
+            Some(r) if r.load.waiting == 0 => queued.min(Duration::from_micros(self.sent_since(r.at).1)),
+            _ => queued,
+        }
+    }
+
+    /// A request decided at `at` was sent to it and will take `kv_tokens` of
+    /// its KV cache (its prompt less what is cached there) until it is over,
+    /// and its `prefill_us` until its first byte; the returned counts are
+    /// zeroed then.
+    pub fn sent(&self, at: Duration, kv_tokens: u64, prefill_us: u64) -> Arc<Sent> {
+        let mut sent = self.sent.lock().unwrap_or_else(|p| p.into_inner());
         while sent.front().is_some_and(|(t, _)| *t + FRESH < at) {
             sent.pop_front();
         }
-        let held = Arc::new(AtomicU64::new(tokens));
+        let held = Arc::new(Sent { kv_tokens: AtomicU64::new(kv_tokens), prefill_us: AtomicU64::new(prefill_us) });
         sent.push_back((at, held.clone()));
         held
     }
 
-    /// KV tokens of the requests sent to it after `since`.
-    fn sent_kv_since(&self, since: Duration) -> u64 {
-        self.sent_kv
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter(|(t, _)| *t > since)
-            .map(|(_, n)| n.load(Ordering::Relaxed))
-            .sum()
+    /// KV tokens and prefill (microseconds) the requests sent to it after `since` still take.
+    fn sent_since(&self, since: Duration) -> (u64, u64) {
+        self.sent.lock().unwrap_or_else(|p| p.into_inner()).iter().filter(|(t, _)| *t > since).fold((0, 0), |(kv, prefill), (_, s)| {
+            (kv + s.kv_tokens.load(Ordering::Relaxed), prefill + s.prefill_us.load(Ordering::Relaxed))
+        })
     }
 
     /// What a policy sees of it at `now`, with the prompt's predicted cached
@@ -256,10 +266,10 @@ impl Replica {
             healthy: self.healthy(now.as_millis() as u64),
             cached_tokens,
             held_cached_tokens,
-            queued_prefill_secs: self.queued_prefill().as_secs_f64(),
+            queued_prefill_secs: self.reported_queued_prefill(engine).as_secs_f64(),
             prompt_tokens_in_flight: self.prompt_tokens(),
             kv_capacity_tokens: (self.blocks(0) * self.block_size(0)) as u64,
-            unreported_kv_tokens: engine.map_or(0, |e| self.sent_kv_since(e.at)),
+            unreported_kv_tokens: engine.map_or(0, |e| self.sent_since(e.at).0),
             engine: engine.map(|e| e.load),
             own,
         }
@@ -327,6 +337,14 @@ impl Replica {
     }
 }
 
+/// What a request sent lately still takes on its replica: KV tokens until
+/// it is over, its estimated prefill until its first byte.
+#[derive(Debug)]
+pub struct Sent {
+    kv_tokens: AtomicU64,
+    prefill_us: AtomicU64,
+}
+
 /// A request's hold on a replica: counted in flight (and pending until its
 /// first byte) from the decision until it is released, however the request
 /// ends. Release is explicit and happens once; dropping an unreleased lease
@@ -349,8 +367,8 @@ pub struct Lease {
     state: AtomicU8,
     /// Its estimated prefill while it counts in its replica's queue, microseconds.
     prefill_us: AtomicU64,
-    /// Its entry in its replica's KV sent since the engine's report, zeroed on release.
-    sent_kv: OnceLock<Arc<AtomicU64>>,
+    /// Its entry among its replica's requests sent lately.
+    sent: OnceLock<Arc<Sent>>,
     /// What the decision recorded in the KV index, to take back if the engine refuses the request.
     pub kv: Mutex<Option<(Arc<Prediction>, Record)>>,
 }
@@ -377,8 +395,8 @@ impl Lease {
         replica.acquire(prompt_tokens, mine);
         let (state, kv) = (AtomicU8::new(PENDING), Mutex::new(None));
         let (estimate_us, prefill_us) = (AtomicU64::new(0), AtomicU64::new(0));
-        let sent_kv = OnceLock::new();
-        Self { replica, model, start, prompt_tokens, mine, estimate_us, state, prefill_us, sent_kv, kv }
+        let sent = OnceLock::new();
+        Self { replica, model, start, prompt_tokens, mine, estimate_us, state, prefill_us, sent, kv }
     }
 
     /// What it holds now, as a peer is told to hold it: its prompt, the
@@ -388,7 +406,7 @@ impl Lease {
         Hold {
             prompt_tokens: (self.prompt_tokens > 0).then_some(self.prompt_tokens as usize),
             prefill: Duration::from_micros(self.prefill_us.load(Ordering::Relaxed)),
-            kv_tokens: self.sent_kv.get().map_or(0, |n| n.load(Ordering::Relaxed)),
+            kv_tokens: self.sent.get().map_or(0, |s| s.kv_tokens.load(Ordering::Relaxed)),
             prediction: self.kv.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map(|(p, _)| p.clone()),
         }
     }
@@ -401,15 +419,19 @@ impl Lease {
     }
 
     /// It was decided at `at` and will take `tokens` of its replica's KV
-    /// cache until it is released (see [`Replica::sent_kv`]). Once, when the
-    /// decision is committed; a later call changes nothing.
+    /// cache until it is released, and its queued prefill until its first
+    /// byte (see [`Replica::sent`]). Once, when the decision is committed,
+    /// after its prefill is queued; a later call changes nothing.
     pub fn sent_kv(&self, at: Duration, tokens: u64) {
-        self.sent_kv.get_or_init(|| self.replica.sent_kv(at, tokens));
+        self.sent.get_or_init(|| self.replica.sent(at, tokens, self.prefill_us.load(Ordering::Relaxed)));
     }
 
     /// Its prefill is done, or will never be: out of its replica's queue.
     fn unqueue(&self) {
         self.replica.pending_prefill_us.fetch_sub(self.prefill_us.swap(0, Ordering::Relaxed), Ordering::Relaxed);
+        if let Some(sent) = self.sent.get() {
+            sent.prefill_us.store(0, Ordering::Relaxed);
+        }
     }
 
     /// Records the router's estimate of its time to first token.
@@ -443,8 +465,8 @@ impl Lease {
                 self.replica.own_in_flight.fetch_sub(1, Ordering::Relaxed);
             }
             self.replica.prompt_tokens.fetch_sub(self.prompt_tokens, Ordering::Relaxed);
-            if let Some(sent) = self.sent_kv.get() {
-                sent.store(0, Ordering::Relaxed);
+            if let Some(sent) = self.sent.get() {
+                sent.kv_tokens.store(0, Ordering::Relaxed);
             }
         }
     }
@@ -498,8 +520,8 @@ mod tests {
         let r = replica(vec![0]);
         let ms = Duration::from_millis;
         let report = |at| Some(Report { at, load: inferrail_policy::EngineReport { running: 0, waiting: 0, kv_usage: 0.0 } });
-        r.sent_kv(ms(1_000), 300);
-        r.sent_kv(ms(1_050), 200);
+        r.sent(ms(1_000), 300, 0);
+        r.sent(ms(1_050), 200, 0);
         assert_eq!(
             r.candidate(ms(1_060), (0, 0), report(ms(1_000)), Share::ALONE).unreported_kv_tokens,
             200,
@@ -514,9 +536,30 @@ mod tests {
         assert_eq!(r.candidate(ms(1_060), (0, 0), report(ms(900)), Share::ALONE).unreported_kv_tokens, 500, "released, it counts no more");
         assert_eq!(r.candidate(ms(1_060), (0, 0), None, Share::ALONE).unreported_kv_tokens, 0, "no report, nothing to correct");
         // Sends older than any fresh report are let go.
-        r.sent_kv(ms(1_000) + FRESH + ms(20), 7);
-        assert_eq!(r.sent_kv.lock().unwrap().len(), 3, "the send at 1,000 ms can predate no fresh report");
+        r.sent(ms(1_000) + FRESH + ms(20), 7, 0);
+        assert_eq!(r.sent.lock().unwrap().len(), 3, "the send at 1,000 ms can predate no fresh report");
         assert_eq!(r.candidate(ms(1_400), (0, 0), report(ms(1_200)), Share::ALONE).unreported_kv_tokens, 7);
+    }
+
+    #[test]
+    fn an_engine_with_nothing_waiting_has_started_what_was_sent_before_its_report() {
+        let r = replica(vec![0]);
+        let ms = Duration::from_millis;
+        let report = |at, waiting| Some(Report { at, load: inferrail_policy::EngineReport { running: 2, waiting, kv_usage: 0.0 } });
+        let a = Lease::new(r.clone(), 0, 100);
+        a.queue_prefill(ms(300));
+        a.sent_kv(ms(1_000), 100);
+        let b = Lease::new(r.clone(), 0, 100);
+        b.queue_prefill(ms(200));
+        b.sent_kv(ms(1_050), 100);
+        let queued = |report| r.candidate(ms(1_060), (0, 0), report, Share::ALONE).queued_prefill_secs;
+        assert_eq!(queued(None), 0.5, "no report: all of it");
+        assert_eq!(queued(report(ms(1_020), 3)), 0.5, "requests waiting: all of it");
+        assert_eq!(queued(report(ms(1_020), 0)), 0.2, "nothing waiting at 1,020 ms: only what was sent after");
+        assert_eq!(queued(report(ms(1_060), 0)), 0.0);
+        b.first_byte();
+        assert_eq!(queued(report(ms(900), 0)), 0.3, "a first byte takes its prefill out of the sent ones too");
+        assert_eq!(r.queued_prefill(), ms(300), "the queue itself is the router's own count");
     }
 
     #[test]
