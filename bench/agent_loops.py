@@ -17,7 +17,10 @@ small caches, Envoy, inferrail), run once per variant:
   same simulators, no Envoy.
 
 Each step's x-inferrail-cached-tokens is compared with the engine's
-cached_tokens. Steps sent in the first `--warmup-s` are not counted.
+cached_tokens. Steps sent in the first `--warmup-s` are not counted. With
+`--reps N` every variant runs N times, the variants in turn each
+repetition (this machine's speed drifts between minutes); the agents are
+the same each time, so the spread is the runs' noise.
 
 Run with `just bench-agents` (it builds the release binaries).
 """
@@ -173,14 +176,16 @@ def main():
     ap.add_argument("--blocks", type=int, default=1500, help="KV cache blocks of each simulator")
     ap.add_argument("--warmup-s", type=float, default=20)
     ap.add_argument("--duration-s", type=float, default=60)
+    ap.add_argument("--reps", type=int, default=1, help="runs of each variant, the variants in turn")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     results = []
-    for variant in args.variants.split(","):
-        result = run(variant, args)
-        print(json.dumps(result), flush=True)
-        results.append(result)
+    for rep in range(args.reps):
+        for variant in args.variants.split(","):
+            result = {**run(variant, args), "rep": rep}
+            print(json.dumps(result), flush=True)
+            results.append(result)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         doc = {"benchmark": "agent-loops", "commit": commit, "profile": os.environ.get("INFERRAIL_PROFILE", "debug"),
