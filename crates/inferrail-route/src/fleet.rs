@@ -204,18 +204,28 @@ impl Replica {
         Duration::from_micros(self.pending_prefill_us.load(Ordering::Relaxed))
     }
 
-    /// The prefill queued there as its engine's `report` corrects it: an
-    /// engine with no request waiting had started every request sent
-    /// before it reported, so only the prefill of those sent since is
-    /// queued (the router hears a first byte only at the response's end,
-    /// ADR 0035, and long generations would otherwise count as queued to
-    /// the end; the prefill under way is not counted).
+    /// The prefill queued there as its engine's `report` corrects it. The
+    /// engine serves its queue first come first: of the requests sent
+    /// before it reported and still without a first byte, only the newest
+    /// `waiting` it reported had not started, so those and the ones sent
+    /// since are queued (the router hears a first byte only at the
+    /// response's end, ADR 0035, and long generations would otherwise count
+    /// as queued to the end; the prefill under way is not counted). When
+    /// the engine waits on more than the router remembers sending, or
+    /// without a report, the router's own count stands.
     fn reported_queued_prefill(&self, report: Option<Report>) -> Duration {
         let queued = self.queued_prefill();
-        match report {
-            Some(r) if r.load.waiting == 0 => queued.min(Duration::from_micros(self.sent_since(r.at).1)),
-            _ => queued,
+        let Some(report) = report else { return queued };
+        let (mut before, mut since) = (Vec::new(), 0);
+        for (at, sent) in self.sent.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            match sent.prefill_us.load(Ordering::Relaxed) {
+                0 => {}
+                us if *at > report.at => since += us,
+                us => before.push(us),
+            }
         }
+        let Some(started) = before.len().checked_sub(report.load.waiting as usize) else { return queued };
+        queued.min(Duration::from_micros(before[started..].iter().sum::<u64>() + since))
     }
 
     /// A request decided at `at` was sent to it and will take `kv_tokens` of
@@ -542,7 +552,7 @@ mod tests {
     }
 
     #[test]
-    fn an_engine_with_nothing_waiting_has_started_what_was_sent_before_its_report() {
+    fn an_engine_has_started_all_but_the_newest_requests_it_reports_waiting() {
         let r = replica(vec![0]);
         let ms = Duration::from_millis;
         let report = |at, waiting| Some(Report { at, load: inferrail_policy::EngineReport { running: 2, waiting, kv_usage: 0.0 } });
@@ -554,9 +564,11 @@ mod tests {
         b.sent_kv(ms(1_050), 100);
         let queued = |report| r.candidate(ms(1_060), (0, 0), report, Share::ALONE).queued_prefill_secs;
         assert_eq!(queued(None), 0.5, "no report: all of it");
-        assert_eq!(queued(report(ms(1_020), 3)), 0.5, "requests waiting: all of it");
+        assert_eq!(queued(report(ms(1_020), 3)), 0.5, "more waiting than the router sent before the report: all of it");
         assert_eq!(queued(report(ms(1_020), 0)), 0.2, "nothing waiting at 1,020 ms: only what was sent after");
         assert_eq!(queued(report(ms(1_060), 0)), 0.0);
+        assert_eq!(queued(report(ms(1_060), 1)), 0.2, "one waiting at 1,060 ms: the newest");
+        assert_eq!(queued(report(ms(1_060), 2)), 0.5);
         b.first_byte();
         assert_eq!(queued(report(ms(900), 0)), 0.3, "a first byte takes its prefill out of the sent ones too");
         assert_eq!(r.queued_prefill(), ms(300), "the queue itself is the router's own count");
