@@ -204,28 +204,30 @@ impl Replica {
         Duration::from_micros(self.pending_prefill_us.load(Ordering::Relaxed))
     }
 
-    /// The prefill queued there as its engine's `report` corrects it. The
-    /// engine serves its queue first come first: of the requests sent
-    /// before it reported and still without a first byte, only the newest
-    /// `waiting` it reported had not started, so those and the ones sent
-    /// since are queued (the router hears a first byte only at the
-    /// response's end, ADR 0035, and long generations would otherwise count
-    /// as queued to the end; the prefill under way is not counted). When
-    /// the engine waits on more than the router remembers sending, or
-    /// without a report, the router's own count stands.
-    fn reported_queued_prefill(&self, report: Option<Report>) -> Duration {
-        let queued = self.queued_prefill();
-        let Some(report) = report else { return queued };
-        let (mut before, mut since) = (Vec::new(), 0);
-        for (at, sent) in self.sent.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            match sent.prefill_us.load(Ordering::Relaxed) {
-                0 => {}
-                us if *at > report.at => since += us,
-                us => before.push(us),
+    /// What the engine's `report` does not show of the requests sent to it:
+    /// the KV tokens of those sent since, and the prefill queued as the
+    /// report corrects the router's count. The engine serves its queue
+    /// first come first: of the requests sent before it reported and still
+    /// without a first byte, only the newest `waiting` it reported had not
+    /// started, so those and the ones sent since are queued (the router
+    /// hears a first byte only at the response's end, ADR 0035, and long
+    /// generations would otherwise count as queued to the end; the prefill
+    /// under way is not counted). `None` when the engine waits on more than
+    /// the router remembers sending: the router's own count stands.
+    fn unreported(&self, report: Report) -> (u64, Option<Duration>) {
+        let (mut kv, mut queued, mut waiting) = (0, 0, report.load.waiting);
+        // Newest first: the sends since the report, then the newest waiting ones before it.
+        for (at, sent) in self.sent.lock().unwrap_or_else(|p| p.into_inner()).iter().rev() {
+            let prefill = sent.prefill_us.load(Ordering::Relaxed);
+            if *at > report.at {
+                kv += sent.kv_tokens.load(Ordering::Relaxed);
+                queued += prefill;
+            } else if prefill > 0 && waiting > 0 {
+                queued += prefill;
+                waiting -= 1;
             }
         }
-        let Some(started) = before.len().checked_sub(report.load.waiting as usize) else { return queued };
-        queued.min(Duration::from_micros(before[started..].iter().sum::<u64>() + since))
+        (kv, (waiting == 0).then(|| Duration::from_micros(queued)))
     }
 
     /// A request decided at `at` was sent to it and will take `kv_tokens` of
@@ -242,13 +244,6 @@ impl Replica {
         held
     }
 
-    /// KV tokens and prefill (microseconds) the requests sent to it after `since` still take.
-    fn sent_since(&self, since: Duration) -> (u64, u64) {
-        self.sent.lock().unwrap_or_else(|p| p.into_inner()).iter().filter(|(t, _)| *t > since).fold((0, 0), |(kv, prefill), (_, s)| {
-            (kv + s.kv_tokens.load(Ordering::Relaxed), prefill + s.prefill_us.load(Ordering::Relaxed))
-        })
-    }
-
     /// What a policy sees of it at `now`, with the prompt's predicted cached
     /// tokens there (and of those, the ones requests in flight hold), the
     /// engine's report when it is fresh, and where this router stands among
@@ -261,6 +256,8 @@ impl Replica {
         share: Share,
     ) -> Candidate {
         let limits = self.limits();
+        let (unreported_kv_tokens, reported_queue) = engine.map_or((0, None), |e| self.unreported(e));
+        let queued = self.queued_prefill();
         let own = (share.of > 1).then(|| Own {
             in_flight: self.own_in_flight.load(Ordering::Relaxed),
             pending: self.own_pending.load(Ordering::Relaxed),
@@ -276,10 +273,10 @@ impl Replica {
             healthy: self.healthy(now.as_millis() as u64),
             cached_tokens,
             held_cached_tokens,
-            queued_prefill_secs: self.reported_queued_prefill(engine).as_secs_f64(),
+            queued_prefill_secs: reported_queue.map_or(queued, |q| q.min(queued)).as_secs_f64(),
             prompt_tokens_in_flight: self.prompt_tokens(),
             kv_capacity_tokens: (self.blocks(0) * self.block_size(0)) as u64,
-            unreported_kv_tokens: engine.map_or(0, |e| self.sent_since(e.at).0),
+            unreported_kv_tokens,
             engine: engine.map(|e| e.load),
             own,
         }
