@@ -190,6 +190,23 @@ setup-peers:
             "$venv/bin/pip" install --quiet --disable-pip-version-check "$peer"
     done
 
+# A mixed fleet: three simulators, one twice as fast with 1,600 blocks, one as `bench-routing`'s with 1,100, one half as fast with 700, each calibrated by inferrail-calibrate and its fit given to Inferrail; W1 at 20 req/s and mix at 16 (near where least_request's goodput falls below 80%), two repetitions, every peer router; then cost_model again without the calibration. Approximate mode. Other flags go to `inferrail-bench compare`. Results: bench/results/mixed/.
+bench-mixed *args: setup setup-sglang setup-peers
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench -p inferrail-calibrate
+    fleet=(--time-scale 0.1 --sim-flags "--block-size 16 --max-model-len 10240" --replica-time-scale 0.5,1,2
+           --replica-sim-flags "--num-gpu-blocks-override 1600|--num-gpu-blocks-override 1100|--num-gpu-blocks-override 700"
+           --reps 2 --duration-s 20 --warmup-s 5)
+    out=bench/results/mixed
+    for load in "w1 20" "mix 16"; do
+        set -- $load
+        target/release/inferrail-bench compare "${fleet[@]}" --workloads "$1" --rate "$2" --calibrate \
+            --contenders round_robin,least_request,cost_model,sglang:cache_aware,smg:cache_aware,vllm-router:cache_aware --out-dir "$out/$1" {{args}}
+        target/release/inferrail-bench compare "${fleet[@]}" --workloads "$1" --rate "$2" \
+            --contenders cost_model --out-dir "$out/$1-uncalibrated" {{args}}
+    done
+
 # Every policy and SGLang's router on the same requests, each on a cold fleet of three simulators whose caches hold a third of W1's shared prompts and room for the requests running: first the rate round robin sustains on each workload (and cost_model's on W1 and mix), then every contender at 70% of it, three repetitions on W1 and mix and two on W6 and hot, and the fleet simulation on the same requests; then the report. `--quick` gives a first answer in minutes (W1 and mix, a few contenders). Other flags go to `inferrail-bench compare`. Results: bench/results/routing/.
 bench-routing *args: setup setup-sglang
     #!/usr/bin/env bash

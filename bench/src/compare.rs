@@ -1,11 +1,13 @@
-//! `compare`: every policy, and SGLang's own router as a real peer, on the
-//! same requests at the same times, each on a cold fleet.
+//! `compare`: every policy, and the peer routers (SGLang's router, `smg`,
+//! vLLM's router) as real peers, on the same requests at the same times,
+//! each on a cold fleet.
 //!
 //! For each workload and repetition the requests are generated once (the
 //! repetition's seed); then for each contender three simulators start
-//! fresh, with either inferrail behind Envoy (the shipped `envoy/local.yaml`
-//! on other ports) configured with the policy, or SGLang's router
-//! (`sglang_router.launch_router`, PyPI `sglang-router`) in front of the
+//! fresh (each with its own speed and cache in a mixed fleet, calibrated
+//! once beforehand with `--calibrate`), with either inferrail behind Envoy
+//! (the shipped `envoy/local.yaml` on other ports) configured with the
+//! policy, or a peer router in front of the
 //! same simulators; the requests are sent open loop, warmup left out of the
 //! summary, and everything is stopped before the next contender. Each run's
 //! result is a JSON file; the table of all of them is printed and written as
@@ -19,6 +21,8 @@ use anyhow::Context;
 use clap::Args;
 use serde::Serialize;
 
+use inferrail_policy::Prefill;
+
 use crate::fleet::capacity::{self, Search};
 use crate::processes::{self, KvEventPorts, Processes, Programs, until};
 use crate::run::{self, Measured};
@@ -28,8 +32,9 @@ use crate::workload::{self, Kind, Spec};
 /// Flags of `compare`.
 #[derive(Debug, Clone, Args)]
 pub struct CompareArgs {
-    /// Contenders: inferrail policies by name, and `sglang:<policy>` for
-    /// SGLang's router with one of its policies (`cache_aware`, `round_robin`).
+    /// Contenders: inferrail policies by name, and `<peer>:<policy>` for a
+    /// peer router with one of its policies (`cache_aware`, `round_robin`):
+    /// `sglang` (PyPI `sglang-router`), `smg` and `vllm-router`.
     #[arg(
         long,
         value_delimiter = ',',
@@ -88,6 +93,20 @@ pub struct CompareArgs {
     /// Extra flags of every simulator (cache size), space separated; they come after the time scale's.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub sim_flags: String,
+    /// A mixed fleet: each simulator's latency model as a multiple of the
+    /// time scale's, comma separated, one per simulator (2: half as fast).
+    #[arg(long, value_delimiter = ',', default_value = "1,1,1", value_parser = crate::timescale::parse)]
+    pub replica_time_scale: Vec<f64>,
+    /// A mixed fleet: each simulator's own extra flags after `--sim-flags`
+    /// (its cache size), `|` between simulators.
+    #[arg(long, default_value = "", allow_hyphen_values = true)]
+    pub replica_sim_flags: String,
+    /// Calibrate each simulator first (`inferrail-calibrate` on a fresh
+    /// fleet) and give Inferrail each replica's own prefill cost, as an
+    /// operator of a mixed fleet would; else every replica is priced at
+    /// the time scale's.
+    #[arg(long)]
+    pub calibrate: bool,
     /// The programs it starts.
     #[command(flatten)]
     pub programs: Programs,
@@ -138,28 +157,28 @@ pub struct CompareRun {
     duration_s: f64,
     warmup_s: f64,
     time_scale: f64,
-    /// How often Inferrail read each engine's load (`sglang:` contenders read none).
+    /// How often Inferrail read each engine's load (peers read none).
     load_interval_ms: Option<u64>,
     sim_flags: String,
+    /// Each simulator's latency model as a multiple of the time scale's.
+    replica_time_scale: Vec<f64>,
+    /// Each simulator's own flags.
+    replica_sim_flags: Vec<String>,
+    /// Each replica's prefill cost as Inferrail was given it (`--calibrate`; none: the time scale's).
+    prefill: Vec<Option<Prefill>>,
     slo: Slo,
     spec: Spec,
     #[serde(flatten)]
     measured: Measured,
 }
 
-/// Starts the simulators and the contender in front of them; returns when a
-/// request is served, with how often Inferrail reads the engines' load
-/// (milliseconds, from its config; `None` for SGLang's router).
-async fn start(
-    args: &CompareArgs,
-    contender: &str,
-    seed: u64,
-    logs: &Path,
-    http: &reqwest::Client,
-) -> anyhow::Result<(Processes, Option<u64>)> {
+/// Starts the simulators, each with its own latency model and flags when
+/// the fleet is mixed; returns when every one is healthy.
+async fn start_sims(args: &CompareArgs, logs: &Path, http: &reqwest::Client) -> anyhow::Result<Processes> {
     std::fs::create_dir_all(logs)?;
     let mut fleet = Processes::default();
     let sim = args.programs.bin_dir.join("inferrail-sim");
+    let own: Vec<&str> = args.replica_sim_flags.split('|').collect();
     for (i, port) in SIMS.iter().enumerate() {
         let mut flags: Vec<String> = [
             "--port",
@@ -173,8 +192,9 @@ async fn start(
         .iter()
         .map(|s| s.to_string())
         .collect();
-        flags.extend(crate::timescale::sim_flags(args.time_scale));
+        flags.extend(crate::timescale::sim_flags(args.time_scale * args.replica_time_scale.get(i).copied().unwrap_or(1.0)));
         flags.extend(args.sim_flags.split_whitespace().map(str::to_string));
+        flags.extend(own.get(i).into_iter().flat_map(|f| f.split_whitespace()).map(str::to_string));
         if args.kv_events {
             flags.extend(KV_EVENTS[i].sim_flags());
         }
@@ -186,10 +206,54 @@ async fn start(
         })
         .await?;
     }
-    let load_interval_ms = match contender.strip_prefix("sglang:") {
-        Some(policy) => {
-            let flags = processes::sglang_flags(ENTRY, policy, &SIMS, 19290);
-            fleet.spawn("sglang-router", logs, &args.programs.sglang_python, &flags)?;
+    Ok(fleet)
+}
+
+/// Each simulator's prefill cost as `inferrail-calibrate` fits it on a
+/// fresh fleet of them (its logs and fits under `logs`).
+async fn calibrate(args: &CompareArgs, logs: &Path, http: &reqwest::Client) -> anyhow::Result<Vec<Option<Prefill>>> {
+    let mut fleet = start_sims(args, logs, http).await?;
+    let mut fits = Vec::new();
+    for (i, port) in SIMS.iter().enumerate() {
+        let out = logs.join(format!("sim-{}.prefill.yaml", i + 1));
+        let flags = [
+            "--url".to_string(),
+            format!("http://127.0.0.1:{port}"),
+            "--seed".into(),
+            "1".into(),
+            "--out".into(),
+            out.display().to_string(),
+        ];
+        let pid = fleet.spawn(&format!("calibrate-{}", i + 1), logs, &args.programs.bin_dir.join("inferrail-calibrate"), &flags)?;
+        fleet.wait(pid).await.with_context(|| format!("calibrating sim-{} (see {})", i + 1, logs.display()))?;
+        #[derive(serde::Deserialize)]
+        struct Fragment {
+            prefill: Prefill,
+        }
+        let fit: Fragment = serde_yaml::from_str(&std::fs::read_to_string(&out)?).with_context(|| format!("reading {}", out.display()))?;
+        eprintln!("sim-{}: {:?}", i + 1, fit.prefill);
+        fits.push(Some(fit.prefill));
+    }
+    Ok(fits)
+}
+
+/// Starts the simulators and the contender in front of them; returns when a
+/// request is served, with how often Inferrail reads the engines' load
+/// (milliseconds, from its config; `None` for a peer router). Inferrail
+/// prices each replica by its `prefill` when given.
+async fn start(
+    args: &CompareArgs,
+    contender: &str,
+    seed: u64,
+    logs: &Path,
+    http: &reqwest::Client,
+    prefill: &[Option<Prefill>],
+) -> anyhow::Result<(Processes, Option<u64>)> {
+    let mut fleet = start_sims(args, logs, http).await?;
+    let load_interval_ms = match processes::Peer::of(contender) {
+        Some((peer, policy)) => {
+            let (program, flags) = peer.command(&args.programs, ENTRY, policy, &SIMS, 19290);
+            fleet.spawn(peer.name(), logs, &program, &flags)?;
             None
         }
         None => {
@@ -205,7 +269,7 @@ async fn start(
                     &args.tokenizer,
                     seed,
                     ports(k),
-                    &SIMS,
+                    (&SIMS, prefill),
                     (args.time_scale, args.policy_params.as_ref()),
                     args.kv_events.then_some(&KV_EVENTS[..]),
                 )?;
@@ -254,8 +318,17 @@ pub async fn compare(args: CompareArgs) -> anyhow::Result<()> {
         args.rate > 0.0 && args.duration_s > 0.0 && args.warmup_s >= 0.0 && args.tolerance > 0.0,
         "--rate, --duration-s and --tolerance must be positive, --warmup-s at least 0"
     );
+    anyhow::ensure!(args.replica_time_scale.len() == SIMS.len(), "--replica-time-scale takes one value per simulator ({})", SIMS.len());
+    anyhow::ensure!(
+        args.replica_sim_flags.split('|').count() <= SIMS.len(),
+        "--replica-sim-flags names more simulators than {}",
+        SIMS.len()
+    );
+    let http = run::client(600.0)?;
+    let prefill = if args.calibrate { calibrate(&args, &args.out_dir.join("logs").join("calibrate"), &http).await? } else { Vec::new() };
     let bench = Bench {
-        http: run::client(600.0)?,
+        http,
+        prefill,
         slo: Slo { ttft_ms: args.slo_ttft_ms * args.time_scale, tpot_ms: args.slo_tpot_ms * args.time_scale },
         commit: run::commit(),
         command: run::command_line(),
@@ -286,6 +359,8 @@ pub async fn compare(args: CompareArgs) -> anyhow::Result<()> {
 struct Bench {
     args: CompareArgs,
     http: reqwest::Client,
+    /// Each replica's prefill cost as calibrated (`--calibrate`), else none.
+    prefill: Vec<Option<Prefill>>,
     slo: Slo,
     commit: String,
     command: String,
@@ -307,8 +382,9 @@ impl Bench {
         let args = &self.args;
         eprintln!("{name}: {} requests at {rate} req/s", requests.len());
         let logs = args.out_dir.join("logs").join(name);
-        let (fleet, load_interval_ms) =
-            start(args, contender, seed, &logs, &self.http).await.with_context(|| format!("starting the fleet for {name}"))?;
+        let (fleet, load_interval_ms) = start(args, contender, seed, &logs, &self.http, &self.prefill)
+            .await
+            .with_context(|| format!("starting the fleet for {name}"))?;
         let engines: Vec<String> = SIMS.iter().map(|p| format!("http://127.0.0.1:{p}")).collect();
         let entry = format!("http://127.0.0.1:{ENTRY}");
         let measured = run::measure(&self.http, &entry, requests, &engines, Duration::from_secs_f64(args.warmup_s), self.slo, true).await?;
@@ -319,7 +395,7 @@ impl Bench {
             commit: self.commit.clone(),
             command: self.command.clone(),
             contender: contender.to_owned(),
-            routers: if contender.starts_with("sglang:") { 0 } else { args.routers.max(1) },
+            routers: if processes::Peer::of(contender).is_some() { 0 } else { args.routers.max(1) },
             workload: spec.workload,
             rep,
             seed,
@@ -329,6 +405,9 @@ impl Bench {
             time_scale: args.time_scale,
             load_interval_ms,
             sim_flags: args.sim_flags.clone(),
+            replica_time_scale: args.replica_time_scale.clone(),
+            replica_sim_flags: args.replica_sim_flags.split('|').map(str::to_owned).collect(),
+            prefill: self.prefill.clone(),
             slo: self.slo,
             spec: spec.clone(),
             measured,

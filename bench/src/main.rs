@@ -41,7 +41,7 @@ enum Command {
     /// One workload, open loop, streaming, summarized against an SLO.
     Run(run::RunArgs),
     /// Every policy and SGLang's router on the same requests, each on a cold fleet.
-    Compare(compare::CompareArgs),
+    Compare(Box<compare::CompareArgs>),
     /// The Markdown report with PNG charts, from the committed results.
     Report(writeup::ReportArgs),
     /// The router's decision core over simulated replicas on a virtual clock; capacity at the SLO.
@@ -56,7 +56,7 @@ async fn main() -> anyhow::Result<()> {
         Command::Overhead(args) => overhead::overhead(args).await,
         Command::NoopExtproc(args) => noop::noop_extproc(args).await,
         Command::Run(args) => run::run(args).await,
-        Command::Compare(args) => compare::compare(args).await,
+        Command::Compare(args) => compare::compare(*args).await,
         Command::Fleet(args) => fleet::fleet(args),
         Command::Report(args) => writeup::report(args),
     }

@@ -20,6 +20,12 @@ pub struct Programs {
     /// The Python that has `sglang_router` installed.
     #[arg(long, default_value = ".venv-sglang/bin/python")]
     pub sglang_python: PathBuf,
+    /// `smg` (`just setup-peers`).
+    #[arg(long, default_value = ".venv-smg/bin/smg")]
+    pub smg: PathBuf,
+    /// `vllm-router` (`just setup-peers`).
+    #[arg(long, default_value = ".venv-vllm-router/bin/vllm-router")]
+    pub vllm_router: PathBuf,
 }
 
 /// Processes that are stopped when dropped.
@@ -52,6 +58,15 @@ impl Processes {
         let pid = child.id();
         self.children.push((name.to_string(), child));
         Ok(pid)
+    }
+
+    /// Waits for the process `pid` to exit; fails unless it succeeded.
+    pub async fn wait(&mut self, pid: u32) -> anyhow::Result<()> {
+        let at = self.children.iter().position(|(_, c)| c.id() == pid).ok_or_else(|| anyhow::anyhow!("no process {pid}"))?;
+        let (name, mut child) = self.children.remove(at);
+        let status = tokio::task::spawn_blocking(move || child.wait()).await??;
+        anyhow::ensure!(status.success(), "{name} exited with {status}");
+        Ok(())
     }
 
     /// Fails if any process has exited.
@@ -156,7 +171,7 @@ pub fn router_config(
     tokenizer: &str,
     seed: u64,
     ports: RouterPorts,
-    sims: &[u16],
+    (sims, prefill): (&[u16], &[Option<inferrail_policy::Prefill>]),
     (time_scale, overrides): (f64, Option<&serde_json::Value>),
     kv_events: Option<&[KvEventPorts]>,
 ) -> anyhow::Result<(String, inferrail_config::Config)> {
@@ -166,10 +181,14 @@ pub fn router_config(
         }
         None => String::new(),
     };
+    let cost = |i: usize| match prefill.get(i).copied().flatten() {
+        Some(p) => format!(", prefill: {}", serde_json::to_string(&p).unwrap_or_default()),
+        None => String::new(),
+    };
     let replicas: String = sims
         .iter()
         .enumerate()
-        .map(|(i, p)| format!("  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]{}}}\n", i + 1, events(i)))
+        .map(|(i, p)| format!("  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]{}{}}}\n", i + 1, cost(i), events(i)))
         .collect();
     let RouterPorts { ext_proc, admin, admin_grpc } = ports;
     // JSON is YAML: the time scale's parameters, and the model's own over them.
@@ -191,18 +210,54 @@ pub fn router_config(
     Ok((yaml, config))
 }
 
-/// The arguments of `python` for SGLang's router with `policy` on `port`
-/// in front of simulators on `sims`.
-pub fn sglang_flags(port: u16, policy: &str, sims: &[u16], prometheus_port: u16) -> Vec<String> {
-    let mut flags: Vec<String> =
-        ["-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-    flags.push("--worker-urls".into());
-    flags.extend(sims.iter().map(|p| format!("http://127.0.0.1:{p}")));
-    flags.extend(["--log-level", "warn", "--prometheus-port", &prometheus_port.to_string()].map(str::to_string));
-    flags
+/// A peer router the benchmarks run in front of the same simulators.
+/// All three take SGLang's router's flags.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    /// SGLang's router 0.3.2 (PyPI `sglang-router`).
+    Sglang,
+    /// `smg` 1.13.0 (PyPI), SGLang's router today.
+    Smg,
+    /// vLLM's router 0.1.17 (PyPI `vllm-router`).
+    VllmRouter,
+}
+
+impl Peer {
+    /// A contender named `<peer>:<policy>`, as the peer and its policy.
+    pub fn of(contender: &str) -> Option<(Peer, &str)> {
+        let (peer, policy) = contender.split_once(':')?;
+        let peer = match peer {
+            "sglang" => Peer::Sglang,
+            "smg" => Peer::Smg,
+            "vllm-router" => Peer::VllmRouter,
+            _ => return None,
+        };
+        Some((peer, policy))
+    }
+
+    /// Its process name in logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Peer::Sglang => "sglang-router",
+            Peer::Smg => "smg",
+            Peer::VllmRouter => "vllm-router",
+        }
+    }
+
+    /// The program and arguments of the peer with `policy` on `port` in
+    /// front of simulators on `sims`.
+    pub fn command(self, programs: &Programs, port: u16, policy: &str, sims: &[u16], prometheus_port: u16) -> (PathBuf, Vec<String>) {
+        let (program, lead, level): (&Path, &[&str], &str) = match self {
+            Peer::Sglang => (&programs.sglang_python, &["-m", "sglang_router.launch_router"], "warn"),
+            Peer::Smg => (&programs.smg, &["launch"], "warn"),
+            Peer::VllmRouter => (&programs.vllm_router, &[], "warning"),
+        };
+        let mut flags: Vec<String> = lead.iter().map(|s| s.to_string()).collect();
+        flags.extend(["--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy, "--worker-urls"].map(str::to_string));
+        flags.extend(sims.iter().map(|p| format!("http://127.0.0.1:{p}")));
+        flags.extend(["--log-level", level, "--prometheus-port", &prometheus_port.to_string()].map(str::to_string));
+        (program.to_path_buf(), flags)
+    }
 }
 
 #[cfg(test)]
@@ -238,7 +293,7 @@ mod tests {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let events = [KvEventPorts { publish: 7001, replay: 7101 }, KvEventPorts { publish: 7002, replay: 7102 }];
         let params = crate::timescale::params(0.1);
-        let (yaml, config) = router_config("cost_model", "builtin:sim", 1, ports, &[8001, 8002], (0.1, None), Some(&events))?;
+        let (yaml, config) = router_config("cost_model", "builtin:sim", 1, ports, (&[8001, 8002], &[]), (0.1, None), Some(&events))?;
         assert_eq!(inferrail_config::Config::parse(&yaml)?, config, "the YAML reads as the configuration returned");
         let ip = "127.0.0.1".parse()?;
         let own = |c: &inferrail_config::Config, id: &str| c.replicas.iter().find(|r| r.id == id).and_then(|r| r.kv_events.clone());
@@ -247,7 +302,7 @@ mod tests {
         assert_eq!(second.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:7102"));
         assert_eq!(config.routing.policies, params);
         assert_eq!(config.load.interval_ms, 10, "the engines' load is read ten times as often at a tenth of the time");
-        let (_, plain) = router_config("cost_model", "builtin:sim", 1, ports, &[8001], (0.1, None), None)?;
+        let (_, plain) = router_config("cost_model", "builtin:sim", 1, ports, (&[8001], &[]), (0.1, None), None)?;
         assert_eq!(plain.event_source(own(&plain, "sim-1").as_ref(), ip), None, "no events: approximate mode");
         // The simulator binds what the router connects to, as vLLM does for `*`.
         let [flag, json] = events[1].sim_flags();
@@ -258,11 +313,39 @@ mod tests {
     }
 
     #[test]
+    fn each_replica_is_priced_by_its_own_calibration_when_given() -> anyhow::Result<()> {
+        let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
+        let slow = inferrail_policy::Prefill { prefill_token_us: 21.5, prefill_pair_ns: 0.61, prefill_fixed_ms: 1.0 };
+        let (yaml, config) = router_config("cost_model", "builtin:sim", 1, ports, (&[8001, 8002], &[None, Some(slow)]), (0.1, None), None)?;
+        assert_eq!(inferrail_config::Config::parse(&yaml)?, config);
+        assert_eq!(config.replicas.iter().map(|r| r.serving.prefill).collect::<Vec<_>>(), [None, Some(slow)]);
+        Ok(())
+    }
+
+    #[test]
+    fn peers_are_named_with_their_policy_and_take_sglangs_flags() {
+        let programs =
+            Programs { bin_dir: "b".into(), envoy: "e".into(), sglang_python: "py".into(), smg: "smg".into(), vllm_router: "vr".into() };
+        assert_eq!(Peer::of("cost_model"), None);
+        assert_eq!(Peer::of("other:cache_aware"), None);
+        let (peer, policy) = Peer::of("smg:cache_aware").unwrap();
+        assert_eq!((peer, policy), (Peer::Smg, "cache_aware"));
+        let (program, flags) = peer.command(&programs, 9, policy, &[1, 2], 7);
+        assert_eq!(program, PathBuf::from("smg"));
+        assert_eq!(flags[..2], ["launch", "--host"]);
+        assert!(flags.windows(3).any(|w| w == ["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2"]), "{flags:?}");
+        let (program, flags) = Peer::VllmRouter.command(&programs, 9, "cache_aware", &[1], 7);
+        assert_eq!((program, flags[0].as_str()), (PathBuf::from("vr"), "--host"));
+        assert!(flags.windows(2).any(|w| w == ["--log-level", "warning"]));
+        assert_eq!(Peer::Sglang.command(&programs, 9, "round_robin", &[1], 7).1[..2], ["-m", "sglang_router.launch_router"]);
+    }
+
+    #[test]
     fn policy_overrides_change_only_what_they_name_and_bad_ones_fail_before_the_router_starts() -> anyhow::Result<()> {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let with = |over: &str| -> anyhow::Result<inferrail_config::Config> {
             let over = crate::timescale::parse_overrides(over).map_err(anyhow::Error::msg)?;
-            Ok(router_config("cost_model", "builtin:sim", 1, ports, &[8001], (0.1, Some(&over)), None)?.1)
+            Ok(router_config("cost_model", "builtin:sim", 1, ports, (&[8001], &[]), (0.1, Some(&over)), None)?.1)
         };
         let config = with(r#"{"cost_model": {"share_weight": 0, "hot_prefix": {"enabled": false}}}"#)?;
         let (base, p) = (crate::timescale::params(0.1), config.params(0).map_err(|e| anyhow::anyhow!(e.join("; ")))?);

@@ -132,7 +132,7 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
                 // Zero-latency simulators: the default time scale prices nothing they do.
                 std::fs::write(
                     &path,
-                    processes::router_config(&args.policy, &args.tokenizer, args.seed, ROUTER, &SIMS, (1.0, None), None)?.0,
+                    processes::router_config(&args.policy, &args.tokenizer, args.seed, ROUTER, (&SIMS, &[]), (1.0, None), None)?.0,
                 )?;
                 let flags = ["--config".into(), path.display().to_string()];
                 pids.push((Role::Inferrail, fleet.spawn("inferrail", logs, &args.programs.bin_dir.join("inferrail"), &flags)?));
@@ -146,8 +146,9 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
                     "{} is missing: run `just setup-sglang`",
                     args.programs.sglang_python.display()
                 );
-                let flags = processes::sglang_flags(SGLANG, &args.sglang_policy, &SIMS, SGLANG_PROMETHEUS);
-                pids.push((Role::SglangRouter, fleet.spawn("sglang-router", logs, &args.programs.sglang_python, &flags)?));
+                let (program, flags) =
+                    processes::Peer::Sglang.command(&args.programs, SGLANG, &args.sglang_policy, &SIMS, SGLANG_PROMETHEUS);
+                pids.push((Role::SglangRouter, fleet.spawn("sglang-router", logs, &program, &flags)?));
             }
         }
     }

@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 use std::net::SocketAddr;
 
-use inferrail_policy::{Params, PolicyKind};
+use inferrail_policy::{Params, PolicyKind, Prefill};
 use serde::{Deserialize, Serialize};
 
 /// The whole configuration.
@@ -455,12 +455,22 @@ pub struct Serving {
     pub block_size: Option<usize>,
     /// KV blocks it holds; learned from the engine's metrics when unset.
     pub kv_blocks: Option<usize>,
+    /// Its engine's prefill cost, as `inferrail-calibrate` fits it, for a
+    /// fleet whose engines differ; unset, its model's `policies.prefill`.
+    pub prefill: Option<Prefill>,
 }
 
 impl Default for Serving {
     fn default() -> Self {
         let l = Limits::default();
-        Self { models: Vec::new(), max_concurrency: l.max_concurrency, max_pending: l.max_pending, block_size: None, kv_blocks: None }
+        Self {
+            models: Vec::new(),
+            max_concurrency: l.max_concurrency,
+            max_pending: l.max_pending,
+            block_size: None,
+            kv_blocks: None,
+            prefill: None,
+        }
     }
 }
 
@@ -802,6 +812,9 @@ impl Serving {
         }
         if self.block_size == Some(0) || self.kv_blocks == Some(0) {
             p.push(format!("{at}: block_size and kv_blocks must be at least 1 when set"));
+        }
+        if let Some(prefill) = &self.prefill {
+            prefill.validate(&format!("{at}.prefill"), p);
         }
     }
 }

@@ -172,3 +172,29 @@ replicas:
     assert!(problems.iter().any(|p| p.starts_with("kv_events.endpoint")), "{problems:?}");
     assert!(problems.iter().any(|p| p.contains("queue")), "{problems:?}");
 }
+
+#[test]
+fn a_replica_may_carry_its_own_prefill_cost_and_bad_values_are_named_by_path() {
+    let text = "
+models: [{name: m}]
+replicas:
+  - {id: fast, address: 127.0.0.1:8001, models: [m], prefill: {prefill_token_us: 40, prefill_pair_ns: 1.1}}
+  - {id: plain, address: 127.0.0.1:8002, models: [m]}
+";
+    let c = Config::parse(text).unwrap();
+    let fast = c.replicas[0].serving.prefill.expect("fast has its own cost");
+    assert_eq!((fast.prefill_token_us, fast.prefill_pair_ns, fast.prefill_fixed_ms), (40.0, 1.1, 5.0), "unset fields keep the defaults");
+    assert_eq!(c.replicas[1].serving.prefill, None, "the model's cost applies");
+
+    let bad = "
+models: [{name: m}]
+replicas:
+  - {id: a, address: 127.0.0.1:8001, models: [m], prefill: {prefill_token_us: -3}}
+discovery:
+  - {group: g, host: localhost, models: [m], prefill: {prefill_fixed_ms: .nan}}
+";
+    let Err(ConfigError::Invalid(problems)) = Config::parse(bad) else { panic!("accepted") };
+    for e in ["replicas[0].prefill.prefill_token_us: -3 is not", "discovery[0].prefill.prefill_fixed_ms: NaN is not"] {
+        assert!(problems.iter().any(|p| p.starts_with(e)), "missing {e:?} in {problems:#?}");
+    }
+}

@@ -20,6 +20,7 @@ fn fleet(n: usize) -> Vec<Candidate> {
             cached_tokens: (i * 997) % 8_000,
             held_cached_tokens: 0,
             queued_prefill_secs: (i % 5) as f64 * 0.1,
+            prefill: None,
             prompt_tokens_in_flight: (i * 311 % 5_000) as u64,
             kv_capacity_tokens: 0,
             unreported_kv_tokens: 0,

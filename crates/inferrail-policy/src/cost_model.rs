@@ -3,8 +3,9 @@
 //! For each candidate the estimate is `W + P(u, c)`: `W` is the prefill the
 //! router has queued there plus `decode_interference_ms` per running request
 //! (the engine's count while its report is fresh), and `P(u, c) = a*u +
-//! b*u*(c + u/2) + d` ([`crate::Prefill`]) prices the `u` prompt tokens it
-//! would compute after the `c` it holds. To that is added, for a replica
+//! b*u*(c + u/2) + d` ([`crate::Prefill`], the replica's own when its
+//! engine was calibrated apart, as in a mixed fleet) prices the `u` prompt
+//! tokens it would compute after the `c` it holds. To that is added, for a replica
 //! that took more than its fair share (`1 / n`) of the recent requests
 //! (counted in a decaying sketch over `hot_prefix.window_secs`, once there
 //! are at least `MIN_SHARE_EVIDENCE` per replica), `share_weight` times the
@@ -240,11 +241,16 @@ impl CostModel {
         if shares > h.fair_shares { (shares / h.fair_shares).ceil() as usize } else { 1 }
     }
 
+    /// The prefill cost of `c`'s engine: its own, else the model's.
+    fn prefill(&self, c: &Candidate) -> Prefill {
+        c.prefill.unwrap_or(self.prefill)
+    }
+
     /// The estimated time to first token of a prompt on `c`, as if it held `cached` tokens.
     fn estimate(&self, c: &Candidate, prompt: Option<usize>, cached: usize) -> Score {
         let queue = c.queued_prefill_secs;
         let decode = self.config.decode_interference_ms * 1e-3 * f64::from(c.running());
-        let prefill = prompt.map_or(0.0, |n| self.prefill.secs(n.saturating_sub(cached), cached.min(n)));
+        let prefill = prompt.map_or(0.0, |n| self.prefill(c).secs(n.saturating_sub(cached), cached.min(n)));
         Score { total: queue + decode + prefill, terms: [queue, decode, prefill, 0.0, 0.0, 0.0] }
     }
 }
@@ -313,7 +319,6 @@ impl RoutingPolicy for CostModel {
     fn score(&self, req: &Request, c: &[Candidate], offered: &[usize], _rng: &mut StdRng, out: &mut [Score]) -> Option<&'static str> {
         // The share term: what keeps each replica's part of the requests,
         // and of the decoding they bring, near its fair one.
-        let whole = req.prompt_tokens.map_or(0.0, |n| self.prefill.secs(n, 0));
         let shares: Vec<f64> = {
             let taken = self.taken.lock().unwrap_or_else(|p| p.into_inner());
             let total = taken.total();
@@ -321,7 +326,14 @@ impl RoutingPolicy for CostModel {
             let known = total >= MIN_SHARE_EVIDENCE * n;
             offered.iter().map(|&i| if known { taken.estimate(u128::from(c[i].key)) / total * n } else { 0.0 }).collect()
         };
-        let share: Vec<f64> = shares.iter().map(|s| self.config.share_weight * whole * (s - 1.0).max(0.0)).collect();
+        let share: Vec<f64> = offered
+            .iter()
+            .zip(&shares)
+            .map(|(&i, s)| {
+                let whole = req.prompt_tokens.map_or(0.0, |n| self.prefill(&c[i]).secs(n, 0));
+                self.config.share_weight * whole * (s - 1.0).max(0.0)
+            })
+            .collect();
         for (s, &i) in out.iter_mut().zip(offered) {
             *s = self.estimate(&c[i], req.prompt_tokens, c[i].cached_tokens);
         }

@@ -57,6 +57,9 @@ pub struct Candidate {
     pub held_cached_tokens: usize,
     /// Prefill the router has sent it and that is not done yet, seconds.
     pub queued_prefill_secs: f64,
+    /// Its engine's own prefill cost, when configured for the replica (a
+    /// mixed fleet); else the model's `prefill` applies.
+    pub prefill: Option<Prefill>,
     /// Prompt tokens of the requests in flight there.
     pub prompt_tokens_in_flight: u64,
     /// Tokens its KV cache holds, configured or from the engine (0 when unknown).
@@ -414,6 +417,19 @@ impl Default for Prefill {
 }
 
 impl Prefill {
+    /// Every range problem, each with its path under `at`, into `p`.
+    pub fn validate(&self, at: &str, p: &mut Vec<String>) {
+        for (name, v) in [
+            ("prefill_token_us", self.prefill_token_us),
+            ("prefill_pair_ns", self.prefill_pair_ns),
+            ("prefill_fixed_ms", self.prefill_fixed_ms),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                p.push(format!("{at}.{name}: {v} is not a non-negative number"));
+            }
+        }
+    }
+
     /// Seconds to prefill `uncached` tokens after `cached` ones.
     pub fn secs(&self, uncached: usize, cached: usize) -> f64 {
         let (u, c) = (uncached as f64, cached as f64);
@@ -473,14 +489,7 @@ impl Params {
     /// Every range problem, each with its path under `at`.
     pub fn validate(&self, at: &str) -> Vec<String> {
         let mut p = Vec::new();
-        let f = &self.prefill;
-        for (name, v) in
-            [("prefill_token_us", f.prefill_token_us), ("prefill_pair_ns", f.prefill_pair_ns), ("prefill_fixed_ms", f.prefill_fixed_ms)]
-        {
-            if !(v.is_finite() && v >= 0.0) {
-                p.push(format!("{at}.prefill.{name}: {v} is not a non-negative number"));
-            }
-        }
+        self.prefill.validate(&format!("{at}.prefill"), &mut p);
         self.cost_model.validate(&format!("{at}.cost_model"), &mut p);
         self.kv_aware.validate(&format!("{at}.kv_aware"), &mut p);
         self.prefix_hash.validate(&format!("{at}.prefix_hash"), &mut p);
@@ -551,6 +560,7 @@ pub(crate) mod testing {
             cached_tokens: 0,
             held_cached_tokens: 0,
             queued_prefill_secs: 0.0,
+            prefill: None,
             prompt_tokens_in_flight: 0,
             kv_capacity_tokens: 0,
             unreported_kv_tokens: 0,

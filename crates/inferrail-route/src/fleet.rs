@@ -8,13 +8,13 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 use inferrail_config::{CacheShape, Health as HealthConfig, Limits, ReplicaKvEvents};
 use inferrail_kv::index::Slot;
 use inferrail_kv::mode::{Mode, Reason};
-use inferrail_policy::{Candidate, Own, Share};
+use inferrail_policy::{Candidate, Own, Prefill, Share};
 
 use crate::kv::{Prediction, Record};
 use crate::{FRESH, Hold, Report};
@@ -30,6 +30,8 @@ pub struct Replica {
     pub models: Vec<usize>,
     max_concurrency: AtomicU32,
     max_pending: AtomicU32,
+    /// Its engine's prefill cost when configured for it (else its model's).
+    prefill: RwLock<Option<Prefill>>,
     /// Its slot in the KV index.
     pub slot: Slot,
     /// Its KV cache shape as configured.
@@ -110,6 +112,7 @@ impl Replica {
             models,
             max_concurrency: AtomicU32::new(limits.max_concurrency),
             max_pending: AtomicU32::new(limits.max_pending),
+            prefill: RwLock::new(None),
             slot,
             cache,
             kv_events: None,
@@ -138,6 +141,16 @@ impl Replica {
     /// The same, with its own KV events source.
     pub fn with_kv_events(self, kv_events: Option<ReplicaKvEvents>) -> Self {
         Self { kv_events, ..self }
+    }
+
+    /// Its engine's prefill cost when configured for it.
+    pub fn prefill(&self) -> Option<Prefill> {
+        *self.prefill.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes its engine's prefill cost (at start or on a reload; `None`: its model's).
+    pub fn set_prefill(&self, prefill: Option<Prefill>) {
+        *self.prefill.write().unwrap_or_else(|p| p.into_inner()) = prefill;
     }
 
     /// How its KV index entry is known.
@@ -274,6 +287,7 @@ impl Replica {
             cached_tokens,
             held_cached_tokens,
             queued_prefill_secs: reported_queue.map_or(queued, |q| q.min(queued)).as_secs_f64(),
+            prefill: self.prefill(),
             prompt_tokens_in_flight: self.prompt_tokens(),
             kv_capacity_tokens: (self.blocks(0) * self.block_size(0)) as u64,
             unreported_kv_tokens,

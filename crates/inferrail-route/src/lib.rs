@@ -474,8 +474,8 @@ impl Core {
         let won = plan.winner();
         let prompt_tokens = plan.prompt_tokens();
         let cached = plan.candidates[winner].cached_tokens;
-        let prefill =
-            prompt_tokens.map_or(model.params.prefill.secs(0, 0), |n| model.params.prefill.secs(n.saturating_sub(cached), cached));
+        let cost = plan.candidates[winner].prefill.unwrap_or(model.params.prefill);
+        let prefill = prompt_tokens.map_or(cost.secs(0, 0), |n| cost.secs(n.saturating_sub(cached), cached));
         // It takes free room for its prompt but the cached blocks requests in flight hold.
         let held = plan.candidates[winner].held_cached_tokens;
         let hold = Hold {

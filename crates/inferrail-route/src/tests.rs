@@ -3,6 +3,7 @@
 use super::*;
 use crate::kv::Place;
 use inferrail_config::Config;
+use inferrail_policy::Prefill;
 use proptest::prelude::*;
 
 pub(crate) fn core(policy: &str, n: usize) -> (Core, Arc<Fleet>) {
@@ -88,6 +89,31 @@ fn a_committed_prompt_is_predicted_cached_and_its_prefill_queued_on_the_winner()
     assert_eq!(winner.queued_prefill(), Duration::ZERO);
     first.lease.release();
     assert_eq!(winner.prompt_tokens(), 0);
+}
+
+#[test]
+fn a_replica_with_its_own_prefill_cost_is_priced_and_queued_by_it() {
+    // Three idle replicas; the two the first decision does not pick get an
+    // engine a quarter as fast, so the second prompt (cold everywhere)
+    // goes where the first went, and queues that engine's prefill.
+    let (core, fleet) = core("cost_model", 3);
+    let (_, first) = core.decide(&view(&core, &fleet, &prompt(0, 500)), &fleet, NONE, Duration::ZERO).unwrap();
+    first.lease.first_byte();
+    let fast = first.targets[0].clone();
+    let slow = Prefill { prefill_token_us: 400.0, prefill_pair_ns: 13.2, prefill_fixed_ms: 20.0 };
+    for r in fleet.serving(0).iter().filter(|r| r.id != fast.id) {
+        r.set_prefill(Some(slow));
+    }
+    let (_, second) = core.decide(&view(&core, &fleet, &prompt(50_000, 2_000)), &fleet, NONE, Duration::ZERO).unwrap();
+    assert_eq!(second.targets[0].id, fast.id, "2,000 tokens on the fast engine beat the slow ones despite the request in flight there");
+    // A slow one, the only one the gateway allows, queues its own engine's cost.
+    let only = [fleet.serving(0).iter().find(|r| r.id != fast.id).unwrap().addr];
+    let p = prompt(90_000, 1_000);
+    let v = View { subset: Some(&only), ..view(&core, &fleet, &p) };
+    let (_, third) = core.decide(&v, &fleet, NONE, Duration::ZERO).unwrap();
+    assert_eq!(third.targets[0].addr, only[0]);
+    let queued = third.lease.hold().prefill.as_secs_f64();
+    assert!((queued - slow.secs(1_000, 0)).abs() < 2e-6, "queued {queued} s, the slow engine's {} s", slow.secs(1_000, 0));
 }
 
 #[test]

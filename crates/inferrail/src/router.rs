@@ -479,6 +479,7 @@ impl Router {
             let replica = match current.iter().find(same) {
                 Some(kept) => {
                     kept.set_limits(s.limits());
+                    kept.set_prefill(s.prefill);
                     done.kept += 1;
                     kept.clone()
                 }
@@ -511,6 +512,7 @@ impl Router {
     ) -> Arc<Replica> {
         let slot = self.core.kv.slot(&id);
         let r = Arc::new(Replica::new(id, addr, models, serving.limits(), serving.cache(), slot).with_kv_events(kv_events));
+        r.set_prefill(serving.prefill);
         self.core.join(&r);
         r
     }

@@ -304,3 +304,27 @@ fn a_miss_is_charged_for_a_copy_next_to_another_root_but_not_on_an_idle_replica(
     blind.score(&req(11, a), &c, &[0, 1, 2], &mut r, &mut scores);
     assert_eq!(scores[1].total, scores[2].total, "{scores:?}");
 }
+
+#[test]
+fn each_replica_is_priced_by_its_own_engine_when_the_fleet_is_mixed() {
+    // Two idle replicas, neither holding the prompt: the same price, so
+    // the tie goes by the prompt; an engine half as fast loses it.
+    let p = policy(Config::default());
+    let req = Request { prompt_tokens: Some(4_000), ..Request::default() };
+    let slow = Prefill { prefill_token_us: 200.0, prefill_pair_ns: 6.6, prefill_fixed_ms: 10.0 };
+    let mut c = fleet(&[0, 0]);
+    let mut r = rng(1);
+    let first = decide(&p, &req, &c, &mut r).unwrap()[0];
+    c[first].prefill = Some(slow);
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 1 - first, "the fast engine computes it in half the time");
+    // The slow engine holding 3,000 of the 4,000 tokens computes 1,000 of
+    // them there, still faster than 4,000 on the fast one.
+    c[first].cached_tokens = 3_000;
+    let (held, cold) = (slow.secs(1_000, 3_000), Prefill::default().secs(4_000, 0));
+    assert!(held < cold, "{held:.3} s against {cold:.3} s");
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], first);
+    // The estimate it explains is the replica's own.
+    let mut out = [Score::default(); 2];
+    p.score(&req, &c, &[0, 1], &mut r, &mut out);
+    assert!((out[first].terms[2] - held).abs() < 1e-9 && (out[1 - first].terms[2] - cold).abs() < 1e-9, "{out:?}");
+}

@@ -52,8 +52,9 @@ async fn a_reload_keeps_what_survives_starts_what_changed_cold_and_forgets_what_
     let r1 = replica(&router, "r1");
     r1.set_probe(false);
 
-    // r1 stays with new limits and a drain, r2 moves to a new address, r3 joins.
-    let next = "  - {id: r1, address: 127.0.0.1:8001, models: [m], max_concurrency: 7, drain: true}\n  \
+    // r1 stays with new limits, a calibrated prefill cost and a drain, r2 moves to a new address, r3 joins.
+    assert_eq!(r1.prefill(), None);
+    let next = "  - {id: r1, address: 127.0.0.1:8001, models: [m], max_concurrency: 7, prefill: {prefill_token_us: 55}, drain: true}\n  \
                 - {id: r2, address: 127.0.0.1:9002, models: [m]}\n  - {id: r3, address: 127.0.0.1:8003, models: [m]}\n";
     std::fs::write(path, yaml(next)).unwrap();
     assert_eq!(apply(&router, path), "ok");
@@ -62,6 +63,7 @@ async fn a_reload_keeps_what_survives_starts_what_changed_cold_and_forgets_what_
     assert!(Arc::ptr_eq(&kept, &r1), "the same replica, with what it learned");
     assert_eq!((kept.in_flight(), kept.healthy(router.now_ms()), kept.limits().max_concurrency), (1, false, 7));
     assert!(kept.draining());
+    assert_eq!(kept.prefill().map(|p| p.prefill_token_us), Some(55.0), "its engine's cost, in place");
     assert_eq!(replica(&router, "r2").addr.port(), 9002);
     let after = (cached(&router, PROMPT_1).await, cached(&router, PROMPT_2).await);
     assert!(after.0[0] > 0, "r1's KV index entry survives");
