@@ -225,6 +225,11 @@ def fleet(tmp_path_factory):
         pytest.fail("podman and podman-compose are needed: just setup setup-compose")
     f = Fleet(tmp_path_factory.mktemp("compose"))
     f.down()
+    # The fleet's addresses are fixed: one fleet at a time on a machine.
+    names = f.run("podman", "network", "ls", "--format", "{{.Name}}").stdout.split()
+    holders = [n for n in names if "10.213.7.0/24" in f.run("podman", "network", "inspect", n).stdout]
+    if holders:
+        pytest.fail(f"network {holders} holds the compose fleet's subnet 10.213.7.0/24: stop that fleet first (just compose-down)")
     f.up()
     yield f
     f.down()
