@@ -248,7 +248,7 @@ setup-peers:
             "$venv/bin/pip" install --quiet --disable-pip-version-check "$peer"
     done
 
-# A mixed fleet: three simulators, one twice as fast with 1,600 blocks, one as `bench-routing`'s with 1,100, one half as fast with 700, each calibrated by inferrail-calibrate and its fit given to Inferrail; W1 at 20 req/s and mix at 16 (near where least_request's goodput falls below 80%), two repetitions, every peer router; then cost_model again without the calibration. Approximate mode. Other flags go to `inferrail-bench compare`. Results: bench/results/mixed/.
+# A mixed fleet: three simulators, one twice as fast with 1,600 blocks, one as `bench-routing`'s with 1,100, one half as fast with 700, each calibrated by inferrail-calibrate and its fit given to Inferrail; W1 at 20 req/s and mix at 16 (near where least_request's goodput falls below 80%), two repetitions, least_request (the best cache-blind policy here: round robin's queue on the slow engine reached a 35 s p99 at 12 req/s) and every peer router; then cost_model again without the calibration. Approximate mode. Other flags go to `inferrail-bench compare`. Results: bench/results/mixed/.
 bench-mixed *args: setup setup-sglang setup-peers
     #!/usr/bin/env bash
     set -euo pipefail
@@ -260,7 +260,7 @@ bench-mixed *args: setup setup-sglang setup-peers
     for load in "w1 20" "mix 16"; do
         set -- $load
         target/release/inferrail-bench compare "${fleet[@]}" --workloads "$1" --rate "$2" --calibrate \
-            --contenders round_robin,least_request,cost_model,sglang:cache_aware,smg:cache_aware,vllm-router:cache_aware --out-dir "$out/$1" {{args}}
+            --contenders least_request,cost_model,sglang:cache_aware,smg:cache_aware,vllm-router:cache_aware --out-dir "$out/$1" {{args}}
         target/release/inferrail-bench compare "${fleet[@]}" --workloads "$1" --rate "$2" \
             --contenders cost_model --out-dir "$out/$1-uncalibrated" {{args}}
     done

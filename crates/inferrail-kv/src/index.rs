@@ -92,6 +92,13 @@ struct Replica {
     prune_at: usize,
 }
 
+impl Replica {
+    /// Blocks held for it: its shadow's, and in exact mode the engine's in every tier.
+    fn entries(&self) -> usize {
+        self.shadow.len() + self.exact.as_ref().map_or(0, Exact::len)
+    }
+}
+
 /// Replies kept before the first prune.
 const REPLIES_KEPT: usize = 1024;
 
@@ -599,7 +606,12 @@ impl KvIndex {
 
     /// Blocks the index holds, over every replica (an exact replica's in every tier).
     pub fn entries(&self) -> usize {
-        self.lock().values().map(|r| r.shadow.len() + r.exact.as_ref().map_or(0, Exact::len)).sum()
+        self.lock().values().map(Replica::entries).sum()
+    }
+
+    /// Blocks the index holds for the replica in `slot`.
+    pub fn entries_of(&self, slot: Slot) -> usize {
+        self.lock().get(&slot).map_or(0, Replica::entries)
     }
 
     /// Bytes the index has allocated: the shadows' exactly, the holder

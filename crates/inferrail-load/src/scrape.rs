@@ -3,7 +3,9 @@
 //! Every target has its own task, and every scrape is bounded in time (the
 //! whole request, body included) and in bytes (the body is read chunk by chunk
 //! and dropped past the limit), so a dead, hung, slow, huge or endless page
-//! only ever costs its own replica its freshness. Failures are counted in
+//! only ever costs its own replica its freshness. Scrapes are counted in
+//! `inferrail_scrapes_total{replica}` and timed in
+//! `inferrail_scrape_seconds{replica}`; failures are counted in
 //! `inferrail_scrape_errors_total{replica,reason}` and logged when a replica's
 //! failure changes, not on every tick. Each outcome is also broadcast to
 //! [`Scraper::subscribe`]rs (the sidecar streams them).
@@ -21,6 +23,10 @@ use crate::table::{LoadTable, Snapshot};
 
 /// The counter of failed scrapes, labelled `replica` and `reason`.
 pub const ERRORS_METRIC: &str = "inferrail_scrape_errors_total";
+/// The counter of scrapes, failed or not, labelled `replica`.
+pub const SCRAPES_METRIC: &str = "inferrail_scrapes_total";
+/// How long each scrape took, body and parse included, labelled `replica`.
+pub const SECONDS_METRIC: &str = "inferrail_scrape_seconds";
 
 /// How often and how far to scrape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,11 +201,14 @@ impl Worker {
         let mut last_failure: Option<ScrapeError> = None;
         loop {
             tick.tick().await;
+            let started = Instant::now();
             let outcome = match tokio::time::timeout(self.config.timeout, self.fetch()).await {
                 Ok(Ok(body)) => page::parse(&body).map_err(ScrapeError::from),
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err(ScrapeError::Timeout(self.config.timeout)),
             };
+            metrics::counter!(SCRAPES_METRIC, "replica" => self.id.to_string()).increment(1);
+            metrics::histogram!(SECONDS_METRIC, "replica" => self.id.to_string()).record(started.elapsed().as_secs_f64());
             let outcome = outcome.map(|load| Snapshot { at: Instant::now(), load });
             match &outcome {
                 Ok(snapshot) => {

@@ -253,6 +253,11 @@ impl Kv {
         self.index.entries()
     }
 
+    /// Entries in the index for the replica in `slot`.
+    pub fn entries_of(&self, slot: Slot) -> usize {
+        self.index.entries_of(slot)
+    }
+
     /// Bytes the index has allocated.
     pub fn bytes(&self) -> usize {
         self.index.bytes()

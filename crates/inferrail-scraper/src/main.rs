@@ -2,7 +2,9 @@
 //! every 100 ms and streams each outcome to every watcher over gRPC
 //! (`inferrail.load.v1.LoadReports/Watch`). The router follows that stream.
 //! Its targets are the replicas it is given, and with `--router` the
-//! router's own fleet as it changes ([`fleet`]).
+//! router's own fleet as it changes ([`fleet`]). With `--metrics-listen` it
+//! serves its own `/metrics` for Prometheus: scrapes, their time and their
+//! failures per replica.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -34,6 +36,9 @@ struct Args {
     /// Address the gRPC service listens on (port 0 picks a free one and prints it).
     #[arg(long, default_value = "127.0.0.1:9095")]
     listen: SocketAddr,
+    /// Address of its own Prometheus `/metrics` page (none when unset).
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
     /// Time between two scrapes of a replica, milliseconds.
     #[arg(long, default_value_t = Load::default().interval_ms)]
     interval_ms: u64,
@@ -92,6 +97,12 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let args = Args::parse();
     let targets = replicas(&args)?;
+    if let Some(addr) = args.metrics_listen {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .with_context(|| format!("serving /metrics on {addr}"))?;
+    }
     let load = Load { interval_ms: args.interval_ms, timeout_ms: args.timeout_ms, max_bytes: args.max_bytes, ..Load::default() };
     let config = ScrapeConfig::from(&load);
     let scraper = std::sync::Arc::new(Scraper::new(config, LoadTable::new())?);

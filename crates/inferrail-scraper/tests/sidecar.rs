@@ -89,3 +89,30 @@ async fn the_follower_sees_fresh_snapshots_across_a_sidecar_restart() {
     assert!(eventually(Duration::from_secs(5), fresh).await, "the follower did not reconnect");
     follower.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn its_own_metrics_page_counts_scrapes_and_failures_per_replica() {
+    let (_sim, sim_addr) = spawn(&sim_binary(), &["--port", "0", "--zero-latency"], "inferrail-sim listening on http://");
+    // Nothing listens on a port just freed: every scrape of `gone` fails.
+    let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_inferrail-scraper"));
+    let args = ["--listen", "127.0.0.1:0", "--metrics-listen", &metrics.to_string()];
+    let (sim_arg, gone_arg) = (format!("sim-1={sim_addr}"), format!("gone={gone}"));
+    let _sidecar = spawn(&bin, &[&args[..], &["--replica", &sim_arg, "--replica", &gone_arg]].concat(), "inferrail-scraper listening on ");
+    let page = || async { reqwest::get(format!("http://{metrics}/metrics")).await.ok()?.text().await.ok() };
+    let mut text = String::new();
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        text = page().await.unwrap_or_default();
+        if text.contains(r#"inferrail_scrape_errors_total{replica="gone""#) && text.contains(r#"inferrail_scrapes_total{replica="sim-1"}"#)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(text.contains(r#"inferrail_scrapes_total{replica="sim-1"}"#), "{text}");
+    assert!(text.contains(r#"inferrail_scrape_seconds{replica="sim-1",quantile="0.5"}"#), "{text}");
+    assert!(text.contains(r#"inferrail_scrape_errors_total{replica="gone",reason="http"}"#), "{text}");
+    assert!(!text.contains(r#"inferrail_scrape_errors_total{replica="sim-1""#), "the live engine never failed: {text}");
+}

@@ -100,6 +100,7 @@ pub fn publish_gauges(router: &Router) {
         metrics::gauge!("inferrail_replica_pending", "replica" => r.id.clone()).set(f64::from(r.pending()));
         metrics::gauge!("inferrail_replica_prompt_tokens_in_flight", "replica" => r.id.clone()).set(r.prompt_tokens() as f64);
         metrics::gauge!("inferrail_replica_queued_prefill_seconds", "replica" => r.id.clone()).set(r.queued_prefill().as_secs_f64());
+        metrics::gauge!("inferrail_kv_index_blocks", "replica" => r.id.clone()).set(router.core.kv.entries_of(r.slot) as f64);
     }
     metrics::gauge!("inferrail_leases").set(router.leases_held() as f64);
     metrics::gauge!("inferrail_kv_index_entries").set(router.core.kv.entries() as f64);

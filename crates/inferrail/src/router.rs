@@ -599,6 +599,9 @@ impl Router {
         // Envoy retried elsewhere: the winner failed this request.
         if let Some(from) = &heard.retried_from {
             crate::health::request_failed(self, from);
+            if heard.decider.is_none() {
+                metrics::counter!("inferrail_retries_total", "replica" => from.id.clone()).increment(1);
+            }
         }
         match heard.answered() {
             Some((replica, true)) => replica.record_success(),
@@ -619,7 +622,8 @@ impl Router {
         let lease = &heard.lease;
         if let Some(ttft) = heard.effects.first_byte {
             let replica = lease.replica.id.clone();
-            metrics::histogram!("inferrail_ttft_seconds", "replica" => replica.clone()).record(ttft.as_secs_f64());
+            let policy = self.core.policy(lease.model);
+            metrics::histogram!("inferrail_ttft_seconds", "replica" => replica.clone(), "policy" => policy).record(ttft.as_secs_f64());
             if let Some(estimate) = lease.estimate() {
                 // Above 1: slower than the router expected; far from 1, the cost model needs calibrating.
                 metrics::histogram!("inferrail_ttft_over_estimate", "replica" => replica.clone())

@@ -288,7 +288,8 @@ def provoke(fleet):
 def test_prometheus_holds_the_routers_and_the_engines_series(fleet):
     for i in range(3):
         assert fleet.chat(f"For Prometheus {i}").status == 200
-    targets = {("inferrail", "10.213.7.2:9090"), ("envoy", "10.213.7.4:9901")} | {("engines", a) for a in REPLICAS.values()}
+    targets = {("inferrail", "10.213.7.2:9090"), ("envoy", "10.213.7.4:9901"), ("scraper", "10.213.7.3:9096")} | {
+        ("engines", a) for a in REPLICAS.values()}
     wait_until(lambda: {(s["metric"]["job"], s["metric"]["instance"]) for s in fleet.query("up == 1")} == targets, "every target up", timeout=60)
     # The router's TTFT, per replica, and the engines' series, labelled with the router's replica ids.
     wait_until(lambda: sum(float(s["value"][1]) for s in fleet.query("inferrail_ttft_seconds_count")) >= 3, "the router's TTFT", timeout=60)
@@ -303,13 +304,14 @@ def test_prometheus_holds_the_routers_and_the_engines_series(fleet):
 
 def test_every_dashboard_metric_is_exported(fleet):
     provoke(fleet)
-    pages = {"router": fleet.page(f"{fleet.admin}/metrics"), "envoy": fleet.page(f"{fleet.envoy_admin}/stats/prometheus")}
+    pages = {"router": fleet.page(f"{fleet.admin}/metrics"), "envoy": fleet.page(f"{fleet.envoy_admin}/stats/prometheus"),
+             "scraper": fleet.page("http://10.213.7.3:9096/metrics")}
     for replica, address in REPLICAS.items():
         pages[replica] = fleet.page(f"http://{address}/metrics")
     exported = set().union(*(sample_names(p) for p in pages.values()))
     missing = [(d, title, name) for d, title, q in dashboard_queries() for name in sorted(metric_names(q)) if name not in exported]
     assert not missing, missing
-    # Envoy's statistics stand only for retries; everything else is the router's or the engines'.
+    # Envoy's statistics stand only for retries; everything else is the router's, the sidecar's or the engines'.
     router_or_engines = set().union(*(sample_names(p) for k, p in pages.items() if k != "envoy"))
     envoy_only = {name for _, _, q in dashboard_queries() for name in metric_names(q) if name not in router_or_engines}
     assert envoy_only == {"envoy_cluster_upstream_rq_retry", "envoy_cluster_upstream_rq_retry_success"}

@@ -76,12 +76,17 @@ def make(fleet_factory, policy, latency=False, **extra):
 
 @pytest.mark.parametrize("policy", ["cost_model", "kv_aware", "prefix_hash", "round_robin"])
 def test_one_client_at_a_time_cache_aware_policies_keep_the_shared_prompts_cached(fleet_factory, policy):
-    share, used = run(make(fleet_factory, policy))
+    fleet = make(fleet_factory, policy)
+    share, used = run(fleet)
     if policy == "round_robin":
         assert share < 0.45, f"round robin kept {share:.0%} cached"
     else:
         assert share >= 0.80, f"{policy} kept {share:.0%} of shared-prompt tokens cached"
     assert len(used) == 3, f"{policy} used only {used}"
+    # The index's blocks, per replica, add up to its total, and every replica that served holds some.
+    per_replica = {r: fleet.metric("inferrail_kv_index_blocks", f'replica="{r}"') for r in used}
+    assert all(v and v > 0 for v in per_replica.values()), per_replica
+    assert sum(per_replica.values()) == fleet.metric("inferrail_kv_index_entries")
 
 
 @pytest.mark.parametrize("policy", ["cost_model", "round_robin"])

@@ -74,6 +74,8 @@ def test_a_killed_replica_costs_no_request_sent_after_the_kill(fleet_factory):
     # The fault fired: requests reached the dead engine and Envoy retried them elsewhere, none refused a retry.
     assert fleet.replicas_stat("upstream_rq_retry_success") > 0
     assert fleet.replicas_stat("upstream_rq_retry_overflow") == 0
+    # The router heard of each retry away from sim-2 and counted it there.
+    assert (fleet.metric("inferrail_retries_total", 'replica="sim-2"') or 0) >= 1
     # It is back in rotation.
     assert any(fleet.chat().headers["x-inferrail-replica"] == "sim-2" for _ in range(6))
 
