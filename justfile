@@ -265,6 +265,27 @@ bench-mixed *args: setup setup-sglang setup-peers
             --contenders cost_model --out-dir "$out/$1-uncalibrated" {{args}}
     done
 
+# The reuse patterns beyond W1 and W2 against every peer router, on three simulators at time scale 0.1 (SLO: TTFT 200 ms), two repetitions each: `rag` (documents by Zipf weight between an application's prompt and a question, 3 req/s), `burst` (few-shot batches of 40 requests sharing a prefix within a second, 10 req/s) and `long` (W1 with four 32,000-100,000-token system prompts and 8,000-block caches, one or two prompts a replica, 1 req/s). Pick some with `which`; flags go to `inferrail-bench compare`. Results: bench/results/reuse/<pattern>/.
+bench-reuse which="rag burst long" *args: setup setup-sglang setup-peers
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
+    peers=round_robin,least_request,cost_model,sglang:cache_aware,smg:cache_aware,vllm-router:cache_aware
+    common=(--time-scale 0.1 --warmup-s 5 --kv-events --reps 2 --contenders "$peers")
+    sim="--block-size 16 --num-gpu-blocks-override 1100 --max-model-len 10240"
+    for w in {{which}}; do
+        out=bench/results/reuse/$w
+        case $w in
+            rag) target/release/inferrail-bench compare "${common[@]}" --sim-flags "$sim" --workloads rag --system-prompts 4 \
+                     --rate 3 --duration-s 20 --out-dir "$out" {{args}} ;;
+            burst) target/release/inferrail-bench compare "${common[@]}" --sim-flags "$sim" --workloads burst --burst-size 40 \
+                       --system-prompts 3 --rate 10 --duration-s 30 --out-dir "$out" {{args}} ;;
+            long) target/release/inferrail-bench compare "${common[@]}" --sim-flags "--block-size 16 --num-gpu-blocks-override 8000 --max-model-len 110000" \
+                      --workloads w1 --system-prompts 4 --system-tokens 32000-100000 --rate 1 --duration-s 30 --out-dir "$out" {{args}} ;;
+            *) echo "unknown pattern $w (rag, burst, long)" >&2; exit 2 ;;
+        esac
+    done
+
 # Every policy and SGLang's router on the same requests, each on a cold fleet of three simulators whose caches hold a third of W1's shared prompts and room for the requests running: first the rate round robin sustains on each workload (and cost_model's on W1 and mix), then every contender at 70% of it, three repetitions on W1 and mix and two on W6 and hot, and the fleet simulation on the same requests; then the report. `--quick` gives a first answer in minutes (W1 and mix, a few contenders). Other flags go to `inferrail-bench compare`. Results: bench/results/routing/.
 bench-routing *args: setup setup-sglang
     #!/usr/bin/env bash

@@ -54,6 +54,16 @@ pub struct FleetArgs {
     /// least the largest request's.
     #[arg(long)]
     pub kv_blocks: Option<usize>,
+    /// A mixed fleet: each kind of replica's latency model as a multiple
+    /// of the time scale's, comma separated, the kinds taken in turn over
+    /// the replicas (`0.5,1,2`: a third twice as fast, a third half as
+    /// fast); the router is given each one's prefill cost, as calibrated.
+    #[arg(long, value_delimiter = ',', value_parser = crate::timescale::parse)]
+    pub replica_time_scale: Vec<f64>,
+    /// A mixed fleet: each kind of replica's KV blocks, comma separated, in
+    /// the order of `--replica-time-scale` (default: `--kv-blocks`'s).
+    #[arg(long, value_delimiter = ',')]
+    pub replica_kv_blocks: Vec<usize>,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -106,9 +116,17 @@ pub(crate) fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> 
         Some(b) => b,
         None => default_kv_blocks(&args.spec, args.seed, args.block_size)?,
     };
+    let (speeds, blocks) = (&args.replica_time_scale, &args.replica_kv_blocks);
+    let kinds = speeds.len().max(blocks.len());
+    anyhow::ensure!(
+        [0, kinds].contains(&speeds.len()) && [0, kinds].contains(&blocks.len()),
+        "--replica-time-scale and --replica-kv-blocks name the same kinds of replica"
+    );
+    let mixed = (0..kinds).map(|i| (speeds.get(i).copied().unwrap_or(1.0), blocks.get(i).copied().unwrap_or(kv_blocks))).collect();
     let setup = Setup {
         replicas,
         kv_blocks,
+        mixed,
         block_size: args.block_size,
         time_scale: args.time_scale,
         policies: args.policy_params.as_ref().map_or(Ok(serde_yaml::Value::Null), serde_yaml::to_value)?,

@@ -57,6 +57,11 @@ pub struct Setup {
     pub replicas: usize,
     /// KV blocks per replica (the engine's pool, and the router's shadow of it).
     pub kv_blocks: usize,
+    /// A mixed fleet: replica `i` has `mixed[i % len]`, its latency model
+    /// as a multiple of the time scale's and its KV blocks, and the router
+    /// prices it by that model, as `inferrail-calibrate` fits it (empty:
+    /// every replica alike).
+    pub mixed: Vec<(f64, usize)>,
     /// Tokens per block.
     pub block_size: usize,
     /// The engines' latency model is the simulator's default times this
@@ -79,9 +84,10 @@ pub struct Setup {
 }
 
 impl Setup {
-    /// The engines' latency model.
-    fn latency(&self) -> LatencyModel {
-        timescale::latency(self.time_scale)
+    /// Replica `i`'s latency model and KV blocks.
+    fn engine(&self, i: usize) -> (LatencyModel, usize) {
+        let (speed, blocks) = self.mixed.get(i % self.mixed.len().max(1)).copied().unwrap_or((1.0, self.kv_blocks));
+        (timescale::latency(self.time_scale * speed), blocks)
     }
 }
 
@@ -199,6 +205,8 @@ struct Job {
 
 /// One simulated engine.
 struct Engine {
+    latency: LatencyModel,
+    blocks: usize,
     pool: BlockPool,
     queue: VecDeque<usize>,
     prefilling: Option<usize>,
@@ -333,13 +341,21 @@ pub fn config(setup: &Setup, policy: PolicyKind) -> Config {
 /// One router over `setup`'s replicas.
 fn router(setup: &Setup, policy: PolicyKind, share: Share) -> anyhow::Result<Router> {
     let core = Core::new(&config(setup, policy))?;
-    let cache = CacheShape { block_size: Some(setup.block_size), blocks: Some(setup.kv_blocks) };
     let mut by_slot = HashMap::new();
     let replicas: Vec<Arc<Replica>> = (0..setup.replicas)
         .map(|i| {
             let id = format!("sim-{i}");
             let addr = SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8000));
+            let (latency, blocks) = setup.engine(i);
+            let cache = CacheShape { block_size: Some(setup.block_size), blocks: Some(blocks) };
             let r = Arc::new(Replica::new(id.clone(), addr, vec![0], setup.limits, cache, core.kv.slot(&id)));
+            if !setup.mixed.is_empty() {
+                r.set_prefill(Some(inferrail_policy::Prefill {
+                    prefill_token_us: latency.prefill_token_us,
+                    prefill_pair_ns: latency.prefill_pair_ns,
+                    prefill_fixed_ms: latency.prefill_fixed_ms,
+                }));
+            }
             core.join(&r);
             by_slot.insert(u64::from(r.slot), i);
             r
@@ -351,8 +367,12 @@ fn router(setup: &Setup, policy: PolicyKind, share: Share) -> anyhow::Result<Rou
 impl<'a> World<'a> {
     fn new(setup: &'a Setup, policy: PolicyKind) -> anyhow::Result<Self> {
         anyhow::ensure!(
-            setup.replicas > 0 && setup.block_size > 0 && setup.kv_blocks > 0 && setup.routers > 0,
-            "replicas, block size, KV blocks and routers must be positive"
+            setup.replicas > 0
+                && setup.block_size > 0
+                && setup.kv_blocks > 0
+                && setup.routers > 0
+                && setup.mixed.iter().all(|&(s, b)| s > 0.0 && b > 0),
+            "replicas, block size, KV blocks, speeds and routers must be positive"
         );
         let routers = (0..setup.routers)
             .map(|k| {
@@ -361,8 +381,11 @@ impl<'a> World<'a> {
             })
             .collect::<anyhow::Result<_>>()?;
         let engines = (0..setup.replicas)
-            .map(|_| Engine {
-                pool: BlockPool::new(setup.kv_blocks),
+            .map(|i| setup.engine(i))
+            .map(|(latency, blocks)| Engine {
+                latency,
+                blocks,
+                pool: BlockPool::new(blocks),
                 queue: VecDeque::new(),
                 prefilling: None,
                 running: 0,
@@ -469,8 +492,8 @@ impl<'a> World<'a> {
         if self.reports.first().is_some_and(|r| now < r.at + timescale::scrape_interval(self.setup.time_scale)) {
             return;
         }
-        let blocks = self.setup.kv_blocks as f64;
         for (report, e) in self.reports.iter_mut().zip(&self.engines) {
+            let blocks = e.blocks as f64;
             let running = e.running + usize::from(e.prefilling.is_some());
             let load = EngineReport {
                 running: running as u32,
@@ -500,7 +523,7 @@ impl<'a> World<'a> {
         let hit = engine.pool.lookup(&hashes[..limit]);
         // Every prompt token and all but the last generated one are held.
         let total = (len + job.max_tokens - 1).div_ceil(bs);
-        let cached = if total > self.setup.kv_blocks {
+        let cached = if total > engine.blocks {
             // It can never fit: computed from scratch, cached nowhere.
             0
         } else {
@@ -530,7 +553,7 @@ impl<'a> World<'a> {
         engine.cached_tokens += cached as u64;
         self.measured += 1;
         self.exact += usize::from(job.predicted == cached);
-        let secs = self.setup.latency().prefill_secs(len - cached, cached);
+        let secs = engine.latency.prefill_secs(len - cached, cached);
         self.at(now + (secs * 1e9) as u64, Event::PrefillDone(r));
     }
 
@@ -551,7 +574,7 @@ impl<'a> World<'a> {
             let kv_wait = job.blocked_ns.map_or(0, |b| job.started_ns - b);
             self.phases.push([job.started_ns - job.arrival_ns - kv_wait, kv_wait, now - job.started_ns]);
             engine.running += 1;
-            let decode = job.max_tokens as f64 * self.setup.latency().decode_secs(engine.running);
+            let decode = job.max_tokens as f64 * engine.latency.decode_secs(engine.running);
             self.at(now + (decode * 1e9) as u64, Event::Complete(j));
             self.tell_peers(j, j % self.routers.len(), Heard::FirstByte, now);
         }

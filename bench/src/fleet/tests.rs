@@ -26,6 +26,7 @@ fn setup(spec: &Spec, replicas: usize) -> Setup {
     Setup {
         replicas,
         kv_blocks: default_kv_blocks(spec, 1, 16).expect("kv blocks"),
+        mixed: Vec::new(),
         block_size: 16,
         time_scale: 1.0,
         policies: serde_yaml::Value::Null,
@@ -222,4 +223,26 @@ fn policy_params_reach_the_routers_config_and_bad_ones_are_refused() -> anyhow::
     assert!(crate::fleet::setup(&args(r#"{"cost_model": {"kappa": 2}}"#)?, 3).is_err(), "kappa above 1");
     assert!(crate::fleet::setup(&args(r#"{"cost_model": {"share_wieght": 0}}"#)?, 3).is_err(), "an unknown key");
     Ok(())
+}
+
+#[test]
+fn on_a_mixed_fleet_cost_model_gives_the_faster_engine_more_and_round_robin_does_not() {
+    // W6 shares nothing, so only speed can tell the replicas apart: one
+    // engine four times as fast as the other, the router told each cost;
+    // 4 req/s keeps the slow one under half busy with half the requests.
+    let spec = small(Kind::W6);
+    let base = setup(&spec, 2);
+    let mixed = Setup { mixed: vec![(0.5, base.kv_blocks), (2.0, base.kv_blocks)], ..base.clone() };
+    let go = |s: &Setup, policy| {
+        let o = sim::simulate(s, policy, Traffic::new(&spec, 4.0, 2_000, 1, TextKind::None).expect("traffic")).expect("simulate");
+        eprintln!("{}", line(&o));
+        o
+    };
+    let (cost, rr) = (go(&mixed, PolicyKind::CostModel), go(&mixed, PolicyKind::RoundRobin));
+    assert!(cost.busiest_share > 0.6, "cost_model sent the fast engine {:.3}", cost.busiest_share);
+    assert!(rr.busiest_share < 0.51, "round robin alternates: {:.3}", rr.busiest_share);
+    assert!(cost.ttft.p99_ms < rr.ttft.p99_ms, "cost_model p99 {} ms, round robin {} ms", cost.ttft.p99_ms, rr.ttft.p99_ms);
+    // The engines are timed by their own model: the same fleet unmixed is another simulation.
+    let plain = go(&base, PolicyKind::RoundRobin);
+    assert_ne!(plain.ttft.p99_ms, rr.ttft.p99_ms);
 }
