@@ -10,6 +10,8 @@ small caches, Envoy, inferrail), run once per variant:
 
 - `cost_model`: as shipped (`kv.resent_replies: true`, ADR 0037);
 - `cost_model-no-replies`: `kv.resent_replies: false`, as before ADR 0037;
+- `cost_model-exact`: the simulators publish their KV events and the
+  router follows them (exact mode, ADR 0012);
 - `round_robin`;
 - `sglang`, `smg`, `vllm-router`: the peer routers (PyPI `sglang-router`
   0.3.2, `smg` 1.13.0, `vllm-router` 0.1.17; `just setup-sglang
@@ -45,13 +47,15 @@ from harness import free_ports, http, wait_until  # noqa: E402
 
 WORDS = ("the of and to in is that river stone cloud lantern garden silver copper window mountain ocean forest "
          "delta build test file error result value function return list table query index status").split(" ")
+# Each variant's policy (None: a peer router), routing YAML added, and KV events (the e2e fleet's `kv_events`).
 VARIANTS = {
-    "cost_model": ("cost_model", ""),
-    "cost_model-no-replies": ("cost_model", "kv: {resent_replies: false}\n"),
-    "round_robin": ("round_robin", ""),
-    "sglang": (None, ""),
-    "smg": (None, ""),
-    "vllm-router": (None, ""),
+    "cost_model": ("cost_model", "", None),
+    "cost_model-no-replies": ("cost_model", "kv: {resent_replies: false}\n", None),
+    "cost_model-exact": ("cost_model", "", {"bind": "router", "replay": True}),
+    "round_robin": ("round_robin", "", None),
+    "sglang": (None, "", None),
+    "smg": (None, "", None),
+    "vllm-router": (None, "", None),
 }
 # Each peer's command and log level; the rest of their flags are SGLang's router's.
 PEERS = {
@@ -101,8 +105,8 @@ def agent(port, seed, args, framework, start, stop_at, out, lock):
 
 def launch(variant, tmp, args):
     """The variant's fleet, started, and the port its clients send to."""
-    policy, extra = VARIANTS[variant]
-    fleet = Fleet(tmp, policy=policy or "round_robin", config_extra=extra,
+    policy, extra, kv_events = VARIANTS[variant]
+    fleet = Fleet(tmp, policy=policy or "round_robin", config_extra=extra, kv_events=kv_events,
                   sim_flags=["--block-size", "16", "--num-gpu-blocks-override", str(args.blocks), "--max-model-len", "16384"],
                   replica_extra=f", block_size: 16, kv_blocks: {args.blocks}")
     if policy is not None:
