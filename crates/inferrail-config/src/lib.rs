@@ -388,6 +388,10 @@ pub struct Model {
     pub aliases: Vec<String>,
     /// How its replicas are chosen.
     pub policy: PolicyKind,
+    /// A policy that plans every request alongside `policy`, with the same
+    /// parameters, and sends nothing: its choice and whether it agreed go
+    /// to metrics and the decision log.
+    pub shadow_policy: Option<PolicyKind>,
     /// Its tokenizer: `builtin:sim`, a directory with `tokenizer.json` and
     /// `tokenizer_config.json`, or `hf:<org>/<name>` from the local Hugging
     /// Face cache. Without one, its requests are routed without predictions.
@@ -403,6 +407,7 @@ impl Default for Model {
             name: String::new(),
             aliases: Vec::new(),
             policy: PolicyKind::RoundRobin,
+            shadow_policy: None,
             tokenizer: None,
             policies: serde_yaml::Value::Null,
         }

@@ -198,3 +198,13 @@ discovery:
         assert!(problems.iter().any(|p| p.starts_with(e)), "missing {e:?} in {problems:#?}");
     }
 }
+
+#[test]
+fn a_model_may_name_a_shadow_policy_and_a_wrong_name_is_refused() {
+    let ok =
+        "models: [{name: m, policy: round_robin, shadow_policy: cost_model}]\nreplicas: [{id: a, address: 127.0.0.1:1, models: [m]}]\n";
+    assert_eq!(Config::parse(ok).unwrap().models[0].shadow_policy, Some(PolicyKind::CostModel));
+    let bad = ok.replace("shadow_policy: cost_model", "shadow_policy: clairvoyant");
+    let e = Config::parse(&bad).unwrap_err().to_string();
+    assert!(e.contains("clairvoyant"), "{e}");
+}

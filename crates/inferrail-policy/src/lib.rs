@@ -530,6 +530,43 @@ pub const ALL: [PolicyKind; 10] = [
     PolicyKind::GieDefault,
 ];
 
+/// What a policy made of the eligible candidates: its guards, scores and order.
+#[derive(Debug, Clone)]
+pub struct Ranked {
+    /// Why each was not offered: not eligible, or set aside by a guard.
+    pub set_aside: Vec<Option<SetAside>>,
+    /// Each one's score, when it was offered.
+    pub scores: Vec<Option<Score>>,
+    /// The best `k` offered, best first: indices into the candidates.
+    pub order: Vec<usize>,
+    /// What steered the decision besides the scores' order.
+    pub steer: Option<&'static str>,
+    /// A guard waived because it would have refused every replica.
+    pub waived: Option<&'static str>,
+}
+
+/// The policy's guards, scores and order over `candidates`, the ones
+/// `aside` names not eligible left out; the best `k`.
+pub fn rank(
+    policy: &dyn RoutingPolicy,
+    req: &Request,
+    candidates: &[Candidate],
+    mut aside: Vec<Option<SetAside>>,
+    k: usize,
+    rng: &mut StdRng,
+) -> Ranked {
+    let waived = policy.guard(req, candidates, &mut aside);
+    let offered: Vec<usize> = (0..aside.len()).filter(|&i| aside[i].is_none()).collect();
+    let mut scores = vec![Score::default(); offered.len()];
+    let steer = policy.score(req, candidates, &offered, rng, &mut scores);
+    let order = order(candidates, &offered, &scores, k, req.blocks.last().copied(), rng);
+    let mut all = vec![None; aside.len()];
+    for (&i, s) in offered.iter().zip(scores) {
+        all[i] = Some(s);
+    }
+    Ranked { set_aside: aside, scores: all, order, steer, waived }
+}
+
 /// Runs one whole decision over plain candidates: eligibility, the policy's
 /// guards, scores and order. Returns the order (winner first) or why nobody
 /// qualifies. The route crate does the same with its own bookkeeping; this
@@ -537,11 +574,7 @@ pub const ALL: [PolicyKind; 10] = [
 pub fn decide(policy: &dyn RoutingPolicy, req: &Request, candidates: &[Candidate], rng: &mut StdRng) -> Result<Vec<usize>, NoReplica> {
     let mut aside = vec![None; candidates.len()];
     eligibility(candidates, &mut aside)?;
-    policy.guard(req, candidates, &mut aside);
-    let offered: Vec<usize> = (0..candidates.len()).filter(|&i| aside[i].is_none()).collect();
-    let mut scores = vec![Score::default(); offered.len()];
-    policy.score(req, candidates, &offered, rng, &mut scores);
-    Ok(order(candidates, &offered, &scores, usize::MAX, req.blocks.last().copied(), rng))
+    Ok(rank(policy, req, candidates, aside, usize::MAX, rng).order)
 }
 
 #[cfg(test)]

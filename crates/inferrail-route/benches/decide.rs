@@ -1,7 +1,9 @@
 //! The whole decision core on an 8,000-token prompt: `plan` (index lookup
 //! for every candidate, guards, scores, order) with `cost_model`, over 8, 64
 //! and 256 replicas, a quarter of which hold the prompt's first half; and
-//! `prepare` (cutting the prompt into block hashes) apart. Prints the p50 and
+//! `prepare` (cutting the prompt into block hashes) apart; and `decide`
+//! (plan and commit, the lease released) at 64 replicas with and without a
+//! `kv_aware` shadow policy, for what shadow mode adds. Prints the p50 and
 //! p99 of 20,000 timed plans besides criterion's means.
 #![allow(missing_docs, clippy::expect_used)]
 
@@ -15,7 +17,12 @@ use inferrail_route::{Core, Report, Share, View};
 use std::sync::Arc;
 
 fn setup(n: usize) -> (Core, Arc<Fleet>, Prompt) {
-    let mut yaml = String::from("models:\n  - {name: m, policy: cost_model}\nreplicas:\n");
+    setup_with(n, "")
+}
+
+/// `n` replicas, the model's YAML fields besides its name and policy in `more`.
+fn setup_with(n: usize, more: &str) -> (Core, Arc<Fleet>, Prompt) {
+    let mut yaml = format!("models:\n  - {{name: m, policy: cost_model{more}}}\nreplicas:\n");
     for i in 0..n {
         yaml += &format!("  - {{id: r{i}, address: '10.0.{}.{}:8000', models: [m]}}\n", i / 250, i % 250);
     }
@@ -75,6 +82,19 @@ fn decide(c: &mut Criterion) {
     }
     let (core, fleet, prompt) = setup(8);
     group.bench_function("prepare", |b| b.iter(|| std::hint::black_box(core.prepare(0, &prompt, &fleet))));
+    for (name, more) in [("decide/64", ""), ("decide+shadow/64", ", shadow_policy: kv_aware")] {
+        let (core, fleet, prompt) = setup_with(64, more);
+        let prediction = core.prepare(0, &prompt, &fleet);
+        let view = View { model: 0, prediction: Some(prediction), session: None, text: None, subset: None, share: Share::ALONE };
+        let reports = |_: &Replica| None::<Report>;
+        let decide = || {
+            let (plan, committed) = core.decide(&view, &fleet, &reports, Duration::from_secs(1)).expect("decide");
+            committed.lease.release();
+            std::hint::black_box(plan);
+        };
+        percentiles(name, &decide);
+        group.bench_function(name, |b| b.iter(&decide));
+    }
     group.finish();
 }
 

@@ -34,7 +34,7 @@ use std::time::Duration;
 use inferrail_config::Config;
 use inferrail_kv::mode::{Mode, Reason};
 pub use inferrail_policy::Share;
-use inferrail_policy::{Candidate, EngineReport, NoReplica, Params, Request, RoutingPolicy, Score, SetAside, TextKind, eligibility, order};
+use inferrail_policy::{Candidate, EngineReport, NoReplica, Params, Request, RoutingPolicy, Score, SetAside, TextKind, eligibility, rank};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -67,7 +67,22 @@ pub struct ModelRoute {
     /// Its policy's parameters (the prefill cost among them).
     pub params: Params,
     policy: Box<dyn RoutingPolicy>,
+    /// A policy that plans every decision alongside and sends nothing.
+    shadow: Option<Box<dyn RoutingPolicy>>,
     rng: Mutex<StdRng>,
+}
+
+/// What a model's shadow policy would have done with one request.
+#[derive(Debug, Clone)]
+pub struct Shadow {
+    /// Its name.
+    pub policy: &'static str,
+    /// The replica it would have picked.
+    pub winner: Arc<Replica>,
+    /// Its score of that replica (`cost_model`: the estimated time to first token, seconds).
+    pub estimate: Option<f64>,
+    /// Whether it picked the live policy's winner.
+    pub agreed: bool,
 }
 
 /// How many replicas a plan orders, and the draws its policy may use.
@@ -128,6 +143,10 @@ pub struct Plan {
     pub unavailable: Option<NoReplica>,
     /// The prompt's blocks, when it was tokenized.
     pub prediction: Option<Arc<Prediction>>,
+    /// Its shadow policy's choice, when the model has one (decisions only).
+    pub shadow: Option<Shadow>,
+    /// Which candidates any policy could be offered (the rest not eligible).
+    eligible: Vec<Option<SetAside>>,
     session: Option<String>,
     text: Option<String>,
     block_size: usize,
@@ -217,6 +236,7 @@ fn model_route(config: &Config, i: usize, slot: usize) -> Result<ModelRoute, Bad
         name: m.name.clone(),
         aliases: m.aliases.clone(),
         policy: inferrail_policy::build(m.policy, &params),
+        shadow: m.shadow_policy.map(|kind| inferrail_policy::build(kind, &params)),
         params,
         rng: Mutex::new(StdRng::seed_from_u64(config.routing.seed.wrapping_add(slot as u64))),
     })
@@ -380,8 +400,9 @@ impl Core {
         // One model throughout, even if a reload swaps the models meanwhile.
         let model = self.model(view.model);
         let mut rng = model.rng.lock().unwrap_or_else(|p| p.into_inner());
-        let plan = available(self.plan_best(&model, view, fleet, reports, now, Pick { k: 1 + self.fallbacks, rng: rng.clone() }))?;
+        let mut plan = available(self.plan_best(&model, view, fleet, reports, now, Pick { k: 1 + self.fallbacks, rng: rng.clone() }))?;
         let committed = self.commit(&model, &plan, &mut rng);
+        plan.shadow = self.shadow(&model, &plan);
         Ok((plan, committed))
     }
 
@@ -436,6 +457,8 @@ impl Core {
             waived: None,
             unavailable,
             prediction: view.prediction.clone(),
+            shadow: None,
+            eligible: Vec::new(),
             session: view.session.map(str::to_owned),
             text: view.text.map(str::to_owned),
             block_size: most_common_block_size(&places).unwrap_or(self.kv.defaults.block_size),
@@ -446,24 +469,35 @@ impl Core {
             plan.set_aside = aside;
             return plan;
         }
-        let req = plan.request();
-        let waived = model.policy.guard(&req, &plan.candidates, &mut aside);
-        let offered: Vec<usize> = (0..aside.len()).filter(|&i| aside[i].is_none()).collect();
-        let mut scores = vec![Score::default(); offered.len()];
         let mut rng = plan.rng.clone();
-        let steer = model.policy.score(&req, &plan.candidates, &offered, &mut rng, &mut scores);
-        let ranked = order(&plan.candidates, &offered, &scores, k, req.blocks.last().copied(), &mut rng);
-        let mut all_scores = vec![None; aside.len()];
-        for (&i, s) in offered.iter().zip(scores) {
-            all_scores[i] = Some(s);
-        }
+        let ranked = rank(model.policy.as_ref(), &plan.request(), &plan.candidates, aside.clone(), k, &mut rng);
         plan.rng = rng;
-        plan.set_aside = aside;
-        plan.scores = all_scores;
-        plan.order = ranked;
-        plan.steer = steer;
-        plan.waived = waived;
+        plan.eligible = aside;
+        plan.set_aside = ranked.set_aside;
+        plan.scores = ranked.scores;
+        plan.order = ranked.order;
+        plan.steer = ranked.steer;
+        plan.waived = ranked.waived;
         plan
+    }
+
+    /// What the model's shadow policy would have picked for a plan the live
+    /// policy made, over the same candidates; it is told what the live one
+    /// picked, so its state follows the traffic as it was routed. Nothing
+    /// is held or sent.
+    fn shadow(&self, model: &ModelRoute, plan: &Plan) -> Option<Shadow> {
+        let shadow = model.shadow.as_deref()?;
+        let req = plan.request();
+        let mut rng = plan.rng.clone();
+        let ranked = rank(shadow, &req, &plan.candidates, plan.eligible.clone(), 1, &mut rng);
+        shadow.picked(&req, &plan.candidates, plan.order[0]);
+        let winner = *ranked.order.first()?;
+        Some(Shadow {
+            policy: shadow.name(),
+            winner: plan.replica(winner).clone(),
+            estimate: ranked.scores[winner].map(|s| s.total),
+            agreed: winner == plan.order[0],
+        })
     }
 
     /// Commits a plan made under the model's generator lock (see [`Core::decide`]).

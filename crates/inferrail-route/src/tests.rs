@@ -7,7 +7,12 @@ use inferrail_policy::Prefill;
 use proptest::prelude::*;
 
 pub(crate) fn core(policy: &str, n: usize) -> (Core, Arc<Fleet>) {
-    let mut yaml = format!("retry: {{fallbacks: 1}}\nmodels:\n  - {{name: m, policy: {policy}}}\n  - {{name: other}}\nreplicas:\n");
+    core_with(policy, "", n)
+}
+
+/// [`core`], with `more` of model `m`'s YAML fields after its policy.
+fn core_with(policy: &str, more: &str, n: usize) -> (Core, Arc<Fleet>) {
+    let mut yaml = format!("retry: {{fallbacks: 1}}\nmodels:\n  - {{name: m, policy: {policy}{more}}}\n  - {{name: other}}\nreplicas:\n");
     for i in 0..n {
         yaml += &format!("  - {{id: r{i}, address: '127.0.0.1:{}', models: [m], max_concurrency: 8}}\n", 8001 + i);
     }
@@ -285,4 +290,56 @@ fn a_peers_request_that_envoy_retried_elsewhere_stays_the_peers() {
     assert!(!moved.mine);
     let c = fleet.replicas[1].candidate(Duration::ZERO, (0, 0), None, Share { rank: 0, of: 2 });
     assert_eq!((c.in_flight, c.own.map(|o| o.in_flight)), (1, Some(0)), "on the replica, but not in this router's part of its limits");
+}
+
+#[test]
+fn a_shadow_policy_plans_alongside_and_changes_nothing_the_live_one_does() {
+    // Round robin live over three replicas, cost_model in the shadow: four
+    // prompts in turn, each sent three times. The live order is round
+    // robin's with or without the shadow; the shadow sends each repeat
+    // where its prompt is cached most, and agrees exactly when round robin
+    // happened to go there.
+    let (plain, plain_fleet) = core_with("round_robin", "", 3);
+    let (shadowed, fleet) = core_with("round_robin", ", shadow_policy: cost_model", 3);
+    let (mut agreed, mut shadowed_decisions) = (0, 0);
+    for i in 0..12u32 {
+        let p = prompt(i % 4 * 10_000, 400);
+        let now = Duration::from_millis(u64::from(i) * 10);
+        let (live, a) = plain.decide(&view(&plain, &plain_fleet, &p), &plain_fleet, NONE, now).unwrap();
+        let v = view(&shadowed, &fleet, &p);
+        let cached = shadowed.plan(&v, &fleet, NONE, now).unwrap().candidates.iter().map(|c| c.cached_tokens).collect::<Vec<_>>();
+        let (plan, b) = shadowed.decide(&v, &fleet, NONE, now).unwrap();
+        assert_eq!(live.order, plan.order, "the shadow changes no live decision");
+        assert_eq!(a.targets[0].id, b.targets[0].id);
+        assert!(live.shadow.is_none());
+        let shadow = plan.shadow.expect("a shadow plan on every decision");
+        assert_eq!(shadow.policy, "cost_model");
+        assert_eq!(shadow.agreed, shadow.winner.id == b.targets[0].id);
+        if i >= 4 {
+            // A repeat: the shadow picks a replica holding the most of its prompt.
+            let most = cached.iter().copied().max().unwrap_or(0);
+            assert!(most > 0, "cached somewhere after the first send");
+            let at = fleet.serving(0).iter().position(|r| r.id == shadow.winner.id).unwrap();
+            assert_eq!(cached[at], most, "decision {i}: {cached:?}");
+            assert!(shadow.estimate.is_some_and(|e| e > 0.0));
+            shadowed_decisions += 1;
+            agreed += usize::from(shadow.agreed);
+        }
+        for lease in [a.lease, b.lease] {
+            lease.first_byte();
+            lease.release();
+        }
+    }
+    // Four prompts over three replicas in turn: round robin sends every
+    // repeat to a replica that has not seen its prompt, so it never agrees.
+    assert_eq!((agreed, shadowed_decisions), (0, 8));
+    // The same policy in the shadow, told each live pick, picks the same every time.
+    let (same, fleet) = core_with("cost_model", ", shadow_policy: cost_model", 3);
+    for i in 0..12u32 {
+        let p = prompt(i % 4 * 10_000, 400);
+        let (plan, committed) = same.decide(&view(&same, &fleet, &p), &fleet, NONE, Duration::from_millis(u64::from(i) * 10)).unwrap();
+        assert!(plan.shadow.is_some_and(|s| s.agreed), "decision {i}");
+        committed.lease.first_byte();
+        committed.lease.release();
+    }
 }

@@ -150,6 +150,12 @@ pub fn decision_line(request_id: &str, model: &str, plan: &Plan, fallbacks: usiz
         "predicted_cached_tokens": plan.candidates[plan.order[0]].cached_tokens,
         "steer": plan.steer,
         "waived": plan.waived,
+        "shadow": plan.shadow.as_ref().map(|sh| json!({
+            "policy": sh.policy,
+            "winner": sh.winner.id,
+            "score": sh.estimate,
+            "agreed": sh.agreed,
+        })),
         "candidates": candidates,
     })
 }

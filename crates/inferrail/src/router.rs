@@ -671,6 +671,11 @@ fn record_plan(plan: &Plan) {
     if plan.prediction.is_none() {
         metrics::counter!("inferrail_decisions_without_prediction_total", "policy" => plan.policy).increment(1);
     }
+    if let Some(shadow) = &plan.shadow {
+        let agreed = if shadow.agreed { "true" } else { "false" };
+        metrics::counter!("inferrail_shadow_decisions_total", "policy" => plan.policy, "shadow" => shadow.policy, "agreed" => agreed)
+            .increment(1);
+    }
     let engine_reports = plan.candidates.iter().filter(|c| c.engine.is_some()).count();
     if engine_reports < plan.candidates.len() {
         // Some replica's engine report is missing or stale: its load is the router's own counters.

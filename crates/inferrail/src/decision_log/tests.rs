@@ -103,3 +103,33 @@ fn a_log_that_cannot_be_opened_stops_the_router_from_starting() {
     let e = Router::new(Config::parse(&yaml).unwrap()).err().expect("started without its log");
     assert!(e.to_string().contains("opening the decision log"), "{e}");
 }
+
+#[tokio::test]
+async fn a_shadow_policys_choice_is_logged_beside_the_live_one() {
+    let dir = std::env::temp_dir().join(format!("inferrail-dlog-shadow-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("decisions.jsonl");
+    let yaml = format!(
+        "observability: {{decision_log: {{path: '{}', sample_rate: 1.0}}}}\n\
+         models: [{{name: m, policy: round_robin, shadow_policy: cost_model, tokenizer: builtin:sim}}]\n\
+         replicas:\n  - {{id: a, address: 127.0.0.1:1, models: [m]}}\n  - {{id: b, address: 127.0.0.1:2, models: [m]}}\n",
+        path.display()
+    );
+    let r = Router::new(Config::parse(&yaml).unwrap()).unwrap();
+    for i in 0..4 {
+        let d = r.decide(BODY, Endpoint::Chat, &format!("req-{i}"), None, None).await.unwrap();
+        r.forget(&d.request_id);
+    }
+    r.decision_log.as_ref().unwrap().close();
+    let decisions: Vec<Value> = lines(&path).into_iter().filter(|l| l["kind"] == "decision").collect();
+    assert_eq!(decisions.len(), 4);
+    for d in &decisions {
+        let shadow = &d["shadow"];
+        assert_eq!(shadow["policy"], "cost_model", "{d}");
+        assert_eq!(shadow["agreed"], json!(shadow["winner"] == d["winner"]), "{d}");
+        assert!(shadow["score"].as_f64().is_some_and(|s| s > 0.0), "{d}");
+    }
+    // Round robin alternates; the shadow keeps the prompt where it is cached, so they part at least once.
+    assert!(decisions.iter().any(|d| d["shadow"]["agreed"] == json!(false)));
+    std::fs::remove_dir_all(&dir).ok();
+}

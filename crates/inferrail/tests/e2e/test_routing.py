@@ -3,6 +3,7 @@ enforces, errors the router answers, and the OpenAI SDK end to end."""
 
 import asyncio
 import json
+import re
 import collections
 
 import openai
@@ -35,6 +36,25 @@ def test_round_robin_takes_turns_and_envoy_follows(fleet_factory):
     chosen = [c for c, _ in picks]
     assert chosen[:3] == chosen[3:6] == chosen[6:9]
     assert sorted(chosen[:3]) == ["sim-1", "sim-2", "sim-3"]
+
+
+def test_a_shadow_policy_changes_nothing_and_counts_its_agreement(fleet_factory):
+    # The model's YAML mapping gets `shadow_policy` after its policy.
+    fleet = fleet_factory(policy="round_robin, shadow_policy: cost_model")
+    picks = served(fleet, 9)
+    assert_enforced(fleet, picks)
+    chosen = [c for c, _ in picks]
+    assert chosen[:3] == chosen[3:6] == chosen[6:9], "round robin's turns, as without a shadow"
+    page = fleet.metrics()
+
+    def total(name, *labels):
+        lines = re.findall(rf"^{name}\{{([^}}]*)\}} (\S+)$", page, re.M)
+        return sum(float(v) for ls, v in lines if all(label in ls for label in labels))
+
+    shadowed = total("inferrail_shadow_decisions_total", 'policy="round_robin"', 'shadow="cost_model"')
+    decisions = total("inferrail_decisions_total", 'policy="round_robin"')
+    assert shadowed == decisions >= 9, (shadowed, decisions)
+    assert total("inferrail_shadow_decisions_total", 'agreed="false"') > 0, "cost_model keeps a prompt where it is cached"
 
 
 def test_random_and_p2c_spread_over_every_replica(fleet_factory):
