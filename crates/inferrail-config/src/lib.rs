@@ -14,6 +14,9 @@ use std::net::SocketAddr;
 use inferrail_policy::{Params, PolicyKind, Prefill};
 use serde::{Deserialize, Serialize};
 
+mod admission;
+pub use admission::{Admission, ApiKey, Band, OnMiss, Tenant, TokenLimit};
+
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(default)]
@@ -50,6 +53,8 @@ pub struct Config {
     pub eds: Eds,
     /// Other routers behind the same Envoys, sharing the requests in flight (ADR 0034).
     pub peers: Peers,
+    /// Priority bands, tenants, API keys and token limits (ADR 0042).
+    pub admission: Admission,
 }
 
 /// The other router replicas behind the same Envoys. Each router tells
@@ -396,6 +401,8 @@ pub struct Model {
     /// `tokenizer_config.json`, or `hf:<org>/<name>` from the local Hugging
     /// Face cache. Without one, its requests are routed without predictions.
     pub tokenizer: Option<String>,
+    /// The admission band of its requests that name none (`admission.bands`).
+    pub band: Option<String>,
     /// Policy parameters of this model that differ from `routing.policies`
     /// (same shape; only the fields given are overridden).
     pub policies: serde_yaml::Value,
@@ -409,6 +416,7 @@ impl Default for Model {
             policy: PolicyKind::RoundRobin,
             shadow_policy: None,
             tokenizer: None,
+            band: None,
             policies: serde_yaml::Value::Null,
         }
     }
@@ -742,6 +750,7 @@ impl Config {
             p.push("kv: block_size and blocks must be at least 1".into());
         }
         p.extend(self.routing.policies.validate("routing.policies"));
+        p.extend(self.admission.validate(self.models.iter().map(|m| (m.name.as_str(), m.band.as_deref()))));
         let mut names = HashSet::new();
         for (i, m) in self.models.iter().enumerate() {
             if m.name.is_empty() {

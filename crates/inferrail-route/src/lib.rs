@@ -34,7 +34,9 @@ use std::time::Duration;
 use inferrail_config::Config;
 use inferrail_kv::mode::{Mode, Reason};
 pub use inferrail_policy::Share;
-use inferrail_policy::{Candidate, EngineReport, NoReplica, Params, Request, RoutingPolicy, Score, SetAside, TextKind, eligibility, rank};
+use inferrail_policy::{
+    Candidate, EngineReport, NoReplica, Params, Prefill, Request, RoutingPolicy, Score, SetAside, TextKind, eligibility, rank,
+};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -179,6 +181,20 @@ impl Plan {
         self.prediction.as_ref().map(|p| p.prompt_tokens)
     }
 
+    /// Candidate `i`'s estimated time to first token: the prefill queued
+    /// there and this prompt's own, at its engine's prefill cost (or the
+    /// model's), whatever the policy.
+    pub fn estimate(&self, i: usize, model_prefill: Prefill) -> Duration {
+        Duration::from_secs_f64(self.candidates[i].queued_prefill_secs + self.prefill_secs(i, model_prefill))
+    }
+
+    /// Seconds to prefill this prompt on candidate `i`, past what it holds cached.
+    fn prefill_secs(&self, i: usize, model_prefill: Prefill) -> f64 {
+        let c = &self.candidates[i];
+        let cost = c.prefill.unwrap_or(model_prefill);
+        self.prompt_tokens().map_or(cost.secs(0, 0), |n| cost.secs(n.saturating_sub(c.cached_tokens), c.cached_tokens))
+    }
+
     fn request(&self) -> Request<'_> {
         Request {
             now: self.now,
@@ -189,6 +205,15 @@ impl Plan {
             text: self.text.as_deref(),
         }
     }
+}
+
+/// What [`Core::decide`] did with a plan.
+#[derive(Debug)]
+pub enum Decided {
+    /// Admitted and committed: the winner is leased.
+    Committed(Plan, Committed),
+    /// Not admitted: nothing is held and no policy state moved.
+    Held(Plan),
 }
 
 /// A committed decision.
@@ -397,13 +422,33 @@ impl Core {
         reports: &dyn Fn(&Replica) -> Option<Report>,
         now: Duration,
     ) -> Result<(Plan, Committed), NoReplica> {
+        match self.decide_if(view, fleet, reports, now, &|_| true)? {
+            Decided::Committed(plan, committed) => Ok((plan, committed)),
+            Decided::Held(_) => unreachable!("every plan is admitted"),
+        }
+    }
+
+    /// [`Core::decide`], committing only a plan `admit` lets through: one
+    /// it refuses is held, with nothing committed and no policy state
+    /// moved, for the caller to wait and plan again.
+    pub fn decide_if(
+        &self,
+        view: &View,
+        fleet: &Arc<Fleet>,
+        reports: &dyn Fn(&Replica) -> Option<Report>,
+        now: Duration,
+        admit: &dyn Fn(&Plan) -> bool,
+    ) -> Result<Decided, NoReplica> {
         // One model throughout, even if a reload swaps the models meanwhile.
         let model = self.model(view.model);
         let mut rng = model.rng.lock().unwrap_or_else(|p| p.into_inner());
         let mut plan = available(self.plan_best(&model, view, fleet, reports, now, Pick { k: 1 + self.fallbacks, rng: rng.clone() }))?;
+        if !admit(&plan) {
+            return Ok(Decided::Held(plan));
+        }
         let committed = self.commit(&model, &plan, &mut rng);
         plan.shadow = self.shadow(&model, &plan);
-        Ok((plan, committed))
+        Ok(Decided::Committed(plan, committed))
     }
 
     fn plan_best(
@@ -507,9 +552,7 @@ impl Core {
         rng.clone_from(&plan.rng);
         let won = plan.winner();
         let prompt_tokens = plan.prompt_tokens();
-        let cached = plan.candidates[winner].cached_tokens;
-        let cost = plan.candidates[winner].prefill.unwrap_or(model.params.prefill);
-        let prefill = prompt_tokens.map_or(cost.secs(0, 0), |n| cost.secs(n.saturating_sub(cached), cached));
+        let prefill = plan.prefill_secs(winner, model.params.prefill);
         // It takes free room for its prompt but the cached blocks requests in flight hold.
         let held = plan.candidates[winner].held_cached_tokens;
         let hold = Hold {

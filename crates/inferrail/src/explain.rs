@@ -41,7 +41,13 @@ fn status(e: &RouteError) -> Status {
     match e {
         RouteError::UnknownModel(_) => Status::not_found(e.to_string()),
         RouteError::NoReplica(_) => Status::unavailable(e.to_string()),
-        RouteError::Body(_) | RouteError::MissingModel | RouteError::TooLarge(_) => Status::invalid_argument(e.to_string()),
+        RouteError::Body(_) | RouteError::MissingModel | RouteError::TooLarge(_) | RouteError::UnknownBand(_) => {
+            Status::invalid_argument(e.to_string())
+        }
+        RouteError::Unauthorized => Status::unauthenticated(e.to_string()),
+        RouteError::BandNotAllowed(_) => Status::permission_denied(e.to_string()),
+        // Explain neither charges limits nor queues.
+        RouteError::RateLimited { .. } | RouteError::Shed(_) => Status::resource_exhausted(e.to_string()),
     }
 }
 
@@ -55,7 +61,8 @@ impl Admin for AdminApi {
             return Err(Status::invalid_argument(format!("path {:?}: explain /v1/chat/completions or /v1/completions", r.path)));
         };
         let session = r.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case("x-session-id")).map(|(_, v)| v.as_str());
-        let explained = self.router.explain(r.body.as_bytes(), endpoint, session).await.map_err(|e| status(&e))?;
+        let asked = request::asked(r.headers.iter().map(|(k, v)| (k.to_ascii_lowercase(), v.clone())));
+        let explained = self.router.explain(r.body.as_bytes(), endpoint, session, &asked).await.map_err(|e| status(&e))?;
         Ok(Response::new(explanation(&self.router, &explained)))
     }
 
@@ -126,6 +133,13 @@ fn explanation(router: &Router, e: &Explained) -> pb::ExplainResponse {
         policy: plan.policy.to_string(),
         no_prediction: e.no_prediction.unwrap_or_default().to_string(),
         no_replica: plan.unavailable.map(|why| why.label().to_string()).unwrap_or_default(),
+        admission: Some(pb::Admission {
+            tenant: e.placed.tenant.clone(),
+            band: e.placed.band.as_ref().map(|(_, b)| b.name.clone()).unwrap_or_default(),
+            ttft_objective_ms: e.placed.objective().map_or(0, |o| o.as_millis() as u64),
+            waiting_ahead: e.waiting_ahead as u64,
+            would_wait: e.would_wait,
+        }),
         ..pb::ExplainResponse::default()
     };
     out.prompt_tokens = plan.prompt_tokens().unwrap_or(0) as u64;

@@ -31,7 +31,7 @@ use tonic::{Status, Streaming};
 
 use crate::reply;
 use crate::request::{self, Endpoint, Head};
-use crate::router::{Decision, Router};
+use crate::router::{Caller, Decision, Router};
 use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use inferrail_route::lifecycle::Event;
@@ -52,6 +52,9 @@ impl ExtProc {
 }
 
 type Out = Result<ProcessingResponse, Status>;
+
+/// Added to a queued request's longest wait when Envoy is asked to wait for its answer.
+const WAIT_MARGIN: Duration = Duration::from_secs(1);
 
 #[tonic::async_trait]
 impl ExternalProcessor for ExtProc {
@@ -105,6 +108,12 @@ impl ExtProc {
     /// Decides where the request goes, with the decision's span continuing
     /// the client's trace: the decision and the traceparent the engine's work
     /// continues, or the router's own answer when it refuses.
+    ///
+    /// A request that waits in the router's queue asks Envoy, on the
+    /// stream's sender, to wait for it past the filter's `message_timeout`;
+    /// if Envoy gives up on the request meanwhile (the stream's inbound side
+    /// ends: the client left), it leaves the queue at once and `None` is
+    /// returned.
     async fn decide(
         &self,
         head: &Head,
@@ -112,10 +121,23 @@ impl ExtProc {
         generation: Generation,
         request_id: &str,
         subset: Option<&[SocketAddr]>,
-    ) -> Result<(Decision, Option<String>), Box<ProcessingResponse>> {
+        (inbound, tx): (&mut Streaming<ProcessingRequest>, &mpsc::Sender<Out>),
+    ) -> Option<Result<(Decision, Option<String>), Box<ProcessingResponse>>> {
         let started = std::time::SystemTime::now();
         let traces = self.router.traces.as_ref();
-        match self.router.decide(body, generation, request_id, head.session.as_deref(), subset).await {
+        // The decision itself takes no time worth naming; this covers the answer's way back.
+        let on_wait = |wait: Duration| drop(tx.try_send(Ok(reply::wait(wait + WAIT_MARGIN))));
+        let caller = Caller { asked: &head.asked, on_wait: &on_wait };
+        let deciding = self.router.decide_as(body, generation, request_id, head.session.as_deref(), subset, &caller);
+        let gone = async {
+            // Nothing more comes before the answer unless Envoy is giving up on the request.
+            while let Ok(Some(_)) = inbound.message().await {}
+        };
+        let decided = tokio::select! {
+            decided = deciding => decided,
+            () = gone => return None,
+        };
+        Some(match decided {
             Ok(d) => {
                 let traceparent = traces.map(|t| t.decision(head.traceparent.as_deref(), started, &d));
                 Ok((d, traceparent))
@@ -126,7 +148,7 @@ impl ExtProc {
                 }
                 Err(Box::new(reply::route_error(&e)))
             }
-        }
+        })
     }
 
     async fn route(&self, first: ProcessingRequest, mut inbound: Streaming<ProcessingRequest>, tx: mpsc::Sender<Out>) {
@@ -163,7 +185,10 @@ impl ExtProc {
                         Ok(None) | Err(_) => return,
                     }
                 }
-                match self.decide(&head, &body, generation, &request_id, subset.as_deref()).await {
+                let Some(decided) = self.decide(&head, &body, generation, &request_id, subset.as_deref(), (&mut inbound, &tx)).await else {
+                    return;
+                };
+                match decided {
                     Ok((d, traceparent)) => {
                         let answer = reply::decision(&d, d.request_id != request_id, traceparent.as_deref());
                         // If Envoy is gone it no longer needs the answer.

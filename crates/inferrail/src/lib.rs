@@ -3,7 +3,8 @@
 //!
 //! To follow one request: [`extproc`] receives Envoy's messages and asks
 //! [`router`] for a decision once the body is in; the router reads the body
-//! through [`request`], tokenizes its prompt in [`prompt`] (crate
+//! through [`request`], checks its key, band and token limits and, while
+//! the fleet is busy, queues it in [`admission`], tokenizes its prompt in [`prompt`] (crate
 //! `inferrail-tokenize`), and hands it to the decision core (crate
 //! `inferrail-route`), which predicts each candidate's cached prefix (crate
 //! `inferrail-kv`), scores the model's eligible replicas with the model's
@@ -23,6 +24,7 @@
 
 pub mod access_log;
 pub mod admin;
+pub mod admission;
 pub mod decision_log;
 pub mod discovery;
 pub mod eds;

@@ -63,10 +63,23 @@ pub fn immediate(status: u16, body: String, headers: &[(&str, &str)], details: &
     }
 }
 
-/// An error the router answers, in the OpenAI shape.
+/// An error the router answers, in the OpenAI shape, with `Retry-After`
+/// (whole seconds, at least one) when the client should try again later.
 pub fn route_error(e: &RouteError) -> ProcessingResponse {
     let (status, kind, param) = e.http();
-    immediate(status, error_body(status, kind, &e.to_string(), param), &[], &format!("inferrail_{}", e.reason()))
+    let retry = e.retry_after().map(|d| d.as_secs_f64().ceil().max(1.0).to_string());
+    let headers: Vec<(&str, &str)> = retry.iter().map(|s| ("retry-after", s.as_str())).collect();
+    immediate(status, error_body(status, kind, &e.to_string(), param), &headers, &format!("inferrail_{}", e.reason()))
+}
+
+/// Asks Envoy to wait up to `wait` for the answer to the message in hand:
+/// the request is queued at the router, and must not be let through
+/// unrouted by the filter's `message_timeout`. Envoy honours it up to the
+/// filter's `max_message_timeout`.
+pub fn wait(wait: std::time::Duration) -> ProcessingResponse {
+    let seconds = i64::try_from(wait.as_secs()).unwrap_or(i64::MAX);
+    let timeout = envoy_types::pb::google::protobuf::Duration { seconds, nanos: wait.subsec_nanos() as i32 };
+    ProcessingResponse { override_message_timeout: Some(timeout), ..Default::default() }
 }
 
 /// Let the headers through and wait for the body.

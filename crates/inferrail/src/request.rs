@@ -7,6 +7,8 @@ use std::ops::Range;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use serde::Deserialize;
+
+use crate::admission::Asked;
 use serde_json::value::RawValue;
 
 /// The request line and the headers the router cares about.
@@ -22,6 +24,8 @@ pub struct Head {
     pub session: Option<String>,
     /// `traceparent`: the client's W3C trace context, continued by the decision's span.
     pub traceparent: Option<String>,
+    /// Its key, band and tenant, as admission reads them.
+    pub asked: Asked,
 }
 
 /// A header's value: Envoy sends it in `raw_value`, older versions in `value`.
@@ -45,10 +49,29 @@ pub fn head(headers: Option<&HeaderMap>) -> Head {
             "x-request-id" => h.request_id = Some(value),
             "x-session-id" => h.session = Some(value),
             "traceparent" => h.traceparent = Some(value),
-            _ => {}
+            key => ask(&mut h.asked, key, value),
         }
     }
     h
+}
+
+/// What headers (lowercase names) ask of admission.
+pub fn asked(headers: impl Iterator<Item = (String, String)>) -> Asked {
+    let mut asked = Asked::default();
+    for (key, value) in headers {
+        ask(&mut asked, &key, value);
+    }
+    asked
+}
+
+fn ask(asked: &mut Asked, key: &str, value: String) {
+    match key {
+        "authorization" => asked.authorization = Some(value),
+        "x-inferrail-band" => asked.band = Some(value),
+        "x-inferrail-tenant" => asked.tenant = Some(value),
+        "x-gateway-inference-objective" => asked.objective = Some(value),
+        _ => {}
+    }
 }
 
 /// What a request asks of the router.

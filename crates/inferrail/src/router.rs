@@ -22,9 +22,10 @@ use inferrail_route::fleet::{Fleet, Lease, Replica};
 use inferrail_route::kv::Prediction;
 use inferrail_route::ledger::{Heard, Ledger, mirror_id};
 use inferrail_route::lifecycle::{Event, Timing};
-use inferrail_route::{Core, Plan, Report, Share, View};
+use inferrail_route::{Core, Decided, Plan, Report, Share, View};
 use inferrail_tokenize::chat::Endpoint;
 
+use crate::admission::{Admission, Asked, Placed, Shed};
 use crate::decision_log::DecisionLog;
 use crate::peers::{self, Peers};
 use crate::prompt::Prompts;
@@ -128,6 +129,12 @@ pub struct Explained {
     /// The plan, every offered replica in its order (or, when none can take
     /// the request, why not and what each lacks).
     pub plan: Plan,
+    /// Its tenant and band.
+    pub placed: Placed,
+    /// Requests waiting ahead of it in its model's queue.
+    pub waiting_ahead: usize,
+    /// Whether it would wait now.
+    pub would_wait: bool,
 }
 
 /// Why the router answered a request itself.
@@ -148,6 +155,26 @@ pub enum RouteError {
     /// Nobody can take it.
     #[error("{0}")]
     NoReplica(#[from] NoReplica),
+    /// No valid API key, where one is required or one was presented.
+    #[error("Incorrect or missing API key. Send a valid key as `Authorization: Bearer <key>`.")]
+    Unauthorized,
+    /// A band that is not configured.
+    #[error("There is no band `{0}`.")]
+    UnknownBand(String),
+    /// A band the request's key does not allow.
+    #[error("This API key may not use the band `{0}`.")]
+    BandNotAllowed(String),
+    /// The tenant's token limit is reached.
+    #[error("The token limit of tenant `{tenant}` is reached; try again in {} s.", retry_after.as_secs_f64().ceil())]
+    RateLimited {
+        /// The tenant.
+        tenant: String,
+        /// When its windows free.
+        retry_after: Duration,
+    },
+    /// Shed under load.
+    #[error("{0}")]
+    Shed(Shed),
 }
 
 impl RouteError {
@@ -162,6 +189,20 @@ impl RouteError {
             Self::NoReplica(NoReplica::AllFull) => (429, "RateLimitError", None),
             // No endpoint is ready for it.
             Self::NoReplica(_) => (503, "ServiceUnavailableError", None),
+            Self::Unauthorized => (401, "AuthenticationError", None),
+            Self::UnknownBand(_) => (400, "BadRequestError", None),
+            Self::BandNotAllowed(_) => (403, "PermissionDeniedError", None),
+            Self::RateLimited { .. } => (429, "RateLimitError", None),
+            Self::Shed(_) => (503, "ServiceUnavailableError", None),
+        }
+    }
+
+    /// How long the client should wait before trying again, when it should.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::RateLimited { retry_after, .. } => Some(*retry_after),
+            Self::Shed(shed) => Some(shed.retry_after()),
+            _ => None,
         }
     }
 
@@ -173,6 +214,11 @@ impl RouteError {
             Self::UnknownModel(_) => "unknown_model",
             Self::TooLarge(_) => "too_large",
             Self::NoReplica(e) => e.label(),
+            Self::Unauthorized => "unauthorized",
+            Self::UnknownBand(_) => "unknown_band",
+            Self::BandNotAllowed(_) => "band_not_allowed",
+            Self::RateLimited { .. } => "rate_limited",
+            Self::Shed(shed) => shed.label(),
         }
     }
 }
@@ -212,6 +258,22 @@ pub struct Router {
     pub traces: Option<Traces>,
     /// The other routers, told what this one decides and hears.
     pub peers: Peers,
+    /// Keys, bands, token limits and the wait queues.
+    pub admission: Admission,
+}
+
+/// What a request's caller adds to it: what its headers ask of admission,
+/// and what to do when it starts waiting (told how long it may wait).
+pub struct Caller<'a> {
+    /// Its key, band and tenant as asked.
+    pub asked: &'a Asked,
+    /// Called once, if it waits.
+    pub on_wait: &'a (dyn Fn(Duration) + Sync),
+}
+
+impl Caller<'_> {
+    /// A caller that asks nothing and is told nothing.
+    pub const PLAIN: Caller<'static> = Caller { asked: &Asked::NONE, on_wait: &|_| {} };
 }
 
 impl Router {
@@ -228,7 +290,8 @@ impl Router {
         let routing = ArcSwap::from_pointee(Routing { config: config.clone(), names: names.clone(), fleet });
         let sources = std::sync::Mutex::new(Vec::new());
         let peers = Peers::new(&config.server.listen);
-        let router = Self { routing, sources, core, ledger, loads, clock: Instant::now(), prompts, decision_log, traces, peers };
+        let admission = Admission::new(&config);
+        let router = Self { routing, sources, core, ledger, loads, clock: Instant::now(), prompts, decision_log, traces, peers, admission };
         let replicas = router.listed(&config.replicas, &names, &[], &mut Reloaded::default());
         router.publish(STATIC, replicas);
         Ok(router)
@@ -294,8 +357,24 @@ impl Router {
         session: Option<&str>,
         subset: Option<&[SocketAddr]>,
     ) -> Result<Decision, RouteError> {
+        self.decide_as(body, endpoint, request_id, session, subset, &Caller::PLAIN).await
+    }
+
+    /// [`Router::decide`] for a caller whose headers ask admission for a key,
+    /// band or tenant: checked, limited and, while the fleet is busy, held in
+    /// the model's queue until its turn comes and a replica can take it
+    /// within its band's objective (ADR 0042).
+    pub async fn decide_as(
+        &self,
+        body: &[u8],
+        endpoint: Endpoint,
+        request_id: &str,
+        session: Option<&str>,
+        subset: Option<&[SocketAddr]>,
+        caller: &Caller<'_>,
+    ) -> Result<Decision, RouteError> {
         let started = Instant::now();
-        let result = self.decide_inner(body, endpoint, request_id, session, subset).await;
+        let result = self.decide_inner(body, endpoint, request_id, session, subset, caller).await;
         let policy = match &result {
             Ok(d) => d.policy,
             Err(_) => "none",
@@ -322,11 +401,17 @@ impl Router {
         request_id: &str,
         session: Option<&str>,
         subset: Option<&[SocketAddr]>,
+        caller: &Caller<'_>,
     ) -> Result<Decision, RouteError> {
+        // The key is checked before the prompt is read.
+        let who = self.admission.identify(caller.asked)?;
         let read = self.prepare(body, endpoint, session).await?;
         let model = self.core.model(read.model);
+        let placed = self.admission.place(who, caller.asked, self.model_band(read.model).as_deref())?;
+        let prompt_tokens = read.prediction.as_ref().map_or(0, |p| p.prompt_tokens) as u64;
+        self.admission.limit(&placed, request_id, prompt_tokens, self.now())?;
         let (plan, committed) =
-            self.core.decide(&read.view(subset, self.peers.share()), &read.fleet, &|r: &Replica| self.report(&r.id), self.now())?;
+            self.admitted(&read, subset, &placed, prompt_tokens, caller).await.inspect_err(|_| self.admission.over(request_id))?;
         record_plan(&plan);
         let (policy, steer, prompt_tokens) = (plan.policy, plan.steer, plan.prompt_tokens());
         if let Some(&cached) = committed.cached_tokens.first() {
@@ -354,12 +439,83 @@ impl Router {
         })
     }
 
+    /// Plans and commits the request as soon as it may go: at once when
+    /// nothing of its band or a more urgent one waits and some replica can
+    /// take it within its band's objective; otherwise it waits its turn in
+    /// its model's queue and plans again each time it is woken, or is shed.
+    /// Without bands every plan is committed at once.
+    async fn admitted(
+        &self,
+        read: &Prepared,
+        subset: Option<&[SocketAddr]>,
+        placed: &Placed,
+        tokens: u64,
+        caller: &Caller<'_>,
+    ) -> Result<(Plan, inferrail_route::Committed), RouteError> {
+        let view = read.view(subset, self.peers.share());
+        let reports = |r: &Replica| self.report(&r.id);
+        let model_prefill = self.core.model(read.model).params.prefill;
+        let objective = placed.objective();
+        let mut ticket: Option<crate::admission::Ticket> = None;
+        loop {
+            let turn = match &ticket {
+                None => self.admission.clear_for(read.model, placed),
+                Some(t) => t.is_next(),
+            };
+            let within = |plan: &Plan| objective.is_none_or(|o| plan.estimate(plan.order[0], model_prefill) <= o);
+            let now = self.now();
+            let estimate = match self.core.decide_if(&view, &read.fleet, &reports, now, &|plan| turn && within(plan)) {
+                Ok(Decided::Committed(plan, committed)) => {
+                    if let Some(t) = ticket {
+                        t.admitted(now);
+                    }
+                    return Ok((plan, committed));
+                }
+                Ok(Decided::Held(plan)) => Some(plan.estimate(plan.order[0], model_prefill)),
+                Err(NoReplica::AllFull) if placed.band.is_some() => None,
+                Err(e) => return Err(e.into()),
+            };
+            if let (Some(estimate), Some(objective), Some((_, band))) = (estimate, objective, &placed.band)
+                && turn
+                && estimate > objective
+                && band.on_miss == inferrail_config::OnMiss::Shed
+            {
+                metrics::counter!("inferrail_admission_shed_total", "reason" => "over_objective", "band" => band.name.clone()).increment(1);
+                return Err(RouteError::Shed(Shed::OverObjective { estimate, objective }));
+            }
+            let t = match ticket.take() {
+                Some(t) => t,
+                None => {
+                    let t = self.admission.enter(read.model, placed, tokens, now)?;
+                    (caller.on_wait)(t.max_wait());
+                    t
+                }
+            };
+            // An error drops the ticket: it leaves the queue.
+            t.wait(self.now()).await?;
+            ticket = Some(t);
+        }
+    }
+
     /// What the model's policy would do with a request now, and why,
     /// changing nothing: every offered replica is in the plan's order.
-    pub async fn explain(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>) -> Result<Explained, RouteError> {
+    pub async fn explain(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>, asked: &Asked) -> Result<Explained, RouteError> {
+        let who = self.admission.identify(asked)?;
         let read = self.prepare(body, endpoint, session).await?;
         let plan = self.core.plan_all(&read.view(None, self.peers.share()), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
-        Ok(Explained { requested: read.requested, no_prediction: read.no_prediction, plan })
+        let placed = self.admission.place(who, asked, self.model_band(read.model).as_deref())?;
+        let waiting_ahead = self.admission.ahead(read.model, &placed);
+        let model_prefill = self.core.model(read.model).params.prefill;
+        let over = |o: Duration| plan.order.first().is_none_or(|&w| plan.estimate(w, model_prefill) > o);
+        let busy = plan.unavailable == Some(NoReplica::AllFull) || placed.objective().is_some_and(over);
+        let would_wait = placed.band.is_some() && (waiting_ahead > 0 || busy);
+        Ok(Explained { requested: read.requested, no_prediction: read.no_prediction, plan, placed, waiting_ahead, would_wait })
+    }
+
+    /// The admission band model `slot`'s requests take when they name none.
+    fn model_band(&self, slot: usize) -> Option<String> {
+        let name = &self.core.model(slot).name;
+        self.routing.load().config.models.iter().find(|m| &m.name == name).and_then(|m| m.band.clone())
     }
 
     /// Reads a request up to the decision: its model, its prompt's blocks and text, the body to forward.
@@ -414,6 +570,7 @@ impl Router {
             let mut c = Config { replicas: Vec::new(), ..c.clone() };
             c.routing.policies = Default::default();
             c.models = Vec::new();
+            c.admission = Default::default();
             c
         };
         let (n, o) = (fixed(&new), fixed(&old));
@@ -453,6 +610,7 @@ impl Router {
         let current = sources.iter().find(|(s, _)| s == STATIC).map(|(_, r)| r.clone()).unwrap_or_default();
         let next = self.listed(&new.replicas, &names, &current, &mut done);
         let fleet = self.wanted(&mut sources, STATIC, next);
+        self.admission.reload(&new);
         self.routing.store(Arc::new(Routing { config: Arc::new(new), names, fleet }));
         Ok(done)
     }
@@ -608,9 +766,16 @@ impl Router {
             Some((replica, false)) => crate::health::request_failed(self, replica),
             None => {}
         }
+        if heard.effects.release || heard.effects.first_byte.is_some() {
+            // A slot came back, or a prefill finished: the head of a queue may fit now.
+            self.admission.kick();
+        }
         if heard.decider.is_some() {
             // A peer's request: it counts the outcome, here only health learns.
             return;
+        }
+        if let Some(usage) = heard.effects.usage {
+            self.admission.usage(&heard.id, usage.completion_tokens, self.now());
         }
         if heard.took_back {
             metrics::counter!("inferrail_kv_take_backs_total").increment(1);
@@ -632,6 +797,7 @@ impl Router {
             }
         }
         let Some(outcome) = heard.effects.outcome else { return };
+        self.admission.over(&heard.id);
         let label = outcome.verdict.label();
         if let Some(log) = &self.decision_log {
             log.outcome(&heard.id, &lease.replica.id, outcome.ttft.map(|d| d.as_secs_f64() * 1e3), outcome.status, label);

@@ -39,7 +39,7 @@ replicas:
     assert!(cached > 0 && n < 128, "{n} tokens");
 
     // The first request is in flight: it holds every block its prompt's copy would reuse, and its prompt is room the report still counts free.
-    let out = explanation(&r, &r.explain(BODY, Endpoint::Completions, None).await.unwrap());
+    let out = explanation(&r, &r.explain(BODY, Endpoint::Completions, None, &Default::default()).await.unwrap());
     let (t, o) = (candidate(&out, &took), candidate(&out, &other));
     assert_eq!((t.predicted_cached_tokens, t.held_cached_tokens, t.free_kv_tokens), (cached, cached, Some(128 - n)));
     assert_eq!((o.predicted_cached_tokens, o.held_cached_tokens, o.free_kv_tokens), (0, 0, Some(128)));
@@ -47,12 +47,12 @@ replicas:
     // Once it is over and answered nothing holds them, though they stay cached.
     let lease = r.forget("1").unwrap();
     r.core.complete(&lease);
-    let out = explanation(&r, &r.explain(BODY, Endpoint::Completions, None).await.unwrap());
+    let out = explanation(&r, &r.explain(BODY, Endpoint::Completions, None, &Default::default()).await.unwrap());
     let t = candidate(&out, &took);
     assert_eq!((t.predicted_cached_tokens, t.held_cached_tokens, t.free_kv_tokens), (cached, 0, Some(128)));
 
     // Without a report there is no free room to show.
     r.loads.remove(&took);
-    let out = explanation(&r, &r.explain(BODY, Endpoint::Completions, None).await.unwrap());
+    let out = explanation(&r, &r.explain(BODY, Endpoint::Completions, None, &Default::default()).await.unwrap());
     assert_eq!(candidate(&out, &took).free_kv_tokens, None);
 }

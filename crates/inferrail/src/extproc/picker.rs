@@ -51,9 +51,11 @@ pub(super) async fn serve(ext: &ExtProc, first: ProcessingRequest, mut inbound: 
             Ok(None) | Err(_) => return,
         }
     }
-    let (d, traceparent) = match ext.decide(&head, &body, generation, &request_id, subset.as_deref()).await {
-        Ok(decided) => decided,
-        Err(answer) => return answer_and_drain(*answer, inbound, tx).await,
+    let (d, traceparent) = match ext.decide(&head, &body, generation, &request_id, subset.as_deref(), (&mut inbound, &tx)).await {
+        Some(Ok(decided)) => decided,
+        Some(Err(answer)) => return answer_and_drain(*answer, inbound, tx).await,
+        // The client left while the request waited.
+        None => return,
     };
     let renamed = head.request_id.as_deref() != Some(d.request_id.as_str());
     let answers = reply::held_decision(&d, renamed, traceparent.as_deref(), d.body.as_deref().unwrap_or(&body), trailers);

@@ -407,7 +407,7 @@ async fn with_two_routers_each_holds_the_others_requests_and_the_decider_hears_w
     assert_eq!(counts(&b), [(0, 0), (0, 0)], "B released its mirror when A told it the end");
     // The engine answered: the prompt stays recorded at the winner in both routers' indexes (not taken back).
     for router in [&a, &b] {
-        let explained = router.explain(&body, inferrail_tokenize::chat::Endpoint::Completions, None).await.unwrap();
+        let explained = router.explain(&body, inferrail_tokenize::chat::Endpoint::Completions, None, &Default::default()).await.unwrap();
         let i = explained.plan.fleet.serving(0).iter().position(|r| r.addr.to_string() == upstream).unwrap();
         assert!(
             explained.plan.candidates[i].cached_tokens > 0,

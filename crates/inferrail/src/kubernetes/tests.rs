@@ -175,7 +175,7 @@ const PROMPT: &[u8] =
 
 /// The prompt's predicted cached tokens on replica `id`.
 async fn cached(router: &Router, id: &str) -> usize {
-    let explained = router.explain(PROMPT, Endpoint::Completions, None).await.unwrap();
+    let explained = router.explain(PROMPT, Endpoint::Completions, None, &Default::default()).await.unwrap();
     let at = explained.plan.fleet.serving(0).iter().position(|r| r.id == id).unwrap();
     explained.plan.candidates[at].cached_tokens
 }

@@ -18,7 +18,7 @@ const PROMPT_2: &str =
 
 /// The prompt's predicted cached tokens on each replica, in fleet order.
 async fn cached(router: &Router, body: &str) -> Vec<usize> {
-    let explained = router.explain(body.as_bytes(), Endpoint::Completions, None).await.unwrap();
+    let explained = router.explain(body.as_bytes(), Endpoint::Completions, None, &Default::default()).await.unwrap();
     explained.plan.candidates.iter().map(|c| c.cached_tokens).collect()
 }
 
