@@ -42,7 +42,8 @@ setup:
 setup-compose:
     #!/usr/bin/env bash
     set -euo pipefail
-    packages="podman runc netavark aardvark-dns prometheus"
+    # netavark sets up container networks with iptables (or nft): neither comes with it without recommends.
+    packages="podman runc netavark aardvark-dns iptables nftables prometheus"
     missing=$(for p in $packages; do dpkg-query -W -f '${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed || echo "$p"; done)
     if [ -n "$missing" ]; then
         # Debian's prometheus package would start its own server on :9090 (the router's admin port in `just up`).
@@ -496,6 +497,11 @@ bench-accuracy out="bench/results/prediction/accuracy.json" *args: setup
 bench-agents out="bench/results/agents/agent-loops.json" *args: setup setup-sglang setup-peers
     cargo build --release --quiet -p inferrail -p inferrail-sim
     INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/agent_loops.py --out {{out}} {{args}}
+
+# Admission by band (bench/admission.py): interactive TTFT at 2 req/s alone, then beside 500 batch clients each keeping a long request in flight, with admission off and on; batch throughput. Results: bench/results/admission/bands.json.
+bench-admission *args: setup
+    cargo build --release --quiet -p inferrail -p inferrail-sim
+    INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/admission.py {{args}}
 
 # Benchmark decision time per policy (criterion); the medians are recorded in bench/results/decision/.
 bench-decision:

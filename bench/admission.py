@@ -1,0 +1,175 @@
+"""Admission by band: interactive time to first token while batch traffic
+saturates the fleet, with admission off and on.
+
+The fleet is the end-to-end suite's (three simulators with the default
+latency model, Envoy, inferrail with cost_model). Each mode runs:
+
+- idle: interactive requests alone, `--rate` per second (Poisson), short
+  prompts of their own, 4 tokens, streamed (TTFT is the first body byte);
+- loaded: the same interactive stream while `--batch` clients each keep one
+  long request in flight (a closed loop: a prompt of ~`--batch-words`
+  words of its own, 64 tokens, not streamed), the first `--warmup-s` not
+  counted.
+
+"off" has no `admission` section: every request is forwarded at once.
+"on" sends interactive requests in band `interactive` and batch requests
+in band `batch` (ADMISSION below). The batch band's completions per second
+are its throughput.
+
+Run with `just bench-admission` (it builds the release binaries).
+"""
+
+import argparse
+import http.client as httpc
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "crates" / "inferrail" / "tests" / "e2e"))
+from conftest import Fleet  # noqa: E402  (the end-to-end suite's fleet)
+
+WORDS = ("the of and to in is that river stone cloud lantern garden silver copper window mountain ocean forest "
+         "delta build test file error result value function return list table query index status").split(" ")
+
+ADMISSION = """admission:
+  bands:
+    - {name: interactive, ttft_objective_ms: 250, max_wait_ms: 10000}
+    - {name: batch, ttft_objective_ms: 400, max_wait_ms: 200000}
+"""
+
+
+def words(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def post(port, body, band, stream, timeout=300):
+    """One completion through Envoy: (status, seconds to the first body byte, seconds in all)."""
+    started = time.monotonic()
+    c = httpc.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    headers = {"content-type": "application/json"}
+    if band:
+        headers["x-inferrail-band"] = band
+    try:
+        c.request("POST", "/v1/completions", body=json.dumps({**body, "stream": stream}), headers=headers)
+        r = c.getresponse()
+        r.read(1)
+        first = time.monotonic() - started
+        r.read()
+        return r.status, first, time.monotonic() - started
+    except OSError:
+        return 0, None, time.monotonic() - started
+    finally:
+        c.close()
+
+
+def interactive(port, rng, rate, seconds, banded, out):
+    """Poisson arrivals for `seconds`; each result appended to `out` as (sent at, status, ttft)."""
+    threads, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        body = {"model": "sim", "prompt": words(rng, 40), "max_tokens": 4}
+
+        def one(body=body, at=time.monotonic()):
+            status, ttft, _ = post(port, body, "interactive" if banded else None, True)
+            out.append((at, status, ttft))
+
+        t = threading.Thread(target=one)
+        t.start()
+        threads.append(t)
+        time.sleep(rng.expovariate(rate))
+    for t in threads:
+        t.join()
+
+
+def batch(port, seed, banded, words_n, stop, done):
+    rng = random.Random(seed)
+    while not stop.is_set():
+        body = {"model": "sim", "prompt": words(rng, words_n), "max_tokens": 64}
+        status, _, _ = post(port, body, "batch" if banded else None, False)
+        done.append((time.monotonic(), status))
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+def summary(results, since):
+    kept = [r for r in results if r[0] >= since]
+    ttfts = [r[2] for r in kept if r[1] == 200 and r[2] is not None]
+    statuses = {}
+    for r in kept:
+        statuses[str(r[1])] = statuses.get(str(r[1]), 0) + 1
+    return {"requests": len(kept), "statuses": statuses,
+            "ttft_p50_ms": pct(ttfts, 0.5) and round(pct(ttfts, 0.5) * 1e3, 1),
+            "ttft_p99_ms": pct(ttfts, 0.99) and round(pct(ttfts, 0.99) * 1e3, 1)}
+
+
+def run(mode, args):
+    banded = mode == "on"
+    tmp = Path(tempfile.mkdtemp(prefix=f"admission-{mode}-"))
+    fleet = Fleet(tmp, policy="cost_model", config_extra=ADMISSION if banded else "").start()
+    try:
+        rng = random.Random(args.seed)
+        idle = []
+        interactive(fleet.listen, rng, args.rate, args.idle_s, banded, idle)
+        stop, done = threading.Event(), []
+        clients = [threading.Thread(target=batch, args=(fleet.listen, args.seed + 1 + i, banded, args.batch_words, stop, done))
+                   for i in range(args.batch)]
+        for c in clients:
+            c.start()
+        started = time.monotonic()
+        loaded = []
+        interactive(fleet.listen, rng, args.rate, args.warmup_s + args.measure_s, banded, loaded)
+        measured_from = started + args.warmup_s
+        ended = time.monotonic()
+        completed = [d for d in done if measured_from <= d[0] <= ended]
+        stop.set()
+        for c in clients:
+            c.join()
+        batch_statuses = {}
+        for d in completed:
+            batch_statuses[str(d[1])] = batch_statuses.get(str(d[1]), 0) + 1
+        return {
+            "mode": mode,
+            "idle": summary(idle, 0),
+            "loaded": summary(loaded, measured_from),
+            "batch": {"completed_per_s": round(sum(1 for d in completed if d[1] == 200) / (ended - measured_from), 2),
+                      "statuses": batch_statuses},
+            "sheds": fleet.metric("inferrail_admission_shed_total", 'reason="waited",band="batch"') if banded else None,
+        }
+    finally:
+        fleet.stop()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rate", type=float, default=2.0)
+    p.add_argument("--batch", type=int, default=500)
+    p.add_argument("--batch-words", type=int, default=600)
+    p.add_argument("--idle-s", type=float, default=20)
+    p.add_argument("--warmup-s", type=float, default=15)
+    p.add_argument("--measure-s", type=float, default=40)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--modes", default="off,on")
+    p.add_argument("--out", default="bench/results/admission/bands.json")
+    args = p.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    results = []
+    for mode in args.modes.split(","):
+        r = run(mode, args)
+        idle, loaded = r["idle"]["ttft_p99_ms"], r["loaded"]["ttft_p99_ms"]
+        r["p99_over_idle"] = round(loaded / idle, 2) if idle and loaded else None
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    out = {"commit": commit, "args": vars(args), "admission": ADMISSION, "results": results}
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
