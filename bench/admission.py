@@ -39,8 +39,8 @@ WORDS = ("the of and to in is that river stone cloud lantern garden silver coppe
 
 ADMISSION = """admission:
   bands:
-    - {name: interactive, ttft_objective_ms: 250, max_wait_ms: 10000}
-    - {name: batch, ttft_objective_ms: 400, max_wait_ms: 200000}
+    - {name: interactive, ttft_objective_ms: 1000, max_wait_ms: 10000}
+    - {name: batch, ttft_objective_ms: 150, max_wait_ms: 200000}
 """
 
 
