@@ -3,12 +3,13 @@
 //!
 //! To follow one request: [`extproc`] receives Envoy's messages and asks
 //! [`router`] for a decision once the body is in; the router reads the body
-//! through [`request`], checks its key, band and token limits and, while
-//! the fleet is busy, queues it in [`admission`], tokenizes its prompt in [`prompt`] (crate
+//! through [`request`] (its API key checked first, in [`admission`]), tokenizes its prompt in [`prompt`] (crate
 //! `inferrail-tokenize`), and hands it to the decision core (crate
 //! `inferrail-route`), which predicts each candidate's cached prefix (crate
 //! `inferrail-kv`), scores the model's eligible replicas with the model's
-//! policy (crate `inferrail-policy`) and leases the winner;
+//! policy (crate `inferrail-policy`) and leases the winner, once
+//! [`admission`] has placed it in a band, charged its tenant's token limits
+//! and, while the fleet is busy, let its turn come in the model's queue;
 //! [`reply`] turns the decision into headers and dynamic metadata for Envoy.
 //! After it, [`extproc`] and [`access_log`] turn what Envoy tells (on the
 //! route stream, the response's status, the replica that served and the
