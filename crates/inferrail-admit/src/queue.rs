@@ -92,6 +92,11 @@ impl Queue {
         Self { bands: (0..bands).map(|_| Band::default()).collect(), bounds, tokens: 0, at: HashMap::new() }
     }
 
+    /// Takes new bounds: what waits stays, later arrivals fit the new ones.
+    pub fn set_bounds(&mut self, bounds: Bounds) {
+        self.bounds = bounds;
+    }
+
     /// Requests waiting.
     pub fn len(&self) -> usize {
         self.at.len()

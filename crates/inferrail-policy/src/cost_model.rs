@@ -241,16 +241,11 @@ impl CostModel {
         if shares > h.fair_shares { (shares / h.fair_shares).ceil() as usize } else { 1 }
     }
 
-    /// The prefill cost of `c`'s engine: its own, else the model's.
-    fn prefill(&self, c: &Candidate) -> Prefill {
-        c.prefill.unwrap_or(self.prefill)
-    }
-
     /// The estimated time to first token of a prompt on `c`, as if it held `cached` tokens.
     fn estimate(&self, c: &Candidate, prompt: Option<usize>, cached: usize) -> Score {
         let queue = c.queued_prefill_secs;
         let decode = self.config.decode_interference_ms * 1e-3 * f64::from(c.running());
-        let prefill = prompt.map_or(0.0, |n| self.prefill(c).secs(n.saturating_sub(cached), cached.min(n)));
+        let prefill = prompt.map_or(0.0, |n| c.prefill_secs(self.prefill, n, cached));
         Score { total: queue + decode + prefill, terms: [queue, decode, prefill, 0.0, 0.0, 0.0] }
     }
 }
@@ -330,7 +325,7 @@ impl RoutingPolicy for CostModel {
             .iter()
             .zip(&shares)
             .map(|(&i, s)| {
-                let whole = req.prompt_tokens.map_or(0.0, |n| self.prefill(&c[i]).secs(n, 0));
+                let whole = req.prompt_tokens.map_or(0.0, |n| c[i].prefill_secs(self.prefill, n, 0));
                 self.config.share_weight * whole * (s - 1.0).max(0.0)
             })
             .collect();

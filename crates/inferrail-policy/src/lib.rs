@@ -121,6 +121,12 @@ impl Candidate {
             && self.own.is_none_or(|o| o.in_flight < o.max_concurrency && o.pending < o.max_pending)
     }
 
+    /// Seconds to prefill a `prompt`-token prompt here past the `cached`
+    /// tokens it holds, at its engine's prefill cost (else the model's).
+    pub fn prefill_secs(&self, model: Prefill, prompt: usize, cached: usize) -> f64 {
+        self.prefill.unwrap_or(model).secs(prompt.saturating_sub(cached), cached.min(prompt))
+    }
+
     /// Requests decoding now: the engine's count while its report is fresh,
     /// else the router's requests past their first byte.
     pub fn running(&self) -> u32 {

@@ -191,8 +191,8 @@ impl Plan {
     /// Seconds to prefill this prompt on candidate `i`, past what it holds cached.
     fn prefill_secs(&self, i: usize, model_prefill: Prefill) -> f64 {
         let c = &self.candidates[i];
-        let cost = c.prefill.unwrap_or(model_prefill);
-        self.prompt_tokens().map_or(cost.secs(0, 0), |n| cost.secs(n.saturating_sub(c.cached_tokens), c.cached_tokens))
+        // Untokenized: its fixed cost alone.
+        c.prefill_secs(model_prefill, self.prompt_tokens().unwrap_or(0), c.cached_tokens)
     }
 
     fn request(&self) -> Request<'_> {

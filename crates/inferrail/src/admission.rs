@@ -64,26 +64,29 @@ pub struct Placed {
 }
 
 impl Placed {
-    /// Its band's name, for metrics and logs.
-    pub fn band_name(&self) -> &str {
-        self.band.as_ref().map_or("none", |(_, b)| b.name.as_str())
-    }
-
     /// The estimate its band holds it for being above.
     pub fn objective(&self) -> Option<Duration> {
         self.band.as_ref()?.1.ttft_objective_ms.map(Duration::from_millis)
     }
+
+    /// Whether an estimated time to first token misses its band's objective.
+    pub fn misses(&self, estimate: Duration) -> bool {
+        self.objective().is_some_and(|o| estimate > o)
+    }
 }
 
-/// The settings in force, with the keys by digest and the tenants by name.
+/// The settings in force, with the keys by digest, the tenants by name and
+/// the models' bands by model name.
 struct Rules {
     settings: Settings,
     keys: Keys<usize>,
     tenants: HashMap<String, (f64, Vec<Window>)>,
+    model_bands: HashMap<String, String>,
 }
 
 impl Rules {
-    fn new(settings: &Settings) -> Self {
+    fn new(config: &Config) -> Self {
+        let settings = &config.admission;
         let keys = Keys::new(settings.keys.iter().enumerate().filter_map(|(i, k)| Some((keys::parse_hex(&k.sha256)?, i))));
         let tenants = settings
             .tenants
@@ -93,13 +96,19 @@ impl Rules {
                 (t.name.clone(), (t.weight, windows))
             })
             .collect();
-        Self { settings: settings.clone(), keys, tenants }
+        let model_bands = config.models.iter().filter_map(|m| Some((m.name.clone(), m.band.clone()?))).collect();
+        Self { settings: settings.clone(), keys, tenants, model_bands }
+    }
+
+    /// Whether one of the keys stands for `tenant`.
+    fn keyed(&self, tenant: &str) -> bool {
+        self.settings.keys.iter().any(|k| k.tenant == tenant)
     }
 
     /// The tenant as a metric label: a configured tenant or a key's by
     /// name, any other (a name a client made up) as `other`.
     fn label(&self, tenant: &str) -> String {
-        let known = self.tenants.contains_key(tenant) || self.settings.keys.iter().any(|k| k.tenant == tenant) || tenant == ANONYMOUS;
+        let known = self.tenants.contains_key(tenant) || self.keyed(tenant) || tenant == ANONYMOUS;
         if known { tenant.to_owned() } else { "other".to_owned() }
     }
 
@@ -134,21 +143,28 @@ pub struct Admission {
 impl Admission {
     /// Admission under `config`'s rules.
     pub fn new(config: &Config) -> Self {
-        Self { rules: ArcSwap::from_pointee(Rules::new(&config.admission)), state: Mutex::new(State::default()) }
+        Self { rules: ArcSwap::from_pointee(Rules::new(config)), state: Mutex::new(State::default()) }
     }
 
-    /// Takes a reloaded configuration's rules. Requests waiting keep their
-    /// place; a model's queue takes the new bounds when it next empties.
+    /// Takes a reloaded configuration's rules. While the bands stay the
+    /// same (names and order), requests waiting keep their place and the
+    /// queues take the new bounds; when they change, the queues are
+    /// emptied and their requests shed (503), since their places were in
+    /// bands that are no longer there.
     pub fn reload(&self, config: &Config) {
-        self.rules.store(Arc::new(Rules::new(&config.admission)));
+        let names = |s: &Settings| s.bands.iter().map(|b| b.name.clone()).collect::<Vec<_>>();
+        let same_bands = names(&self.rules.load().settings) == names(&config.admission);
+        self.rules.store(Arc::new(Rules::new(config)));
+        let a = &config.admission;
+        let bounds = Bounds { requests: a.max_queued_requests, tokens: a.max_queued_tokens };
         let mut state = self.lock();
-        let bands = config.admission.bands.len();
-        state.queues.retain(|_, q| !q.is_empty() && bands > 0);
-    }
-
-    /// Whether requests may wait (bands are configured).
-    pub fn queues(&self) -> bool {
-        !self.rules.load().settings.bands.is_empty()
+        if same_bands {
+            state.queues.values_mut().for_each(|q| q.set_bounds(bounds));
+        } else {
+            state.queues.clear();
+            // Each finds itself gone and is shed.
+            state.waiting.values().for_each(|n| n.notify_one());
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -157,7 +173,9 @@ impl Admission {
 
     /// Who the request is: its key's tenant, or the one it names when it
     /// presents none and keys are optional. A key that is not one of the
-    /// configured ones is refused whether or not keys are required.
+    /// configured ones is refused whether or not keys are required, and so
+    /// is a request naming a tenant that has keys without presenting one
+    /// (it would spend that tenant's limits and share).
     pub fn identify(&self, asked: &Asked) -> Result<Who, RouteError> {
         let rules = self.rules.load();
         let presented = asked.authorization.as_deref().and_then(keys::bearer);
@@ -168,6 +186,7 @@ impl Admission {
                 Ok(Who { tenant: k.tenant.clone(), allowed: k.bands.clone() })
             }
             _ if rules.settings.require_keys => Err(RouteError::Unauthorized),
+            _ if asked.tenant.as_deref().is_some_and(|t| rules.keyed(t)) => Err(RouteError::Unauthorized),
             _ => Ok(Who { tenant: asked.tenant.clone().unwrap_or_else(|| ANONYMOUS.into()), allowed: Vec::new() }),
         }
     }
@@ -175,8 +194,8 @@ impl Admission {
     /// The request's band: the one it names (by name or by
     /// `InferenceObjective`), else its key's default, else its model's,
     /// else the configured default, else the last; refused when its key
-    /// does not allow it.
-    pub fn place(&self, who: Who, asked: &Asked, model_band: Option<&str>) -> Result<Placed, RouteError> {
+    /// does not allow it. `model` is the engines' name for its model.
+    pub fn place(&self, who: Who, asked: &Asked, model: &str) -> Result<Placed, RouteError> {
         let rules = self.rules.load();
         let s = &rules.settings;
         if s.bands.is_empty() {
@@ -188,6 +207,7 @@ impl Admission {
             (None, Some(b)) => s.band(&b.name),
             (None, None) => None,
         };
+        let model_band = rules.model_bands.get(model).map(String::as_str);
         let fallback = who.allowed.first().map(String::as_str).or(model_band).or(s.default_band.as_deref());
         let index = named.or_else(|| fallback.and_then(|n| s.band(n))).unwrap_or(s.bands.len() - 1);
         let band = s.bands[index].clone();
@@ -199,7 +219,7 @@ impl Admission {
 
     /// Charges a request of `prompt_tokens` to its tenant's limits at `now`,
     /// or refuses it (429) with the time until the tenant's windows free.
-    pub fn limit(&self, placed: &Placed, request_id: &str, prompt_tokens: u64, now: Duration) -> Result<(), RouteError> {
+    pub fn limit(&self, placed: &Placed, prompt_tokens: u64, now: Duration) -> Result<(), RouteError> {
         let rules = self.rules.load();
         let windows = rules.windows(&placed.tenant);
         if windows.is_empty() {
@@ -212,8 +232,15 @@ impl Admission {
             return Err(RouteError::RateLimited { tenant: placed.tenant.clone(), retry_after });
         }
         meter.charge(now, prompt_tokens);
-        state.charged.insert(request_id.to_owned(), placed.tenant.clone());
         Ok(())
+    }
+
+    /// A request of a tenant with limits was decided under `request_id`:
+    /// its output tokens are charged when its usage comes.
+    pub fn decided(&self, placed: &Placed, request_id: &str) {
+        if !self.rules.load().windows(&placed.tenant).is_empty() {
+            self.lock().charged.insert(request_id.to_owned(), placed.tenant.clone());
+        }
     }
 
     /// A request's usage came: its output tokens count against its tenant's limits.

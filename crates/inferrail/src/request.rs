@@ -7,9 +7,9 @@ use std::ops::Range;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use crate::admission::Asked;
-use serde_json::value::RawValue;
 
 /// The request line and the headers the router cares about.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

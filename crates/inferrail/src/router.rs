@@ -407,17 +407,17 @@ impl Router {
         let who = self.admission.identify(caller.asked)?;
         let read = self.prepare(body, endpoint, session).await?;
         let model = self.core.model(read.model);
-        let placed = self.admission.place(who, caller.asked, self.model_band(read.model).as_deref())?;
+        let placed = self.admission.place(who, caller.asked, &model.name)?;
         let prompt_tokens = read.prediction.as_ref().map_or(0, |p| p.prompt_tokens) as u64;
-        self.admission.limit(&placed, request_id, prompt_tokens, self.now())?;
-        let (plan, committed) =
-            self.admitted(&read, subset, &placed, prompt_tokens, caller).await.inspect_err(|_| self.admission.over(request_id))?;
+        self.admission.limit(&placed, prompt_tokens, self.now())?;
+        let (plan, committed) = self.admitted(&read, subset, &placed, prompt_tokens, caller).await?;
         record_plan(&plan);
         let (policy, steer, prompt_tokens) = (plan.policy, plan.steer, plan.prompt_tokens());
         if let Some(&cached) = committed.cached_tokens.first() {
             metrics::histogram!("inferrail_predicted_cached_tokens").record(cached as f64);
         }
         let key = self.ledger.insert(request_id, committed.lease.clone(), self.now());
+        self.admission.decided(&placed, &key);
         if self.peers.any() {
             self.peers.tell_all(peers::decided(self, &key, &committed.lease, read.session.as_deref()));
         }
@@ -455,14 +455,13 @@ impl Router {
         let view = read.view(subset, self.peers.share());
         let reports = |r: &Replica| self.report(&r.id);
         let model_prefill = self.core.model(read.model).params.prefill;
-        let objective = placed.objective();
         let mut ticket: Option<crate::admission::Ticket> = None;
         loop {
             let turn = match &ticket {
                 None => self.admission.clear_for(read.model, placed),
                 Some(t) => t.is_next(),
             };
-            let within = |plan: &Plan| objective.is_none_or(|o| plan.estimate(plan.order[0], model_prefill) <= o);
+            let within = |plan: &Plan| !placed.misses(plan.estimate(plan.order[0], model_prefill));
             let now = self.now();
             let estimate = match self.core.decide_if(&view, &read.fleet, &reports, now, &|plan| turn && within(plan)) {
                 Ok(Decided::Committed(plan, committed)) => {
@@ -475,9 +474,9 @@ impl Router {
                 Err(NoReplica::AllFull) if placed.band.is_some() => None,
                 Err(e) => return Err(e.into()),
             };
-            if let (Some(estimate), Some(objective), Some((_, band))) = (estimate, objective, &placed.band)
+            if let (Some(estimate), Some(objective), Some((_, band))) = (estimate, placed.objective(), &placed.band)
                 && turn
-                && estimate > objective
+                && placed.misses(estimate)
                 && band.on_miss == inferrail_config::OnMiss::Shed
             {
                 metrics::counter!("inferrail_admission_shed_total", "reason" => "over_objective", "band" => band.name.clone()).increment(1);
@@ -503,19 +502,13 @@ impl Router {
         let who = self.admission.identify(asked)?;
         let read = self.prepare(body, endpoint, session).await?;
         let plan = self.core.plan_all(&read.view(None, self.peers.share()), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
-        let placed = self.admission.place(who, asked, self.model_band(read.model).as_deref())?;
+        let model = self.core.model(read.model);
+        let placed = self.admission.place(who, asked, &model.name)?;
         let waiting_ahead = self.admission.ahead(read.model, &placed);
-        let model_prefill = self.core.model(read.model).params.prefill;
-        let over = |o: Duration| plan.order.first().is_none_or(|&w| plan.estimate(w, model_prefill) > o);
-        let busy = plan.unavailable == Some(NoReplica::AllFull) || placed.objective().is_some_and(over);
+        let busy = plan.unavailable == Some(NoReplica::AllFull)
+            || plan.order.first().is_some_and(|&w| placed.misses(plan.estimate(w, model.params.prefill)));
         let would_wait = placed.band.is_some() && (waiting_ahead > 0 || busy);
         Ok(Explained { requested: read.requested, no_prediction: read.no_prediction, plan, placed, waiting_ahead, would_wait })
-    }
-
-    /// The admission band model `slot`'s requests take when they name none.
-    fn model_band(&self, slot: usize) -> Option<String> {
-        let name = &self.core.model(slot).name;
-        self.routing.load().config.models.iter().find(|m| &m.name == name).and_then(|m| m.band.clone())
     }
 
     /// Reads a request up to the decision: its model, its prompt's blocks and text, the body to forward.

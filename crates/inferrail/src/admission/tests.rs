@@ -2,8 +2,6 @@
 //! slot, so that the fleet is full while a request holds it; what waits,
 //! in which order it goes, and what is refused or shed.
 
-use std::sync::Mutex as StdMutex;
-
 use super::*;
 use crate::router::{Caller, Decision, Router};
 use inferrail_route::lifecycle::Event;
@@ -50,18 +48,17 @@ async fn decide(r: &Router, id: &str, asked: &Asked) -> Result<Decision, RouteEr
 /// Starts a decision that is expected to wait; returns once it waits, with
 /// how long it was told it may wait.
 async fn waiting(r: &Arc<Router>, id: &str, asked: Asked) -> (tokio::task::JoinHandle<Result<Decision, RouteError>>, Duration) {
-    let told = Arc::new(StdMutex::new(None));
-    let (r2, told2, id2) = (r.clone(), told.clone(), id.to_owned());
-    let task = tokio::spawn(async move {
-        let on_wait = move |d: Duration| *told2.lock().unwrap() = Some(d);
+    let (told, mut heard) = tokio::sync::mpsc::unbounded_channel();
+    let (r2, id2) = (r.clone(), id.to_owned());
+    let mut task = tokio::spawn(async move {
+        let on_wait = move |d: Duration| {
+            let _ = told.send(d);
+        };
         r2.decide_as(BODY, Endpoint::Completions, &id2, None, None, &Caller { asked: &asked, on_wait: &on_wait }).await
     });
-    loop {
-        if let Some(d) = *told.lock().unwrap() {
-            return (task, d);
-        }
-        assert!(!task.is_finished(), "{id} was decided without waiting");
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    tokio::select! {
+        Some(d) = heard.recv() => (task, d),
+        done = &mut task => panic!("{id} was answered without waiting: {done:?}"),
     }
 }
 
@@ -77,8 +74,6 @@ async fn a_request_waits_while_the_fleet_is_full_and_goes_when_a_slot_comes_back
     let (second, told) = waiting(&r, "b", Asked::NONE).await;
     // The default band is the last: batch, which waits up to a minute.
     assert_eq!(told, Duration::from_secs(60));
-    tokio::time::sleep(RECHECK * 3).await;
-    assert!(!second.is_finished(), "it went while the only slot was held");
     end(&r, &first);
     let second = second.await.unwrap().unwrap();
     assert_eq!(second.targets[0].id, "r1");
@@ -92,9 +87,9 @@ async fn the_more_urgent_band_goes_first() {
     let (batch, _) = waiting(&r, "batch", asked(Some("batch"), None, None)).await;
     let (chat, _) = waiting(&r, "chat", asked(Some("interactive"), None, None)).await;
     end(&r, &first);
-    let chat = chat.await.unwrap().unwrap();
-    tokio::time::sleep(RECHECK * 3).await;
-    assert!(!batch.is_finished(), "batch went before the interactive request was over");
+    // The one slot goes to the interactive request, though the batch one waited longer.
+    let chat = tokio::time::timeout(Duration::from_secs(60), chat).await.expect("the batch request took the slot").unwrap().unwrap();
+    assert!(!batch.is_finished());
     end(&r, &chat);
     assert_eq!(batch.await.unwrap().unwrap().request_id, "batch");
 }
@@ -115,7 +110,7 @@ async fn a_wait_that_runs_out_is_shed_with_503_and_retry_after() {
     assert_eq!(e.http().0, 503);
     assert_eq!(e.retry_after(), Some(Duration::from_secs(1)));
     // It left the queue: nothing is ahead of the next.
-    let placed = r.admission.place(r.admission.identify(&Asked::NONE).unwrap(), &Asked::NONE, None).unwrap();
+    let placed = r.admission.place(r.admission.identify(&Asked::NONE).unwrap(), &Asked::NONE, "m").unwrap();
     assert_eq!(r.admission.ahead(0, &placed), 0);
 }
 
@@ -149,7 +144,7 @@ async fn a_request_whose_client_leaves_leaves_the_queue_at_once() {
     let (stays, _) = waiting(&r, "stays", Asked::NONE).await;
     gone.abort();
     assert!(gone.await.unwrap_err().is_cancelled());
-    let placed = r.admission.place(r.admission.identify(&Asked::NONE).unwrap(), &Asked::NONE, None).unwrap();
+    let placed = r.admission.place(r.admission.identify(&Asked::NONE).unwrap(), &Asked::NONE, "m").unwrap();
     assert_eq!(r.admission.ahead(0, &placed), 1);
     end(&r, &first);
     assert_eq!(stays.await.unwrap().unwrap().request_id, "stays");
@@ -199,6 +194,50 @@ async fn keys_are_checked_by_digest_and_bound_to_their_bands() {
     // The key's tenant, not the one named.
     let who = r.admission.identify(&asked(None, Some("someone-else"), Some("sk-a"))).unwrap();
     assert_eq!(who.tenant, "team-a");
+}
+
+#[tokio::test]
+async fn a_tenant_with_keys_cannot_be_named_without_one() {
+    let r = router(&format!("  keys: [{{sha256: {SK_A}, tenant: team-a}}]"));
+    let e = decide(&r, "x", &asked(None, Some("team-a"), None)).await.unwrap_err();
+    assert_eq!(e, RouteError::Unauthorized);
+    // Another tenant may be named (keys are optional here), and team-a's key is team-a.
+    assert_eq!(r.admission.identify(&asked(None, Some("team-b"), None)).unwrap().tenant, "team-b");
+    assert_eq!(r.admission.identify(&asked(None, None, Some("sk-a"))).unwrap().tenant, "team-a");
+}
+
+#[tokio::test]
+async fn a_reload_that_changes_the_bands_sheds_what_waits_and_one_that_keeps_them_keeps_it() {
+    let yaml = |bands: &str| {
+        format!(
+            "
+models:
+  - {{name: m, policy: round_robin, tokenizer: 'builtin:sim'}}
+replicas:
+  - {{id: r1, address: 127.0.0.1:8001, models: [m], max_concurrency: 1}}
+admission:
+  max_queued_requests: 5
+  bands: [{bands}]
+"
+        )
+    };
+    let r = Arc::new(Router::new(Config::parse(&yaml("{name: interactive}, {name: batch}")).unwrap()).unwrap());
+    let first = decide(&r, "a", &Asked::NONE).await.unwrap();
+    let (kept, _) = waiting(&r, "kept", Asked::NONE).await;
+    // The same bands, other bounds: it keeps its place.
+    let bigger = yaml("{name: interactive}, {name: batch, max_wait_ms: 90000}").replace("max_queued_requests: 5", "max_queued_requests: 9");
+    r.reload(Config::parse(&bigger).unwrap()).unwrap();
+    end(&r, &first);
+    let kept = kept.await.unwrap().unwrap();
+    // A band more, placed first: every index moves, so what waits is shed.
+    let (shed, _) = waiting(&r, "shed", Asked::NONE).await;
+    r.reload(Config::parse(&yaml("{name: urgent}, {name: interactive}, {name: batch}")).unwrap()).unwrap();
+    let e = shed.await.unwrap().unwrap_err();
+    assert!(matches!(e, RouteError::Shed(Shed::Waited(_))), "{e:?}");
+    // The new bands queue as the old did: a request of the last band, the third, waits for the slot.
+    let (after, _) = waiting(&r, "after", Asked::NONE).await;
+    end(&r, &kept);
+    assert_eq!(after.await.unwrap().unwrap().request_id, "after");
 }
 
 #[tokio::test]
