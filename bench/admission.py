@@ -12,9 +12,11 @@ latency model, Envoy, inferrail with cost_model). Each mode runs:
   counted.
 
 "off" has no `admission` section: every request is forwarded at once.
-"on" sends interactive requests in band `interactive` and batch requests
-in band `batch` (ADMISSION below). The batch band's completions per second
-are its throughput.
+"bands" sends interactive requests in band `interactive` and batch requests
+in band `batch` (BANDS below). "kept" is "bands" with the batch band kept
+to two of the three replicas (`replica_share: 0.67`), leaving the third to
+interactive requests. The batch band's completions per second are its
+throughput.
 
 Run with `just bench-admission` (it builds the release binaries).
 """
@@ -37,11 +39,12 @@ from conftest import Fleet  # noqa: E402  (the end-to-end suite's fleet)
 WORDS = ("the of and to in is that river stone cloud lantern garden silver copper window mountain ocean forest "
          "delta build test file error result value function return list table query index status").split(" ")
 
-ADMISSION = """admission:
+BANDS = """admission:
   bands:
     - {name: interactive, ttft_objective_ms: 1000, max_wait_ms: 10000}
-    - {name: batch, ttft_objective_ms: 150, max_wait_ms: 200000}
+    - {name: batch, ttft_objective_ms: 150, max_wait_ms: 200000, replica_share: %s}
 """
+CONFIG = {"off": "", "bands": BANDS % 1.0, "kept": BANDS % 0.67}
 
 
 def words(rng, n):
@@ -111,9 +114,9 @@ def summary(results, since):
 
 
 def run(mode, args):
-    banded = mode == "on"
+    banded = mode != "off"
     tmp = Path(tempfile.mkdtemp(prefix=f"admission-{mode}-"))
-    fleet = Fleet(tmp, policy="cost_model", config_extra=ADMISSION if banded else "").start()
+    fleet = Fleet(tmp, policy="cost_model", config_extra=CONFIG[mode]).start()
     try:
         rng = random.Random(args.seed)
         idle = []
@@ -156,7 +159,7 @@ def main():
     p.add_argument("--warmup-s", type=float, default=15)
     p.add_argument("--measure-s", type=float, default=40)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--modes", default="off,on")
+    p.add_argument("--modes", default="off,bands,kept")
     p.add_argument("--out", default="bench/results/admission/bands.json")
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
@@ -167,7 +170,7 @@ def main():
         r["p99_over_idle"] = round(loaded / idle, 2) if idle and loaded else None
         print(json.dumps(r), flush=True)
         results.append(r)
-    out = {"commit": commit, "args": vars(args), "admission": ADMISSION, "results": results}
+    out = {"commit": commit, "args": vars(args), "admission": {m: CONFIG[m] for m in args.modes.split(",")}, "results": results}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 

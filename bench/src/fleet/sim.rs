@@ -450,6 +450,7 @@ impl<'a> World<'a> {
             text: a.text.as_deref(),
             subset: None,
             share: router.share,
+            replica_share: 1.0,
         };
         let now_d = Duration::from_nanos(now);
         self.scrape(now_d);

@@ -70,11 +70,24 @@ pub struct Band {
     /// Inference Extension `InferenceObjective` names that mean this band
     /// (the `x-gateway-inference-objective` header).
     pub objectives: Vec<String>,
+    /// The part of each model's replicas its requests may go to: the first
+    /// `replica_share` of them by id (at least one), among those healthy,
+    /// not draining and offered. Below 1 the rest are kept for more urgent
+    /// bands, whose requests then never share an engine step with this
+    /// band's (ADR 0042).
+    pub replica_share: f64,
 }
 
 impl Default for Band {
     fn default() -> Self {
-        Self { name: String::new(), ttft_objective_ms: None, on_miss: OnMiss::Wait, max_wait_ms: 30_000, objectives: Vec::new() }
+        Self {
+            name: String::new(),
+            ttft_objective_ms: None,
+            on_miss: OnMiss::Wait,
+            max_wait_ms: 30_000,
+            objectives: Vec::new(),
+            replica_share: 1.0,
+        }
     }
 }
 
@@ -152,6 +165,9 @@ impl Admission {
                     "admission.bands[{i}].max_wait_ms: {} is past {MAX_WAIT_MS}: the shipped Envoy filters let a decision take at most 300 s (max_message_timeout)",
                     b.max_wait_ms
                 ));
+            }
+            if !(b.replica_share > 0.0 && b.replica_share <= 1.0) {
+                p.push(format!("admission.bands[{i}].replica_share: {} is not in (0, 1]", b.replica_share));
             }
         }
         let known = |name: &str| self.bands.is_empty() || names.contains(name);

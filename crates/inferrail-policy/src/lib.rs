@@ -215,6 +215,8 @@ pub enum SetAside {
     OutsideSubset,
     /// Draining: it finishes what it has and takes nothing new.
     Draining,
+    /// Kept for more urgent bands: the request's band may use only part of the replicas.
+    KeptForUrgent,
 }
 
 impl SetAside {
@@ -228,6 +230,7 @@ impl SetAside {
             Self::KvRoom { .. } => "kv_room",
             Self::OutsideSubset => "outside_subset",
             Self::Draining => "draining",
+            Self::KeptForUrgent => "kept_for_urgent",
         }
     }
 }

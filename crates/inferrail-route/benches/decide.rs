@@ -12,7 +12,7 @@ use std::time::Duration;
 use criterion::{Criterion, criterion_group, criterion_main};
 use inferrail_config::Config;
 use inferrail_route::fleet::{Fleet, Replica};
-use inferrail_route::kv::{Place, Prompt};
+use inferrail_route::kv::{Place, Prediction, Prompt};
 use inferrail_route::{Core, Report, Share, View};
 use std::sync::Arc;
 
@@ -67,12 +67,17 @@ fn percentiles(name: &str, mut f: impl FnMut()) {
     println!("{name}: p50 {} ns, p90 {} ns, p99 {} ns, p99.9 {} ns", at(500), at(900), at(990), at(999));
 }
 
+/// A request's view of the whole fleet, alone on it.
+fn whole(prediction: Arc<Prediction>) -> View<'static> {
+    View { model: 0, prediction: Some(prediction), session: None, text: None, subset: None, share: Share::ALONE, replica_share: 1.0 }
+}
+
 fn decide(c: &mut Criterion) {
     let mut group = c.benchmark_group("cost_model_8k");
     for n in [8usize, 64, 256] {
         let (core, fleet, prompt) = setup(n);
         let prediction = core.prepare(0, &prompt, &fleet);
-        let view = View { model: 0, prediction: Some(prediction), session: None, text: None, subset: None, share: Share::ALONE };
+        let view = whole(prediction);
         let reports = |_: &Replica| None::<Report>;
         let plan = || std::hint::black_box(core.plan(&view, &fleet, &reports, Duration::from_secs(1)).expect("plan"));
         percentiles(&format!("plan/{n}"), || {
@@ -85,7 +90,7 @@ fn decide(c: &mut Criterion) {
     for (name, more) in [("decide/64", ""), ("decide+shadow/64", ", shadow_policy: kv_aware")] {
         let (core, fleet, prompt) = setup_with(64, more);
         let prediction = core.prepare(0, &prompt, &fleet);
-        let view = View { model: 0, prediction: Some(prediction), session: None, text: None, subset: None, share: Share::ALONE };
+        let view = whole(prediction);
         let reports = |_: &Replica| None::<Report>;
         let decide = || {
             let (plan, committed) = core.decide(&view, &fleet, &reports, Duration::from_secs(1)).expect("decide");

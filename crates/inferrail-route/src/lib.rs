@@ -108,6 +108,8 @@ pub struct View<'a> {
     pub subset: Option<&'a [SocketAddr]>,
     /// Where this router stands among the routers sharing the fleet (its part of the limits).
     pub share: Share,
+    /// The part of the replicas its band may use (1: all; see [`keep_for_urgent`]).
+    pub replica_share: f64,
 }
 
 /// What the model's policy would do now, and why. Each replica serving the
@@ -486,6 +488,7 @@ impl Core {
                 }
                 None => Ok(()),
             })
+            .and_then(|()| keep_for_urgent(replicas, &mut aside, view.replica_share))
             .err();
         let mut plan = Plan {
             model: view.model,
@@ -669,6 +672,25 @@ fn restrict(
         }
     }
     if aside.iter().all(Option::is_some) { Err(none) } else { Ok(()) }
+}
+
+/// Sets aside all but the first `share` of the replicas still in the
+/// running or only busy now (full, loaded), ordered by id, at least one:
+/// a band below 1 leaves the rest to more urgent bands. The same replicas
+/// on every router, and the same while they stay healthy. When the ones
+/// left are all busy, they are all full for this band.
+fn keep_for_urgent(replicas: &[Arc<Replica>], aside: &mut [Option<SetAside>], share: f64) -> Result<(), NoReplica> {
+    if share >= 1.0 {
+        return Ok(());
+    }
+    let lasting = |a: &Option<SetAside>| matches!(a, Some(SetAside::Unhealthy | SetAside::Draining | SetAside::OutsideSubset));
+    let mut pool: Vec<usize> = (0..replicas.len()).filter(|&i| !lasting(&aside[i])).collect();
+    pool.sort_by(|&a, &b| replicas[a].id.cmp(&replicas[b].id));
+    let keep = ((share * pool.len() as f64 + 1e-9).floor() as usize).max(1);
+    for &i in &pool[keep.min(pool.len())..] {
+        aside[i].get_or_insert(SetAside::KeptForUrgent);
+    }
+    if aside.iter().all(Option::is_some) { Err(NoReplica::AllFull) } else { Ok(()) }
 }
 
 /// A plan that some replica can take, or why none can.

@@ -45,7 +45,15 @@ pub(crate) fn prompt(first: u32, n: u32) -> Prompt {
 }
 
 pub(crate) fn view<'a>(core: &Core, fleet: &Fleet, p: &Prompt) -> View<'a> {
-    View { model: 0, prediction: Some(core.prepare(0, p, fleet)), session: None, text: None, subset: None, share: Share::ALONE }
+    View {
+        model: 0,
+        prediction: Some(core.prepare(0, p, fleet)),
+        session: None,
+        text: None,
+        subset: None,
+        share: Share::ALONE,
+        replica_share: 1.0,
+    }
 }
 
 pub(crate) const NONE: &dyn Fn(&Replica) -> Option<Report> = &|_| None;
@@ -258,6 +266,31 @@ fn a_draining_replica_is_offered_nothing_and_a_fleet_all_draining_is_unavailable
     assert_eq!(core.plan(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap_err(), NoReplica::AllDraining);
     serving[2].set_draining(false);
     assert_eq!(core.decide(&view(&core, &fleet, &p), &fleet, NONE, Duration::ZERO).unwrap().1.targets[0].id, serving[2].id);
+}
+
+#[test]
+fn a_band_with_part_of_the_replicas_keeps_to_the_first_by_id_and_waits_when_they_are_full() {
+    let (core, fleet) = core("round_robin", 3);
+    let p = prompt(0, 64);
+    let serving = fleet.serving(0);
+    let part = |share| View { replica_share: share, ..view(&core, &fleet, &p) };
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        let (plan, committed) = core.decide(&part(0.67), &fleet, NONE, Duration::ZERO).unwrap();
+        assert_ne!(committed.lease.replica.id, "r2", "two of three: r0 and r1");
+        assert_eq!(plan.set_aside[2], Some(SetAside::KeptForUrgent));
+        held.push(committed.lease);
+    }
+    // r0 and r1 hold 8 each, their limit: full for this band, though r2 is free.
+    assert_eq!(core.plan(&part(0.67), &fleet, NONE, Duration::ZERO).unwrap_err(), NoReplica::AllFull);
+    assert_eq!(core.decide(&part(1.0), &fleet, NONE, Duration::ZERO).unwrap().1.lease.replica.id, "r2", "a band with all of them");
+    held.clear();
+    // A draining replica leaves the pool: of r1 and r2, 0.67 keeps one (at least one), the first by id.
+    serving[0].set_draining(true);
+    let (plan, committed) = core.decide(&part(0.67), &fleet, NONE, Duration::ZERO).unwrap();
+    assert_eq!(committed.lease.replica.id, "r1");
+    assert_eq!(plan.set_aside, vec![Some(SetAside::Draining), None, Some(SetAside::KeptForUrgent)]);
+    assert_eq!(core.decide(&part(0.1), &fleet, NONE, Duration::ZERO).unwrap().1.lease.replica.id, "r1", "at least one");
 }
 
 #[test]

@@ -69,6 +69,11 @@ impl Placed {
         self.band.as_ref()?.1.ttft_objective_ms.map(Duration::from_millis)
     }
 
+    /// The part of the replicas its band may use.
+    pub fn replica_share(&self) -> f64 {
+        self.band.as_ref().map_or(1.0, |b| b.1.replica_share)
+    }
+
     /// Whether an estimated time to first token misses its band's objective.
     pub fn misses(&self, estimate: Duration) -> bool {
         self.objective().is_some_and(|o| estimate > o)

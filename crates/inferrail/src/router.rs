@@ -113,9 +113,10 @@ struct Prepared {
 }
 
 impl Prepared {
-    fn view<'a>(&'a self, subset: Option<&'a [SocketAddr]>, share: Share) -> View<'a> {
+    fn view<'a>(&'a self, subset: Option<&'a [SocketAddr]>, share: Share, placed: &Placed) -> View<'a> {
         let (session, text) = (self.session.as_deref(), self.text.as_deref());
-        View { model: self.model, prediction: self.prediction.clone(), session, text, subset, share }
+        let replica_share = placed.replica_share();
+        View { model: self.model, prediction: self.prediction.clone(), session, text, subset, share, replica_share }
     }
 }
 
@@ -452,7 +453,7 @@ impl Router {
         tokens: u64,
         caller: &Caller<'_>,
     ) -> Result<(Plan, inferrail_route::Committed), RouteError> {
-        let view = read.view(subset, self.peers.share());
+        let view = read.view(subset, self.peers.share(), placed);
         let reports = |r: &Replica| self.report(&r.id);
         let model_prefill = self.core.model(read.model).params.prefill;
         let mut ticket: Option<crate::admission::Ticket> = None;
@@ -501,9 +502,10 @@ impl Router {
     pub async fn explain(&self, body: &[u8], endpoint: Endpoint, session: Option<&str>, asked: &Asked) -> Result<Explained, RouteError> {
         let who = self.admission.identify(asked)?;
         let read = self.prepare(body, endpoint, session).await?;
-        let plan = self.core.plan_all(&read.view(None, self.peers.share()), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
         let model = self.core.model(read.model);
         let placed = self.admission.place(who, asked, &model.name)?;
+        let plan =
+            self.core.plan_all(&read.view(None, self.peers.share(), &placed), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
         let waiting_ahead = self.admission.ahead(read.model, &placed);
         let busy = plan.unavailable == Some(NoReplica::AllFull)
             || plan.order.first().is_some_and(|&w| placed.misses(plan.estimate(w, model.params.prefill)));

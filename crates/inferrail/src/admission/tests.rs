@@ -265,3 +265,31 @@ async fn a_tenant_over_its_token_limit_gets_429_until_its_window_frees() {
     // Another tenant is not limited.
     decide(&r, "4", &asked(None, Some("u"), None)).await.unwrap();
 }
+
+#[tokio::test]
+async fn a_band_kept_to_part_of_the_replicas_waits_for_them_while_the_rest_serve_the_bands_above() {
+    let yaml = "
+models:
+  - {name: m, policy: round_robin, tokenizer: 'builtin:sim'}
+replicas:
+  - {id: r1, address: 127.0.0.1:8001, models: [m], max_concurrency: 1}
+  - {id: r2, address: 127.0.0.1:8002, models: [m], max_concurrency: 1}
+admission:
+  bands:
+    - {name: interactive}
+    - {name: batch, replica_share: 0.5}
+";
+    let r = Arc::new(Router::new(Config::parse(yaml).unwrap()).unwrap());
+    let batch = asked(Some("batch"), None, None);
+    let first = decide(&r, "b1", &batch).await.unwrap();
+    assert_eq!(first.targets.iter().map(|t| t.id.as_str()).collect::<Vec<_>>(), ["r1"], "no fallback outside its half either");
+    // r2 is free, but kept for the band above: the second batch request waits for r1.
+    let (second, _) = waiting(&r, "b2", batch.clone()).await;
+    let urgent = decide(&r, "i1", &asked(Some("interactive"), None, None)).await.unwrap();
+    assert_eq!(urgent.targets[0].id, "r2");
+    end(&r, &urgent);
+    end(&r, &first);
+    assert_eq!(second.await.unwrap().unwrap().targets[0].id, "r1");
+    let explained = r.explain(BODY, Endpoint::Completions, None, &batch).await.unwrap();
+    assert_eq!(explained.plan.set_aside[1], Some(inferrail_policy::SetAside::KeptForUrgent));
+}
