@@ -503,6 +503,11 @@ bench-admission *args: setup
     cargo build --release --quiet -p inferrail -p inferrail-sim
     INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/admission.py {{args}}
 
+# Production controls through Envoy: tenant fairness, token limits, shedding under full load, shadow mode (bench/results/admission/controls.json).
+bench-controls *args: setup
+    cargo build --release --quiet -p inferrail -p inferrail-sim
+    INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/controls.py {{args}}
+
 # Benchmark decision time per policy (criterion); the medians are recorded in bench/results/decision/.
 bench-decision:
     cargo bench -p inferrail-policy --bench rank -- --warm-up-time 1 --measurement-time 2

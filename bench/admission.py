@@ -51,22 +51,30 @@ def words(rng, n):
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def post(port, body, band, stream, timeout=300):
-    """One completion through Envoy: (status, seconds to the first body byte, seconds in all)."""
+class Answer:
+    """One completion through Envoy: its status (0: no answer), seconds to
+    its first body byte and in all, its headers and its body."""
+
+    def __init__(self, status, first, total, headers=None, body=b""):
+        self.status, self.first, self.total, self.headers, self.body = status, first, total, headers or {}, body
+
+
+def post(port, body, band=None, stream=False, timeout=300, headers=None):
+    """Posts a completion through Envoy, in `band` when given, with more `headers`."""
     started = time.monotonic()
     c = httpc.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    headers = {"content-type": "application/json"}
+    sent = {"content-type": "application/json", **(headers or {})}
     if band:
-        headers["x-inferrail-band"] = band
+        sent["x-inferrail-band"] = band
     try:
-        c.request("POST", "/v1/completions", body=json.dumps({**body, "stream": stream}), headers=headers)
+        c.request("POST", "/v1/completions", body=json.dumps({**body, "stream": stream}), headers=sent)
         r = c.getresponse()
-        r.read(1)
+        head = r.read(1)
         first = time.monotonic() - started
-        r.read()
-        return r.status, first, time.monotonic() - started
+        rest = r.read()
+        return Answer(r.status, first, time.monotonic() - started, {k.lower(): v for k, v in r.getheaders()}, head + rest)
     except OSError:
-        return 0, None, time.monotonic() - started
+        return Answer(0, None, time.monotonic() - started)
     finally:
         c.close()
 
@@ -78,8 +86,8 @@ def interactive(port, rng, rate, seconds, banded, out):
         body = {"model": "sim", "prompt": words(rng, 40), "max_tokens": 4}
 
         def one(body=body, at=time.monotonic()):
-            status, ttft, _ = post(port, body, "interactive" if banded else None, True)
-            out.append((at, status, ttft))
+            a = post(port, body, "interactive" if banded else None, True)
+            out.append((at, a.status, a.first, a.headers.get("x-inferrail-upstream")))
 
         t = threading.Thread(target=one)
         t.start()
@@ -93,8 +101,7 @@ def batch(port, seed, banded, words_n, stop, done):
     rng = random.Random(seed)
     while not stop.is_set():
         body = {"model": "sim", "prompt": words(rng, words_n), "max_tokens": 64}
-        status, _, _ = post(port, body, "batch" if banded else None, False)
-        done.append((time.monotonic(), status))
+        done.append((time.monotonic(), post(port, body, "batch" if banded else None).status))
 
 
 def pct(values, q):
@@ -108,9 +115,14 @@ def summary(results, since):
     statuses = {}
     for r in kept:
         statuses[str(r[1])] = statuses.get(str(r[1]), 0) + 1
+    upstreams = {}
+    for r in kept:
+        upstreams[str(r[3])] = upstreams.get(str(r[3]), 0) + 1
+    slowest = sorted(((round(r[2] * 1e3, 1), r[3]) for r in kept if r[1] == 200 and r[2] is not None), reverse=True)[:3]
     return {"requests": len(kept), "statuses": statuses,
             "ttft_p50_ms": pct(ttfts, 0.5) and round(pct(ttfts, 0.5) * 1e3, 1),
-            "ttft_p99_ms": pct(ttfts, 0.99) and round(pct(ttfts, 0.99) * 1e3, 1)}
+            "ttft_p99_ms": pct(ttfts, 0.99) and round(pct(ttfts, 0.99) * 1e3, 1),
+            "by_upstream": upstreams, "slowest_ms_and_upstream": slowest}
 
 
 def run(mode, args):
@@ -163,15 +175,16 @@ def main():
     p.add_argument("--out", default="bench/results/admission/bands.json")
     args = p.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    results = []
+    out = Path(args.out)
+    # Modes run earlier stay, each with its commit and arguments.
+    results = {r["mode"]: r for r in json.loads(out.read_text())["results"]} if out.exists() else {}
     for mode in args.modes.split(","):
-        r = run(mode, args)
+        r = {"commit": commit, "args": vars(args), "admission": CONFIG[mode], **run(mode, args)}
         idle, loaded = r["idle"]["ttft_p99_ms"], r["loaded"]["ttft_p99_ms"]
         r["p99_over_idle"] = round(loaded / idle, 2) if idle and loaded else None
         print(json.dumps(r), flush=True)
-        results.append(r)
-    out = {"commit": commit, "args": vars(args), "admission": {m: CONFIG[m] for m in args.modes.split(",")}, "results": results}
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        results[mode] = r
+    out.write_text(json.dumps({"results": list(results.values())}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

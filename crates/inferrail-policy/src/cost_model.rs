@@ -54,7 +54,10 @@
 //! it and every holder takes more than `fair_shares` of the requests, the
 //! least loaded others are priced as if they held it too, so its load
 //! spreads by queue and share. A root whose holders keep up stays put:
-//! copying a prefix evicts others, and on a busy fleet that cascades.
+//! copying a prefix evicts others, and on a busy fleet that cascades. So
+//! does a prompt whose shared part would take more than
+//! `hot_prefix.max_cache_share` of a replica's KV cache (a long context):
+//! its copy would evict most of what that replica serves.
 //!
 //! Session affinity (off by default): a request naming its conversation goes
 //! back to the conversation's last replica while the guards allow it.
@@ -106,6 +109,9 @@ pub struct HotPrefix {
     pub window_secs: f64,
     /// Fair shares of the requests (one replica's, `1 / n`) a root may take before it gets another owner.
     pub fair_shares: f64,
+    /// The most of a replica's KV cache a copy may take: a prompt whose
+    /// shared prefix is longer is not copied for being hot (ADR 0043).
+    pub max_cache_share: f64,
 }
 
 impl Default for Config {
@@ -126,7 +132,7 @@ impl Default for Config {
 
 impl Default for HotPrefix {
     fn default() -> Self {
-        Self { enabled: true, blocks: 16, window_secs: 60.0, fair_shares: 1.0 }
+        Self { enabled: true, blocks: 16, window_secs: 60.0, fair_shares: 1.0, max_cache_share: 0.5 }
     }
 }
 
@@ -158,6 +164,9 @@ impl Config {
         }
         if !(h.fair_shares.is_finite() && h.fair_shares > 0.0) {
             p.push(format!("{at}.hot_prefix.fair_shares: {} is not a positive number", h.fair_shares));
+        }
+        if !(h.max_cache_share > 0.0 && h.max_cache_share <= 1.0) {
+            p.push(format!("{at}.hot_prefix.max_cache_share: {} is not in (0, 1]", h.max_cache_share));
         }
     }
 }
@@ -361,7 +370,14 @@ impl RoutingPolicy for CostModel {
                 // would cache the whole shared prefix after one miss.
                 let held = offered.iter().map(|&i| c[i].cached_tokens).max().unwrap_or(root_tokens);
                 let load = |k: usize| out[k].terms[0] + out[k].terms[1] + share[k];
-                let mut others: Vec<usize> = (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens < root_tokens).collect();
+                // A copy that would fill much of a replica's cache evicts
+                // what it serves, and its own request pays the whole long
+                // prefill: long contexts stay where they are cached.
+                let room = |x: &Candidate| {
+                    x.kv_capacity_tokens == 0 || held as f64 <= self.config.hot_prefix.max_cache_share * x.kv_capacity_tokens as f64
+                };
+                let mut others: Vec<usize> =
+                    (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens < root_tokens && room(&c[offered[k]])).collect();
                 others.sort_by(|&a, &b| load(a).total_cmp(&load(b)));
                 for k in others.into_iter().take(owners - holders) {
                     let credited = self.estimate(&c[offered[k]], req.prompt_tokens, held);

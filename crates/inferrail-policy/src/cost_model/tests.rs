@@ -172,6 +172,11 @@ fn a_hot_root_prefix_gets_more_owners_and_a_cold_one_stays_on_its_holder() {
     let credited = scores.iter().filter(|s| s.terms[3] > 0.0).count();
     assert_eq!(credited, 3, "{scores:?}");
     assert_ne!(decide(&p, &req, &c, &mut r).unwrap()[0], 0, "the queued holder shares its hot prefix");
+    // What replica 0 holds would take 64% of replicas 1 and 2's caches: only replica 3 is priced as a copy.
+    (c[1].kv_capacity_tokens, c[2].kv_capacity_tokens, c[3].kv_capacity_tokens) = (1_000, 1_000, 100_000);
+    p.score(&req, &c, &[0, 1, 2, 3], &mut r, &mut scores);
+    let credited: Vec<usize> = (0..4).filter(|&k| scores[k].terms[3] > 0.0).collect();
+    assert_eq!(credited, [3], "{scores:?}");
 }
 
 proptest! {
