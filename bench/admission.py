@@ -47,6 +47,11 @@ BANDS = """admission:
 CONFIG = {"off": "", "bands": BANDS % 1.0, "kept": BANDS % 0.67}
 
 
+def head_commit():
+    """The commit the results come from."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+
 def words(rng, n):
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
@@ -174,7 +179,7 @@ def main():
     p.add_argument("--modes", default="off,bands,kept")
     p.add_argument("--out", default="bench/results/admission/bands.json")
     args = p.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = head_commit()
     out = Path(args.out)
     # Modes run earlier stay, each with its commit and arguments.
     results = {r["mode"]: r for r in json.loads(out.read_text())["results"]} if out.exists() else {}

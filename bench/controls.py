@@ -30,14 +30,13 @@ import argparse
 import json
 import random
 import re
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from admission import ROOT, Fleet, pct, post, words
+from admission import Fleet, head_commit, pct, post, words
 
 MODEL = "sim"
 
@@ -275,7 +274,7 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default="bench/results/admission/controls.json")
     args = p.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = head_commit()
     run = {"fairness": fairness, "limits": limits, "shed": shed, "shadow": shadow}
     out = Path(args.out)
     results = json.loads(out.read_text())["results"] if out.exists() else {}
