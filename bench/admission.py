@@ -6,10 +6,10 @@ latency model, Envoy, inferrail with cost_model). Each mode runs:
 
 - idle: interactive requests alone, `--rate` per second (Poisson), short
   prompts of their own, 4 tokens, streamed (TTFT is the first body byte);
-- loaded: the same interactive stream while `--batch` clients each keep one
-  long request in flight (a closed loop: a prompt of ~`--batch-words`
-  words of its own, 64 tokens, not streamed), the first `--warmup-s` not
-  counted.
+- loaded: the same interactive stream while `--batch` clients (threads of
+  a process of their own) each keep one long request in flight (a closed
+  loop: a prompt of ~`--batch-words` words of its own, 64 tokens, not
+  streamed), the first `--warmup-s` not counted.
 
 "off" has no `admission` section: every request is forwarded at once.
 "bands" sends interactive requests in band `interactive` and batch requests
@@ -24,6 +24,7 @@ Run with `just bench-admission` (it builds the release binaries).
 import argparse
 import http.client as httpc
 import json
+import multiprocessing
 import random
 import subprocess
 import sys
@@ -109,6 +110,19 @@ def batch(port, seed, banded, words_n, stop, done):
         done.append((time.monotonic(), post(port, body, "batch" if banded else None).status))
 
 
+def batch_clients(port, seed, n, banded, words_n, stop, answers):
+    """`n` batch clients in a process of their own, so that their threads
+    never hold the measuring client's interpreter lock; when `stop` is set,
+    puts their (time, status) list on `answers`."""
+    done = []
+    clients = [threading.Thread(target=batch, args=(port, seed + i, banded, words_n, stop, done)) for i in range(n)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    answers.put(done)
+
+
 def pct(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
@@ -138,20 +152,19 @@ def run(mode, args):
         rng = random.Random(args.seed)
         idle = []
         interactive(fleet.listen, rng, args.rate, args.idle_s, banded, idle)
-        stop, done = threading.Event(), []
-        clients = [threading.Thread(target=batch, args=(fleet.listen, args.seed + 1 + i, banded, args.batch_words, stop, done))
-                   for i in range(args.batch)]
-        for c in clients:
-            c.start()
+        mp = multiprocessing.get_context("fork")
+        stop, answers = mp.Event(), mp.Queue()
+        clients = mp.Process(target=batch_clients, args=(fleet.listen, args.seed + 1, args.batch, banded, args.batch_words, stop, answers))
+        clients.start()
         started = time.monotonic()
         loaded = []
         interactive(fleet.listen, rng, args.rate, args.warmup_s + args.measure_s, banded, loaded)
         measured_from = started + args.warmup_s
         ended = time.monotonic()
-        completed = [d for d in done if measured_from <= d[0] <= ended]
         stop.set()
-        for c in clients:
-            c.join()
+        # Both processes read the same monotonic clock.
+        completed = [d for d in answers.get() if measured_from <= d[0] <= ended]
+        clients.join()
         batch_statuses = {}
         for d in completed:
             batch_statuses[str(d[1])] = batch_statuses.get(str(d[1]), 0) + 1

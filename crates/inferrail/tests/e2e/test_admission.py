@@ -3,7 +3,8 @@ request each, so that three long streams fill the fleet. A request that
 waits at the router past the filter's 1 s message_timeout is routed when a
 slot comes back, never let through unrouted; one whose band's wait runs out
 is shed with 503 and Retry-After; a wrong API key gets 401 and appears in
-no log; a tenant past its token limit gets 429 with Retry-After."""
+no log, and no prompt reaches the router's or Envoy's; a tenant past its
+token limit gets 429 with Retry-After."""
 
 import threading
 import time
@@ -78,18 +79,24 @@ def test_a_wait_that_runs_out_is_shed_with_503_and_retry_after_never_forwarded(f
         s.close()
 
 
-def test_a_wrong_key_gets_401_and_no_key_reaches_a_log(fleet):
-    r = fleet.chat(headers={"authorization": "Bearer sk-not-a-key"})
+def test_a_wrong_key_gets_401_and_no_key_or_prompt_reaches_a_log(fleet):
+    prompt = [{"role": "user", "content": "the words zanzibar quokka marmalade"}]
+    r = fleet.chat(headers={"authorization": "Bearer sk-not-a-key"}, messages=prompt)
     assert r.status == 401, r.body
     assert r.json()["error"]["type"] == "AuthenticationError"
-    ok = fleet.chat(headers={"authorization": f"Bearer {KEY}"})
+    ok = fleet.chat(headers={"authorization": f"Bearer {KEY}"}, messages=prompt)
     assert ok.status == 200, ok.body
     # Keys are optional here: no key is the anonymous tenant.
     assert fleet.chat().status == 200
     fleet.stop()
-    for log in fleet.tmp.glob("*.log"):
+    logs = list(fleet.tmp.glob("*.log"))
+    assert {"inferrail.log", "envoy.log"} <= {log.name for log in logs}
+    for log in logs:
         text = log.read_text(errors="replace")
         assert KEY not in text and "sk-not-a-key" not in text, f"a key in {log.name}"
+        # The simulators stand in for engines, whose logs are not ours to keep clean.
+        if not log.name.startswith("sim-"):
+            assert "quokka" not in text, f"the prompt in {log.name}"
 
 
 def test_a_tenant_past_its_token_limit_gets_429_with_retry_after(fleet):
