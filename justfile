@@ -282,7 +282,7 @@ bench-reuse which="rag burst long" *args: setup setup-sglang setup-peers
             burst) target/release/inferrail-bench compare "${common[@]}" --sim-flags "$sim" --workloads burst --burst-size 40 \
                        --system-prompts 3 --rate 10 --duration-s 30 --out-dir "$out" {{args}} ;;
             long) target/release/inferrail-bench compare "${common[@]}" --sim-flags "--block-size 16 --num-gpu-blocks-override 8000 --max-model-len 110000" \
-                      --workloads w1 --system-prompts 4 --system-tokens 32000-100000 --rate 1 --duration-s 30 --out-dir "$out" {{args}} ;;
+                      --workloads long --system-prompts 4 --system-tokens 32000-100000 --rate 1 --duration-s 30 --out-dir "$out" {{args}} ;;
             *) echo "unknown pattern $w (rag, burst, long)" >&2; exit 2 ;;
         esac
     done

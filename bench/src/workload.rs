@@ -95,6 +95,10 @@ pub enum Kind {
     Rag,
     /// Few-shot batches: bursts of requests sharing a long prefix within a second.
     Burst,
+    /// Long contexts: W1's shape, named apart for system prompts that take
+    /// a large part of a cache (`--system-tokens`; `just bench-reuse long`
+    /// uses 32,000-100,000).
+    Long,
     /// A JSONL trace (`--trace`).
     Replay,
 }
@@ -190,7 +194,7 @@ impl Spec {
 pub fn generate(spec: &Spec, rate: f64, secs: f64, seed: u64) -> anyhow::Result<Vec<Request>> {
     let counter = Counter::new()?;
     let mut out = match spec.workload {
-        Kind::W1 | Kind::W6 | Kind::Mix | Kind::Hot => single_turn(spec, rate, secs, seed, &counter)?,
+        Kind::W1 | Kind::Long | Kind::W6 | Kind::Mix | Kind::Hot => single_turn(spec, rate, secs, seed, &counter)?,
         Kind::W2 => sessions::generate(spec, rate, secs, seed, &counter)?,
         Kind::Rag => reuse::rag(spec, rate, secs, seed, &counter)?,
         Kind::Burst => reuse::burst(spec, rate, secs, seed, &counter)?,
@@ -204,7 +208,7 @@ pub fn generate(spec: &Spec, rate: f64, secs: f64, seed: u64) -> anyhow::Result<
     Ok(out)
 }
 
-/// W1, W6, mix and hot.
+/// W1 (and long), W6, mix and hot.
 fn single_turn(spec: &Spec, rate: f64, secs: f64, seed: u64, counter: &Counter) -> anyhow::Result<Vec<Request>> {
     anyhow::ensure!(spec.system_prompts > 0, "--system-prompts must be at least 1");
     let mut rng = StdRng::seed_from_u64(seed);

@@ -77,7 +77,9 @@ impl Traffic {
         // Long enough for `requests` arrivals but for a vanishing chance.
         let secs = (requests as f64 * 1.2 + 100.0) / rate;
         let source = match spec.workload {
-            Kind::W1 | Kind::W6 | Kind::Mix | Kind::Hot => Source::Fast(Box::new(Fast::new(spec, rate, secs, requests, seed, &counter)?)),
+            Kind::W1 | Kind::Long | Kind::W6 | Kind::Mix | Kind::Hot => {
+                Source::Fast(Box::new(Fast::new(spec, rate, secs, requests, seed, &counter)?))
+            }
             Kind::W2 | Kind::Rag | Kind::Burst | Kind::Replay => {
                 let mut all = workload::generate(spec, rate, secs, seed)?;
                 all.truncate(requests);

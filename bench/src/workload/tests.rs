@@ -22,7 +22,7 @@ fn max_tokens(r: &Request) -> u64 {
 
 #[test]
 fn the_same_seed_gives_the_same_requests_and_another_seed_others() {
-    for kind in [Kind::W1, Kind::W2, Kind::W6, Kind::Mix, Kind::Hot, Kind::Rag, Kind::Burst] {
+    for kind in [Kind::W1, Kind::W2, Kind::W6, Kind::Mix, Kind::Hot, Kind::Rag, Kind::Burst, Kind::Long] {
         let spec = small(kind);
         let a = generate(&spec, 4.0, 60.0, 1).expect("generates");
         assert!(!a.is_empty(), "{kind:?}");

@@ -1,4 +1,4 @@
-//! The must-show checks of issue 11, each computed from the results with
+//! The must-show checks of issues 11 and 39, each computed from the results with
 //! its target, the measured value, and whether it passed; a check whose data
 //! is not in the results says so instead of passing.
 
@@ -50,7 +50,11 @@ pub fn all(routing: &Contenders, fleet: &[FleetWorkload], real: &[Loaded<RealCap
     let mut out = Vec::new();
     // Over every repetition's requests together.
     let p99 = |w: &str, c: &str| routing.get(w, c).map(|runs| ttft_p99(runs).value);
-    for w in ["w1", "mix", "hot", "w6"] {
+    // Issue 11's workloads whether or not they ran, then any other that did (issue 39's reuse patterns).
+    let issue_11 = ["w1", "mix", "hot", "w6"].map(String::from);
+    let lowest: Vec<String> = issue_11.iter().cloned().chain(routing.workloads().into_iter().filter(|w| !issue_11.contains(w))).collect();
+    for w in &lowest {
+        let w = w.as_str();
         let name = format!("{HERO} has the lowest p99 TTFT of all contenders on {w}");
         let others: Vec<(String, f64)> =
             routing.contenders(w).into_iter().filter(|c| c != HERO).filter_map(|c| p99(w, &c).map(|v| (c, v))).collect();
@@ -88,6 +92,18 @@ pub fn all(routing: &Contenders, fleet: &[FleetWorkload], real: &[Loaded<RealCap
         }
     }
     let workloads = routing.workloads();
+    // Goodput: the mean share of requests within the SLO over the repetitions.
+    let goodput = |w: &str, c: &str| routing.get(w, c).map(|runs| mean(runs.iter().map(|r| r.summary.goodput.share)));
+    for w in &workloads {
+        let others = routing.contenders(w).into_iter().filter(|c| c != HERO).filter_map(|c| goodput(w, &c).map(|g| (c, g)));
+        let name = format!("{HERO} has the highest goodput of all contenders on {w}");
+        out.push(match (goodput(w, HERO), others.max_by(|a, b| a.1.total_cmp(&b.1))) {
+            (Some(hero), Some((best, other))) => {
+                check(name, "highest", format!("{}; best other: {best} {}", pct(hero), pct(other)), Some(hero >= other))
+            }
+            _ => check(name, "highest", format!("{w} not in the routing results with {HERO} and another contender"), None),
+        });
+    }
     let pairs: Vec<(String, f64, f64)> =
         workloads.iter().filter_map(|w| Some((w.clone(), p99(w, HERO)?, p99(w, "least_request")?))).collect();
     let worse: Vec<String> = pairs.iter().filter(|(_, h, l)| h > l).map(|(w, h, l)| format!("{w}: {h:.0} > {l:.0} ms")).collect();
