@@ -240,6 +240,7 @@ def test_rbac_only_reads_and_holds_a_lease():
     read = ["get", "list", "watch"]
     assert rules == {("", "pods"): read, ("discovery.k8s.io", "endpointslices"): read,
                      ("inference.networking.k8s.io", "inferencepools"): read,
+                     ("inference.networking.x-k8s.io", "inferenceobjectives"): read,
                      ("coordination.k8s.io", "leases"): ["create", "get", "update"]}
     binding = one(objs, "RoleBinding", "inferrail")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "inferrail"}

@@ -70,6 +70,11 @@ pub struct Band {
     /// Inference Extension `InferenceObjective` names that mean this band
     /// (the `x-gateway-inference-objective` header).
     pub objectives: Vec<String>,
+    /// Inference Extension `InferenceObjective`s of the pool whose
+    /// `priority` (unset: 0) is at least this mean this band, the first
+    /// such band in order, unless a band's `objectives` names them
+    /// (watched when `kubernetes` names the pool).
+    pub min_priority: Option<i64>,
     /// The part of each model's replicas its requests may go to: the first
     /// `replica_share` of them by id (at least one), among those healthy,
     /// not draining and offered. Below 1 the rest are kept for more urgent
@@ -86,6 +91,7 @@ impl Default for Band {
             on_miss: OnMiss::Wait,
             max_wait_ms: 30_000,
             objectives: Vec::new(),
+            min_priority: None,
             replica_share: 1.0,
         }
     }

@@ -143,12 +143,14 @@ struct State {
 pub struct Admission {
     rules: ArcSwap<Rules>,
     state: Mutex<State>,
+    /// The pool's `InferenceObjective`s' priorities by name, as Kubernetes has them.
+    priorities: ArcSwap<HashMap<String, i64>>,
 }
 
 impl Admission {
     /// Admission under `config`'s rules.
     pub fn new(config: &Config) -> Self {
-        Self { rules: ArcSwap::from_pointee(Rules::new(config)), state: Mutex::new(State::default()) }
+        Self { rules: ArcSwap::from_pointee(Rules::new(config)), state: Mutex::new(State::default()), priorities: ArcSwap::default() }
     }
 
     /// Takes a reloaded configuration's rules. While the bands stay the
@@ -170,6 +172,11 @@ impl Admission {
             // Each finds itself gone and is shed.
             state.waiting.values().for_each(|n| n.notify_one());
         }
+    }
+
+    /// Takes the pool's `InferenceObjective`s' priorities, by name.
+    pub fn set_priorities(&self, priorities: HashMap<String, i64>) {
+        self.priorities.store(Arc::new(priorities));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -196,8 +203,9 @@ impl Admission {
         }
     }
 
-    /// The request's band: the one it names (by name or by
-    /// `InferenceObjective`), else its key's default, else its model's,
+    /// The request's band: the one it names (by name, or by
+    /// `InferenceObjective`: a band's `objectives`, else the objective's
+    /// priority against the bands' `min_priority`), else its key's default, else its model's,
     /// else the configured default, else the last; refused when its key
     /// does not allow it. `model` is the engines' name for its model.
     pub fn place(&self, who: Who, asked: &Asked, model: &str) -> Result<Placed, RouteError> {
@@ -206,11 +214,17 @@ impl Admission {
         if s.bands.is_empty() {
             return Ok(Placed { tenant: who.tenant, band: None });
         }
-        let by_objective = || asked.objective.as_deref().and_then(|o| s.bands.iter().find(|b| b.objectives.iter().any(|n| n == o)));
-        let named = match (&asked.band, by_objective()) {
-            (Some(name), _) => Some(s.band(name).ok_or_else(|| RouteError::UnknownBand(name.clone()))?),
-            (None, Some(b)) => s.band(&b.name),
-            (None, None) => None,
+        // An objective a band names, else one of the pool's by its priority.
+        let by_objective = || {
+            let name = asked.objective.as_deref()?;
+            s.bands.iter().position(|b| b.objectives.iter().any(|n| n == name)).or_else(|| {
+                let priority = *self.priorities.load().get(name)?;
+                s.bands.iter().position(|b| b.min_priority.is_some_and(|m| priority >= m))
+            })
+        };
+        let named = match &asked.band {
+            Some(name) => Some(s.band(name).ok_or_else(|| RouteError::UnknownBand(name.clone()))?),
+            None => by_objective(),
         };
         let model_band = rules.model_bands.get(model).map(String::as_str);
         let fallback = who.allowed.first().map(String::as_str).or(model_band).or(s.default_band.as_deref());

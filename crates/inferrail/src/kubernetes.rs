@@ -16,6 +16,10 @@
 //! with `{host}` its IP. A pod
 //! that leaves is offered no new request; its requests in flight finish
 //! on it, holding it through their leases.
+//!
+//! The pool's `InferenceObjective`s (`inference.networking.x-k8s.io/v1alpha2`)
+//! are watched too: their priorities place requests that name them in
+//! admission bands (`min_priority`, ADR 0042).
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -160,6 +164,20 @@ fn inference_pools() -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("inference.networking.k8s.io", "v1", "InferencePool"), "inferencepools")
 }
 
+/// The InferenceObjective resource.
+fn inference_objectives() -> ApiResource {
+    let gvk = GroupVersionKind::gvk("inference.networking.x-k8s.io", "v1alpha2", "InferenceObjective");
+    ApiResource::from_gvk_with_plural(&gvk, "inferenceobjectives")
+}
+
+/// An InferenceObjective's name and priority (unset: 0, as the Inference
+/// Extension reads it), when it refers to `pool`.
+pub fn objective(object: &DynamicObject, pool: &str) -> Option<(String, i64)> {
+    let spec = object.data.get("spec")?;
+    (spec.get("poolRef")?.get("name")?.as_str()? == pool).then_some(())?;
+    Some((object.metadata.name.clone()?, spec.get("priority").and_then(serde_json::Value::as_i64).unwrap_or(0)))
+}
+
 /// Follows the configured pool from the API server this process finds (in
 /// a pod, its service account), forever.
 pub async fn run(router: Arc<Router>) {
@@ -174,10 +192,15 @@ pub async fn run(router: Arc<Router>) {
 pub async fn follow(router: Arc<Router>, client: kube::Client, config: KubernetesPool) {
     let namespace = config.namespace.clone().unwrap_or_else(|| client.default_namespace().to_string());
     let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), &namespace, &inference_pools());
+    let objectives: Api<DynamicObject> = Api::namespaced_with(client.clone(), &namespace, &inference_objectives());
     let pods_api: Api<Pod> = Api::namespaced(client, &namespace);
     let by_name = watcher::Config::default().fields(&format!("metadata.name={}", config.pool));
     let mut pool_events = watcher::watcher(pools, by_name).default_backoff().boxed();
     let mut pod_events = futures_util::stream::pending().boxed();
+    let mut objective_events = watcher::watcher(objectives, watcher::Config::default()).default_backoff().boxed();
+    // The pool's objectives' priorities by name; while a (re)list is in progress, the one being built.
+    let (mut priorities, mut objectives_listing): (HashMap<String, i64>, Option<HashMap<String, i64>>) = (HashMap::new(), None);
+    let mut objectives_failing = false;
     let mut members = Members::new(config);
     let mut spec: Option<PoolSpec> = None;
     // Pods by uid; while a (re)list is in progress, the one being built.
@@ -205,6 +228,39 @@ pub async fn follow(router: Arc<Router>, client: kube::Client, config: Kubernete
                     Some(s) => watcher::watcher(pods_api.clone(), watcher::Config::default().labels(&s.label_selector())).default_backoff().boxed(),
                     None => futures_util::stream::pending().boxed(),
                 };
+            }
+            event = objective_events.next() => {
+                match event {
+                    Some(Ok(Event::Init)) => objectives_listing = Some(HashMap::new()),
+                    Some(Ok(Event::InitApply(o))) => objectives_listing.iter_mut().for_each(|l| l.extend(objective(&o, &members.config.pool))),
+                    Some(Ok(Event::InitDone)) => priorities = objectives_listing.take().unwrap_or_default(),
+                    Some(Ok(Event::Apply(o))) => {
+                        // Changed, or moved to another pool: out, then back in if it is (still) the pool's.
+                        if let Some(name) = &o.metadata.name {
+                            priorities.remove(name);
+                        }
+                        priorities.extend(objective(&o, &members.config.pool));
+                    }
+                    Some(Ok(Event::Delete(o))) => {
+                        if let Some(name) = &o.metadata.name {
+                            priorities.remove(name);
+                        }
+                    }
+                    Some(Err(e)) => {
+                        // Without the CRD (or the right to read it) this fails at every retry: said once.
+                        if !objectives_failing {
+                            tracing::warn!(error = %e, "watching InferenceObjectives failed; bands by priority wait for them");
+                        }
+                        objectives_failing = true;
+                        continue;
+                    }
+                    None => return,
+                }
+                objectives_failing = false;
+                if objectives_listing.is_none() {
+                    router.admission.set_priorities(priorities.clone());
+                }
+                continue;
             }
             event = pod_events.next() => {
                 match event {

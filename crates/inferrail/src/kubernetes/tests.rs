@@ -1,7 +1,8 @@
 //! Discovery against a fake API server that speaks the list and watch
 //! protocol: pods joining, turning unready, leaving and coming back on a
 //! reused IP or name; a dropped watch resumed from its resourceVersion; a
-//! 410 Gone answered by a fresh list.
+//! 410 Gone answered by a fresh list; the pool's InferenceObjectives
+//! placing requests in bands by priority.
 
 use std::convert::Infallible;
 use std::sync::Mutex;
@@ -16,6 +17,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::*;
+use crate::admission::Asked;
 
 /// The API server's state: the pods a list returns, the open pod watches, every request seen.
 #[derive(Default)]
@@ -23,7 +25,20 @@ struct Fake {
     version: Mutex<u64>,
     pods: Mutex<Vec<Value>>,
     watches: Mutex<Vec<mpsc::UnboundedSender<Bytes>>>,
+    objectives: Mutex<Vec<Value>>,
+    objective_watches: Mutex<Vec<mpsc::UnboundedSender<Bytes>>>,
     requests: Mutex<Vec<String>>,
+}
+
+const OBJECTIVES: &str = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/ns/inferenceobjectives";
+
+fn objective(name: &str, pool: &str, priority: Option<i64>) -> Value {
+    let mut spec = json!({"poolRef": {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool}});
+    if let Some(p) = priority {
+        spec["priority"] = json!(p);
+    }
+    json!({"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+           "metadata": {"name": name, "namespace": "ns", "uid": format!("obj-{name}")}, "spec": spec})
 }
 
 fn pool() -> Value {
@@ -74,6 +89,29 @@ impl Fake {
         self.tell(&json!({"type": "DELETED", "object": gone}));
     }
 
+    /// Adds, changes (by name) or, with `deleted`, deletes an InferenceObjective, and tells its watches.
+    fn objective(&self, mut objective: Value, deleted: bool) {
+        objective["metadata"]["resourceVersion"] = json!(self.bump().to_string());
+        let mut all = self.objectives.lock().unwrap();
+        let at = all.iter().position(|o| o["metadata"]["name"] == objective["metadata"]["name"]);
+        let kind = match (at, deleted) {
+            (Some(i), true) => {
+                all.remove(i);
+                "DELETED"
+            }
+            (Some(i), false) => {
+                all[i] = objective.clone();
+                "MODIFIED"
+            }
+            (None, _) => {
+                all.push(objective.clone());
+                "ADDED"
+            }
+        };
+        let event = line(&json!({"type": kind, "object": objective}));
+        self.objective_watches.lock().unwrap().retain(|w| w.send(event.clone()).is_ok());
+    }
+
     fn bump(&self) -> u64 {
         let mut v = self.version.lock().unwrap();
         *v += 1;
@@ -113,6 +151,10 @@ impl Fake {
             ("/apis/inference.networking.k8s.io/v1/namespaces/ns/inferencepools", false) => {
                 list("InferencePoolList", "inference.networking.k8s.io/v1", vec![pool()], 1)
             }
+            (OBJECTIVES, false) => {
+                let version = *self.version.lock().unwrap();
+                list("InferenceObjectiveList", "inference.networking.x-k8s.io/v1alpha2", self.objectives.lock().unwrap().clone(), version)
+            }
             ("/api/v1/namespaces/ns/pods", false) => {
                 let version = *self.version.lock().unwrap();
                 list("PodList", "v1", self.pods.lock().unwrap().clone(), version)
@@ -121,6 +163,8 @@ impl Fake {
                 let (tx, rx) = mpsc::unbounded_channel();
                 if uri.path().ends_with("/pods") {
                     self.watches.lock().unwrap().push(tx);
+                } else if uri.path() == OBJECTIVES {
+                    self.objective_watches.lock().unwrap().push(tx);
                 } else {
                     // The pool never changes: its watch stays open and silent.
                     std::mem::forget(tx);
@@ -307,4 +351,56 @@ kubernetes: {pool: llm, namespace: ns, models: [m]}
     let (after, endpoint, replay) = source("vllm-1");
     assert!(!Arc::ptr_eq(&after, &before), "a new replica for the new events");
     assert_eq!((endpoint.as_str(), replay), ("tcp://10.0.0.2:7000", None));
+}
+
+#[tokio::test]
+async fn the_pools_inference_objectives_place_requests_in_bands_by_priority() {
+    let yaml = "
+models: [{name: m, policy: round_robin, tokenizer: \"builtin:sim\"}]
+kubernetes: {pool: llm, namespace: ns, models: [m]}
+admission:
+  bands:
+    - {name: critical, min_priority: 10, objectives: [named]}
+    - {name: standard, min_priority: 0}
+    - {name: sheddable}
+";
+    let config = Config::parse(yaml).unwrap();
+    let router = Arc::new(Router::new(config.clone()).unwrap());
+    let fake = Arc::new(Fake::default());
+    fake.objective(objective("chat", "llm", Some(20)), false);
+    fake.objective(objective("batch", "llm", None), false);
+    fake.objective(objective("cleanup", "llm", Some(-5)), false);
+    fake.objective(objective("theirs", "other-pool", Some(50)), false);
+    fake.objective(objective("named", "llm", Some(-100)), false);
+    let client = serve(fake.clone()).await;
+    tokio::spawn(follow(router.clone(), client, config.kubernetes.clone().unwrap()));
+    let band = |name: &str| {
+        let asked = Asked { objective: Some(name.to_owned()), ..Asked::NONE };
+        let who = router.admission.identify(&asked).unwrap();
+        router.admission.place(who, &asked, "m").unwrap().band.map(|b| b.1.name)
+    };
+    let until_band = |name: &'static str, want: &'static str| {
+        let band = &band;
+        async move {
+            for _ in 0..500 {
+                if band(name).as_deref() == Some(want) {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            panic!("{name} is in {:?}, not {want}", band(name));
+        }
+    };
+    // Listed: 20 is critical, unset counts as 0 (standard); below every
+    // band's minimum, and another pool's, take the default (the last).
+    until_band("chat", "critical").await;
+    assert_eq!(band("batch").as_deref(), Some("standard"));
+    assert_eq!(band("cleanup").as_deref(), Some("sheddable"));
+    assert_eq!(band("theirs").as_deref(), Some("sheddable"), "another pool's objective");
+    assert_eq!(band("named").as_deref(), Some("critical"), "a band's objectives list comes first");
+    // Watched: a priority changes, an objective is deleted.
+    fake.objective(objective("chat", "llm", Some(5)), false);
+    until_band("chat", "standard").await;
+    fake.objective(objective("batch", "llm", None), true);
+    until_band("batch", "sheddable").await;
 }
