@@ -93,7 +93,7 @@ def interactive(port, rng, rate, seconds, banded, out):
 
         def one(body=body, at=time.monotonic()):
             a = post(port, body, "interactive" if banded else None, True)
-            out.append((at, a.status, a.first, a.headers.get("x-inferrail-upstream")))
+            out.append((at, a.status, a.first, a.headers.get("x-inferrail-upstream"), a.headers.get("x-envoy-upstream-service-time")))
 
         t = threading.Thread(target=one)
         t.start()
@@ -137,11 +137,12 @@ def summary(results, since):
     upstreams = {}
     for r in kept:
         upstreams[str(r[3])] = upstreams.get(str(r[3]), 0) + 1
-    slowest = sorted(((round(r[2] * 1e3, 1), r[3]) for r in kept if r[1] == 200 and r[2] is not None), reverse=True)[:3]
+    # Each with its replica and the milliseconds Envoy waited for that replica's response headers.
+    slowest = sorted(((round(r[2] * 1e3, 1), r[3], r[4]) for r in kept if r[1] == 200 and r[2] is not None), reverse=True)[:3]
     return {"requests": len(kept), "statuses": statuses,
             "ttft_p50_ms": pct(ttfts, 0.5) and round(pct(ttfts, 0.5) * 1e3, 1),
             "ttft_p99_ms": pct(ttfts, 0.99) and round(pct(ttfts, 0.99) * 1e3, 1),
-            "by_upstream": upstreams, "slowest_ms_and_upstream": slowest}
+            "by_upstream": upstreams, "slowest_ms_upstream_and_service_ms": slowest}
 
 
 def run(mode, args):
