@@ -93,7 +93,7 @@ def interactive(port, rng, rate, seconds, banded, out):
 
         def one(body=body, at=time.monotonic()):
             a = post(port, body, "interactive" if banded else None, True)
-            out.append((at, a.status, a.first, a.headers.get("x-inferrail-upstream"), a.headers.get("x-envoy-upstream-service-time")))
+            out.append((at, a.status, a.first, a.headers.get("x-inferrail-upstream"), a.total))
 
         t = threading.Thread(target=one)
         t.start()
@@ -137,12 +137,18 @@ def summary(results, since):
     upstreams = {}
     for r in kept:
         upstreams[str(r[3])] = upstreams.get(str(r[3]), 0) + 1
-    # Each with its replica and the milliseconds Envoy waited for that replica's response headers.
-    slowest = sorted(((round(r[2] * 1e3, 1), r[3], r[4]) for r in kept if r[1] == 200 and r[2] is not None), reverse=True)[:3]
+    # Whether another interactive request was still being answered by the same replica when it was sent.
+    def shared(r):
+        return any(o is not r and o[3] == r[3] and o[0] <= r[0] < o[0] + o[4] for o in results)
+
+    ok = [r for r in kept if r[1] == 200 and r[2] is not None]
+    alone = [r[2] for r in ok if not shared(r)]
+    ms = lambda v: v and round(v * 1e3, 1)  # noqa: E731
+    slowest = sorted(((ms(r[2]), r[3], shared(r)) for r in ok), reverse=True)[:3]
     return {"requests": len(kept), "statuses": statuses,
-            "ttft_p50_ms": pct(ttfts, 0.5) and round(pct(ttfts, 0.5) * 1e3, 1),
-            "ttft_p99_ms": pct(ttfts, 0.99) and round(pct(ttfts, 0.99) * 1e3, 1),
-            "by_upstream": upstreams, "slowest_ms_upstream_and_service_ms": slowest}
+            "ttft_p50_ms": ms(pct(ttfts, 0.5)), "ttft_p99_ms": ms(pct(ttfts, 0.99)),
+            "by_upstream": upstreams, "slowest_ms_upstream_and_shared": slowest,
+            "not_sharing": {"requests": len(alone), "ttft_p50_ms": ms(pct(alone, 0.5)), "ttft_p99_ms": ms(pct(alone, 0.99))}}
 
 
 def run(mode, args):
