@@ -38,8 +38,16 @@ pub const HERO: &str = "cost_model";
 /// The cache-blind policies W1's hit rate is compared with.
 const BLIND: [&str; 2] = ["round_robin", "least_request"];
 
-/// The peer's policies and the contender that runs the same algorithm through Envoy and inferrail.
-const PEER_TWINS: [(&str, &str); 1] = [("sglang:round_robin", "round_robin")];
+/// A peer router's round robin and the contender that runs the same
+/// algorithm through Envoy and inferrail: where that router is the best
+/// other, with any policy, the two measure the path apart from the routing.
+const PEER_TWINS: [(&str, &str); 3] =
+    [("sglang:round_robin", "round_robin"), ("smg:round_robin", "round_robin"), ("vllm-router:round_robin", "round_robin")];
+
+/// The router a contender runs in (`sglang` of `sglang:cache_aware`; inferrail for its own policies).
+fn router_of(contender: &str) -> &str {
+    contender.split_once(':').map_or("inferrail", |(router, _)| router)
+}
 
 fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
@@ -78,11 +86,11 @@ pub fn all(routing: &Contenders, fleet: &[FleetWorkload], real: &[Loaded<RealCap
                     );
                 }
                 // Against the peer, the path apart from the routing: the peer's own algorithm run through Envoy and inferrail.
-                if let Some(&(_, ours)) = PEER_TWINS.iter().find(|(peer, _)| peer == best)
-                    && let Some(p) = paired(ours, best)
+                if let Some(&(peer, ours)) = PEER_TWINS.iter().find(|(peer, _)| router_of(peer) == router_of(best))
+                    && let Some(p) = paired(ours, peer)
                 {
                     measured += &format!(
-                        "; the path alone ({ours} through Envoy and inferrail minus {best}, one algorithm): p99 {:+.1} ms, the median request {:+.1} ms",
+                        "; the path alone ({ours} through Envoy and inferrail minus {peer}, one algorithm): p99 {:+.1} ms, the median request {:+.1} ms",
                         p.difference, p.median_request
                     );
                 }

@@ -308,9 +308,16 @@ fn against_the_peer_the_path_is_read_from_the_same_algorithm_through_inferrail()
         hot.contains("the path alone (round_robin through Envoy and inferrail minus sglang:round_robin, one algorithm): p99 +2200.0 ms, the median request +1100.0 ms"),
         "{hot}"
     );
-    // W1's best other is SGLang's cache_aware, which has no twin: no path figure.
+    // W1's best other is SGLang's cache_aware, and SGLang's round robin did not run W1: no path figure.
     let w1 = md.lines().find(|l| l.contains("lowest p99 TTFT of all contenders on w1")).unwrap_or_default();
     assert!(w1.contains("best other: sglang:cache_aware") && !w1.contains("the path alone"), "{w1}");
+    // Once it has, its path stands beside any SGLang policy's.
+    write(&args.routing[0].join("w1-sglang-round_robin-rep0.json"), &compare_run("w1", "sglang:round_robin", 0, 5000.0, 0.4, 0.34))?;
+    render(&args)?;
+    let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+    let w1 = md.lines().find(|l| l.contains("lowest p99 TTFT of all contenders on w1")).unwrap_or_default();
+    assert!(w1.contains("best other: sglang:cache_aware"), "{w1}");
+    assert!(w1.contains("the path alone (round_robin through Envoy and inferrail minus sglang:round_robin, one algorithm)"), "{w1}");
     std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
     Ok(())
 }
