@@ -15,8 +15,9 @@ latency model, Envoy, inferrail with cost_model). Each mode runs:
 "bands" sends interactive requests in band `interactive` and batch requests
 in band `batch` (BANDS below). "kept" is "bands" with the batch band kept
 to two of the three replicas (`replica_share: 0.67`), leaving the third to
-interactive requests. The batch band's completions per second are its
-throughput.
+interactive requests; "kept-one" keeps batch to one (`--modes` picks any;
+the default runs the first three). The batch band's completions per
+second are its throughput.
 
 Run with `just bench-admission` (it builds the release binaries).
 """
@@ -45,7 +46,7 @@ BANDS = """admission:
     - {name: interactive, ttft_objective_ms: 1000, max_wait_ms: 10000}
     - {name: batch, ttft_objective_ms: 150, max_wait_ms: 200000, replica_share: %s}
 """
-CONFIG = {"off": "", "bands": BANDS % 1.0, "kept": BANDS % 0.67}
+CONFIG = {"off": "", "bands": BANDS % 1.0, "kept": BANDS % 0.67, "kept-one": BANDS % 0.34}
 
 
 def head_commit():
