@@ -251,15 +251,20 @@ impl Admission {
             return Err(RouteError::RateLimited { tenant: placed.tenant.clone(), retry_after });
         }
         meter.charge(now, prompt_tokens);
+        metrics::counter!("inferrail_admission_charged_tokens_total", "tenant" => placed.tenant.clone(), "kind" => "prompt")
+            .increment(prompt_tokens);
         Ok(())
     }
 
     /// A request of a tenant with limits was decided under `request_id`:
-    /// its output tokens are charged when its usage comes.
-    pub fn decided(&self, placed: &Placed, request_id: &str) {
-        if !self.rules.load().windows(&placed.tenant).is_empty() {
+    /// its output tokens are charged when its usage comes. Returns whether
+    /// they will be (whether its usage is wanted).
+    pub fn decided(&self, placed: &Placed, request_id: &str) -> bool {
+        let limited = !self.rules.load().windows(&placed.tenant).is_empty();
+        if limited {
             self.lock().charged.insert(request_id.to_owned(), placed.tenant.clone());
         }
+        limited
     }
 
     /// A request's usage came: its output tokens count against its tenant's limits.
@@ -269,6 +274,8 @@ impl Admission {
             && let Some(meter) = state.meters.get_mut(&tenant)
         {
             meter.charge(now, completion_tokens);
+            metrics::counter!("inferrail_admission_charged_tokens_total", "tenant" => tenant, "kind" => "output")
+                .increment(completion_tokens);
         }
     }
 

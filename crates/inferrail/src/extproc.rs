@@ -193,6 +193,7 @@ impl ExtProc {
                         let answer = reply::decision(&d, d.request_id != request_id, traceparent.as_deref());
                         // If Envoy is gone it no longer needs the answer.
                         let _ = tx.send(Ok(answer)).await;
+                        let mut tail = picker::Tail::default();
                         while let Ok(Some(m)) = inbound.message().await {
                             let answer = match &m.request {
                                 // The response's headers: its status and who served, before the end.
@@ -200,13 +201,25 @@ impl ExtProc {
                                     self.router.hear(&d.request_id, status(&self.router, h, attribute(&m.attributes, "upstream.address")));
                                     if h.end_of_stream {
                                         self.router.hear(&d.request_id, Event::FirstByte);
+                                        reply::continue_response_headers()
+                                    } else if d.wants_usage {
+                                        // A limited tenant's output tokens are in the body's last bytes.
+                                        reply::continue_response_headers_then_body()
+                                    } else {
+                                        reply::continue_response_headers()
                                     }
-                                    reply::continue_response_headers()
                                 }
-                                // Only where the filter is set to send them (not shipped): each is
-                                // let through at once, so Envoy never waits out its timeout.
-                                Some(Request::ResponseBody(_)) => {
+                                // A limited tenant's response (or every one, where the filter is set to
+                                // send them): each chunk is let through at once, so Envoy never waits
+                                // out its timeout; the last carries the usage.
+                                Some(Request::ResponseBody(b)) => {
                                     self.router.hear(&d.request_id, Event::FirstByte);
+                                    tail.keep(&b.body);
+                                    if b.end_of_stream
+                                        && let Some(usage) = tail.usage()
+                                    {
+                                        self.router.hear(&d.request_id, Event::Usage(usage));
+                                    }
                                     reply::continue_response_body()
                                 }
                                 Some(Request::ResponseTrailers(_)) => reply::continue_trailers(true),

@@ -161,6 +161,22 @@ pub fn continue_response_headers() -> ProcessingResponse {
     ProcessingResponse { response: Some(Response::ResponseHeaders(HeadersResponse::default())), ..Default::default() }
 }
 
+/// Let the response's headers through and ask for its body, chunk by chunk
+/// as it streams, for this request only (the filter must allow mode
+/// overrides): its usage is in its last bytes.
+pub fn continue_response_headers_then_body() -> ProcessingResponse {
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::ProcessingMode;
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::{BodySendMode, HeaderSendMode};
+    let mode = ProcessingMode {
+        request_header_mode: HeaderSendMode::Send as i32,
+        request_body_mode: BodySendMode::Buffered as i32,
+        response_header_mode: HeaderSendMode::Send as i32,
+        response_body_mode: BodySendMode::Streamed as i32,
+        ..Default::default()
+    };
+    ProcessingResponse { mode_override: Some(mode), ..continue_response_headers() }
+}
+
 /// Let a (buffered or streamed) response body chunk through unchanged.
 pub fn continue_response_body() -> ProcessingResponse {
     ProcessingResponse { response: Some(Response::ResponseBody(BodyResponse::default())), ..Default::default() }

@@ -95,6 +95,8 @@ pub struct Decision {
     pub estimate: Option<Duration>,
     /// The router that decided it ([`Peers::id`]), for what is heard elsewhere to find it.
     pub decider: u64,
+    /// Its tenant has token limits: its output tokens count once its usage is heard.
+    pub wants_usage: bool,
 }
 
 /// A request read up to the decision.
@@ -418,7 +420,7 @@ impl Router {
             metrics::histogram!("inferrail_predicted_cached_tokens").record(cached as f64);
         }
         let key = self.ledger.insert(request_id, committed.lease.clone(), self.now());
-        self.admission.decided(&placed, &key);
+        let wants_usage = self.admission.decided(&placed, &key);
         if self.peers.any() {
             self.peers.tell_all(peers::decided(self, &key, &committed.lease, read.session.as_deref()));
         }
@@ -437,6 +439,7 @@ impl Router {
             candidates: plan.set_aside.iter().filter(|a| a.is_none()).count(),
             estimate: committed.lease.estimate(),
             decider: self.peers.id,
+            wants_usage,
         })
     }
 

@@ -95,7 +95,26 @@ async fn answer_and_drain(answer: ProcessingResponse, mut inbound: Streaming<Pro
 #[derive(Default)]
 struct Response {
     first_byte: bool,
-    tail: Vec<u8>,
+    tail: Tail,
+}
+
+/// A response's last bytes, kept to read its usage from.
+#[derive(Default)]
+pub(super) struct Tail(Vec<u8>);
+
+impl Tail {
+    /// Keeps the last [`TAIL`] bytes (or up to twice that) of what came so far, with `chunk`.
+    pub(super) fn keep(&mut self, chunk: &[u8]) {
+        self.0.extend_from_slice(&chunk[chunk.len().saturating_sub(TAIL)..]);
+        if self.0.len() > 2 * TAIL {
+            self.0.drain(..self.0.len() - TAIL);
+        }
+    }
+
+    /// The usage the response ended with, if it reported one.
+    pub(super) fn usage(&self) -> Option<Usage> {
+        usage(&self.0)
+    }
 }
 
 impl Response {
@@ -114,28 +133,20 @@ impl Response {
                 if !std::mem::replace(&mut self.first_byte, true) {
                     events.push(Event::FirstByte);
                 }
-                self.keep_tail(&b.body);
+                self.tail.keep(&b.body);
                 if b.end_of_stream {
-                    events.extend(usage(&self.tail).map(Event::Usage));
+                    events.extend(self.tail.usage().map(Event::Usage));
                     events.push(Event::End);
                 }
                 reply::streamed(true, b.body, b.end_of_stream)
             }
             Some(Request::ResponseTrailers(_)) => {
-                events.extend(usage(&self.tail).map(Event::Usage));
+                events.extend(self.tail.usage().map(Event::Usage));
                 events.push(Event::End);
                 reply::continue_trailers(true)
             }
             _ => return None,
         })
-    }
-
-    /// Keeps the last [`TAIL`] bytes (or up to twice that) of the response.
-    fn keep_tail(&mut self, chunk: &[u8]) {
-        self.tail.extend_from_slice(&chunk[chunk.len().saturating_sub(TAIL)..]);
-        if self.tail.len() > 2 * TAIL {
-            self.tail.drain(..self.tail.len() - TAIL);
-        }
     }
 }
 

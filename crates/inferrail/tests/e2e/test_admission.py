@@ -4,8 +4,11 @@ waits at the router past the filter's 1 s message_timeout is routed when a
 slot comes back, never let through unrouted; one whose band's wait runs out
 is shed with 503 and Retry-After; a wrong API key gets 401 and appears in
 no log, and no prompt reaches the router's or Envoy's; a tenant past its
-token limit gets 429 with Retry-After."""
+token limit gets 429 with Retry-After; a limited tenant's output tokens are
+counted from its response's usage, which Envoy sends the router for that
+tenant only."""
 
+import json
 import threading
 import time
 
@@ -22,6 +25,8 @@ ADMISSION = """admission:
   tenants:
     - name: capped
       limits: [{tokens: 20, window_ms: 60000}]
+    - name: metered
+      limits: [{tokens: 1000000, window_ms: 60000}]
 """
 
 
@@ -110,3 +115,27 @@ def test_a_tenant_past_its_token_limit_gets_429_with_retry_after(fleet):
     assert 1 <= int(r.headers["retry-after"]) <= 60
     # Another tenant is not limited.
     assert fleet.chat(headers={"x-inferrail-tenant": "other"}).status == 200
+
+
+def test_a_limited_tenants_output_tokens_are_counted_from_its_responses_usage(fleet):
+    from harness import wait_until
+    charged = lambda tenant, kind: fleet.metric("inferrail_admission_charged_tokens_total", f'tenant="{tenant}",kind="{kind}"')  # noqa: E731
+    metered = {"x-inferrail-tenant": "metered"}
+    r = fleet.chat(max_tokens=7, headers=metered)
+    assert r.status == 200, r.body
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] > 0
+    wait_until(lambda: charged("metered", "output") == usage["completion_tokens"], "the answer's output tokens charged")
+    assert charged("metered", "prompt") == usage["prompt_tokens"]
+    # Streamed: the usage is in the last chunk, and every chunk still reaches the client.
+    s = fleet.chat(max_tokens=5, headers=metered, stream=True, stream_options={"include_usage": True})
+    assert s.status == 200, s.body
+    events = [json.loads(line[6:]) for line in s.body.decode().splitlines() if line.startswith("data: {")]
+    streamed = events[-1]["usage"]
+    assert sum(1 for e in events if e.get("choices") and e["choices"][0]["delta"].get("content")) == streamed["completion_tokens"]
+    assert s.body.decode().rstrip().endswith("data: [DONE]")
+    total = usage["completion_tokens"] + streamed["completion_tokens"]
+    wait_until(lambda: charged("metered", "output") == total, "the stream's output tokens charged")
+    # A tenant without limits is not asked for: nothing is charged to it.
+    assert fleet.chat(max_tokens=3, headers={"x-inferrail-tenant": "free"}).status == 200
+    assert charged("free", "output") is None and charged("free", "prompt") is None
