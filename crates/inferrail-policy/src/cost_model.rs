@@ -51,9 +51,9 @@
 //! count-min sketch ([`crate::sketch`]). A root asked for by more than
 //! `hot_prefix.fair_shares` times one replica's share of the requests (`1 /
 //! n`) gets `ceil(share * n / fair_shares)` owners: when fewer replicas hold
-//! it and every holder takes more than `fair_shares` of the requests, the
-//! least loaded others are priced as if they held it too, so its load
-//! spreads by queue and share. A root whose holders keep up stays put:
+//! it and every holder takes more than `fair_shares` of the requests and
+//! is serving one now, the least loaded others are priced as if they held
+//! it too, so its load spreads by queue and share. A root whose holders keep up stays put:
 //! copying a prefix evicts others, and on a busy fleet that cascades. So
 //! does a prompt whose shared part would take more than
 //! `hot_prefix.max_cache_share` of a replica's KV cache (a long context):
@@ -361,10 +361,14 @@ impl RoutingPolicy for CostModel {
             // (queue, decode and share) are priced as if they held it too, up
             // to its owners. A root nobody holds, or one that is not hot, is
             // priced as it is.
-            // Only while every holder takes more than its fair share: a
-            // root whose holders keep up stays where it is cached.
+            // Only while every holder takes more than its fair share and
+            // is serving a request now: a root whose holders keep up stays
+            // where it is cached, and an idle holder serves the next
+            // request at once.
             let fair = self.config.hot_prefix.fair_shares;
-            let busy = (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens >= root_tokens).all(|k| shares[k] > fair);
+            let busy = (0..offered.len())
+                .filter(|&k| c[offered[k]].cached_tokens >= root_tokens)
+                .all(|k| shares[k] > fair && c[offered[k]].in_flight > 0);
             if owners > 1 && holders >= 1 && owners > holders && busy {
                 // Priced as holding what the best holder holds: the others
                 // would cache the whole shared prefix after one miss.

@@ -167,6 +167,9 @@ fn a_hot_root_prefix_gets_more_owners_and_a_cold_one_stays_on_its_holder() {
     assert_eq!(p.owners(cold[15], 4), 1, "the cold root keeps one owner");
     let req = at(5_000, hot);
     let mut scores = vec![Score::default(); 4];
+    p.score(&req, &c, &[0, 1, 2, 3], &mut r, &mut scores);
+    assert!(scores.iter().all(|s| s.terms[3] == 0.0), "an idle holder serves it at once: no copy: {scores:?}");
+    c[0].in_flight = 1;
     c[0].queued_prefill_secs = 0.2;
     p.score(&req, &c, &[0, 1, 2, 3], &mut r, &mut scores);
     let credited = scores.iter().filter(|s| s.terms[3] > 0.0).count();
