@@ -86,22 +86,32 @@ def post(port, body, band=None, stream=False, timeout=300, headers=None):
         c.close()
 
 
-def interactive(port, rng, rate, seconds, banded, out):
-    """Poisson arrivals for `seconds`; each result appended to `out` as (sent at, status, ttft)."""
+def poisson(rng, rate, seconds, arrival):
+    """Poisson arrivals at `rate` for `seconds`: each runs `arrival(rng, at)`
+    (the function it returns, on a thread of its own; `at`: when it
+    arrived). Returns when every one has run."""
     threads, end = [], time.monotonic() + seconds
     while time.monotonic() < end:
-        body = {"model": "sim", "prompt": words(rng, 40), "max_tokens": 4}
-
-        def one(body=body, at=time.monotonic()):
-            a = post(port, body, "interactive" if banded else None, True)
-            out.append((at, a.status, a.first, a.headers.get("x-inferrail-upstream"), a.total))
-
-        t = threading.Thread(target=one)
+        t = threading.Thread(target=arrival(rng, time.monotonic()))
         t.start()
         threads.append(t)
         time.sleep(rng.expovariate(rate))
     for t in threads:
         t.join()
+
+
+def interactive(port, rng, rate, seconds, banded, out):
+    """Interactive requests at Poisson arrivals for `seconds`; each appended
+    to `out` as (sent at, status, ttft, upstream, seconds in all)."""
+    def arrival(rng, at):
+        body = {"model": "sim", "prompt": words(rng, 40), "max_tokens": 4}
+
+        def one():
+            a = post(port, body, "interactive" if banded else None, True)
+            out.append((at, a.status, a.first, a.headers.get("x-inferrail-upstream"), a.total))
+        return one
+
+    poisson(rng, rate, seconds, arrival)
 
 
 def batch(port, seed, banded, words_n, stop, done):

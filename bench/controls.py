@@ -36,27 +36,18 @@ import threading
 import time
 from pathlib import Path
 
-from admission import Fleet, head_commit, pct, post, words
+from admission import Fleet, head_commit, pct, poisson, post, words
 
 MODEL = "sim"
 
 
-def poisson(port, rng, rate, seconds, make, out):
-    """Sends `make(rng)` (body, headers) at Poisson arrivals for `seconds`;
-    appends (sent at, Answer) to `out`. Returns when every answer is in."""
-    threads, end = [], time.monotonic() + seconds
-    while time.monotonic() < end:
+def sending(port, make, out):
+    """A `poisson` arrival that posts `make(rng)` (body, headers) and
+    appends (sent at, Answer) to `out`."""
+    def arrival(rng, at):
         body, headers = make(rng)
-
-        def one(body=body, headers=headers, at=time.monotonic()):
-            out.append((at, post(port, body, headers=headers, timeout=120)))
-
-        t = threading.Thread(target=one)
-        t.start()
-        threads.append(t)
-        time.sleep(rng.expovariate(rate))
-    for t in threads:
-        t.join()
+        return lambda: out.append((at, post(port, body, headers=headers, timeout=120)))
+    return arrival
 
 
 def statuses(answers):
@@ -99,10 +90,10 @@ def fairness(args):
 
             polite, greedy = [], []
             span = args.warmup_s + args.measure_s
-            senders = [threading.Thread(target=poisson, args=(f.listen, random.Random(args.seed), args.polite, span, sender("polite"), polite))]
+            senders = [threading.Thread(target=poisson, args=(random.Random(args.seed), args.polite, span, sending(f.listen, sender("polite"), polite)))]
             if mode != "alone":
-                senders.append(threading.Thread(target=poisson, args=(f.listen, random.Random(args.seed + 1), 10 * args.polite, span,
-                                                                      sender("greedy"), greedy)))
+                greedy_arrivals = sending(f.listen, sender("greedy"), greedy)
+                senders.append(threading.Thread(target=poisson, args=(random.Random(args.seed + 1), 10 * args.polite, span, greedy_arrivals)))
             started = time.monotonic()
             for s in senders:
                 s.start()
@@ -140,7 +131,7 @@ def limits(args):
 
         # About 130 prompt tokens each: three times the limit.
         rate = 3 * args.limit_tokens / 130
-        poisson(f.listen, random.Random(args.seed), rate, args.measure_s, make, sent)
+        poisson(random.Random(args.seed), rate, args.measure_s, sending(f.listen, make, sent))
         time.sleep(1)
     finally:
         f.stop()
@@ -235,7 +226,7 @@ def shadow(args):
             text = f.metrics()
             cpu0 = cpu_seconds(pid)
             sent = []
-            poisson(f.listen, random.Random(args.seed), args.shadow_rate, args.measure_s, make, sent)
+            poisson(random.Random(args.seed), args.shadow_rate, args.measure_s, sending(f.listen, make, sent))
             cpu = cpu_seconds(pid) - cpu0
             text = f.metrics()
             n = len(sent)

@@ -684,13 +684,10 @@ fn keep_for_urgent(replicas: &[Arc<Replica>], aside: &mut [Option<SetAside>], sh
         return Ok(());
     }
     let lasting = |a: &Option<SetAside>| matches!(a, Some(SetAside::Unhealthy | SetAside::Draining | SetAside::OutsideSubset));
-    let mut pool: Vec<usize> = (0..replicas.len()).filter(|&i| !lasting(&aside[i])).collect();
-    pool.sort_by(|&a, &b| replicas[a].id.cmp(&replicas[b].id));
-    let keep = ((share * pool.len() as f64 + 1e-9).floor() as usize).max(1);
-    for &i in &pool[keep.min(pool.len())..] {
-        aside[i].get_or_insert(SetAside::KeptForUrgent);
-    }
-    if aside.iter().all(Option::is_some) { Err(NoReplica::AllFull) } else { Ok(()) }
+    let mut pool: Vec<&str> = replicas.iter().zip(aside.iter()).filter(|(_, a)| !lasting(a)).map(|(r, _)| r.id.as_str()).collect();
+    pool.sort_unstable();
+    pool.truncate(((share * pool.len() as f64 + 1e-9).floor() as usize).max(1));
+    restrict(replicas, aside, |r| !pool.contains(&r.id.as_str()), SetAside::KeptForUrgent, NoReplica::AllFull)
 }
 
 /// A plan that some replica can take, or why none can.

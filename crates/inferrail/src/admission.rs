@@ -15,7 +15,7 @@ use arc_swap::ArcSwap;
 use inferrail_admit::keys::{self, Keys};
 use inferrail_admit::limit::{Meter, Window};
 use inferrail_admit::queue::{Bounds, Entry, Full, Id, Queue};
-use inferrail_config::{Admission as Settings, Band, Config};
+use inferrail_config::{Admission as Settings, Band, Config, OnMiss};
 use tokio::sync::Notify;
 
 use crate::router::RouteError;
@@ -77,6 +77,17 @@ impl Placed {
     /// Whether an estimated time to first token misses its band's objective.
     pub fn misses(&self, estimate: Duration) -> bool {
         self.objective().is_some_and(|o| estimate > o)
+    }
+
+    /// The shed (counted) of a request whose best estimate misses its
+    /// band's objective, when the band sheds rather than waits.
+    pub fn shed_on_miss(&self, estimate: Duration) -> Option<Shed> {
+        let (_, band) = self.band.as_ref()?;
+        let objective = self.objective()?;
+        (band.on_miss == OnMiss::Shed && estimate > objective).then(|| {
+            shed_metric("over_objective", &band.name);
+            Shed::OverObjective { estimate, objective }
+        })
     }
 }
 
@@ -443,7 +454,8 @@ impl Ticket<'_> {
     }
 
     /// It goes: its tenant is charged its turn, and the next is woken.
-    pub fn admitted(self, now: Duration) {
+    /// Returns how long it waited.
+    pub fn admitted(self, now: Duration) -> Duration {
         let waited = now.saturating_sub(self.entered);
         metrics::histogram!("inferrail_admission_wait_seconds", "band" => self.band.clone(), "tenant" => self.tenant.clone())
             .record(waited.as_secs_f64());
@@ -451,6 +463,7 @@ impl Ticket<'_> {
             q.admit(self.id);
         }
         // Dropping it wakes the next.
+        waited
     }
 }
 

@@ -125,7 +125,7 @@ impl ExtProc {
     ) -> Option<Result<(Decision, Option<String>), Box<ProcessingResponse>>> {
         let started = std::time::SystemTime::now();
         let traces = self.router.traces.as_ref();
-        // The decision itself takes no time worth naming; this covers the answer's way back.
+        // The margin covers the answer's way back to Envoy once the wait ends.
         let on_wait = |wait: Duration| drop(tx.try_send(Ok(reply::wait(wait + WAIT_MARGIN))));
         let caller = Caller { asked: &head.asked, on_wait: &on_wait };
         let deciding = self.router.decide_as(body, generation, request_id, head.session.as_deref(), subset, &caller);

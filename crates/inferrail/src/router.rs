@@ -97,6 +97,8 @@ pub struct Decision {
     pub decider: u64,
     /// Its tenant has token limits: its output tokens count once its usage is heard.
     pub wants_usage: bool,
+    /// How long it waited its turn in its model's queue.
+    pub waited: Duration,
 }
 
 /// A request read up to the decision.
@@ -378,11 +380,14 @@ impl Router {
     ) -> Result<Decision, RouteError> {
         let started = Instant::now();
         let result = self.decide_inner(body, endpoint, request_id, session, subset, caller).await;
-        let policy = match &result {
-            Ok(d) => d.policy,
-            Err(_) => "none",
+        let (policy, waited) = match &result {
+            Ok(d) => (d.policy, d.waited),
+            Err(RouteError::Shed(Shed::Waited(waited))) => ("none", *waited),
+            Err(_) => ("none", Duration::ZERO),
         };
-        metrics::histogram!("inferrail_decision_seconds", "policy" => policy).record(started.elapsed().as_secs_f64());
+        // The router's work, not the time a request waited its turn (inferrail_admission_wait_seconds).
+        metrics::histogram!("inferrail_decision_seconds", "policy" => policy)
+            .record(started.elapsed().saturating_sub(waited).as_secs_f64());
         match &result {
             Ok(d) => metrics::counter!("inferrail_decisions_total", "policy" => d.policy, "model" => d.model.clone()).increment(1),
             Err(e) => metrics::counter!("inferrail_router_errors_total", "reason" => e.reason()).increment(1),
@@ -413,7 +418,7 @@ impl Router {
         let placed = self.admission.place(who, caller.asked, &model.name)?;
         let prompt_tokens = read.prediction.as_ref().map_or(0, |p| p.prompt_tokens) as u64;
         self.admission.limit(&placed, prompt_tokens, self.now())?;
-        let (plan, committed) = self.admitted(&read, subset, &placed, prompt_tokens, caller).await?;
+        let (plan, committed, waited) = self.admitted(&read, subset, &placed, prompt_tokens, caller).await?;
         record_plan(&plan);
         let (policy, steer, prompt_tokens) = (plan.policy, plan.steer, plan.prompt_tokens());
         if let Some(&cached) = committed.cached_tokens.first() {
@@ -440,6 +445,7 @@ impl Router {
             estimate: committed.lease.estimate(),
             decider: self.peers.id,
             wants_usage,
+            waited,
         })
     }
 
@@ -447,7 +453,7 @@ impl Router {
     /// nothing of its band or a more urgent one waits and some replica can
     /// take it within its band's objective; otherwise it waits its turn in
     /// its model's queue and plans again each time it is woken, or is shed.
-    /// Without bands every plan is committed at once.
+    /// Without bands every plan is committed at once. Returns how long it waited.
     async fn admitted(
         &self,
         read: &Prepared,
@@ -455,7 +461,7 @@ impl Router {
         placed: &Placed,
         tokens: u64,
         caller: &Caller<'_>,
-    ) -> Result<(Plan, inferrail_route::Committed), RouteError> {
+    ) -> Result<(Plan, inferrail_route::Committed, Duration), RouteError> {
         let view = read.view(subset, self.peers.share(), placed);
         let reports = |r: &Replica| self.report(&r.id);
         let model_prefill = self.core.model(read.model).params.prefill;
@@ -469,22 +475,15 @@ impl Router {
             let now = self.now();
             let estimate = match self.core.decide_if(&view, &read.fleet, &reports, now, &|plan| turn && within(plan)) {
                 Ok(Decided::Committed(plan, committed)) => {
-                    if let Some(t) = ticket {
-                        t.admitted(now);
-                    }
-                    return Ok((plan, committed));
+                    let waited = ticket.map_or(Duration::ZERO, |t| t.admitted(now));
+                    return Ok((plan, committed, waited));
                 }
                 Ok(Decided::Held(plan)) => Some(plan.estimate(plan.order[0], model_prefill)),
                 Err(NoReplica::AllFull) if placed.band.is_some() => None,
                 Err(e) => return Err(e.into()),
             };
-            if let (Some(estimate), Some(objective), Some((_, band))) = (estimate, placed.objective(), &placed.band)
-                && turn
-                && placed.misses(estimate)
-                && band.on_miss == inferrail_config::OnMiss::Shed
-            {
-                metrics::counter!("inferrail_admission_shed_total", "reason" => "over_objective", "band" => band.name.clone()).increment(1);
-                return Err(RouteError::Shed(Shed::OverObjective { estimate, objective }));
+            if turn && let Some(shed) = estimate.and_then(|e| placed.shed_on_miss(e)) {
+                return Err(RouteError::Shed(shed));
             }
             let t = match ticket.take() {
                 Some(t) => t,

@@ -77,6 +77,9 @@ async fn a_request_waits_while_the_fleet_is_full_and_goes_when_a_slot_comes_back
     end(&r, &first);
     let second = second.await.unwrap().unwrap();
     assert_eq!(second.targets[0].id, "r1");
+    // What it waited is told apart from the router's work (inferrail_decision_seconds leaves it out).
+    assert_eq!(first.waited, Duration::ZERO);
+    assert!(second.waited > Duration::ZERO);
     assert_eq!(second.targets[0].in_flight(), 1);
 }
 

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from harness import wait_until
 
 KEY = "sk-e2e-secret-key"
 
@@ -56,7 +57,6 @@ def test_a_queued_request_outlasts_the_message_timeout_and_is_routed_when_a_slot
     waiter = threading.Thread(target=lambda: result.update(r=fleet.chat(headers={"x-inferrail-band": "interactive"})))
     waiter.start()
     # It waits at the router: queued, and still waiting after Envoy's 1 s message_timeout.
-    from harness import wait_until
     wait_until(lambda: fleet.metric("inferrail_admission_queued_total", 'band="interactive"') == 1, "the request queued")
     time.sleep(1.5)
     assert waiter.is_alive(), "the queued request was answered while the fleet was full"
@@ -118,7 +118,6 @@ def test_a_tenant_past_its_token_limit_gets_429_with_retry_after(fleet):
 
 
 def test_a_limited_tenants_output_tokens_are_counted_from_its_responses_usage(fleet):
-    from harness import wait_until
     charged = lambda tenant, kind: fleet.metric("inferrail_admission_charged_tokens_total", f'tenant="{tenant}",kind="{kind}"')  # noqa: E731
     metered = {"x-inferrail-tenant": "metered"}
     r = fleet.chat(max_tokens=7, headers=metered)
