@@ -266,24 +266,28 @@ bench-mixed *args: setup setup-sglang setup-peers
             --contenders cost_model --out-dir "$out/$1-uncalibrated" {{args}}
     done
 
-# The reuse patterns beyond W1 and W2 against every peer router, on three simulators at time scale 0.1 (SLO: TTFT 200 ms), two repetitions each: `rag` (documents by Zipf weight between an application's prompt and a question, 3 req/s), `burst` (few-shot batches of 40 requests sharing a prefix within a second, 10 req/s) and `long` (W1 with four 32,000-100,000-token system prompts and 8,000-block caches, one or two prompts a replica, 1 req/s). Pick some with `which`; flags go to `inferrail-bench compare`. Results: bench/results/reuse/<pattern>/.
-bench-reuse which="rag burst long" *args: setup setup-sglang setup-peers
+# The reuse patterns beyond W1 and W2 against every peer router, on three simulators at time scale 0.1 (SLO: TTFT 200 ms), two repetitions each: `rag` (documents by Zipf weight between an application's prompt and a question, 3 req/s), `burst` (few-shot batches of 40 requests sharing a prefix within a second, 10 req/s) and `long` (W1 with four 32,000-100,000-token system prompts and 8,000-block caches, one or two prompts a replica, 1 req/s) and `agent` (closed-loop agents of 8 steps resending their replies and tools' outputs, 100 steps/s, 1,500-block caches, the router in approximate mode). Pick some with `which`; flags go to `inferrail-bench compare`. Results: bench/results/reuse/<pattern>/.
+bench-reuse which="rag burst long agent" *args: setup setup-sglang setup-peers
     #!/usr/bin/env bash
     set -euo pipefail
     cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
     peers=round_robin,least_request,cost_model,sglang:cache_aware,smg:cache_aware,vllm-router:cache_aware
-    common=(--time-scale 0.1 --warmup-s 5 --kv-events --reps 2 --contenders "$peers")
+    common=(--time-scale 0.1 --warmup-s 5 --reps 2 --contenders "$peers")
     sim="--block-size 16 --num-gpu-blocks-override 1100 --max-model-len 10240"
     for w in {{which}}; do
         out=bench/results/reuse/$w
         case $w in
-            rag) target/release/inferrail-bench compare "${common[@]}" --sim-flags "$sim" --workloads rag --system-prompts 4 \
+            rag) target/release/inferrail-bench compare "${common[@]}" --kv-events --sim-flags "$sim" --workloads rag --system-prompts 4 \
                      --rate 3 --duration-s 20 --out-dir "$out" {{args}} ;;
-            burst) target/release/inferrail-bench compare "${common[@]}" --sim-flags "$sim" --workloads burst --burst-size 40 \
+            burst) target/release/inferrail-bench compare "${common[@]}" --kv-events --sim-flags "$sim" --workloads burst --burst-size 40 \
                        --system-prompts 3 --rate 10 --duration-s 30 --out-dir "$out" {{args}} ;;
-            long) target/release/inferrail-bench compare "${common[@]}" --sim-flags "--block-size 16 --num-gpu-blocks-override 8000 --max-model-len 110000" \
+            long) target/release/inferrail-bench compare "${common[@]}" --kv-events --sim-flags "--block-size 16 --num-gpu-blocks-override 8000 --max-model-len 110000" \
                       --workloads long --system-prompts 4 --system-tokens 32000-100000 --rate 1 --duration-s 30 --out-dir "$out" {{args}} ;;
-            *) echo "unknown pattern $w (rag, burst, long)" >&2; exit 2 ;;
+            # Approximate mode, as a new user runs it: the router learns each reply's blocks from the next step.
+            agent) target/release/inferrail-bench compare "${common[@]}" --sim-flags "--block-size 16 --num-gpu-blocks-override 1500 --max-model-len 16384" \
+                       --workloads agent --system-prompts 1 --system-tokens 400 --question-tokens 20-60 --output-tokens 20-120 --turns 8 \
+                       --agent-think-ms 20-100 --rate 100 --duration-s 20 --out-dir "$out" {{args}} ;;
+            *) echo "unknown pattern $w (rag, burst, long, agent)" >&2; exit 2 ;;
         esac
     done
 

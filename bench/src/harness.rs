@@ -26,22 +26,30 @@ pub const PREDICTED_HEADER: &str = "x-inferrail-cached-tokens";
 /// What one request measured.
 #[derive(Debug, Clone, Default)]
 pub struct Outcome {
-    /// Scheduled send time, from the start of the run.
+    /// Scheduled send time, from the start of the run; for a closed-loop
+    /// agent's step, the agent's arrival (so the warmup holds the same steps
+    /// whoever answers them).
     pub at: Duration,
-    /// Actual send minus scheduled send.
+    /// Actual send minus scheduled send (zero for an agent's later steps,
+    /// sent when they are ready).
     pub send_lag: Duration,
+    /// When its latencies count from, from the start of the run: the
+    /// scheduled send, or an agent's later step's own send.
+    pub started: Duration,
     /// HTTP status, when one came.
     pub status: Option<u16>,
     /// Why the request failed; `None` when it streamed to `[DONE]`.
     pub error: Option<String>,
-    /// Scheduled send to the first content chunk.
+    /// `started` to the first content chunk.
     pub ttft: Option<Duration>,
-    /// Scheduled send to `[DONE]`.
+    /// `started` to `[DONE]`.
     pub e2e: Option<Duration>,
     /// Gaps between consecutive content chunks.
     pub itl: Vec<Duration>,
     /// Output tokens: `usage.completion_tokens`, else the content chunks.
     pub output_tokens: usize,
+    /// The streamed content, which an agent's next step resends.
+    pub reply: String,
     /// `usage.prompt_tokens`.
     pub prompt_tokens: Option<u64>,
     /// `usage.prompt_tokens_details.cached_tokens`.
@@ -69,38 +77,103 @@ impl Outcome {
 }
 
 /// Sends `requests` to `base` on their schedule, starting shortly after the
-/// call, and returns their outcomes in the same order.
+/// call, and returns their outcomes in the same order. A closed-loop agent's
+/// steps (`Request::step`) run one after another in one task, each sent
+/// when the previous one's answer ended and its think time passed.
 pub async fn send_all(http: &reqwest::Client, base: &str, requests: &[Request], progress: bool) -> anyhow::Result<Vec<Outcome>> {
-    let bodies = requests.iter().map(|r| streaming_body(&r.body)).collect::<anyhow::Result<Vec<_>>>()?;
     let bar = if progress { ProgressBar::new(requests.len() as u64) } else { ProgressBar::hidden() };
     bar.set_style(ProgressStyle::with_template("{elapsed_precise} [{wide_bar}] {pos}/{len} done")?);
     let start = Instant::now() + Duration::from_millis(100);
     let mut tasks = Vec::with_capacity(requests.len());
-    for (r, body) in requests.iter().zip(bodies) {
-        let at = start + r.at;
+    for chain in chains(requests) {
+        let steps: Vec<Request> = chain.iter().map(|&i| requests[i].clone()).collect();
+        let at = start + steps[0].at;
+        // Checked before the first is sent, so a bad body fails the run, not a request.
+        streaming_body(&steps[0].body)?;
         tokio::time::sleep_until(at).await;
-        let request = http.post(format!("{base}{}", r.api.path())).header("content-type", "application/json").body(body);
-        let request = match &r.session {
-            Some(s) => request.header("x-session-id", s),
-            None => request,
-        };
-        let mut outcome = Outcome { at: r.at, shared_prefix_tokens: r.shared_prefix_tokens, ..Outcome::default() };
-        let bar = bar.clone();
-        tasks.push(tokio::spawn(async move {
-            outcome.send_lag = at.elapsed();
-            if let Err(e) = stream(request, at, &mut outcome).await {
-                outcome.error = Some(format!("{e:#}"));
-            }
-            bar.inc(1);
-            outcome
-        }));
+        let (http, base, bar) = (http.clone(), base.to_string(), bar.clone());
+        tasks.push(tokio::spawn(async move { (chain, send_chain(&http, &base, &steps, at, &bar).await) }));
     }
-    let mut out = Vec::with_capacity(tasks.len());
+    let mut out = vec![Outcome::default(); requests.len()];
     for t in tasks {
-        out.push(t.await.context("request task")?);
+        let (chain, outcomes) = t.await.context("request task")?;
+        for (i, o) in chain.into_iter().zip(outcomes) {
+            out[i] = o;
+        }
     }
     bar.finish_and_clear();
     Ok(out)
+}
+
+/// The requests grouped into what one task sends in turn: an agent's steps
+/// together, every other request alone; ordered by their first request.
+fn chains(requests: &[Request]) -> Vec<Vec<usize>> {
+    let mut chains: Vec<Vec<usize>> = Vec::new();
+    let mut of_agent: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+    for (i, r) in requests.iter().enumerate() {
+        match r.step.as_ref().and_then(|s| of_agent.get(&s.agent)) {
+            Some(&c) => chains[c].push(i),
+            None => {
+                if let Some(s) = &r.step {
+                    of_agent.insert(s.agent, chains.len());
+                }
+                chains.push(vec![i]);
+            }
+        }
+    }
+    chains
+}
+
+/// Sends `steps` in turn, the first at `at`; each later one continues the
+/// conversation with the reply to the one before (see [`crate::workload::Step`]).
+async fn send_chain(http: &reqwest::Client, base: &str, steps: &[Request], at: Instant, bar: &ProgressBar) -> Vec<Outcome> {
+    let mut out: Vec<Outcome> = Vec::with_capacity(steps.len());
+    let mut messages: Vec<Value> = Vec::new();
+    for r in steps {
+        let mut o = Outcome { at: r.at, shared_prefix_tokens: r.shared_prefix_tokens, ..Outcome::default() };
+        let (body, sent) = match out.last() {
+            None => {
+                o.send_lag = at.elapsed();
+                o.started = r.at;
+                messages = r.body["messages"].as_array().cloned().unwrap_or_default();
+                (r.body.clone(), at)
+            }
+            Some(previous) if !previous.ok() => {
+                o.error = Some("an earlier step of its agent failed".into());
+                (Value::Null, at)
+            }
+            Some(previous) => {
+                tokio::time::sleep(r.step.as_ref().map_or(Duration::ZERO, |s| s.think)).await;
+                messages.push(serde_json::json!({"role": "assistant", "content": previous.reply}));
+                messages.extend(r.body["messages"].as_array().into_iter().flatten().cloned());
+                let mut body = r.body.clone();
+                body["messages"] = Value::Array(messages.clone());
+                // It shares the previous step's prompt and reply, as usage counted them.
+                o.shared_prefix_tokens = previous.prompt_tokens.unwrap_or(0) as usize + previous.output_tokens;
+                let now = Instant::now();
+                o.started = r.at + (now - at);
+                (body, now)
+            }
+        };
+        if o.error.is_none() {
+            match streaming_body(&body) {
+                Ok(bytes) => {
+                    let request = http.post(format!("{base}{}", r.api.path())).header("content-type", "application/json").body(bytes);
+                    let request = match &r.session {
+                        Some(s) => request.header("x-session-id", s),
+                        None => request,
+                    };
+                    if let Err(e) = stream(request, sent, &mut o).await {
+                        o.error = Some(format!("{e:#}"));
+                    }
+                }
+                Err(e) => o.error = Some(format!("{e:#}")),
+            }
+        }
+        bar.inc(1);
+        out.push(o);
+    }
+    out
 }
 
 /// The body with `stream: true` and usage in the last chunk.
@@ -138,7 +211,8 @@ async fn stream(request: reqwest::RequestBuilder, at: Instant, o: &mut Outcome) 
         }
         let choice = &v["choices"][0];
         let content = choice["delta"]["content"].as_str().or_else(|| choice["text"].as_str());
-        if content.is_some_and(|c| !c.is_empty()) {
+        if let Some(c) = content.filter(|c| !c.is_empty()) {
+            o.reply.push_str(c);
             let now = Instant::now();
             match last {
                 Some(prev) => o.itl.push(now - prev),

@@ -131,7 +131,7 @@ pub fn summarize(outcomes: &[Outcome], warmup: Duration, slo: Slo) -> Summary {
         };
         *errors.entry(cause).or_insert(0) += 1;
     }
-    let end = ok.iter().filter_map(|o| o.e2e.map(|e| o.at + e)).max().unwrap_or(warmup);
+    let end = ok.iter().filter_map(|o| o.e2e.map(|e| o.started + e)).max().unwrap_or(warmup);
     let first = measured.iter().map(|o| o.at).min().unwrap_or(warmup);
     let window_s = end.saturating_sub(first).as_secs_f64();
     let per_s = |n: f64| if window_s > 0.0 { n / window_s } else { 0.0 };
@@ -273,6 +273,7 @@ mod tests {
     fn ok(at_ms: u64, ttft_ms: u64, e2e_ms: u64, tokens: usize) -> Outcome {
         Outcome {
             at: Duration::from_millis(at_ms),
+            started: Duration::from_millis(at_ms),
             status: Some(200),
             ttft: Some(Duration::from_millis(ttft_ms)),
             e2e: Some(Duration::from_millis(e2e_ms)),

@@ -10,13 +10,14 @@
 //!   the length of a `w1` prompt.
 //! - `mix`: each request `w1` or `w6` with even odds.
 //! - `w2`: multi-turn chats resending their history, in `sessions`.
-//! - `rag` and `burst`: documents by Zipf weight between an application's
-//!   prompt and a question, and few-shot batches arriving within a second,
-//!   in `reuse`.
+//! - `rag`, `burst` and `agent`: documents by Zipf weight between an
+//!   application's prompt and a question, few-shot batches arriving within a
+//!   second, and closed-loop agents resending the model's replies, in `reuse`.
 //! - `replay`: a JSONL trace, in `replay`.
 //!
 //! Same seed, same requests. Arrivals are Poisson at `rate` (for `w2`,
-//! conversations arrive at `rate` divided by the mean turn count).
+//! conversations arrive at `rate` divided by the mean turn count, and so do
+//! `agent`'s agents).
 
 mod replay;
 mod reuse;
@@ -56,6 +57,26 @@ pub struct Request {
     /// Leading prompt tokens the workload knows earlier requests share
     /// (a `w1` system prompt, a `w2` conversation's previous turn).
     pub shared_prefix_tokens: usize,
+    /// A step of a closed-loop agent (`agent`); `None` for a request sent on
+    /// its schedule alone.
+    pub step: Option<Step>,
+}
+
+/// A step of a closed-loop agent. Every step of an agent has the agent's
+/// arrival as its `at`, and they follow each other in the workload's order.
+/// The first is a whole request, sent at `at`. Each later one is sent
+/// `think` after the previous step's answer ended; its body holds only the
+/// messages it adds, and the sender puts the conversation so far before
+/// them: the previous step's messages and the reply the engine streamed.
+/// Its `prompt_tokens` count those added messages alone, since the reply
+/// is not known before the run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Step {
+    /// The agent, numbered in arrival order.
+    pub agent: usize,
+    /// The wait after the previous step's answer: the tool call and the
+    /// agent framework's own work.
+    pub think: Duration,
 }
 
 /// Which OpenAI endpoint a request goes to.
@@ -95,6 +116,9 @@ pub enum Kind {
     Rag,
     /// Few-shot batches: bursts of requests sharing a long prefix within a second.
     Burst,
+    /// Closed-loop agents: each step resends the history, the model's
+    /// replies and the tools' outputs included.
+    Agent,
     /// Long contexts: W1's shape, named apart for system prompts that take
     /// a large part of a cache (`--system-tokens`; `just bench-reuse long`
     /// uses 32,000-100,000).
@@ -144,7 +168,7 @@ pub struct Spec {
     /// Requests of each `burst`.
     #[arg(long, default_value_t = 200)]
     pub burst_size: usize,
-    /// Turns per w2 conversation.
+    /// Turns per w2 conversation; steps per agent.
     #[arg(long, default_value = "2-6")]
     #[serde(serialize_with = "display")]
     pub turns: Span,
@@ -153,6 +177,15 @@ pub struct Spec {
     #[arg(long, default_value = "10-20")]
     #[serde(serialize_with = "display")]
     pub think_s: Span,
+    /// Tokens of each tool output an agent adds after a reply.
+    #[arg(long, default_value = "60-200")]
+    #[serde(serialize_with = "display")]
+    pub tool_tokens: Span,
+    /// Milliseconds an agent waits between a step's answer and its next
+    /// step (its tool call and its framework's work).
+    #[arg(long, default_value = "200-1000")]
+    #[serde(serialize_with = "display")]
+    pub agent_think_ms: Span,
     /// W2 conversations from a ShareGPT JSON file instead of generated ones.
     #[arg(long)]
     pub sharegpt: Option<PathBuf>,
@@ -183,6 +216,8 @@ impl Spec {
             burst_size: 200,
             turns: Span { min: 2, max: 6 },
             think_s: Span { min: 10, max: 20 },
+            tool_tokens: Span { min: 60, max: 200 },
+            agent_think_ms: Span { min: 200, max: 1000 },
             sharegpt: None,
             trace: None,
         }
@@ -198,12 +233,14 @@ pub fn generate(spec: &Spec, rate: f64, secs: f64, seed: u64) -> anyhow::Result<
         Kind::W2 => sessions::generate(spec, rate, secs, seed, &counter)?,
         Kind::Rag => reuse::rag(spec, rate, secs, seed, &counter)?,
         Kind::Burst => reuse::burst(spec, rate, secs, seed, &counter)?,
+        Kind::Agent => reuse::agents(spec, rate, secs, seed, &counter)?,
         Kind::Replay => {
             let path = spec.trace.as_ref().context("replay needs --trace")?;
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
             replay::parse(&text, &spec.model, secs, &counter)?
         }
     };
+    // Stable: an agent's steps share its arrival and keep their order.
     out.sort_by_key(|r| r.at);
     Ok(out)
 }
@@ -235,7 +272,7 @@ fn single_turn(spec: &Spec, rate: f64, secs: f64, seed: u64, counter: &Counter) 
             (chat_body(&spec.model, None, &text::unique(&mut rng, &format!("u{i}"), tokens as usize), max_tokens), 0)
         };
         let prompt_tokens = counter.ids(Api::Chat, &body)?.len();
-        out.push(Request { at, api: Api::Chat, body, session: None, prompt_tokens, shared_prefix_tokens });
+        out.push(Request { at, api: Api::Chat, body, session: None, prompt_tokens, shared_prefix_tokens, step: None });
     }
     Ok(out)
 }

@@ -85,6 +85,7 @@ impl Traffic {
                 all.truncate(requests);
                 Source::Slow { requests: all.into_iter() }
             }
+            Kind::Agent => anyhow::bail!("agent loops are closed loops, which the fleet simulation does not run: use `run` or `compare`"),
         };
         Ok(Self { source, text, counter })
     }

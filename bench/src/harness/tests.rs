@@ -10,7 +10,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::sleep;
 
 use super::*;
-use crate::workload::{Api, Request};
+use crate::workload::{Api, Request, Step};
 
 /// How a test server answers.
 #[derive(Clone, Copy)]
@@ -36,6 +36,8 @@ struct Seen {
     waiting: usize,
     /// The most that were waiting at once.
     most_waiting: usize,
+    /// The bodies, in the order they arrived.
+    bodies: Vec<serde_json::Value>,
 }
 
 /// Starts a server; returns its address and what it saw.
@@ -77,6 +79,8 @@ async fn answer(mut socket: TcpStream, plan: Plan, seen: &Mutex<Seen>, one_at_a_
     }
     {
         let mut s = seen.lock().expect("lock");
+        let text = String::from_utf8_lossy(&buf).to_string();
+        s.bodies.push(text.split_once("\r\n\r\n").and_then(|(_, b)| serde_json::from_str(b).ok()).unwrap_or_default());
         s.arrived += 1;
         s.waiting += 1;
         s.most_waiting = s.most_waiting.max(s.waiting);
@@ -119,6 +123,7 @@ fn requests(n: usize, every: Duration) -> Vec<Request> {
             session: Some(format!("s{i}")),
             prompt_tokens: 0,
             shared_prefix_tokens: 3,
+            step: None,
         })
         .collect()
 }
@@ -181,4 +186,62 @@ async fn failures_are_recorded_with_their_status() {
     let (addr, _) = server(plan).await;
     let out = send_all(&reqwest::Client::new(), &format!("http://{addr}"), &requests(2, Duration::ZERO), false).await.expect("runs");
     assert!(out.iter().all(|o| o.status == Some(503) && o.error.as_deref().is_some_and(|e| e.contains("overloaded"))), "{out:?}");
+}
+
+/// Two agents: `a` with three steps 50 ms apart after each answer, `b` with one.
+fn agents() -> Vec<Request> {
+    let step = |agent: usize, k: usize, content: &str| Request {
+        at: Duration::from_millis(20 * agent as u64),
+        api: Api::Chat,
+        body: json!({"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 3 + k}),
+        session: None,
+        prompt_tokens: 0,
+        shared_prefix_tokens: 0,
+        step: Some(Step { agent, think: Duration::from_millis(50) * u32::from(k > 0) }),
+    };
+    vec![step(0, 0, "task a"), step(1, 0, "task b"), step(0, 1, "tool a1"), step(0, 2, "tool a2")]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_resends_its_history_with_the_streamed_replies_after_each_answer() {
+    let plan = Plan { status: 200, first: Duration::from_millis(30), every: Duration::ZERO, chunks: 3, serial: false };
+    let (addr, seen) = server(plan).await;
+    let out = send_all(&reqwest::Client::new(), &format!("http://{addr}"), &agents(), false).await.expect("runs");
+    assert!(out.iter().all(Outcome::ok), "{out:?}");
+    let seen = seen.lock().expect("lock");
+    let of = |first: &str| seen.bodies.iter().filter(|b| b["messages"][0]["content"] == first).cloned().collect::<Vec<_>>();
+    let (a, b) = (of("task a"), of("task b"));
+    assert_eq!((a.len(), b.len(), seen.arrived), (3, 1, 4));
+    let reply = json!({"role": "assistant", "content": "w0 w1 w2 "});
+    let user = |c: &str| json!({"role": "user", "content": c});
+    assert_eq!(
+        a[2]["messages"],
+        json!([user("task a"), reply, user("tool a1"), reply, user("tool a2")]),
+        "the whole history, replies as streamed"
+    );
+    assert_eq!(a[2]["max_tokens"], 5, "each step keeps its own fields");
+    assert_eq!(a[1]["stream"], true);
+    // Outcomes in the workload's order; every step of an agent at its arrival.
+    assert_eq!(out.iter().map(|o| o.at).collect::<Vec<_>>(), [0, 20, 0, 0].map(Duration::from_millis));
+    assert_eq!(out[0].reply, "w0 w1 w2 ");
+    // Each later step leaves after the one before ended and its think time,
+    // and shares that step's prompt and reply as usage counted them.
+    for (before, next) in [(0, 2), (2, 3)] {
+        let ended = out[before].started + out[before].e2e.expect("e2e");
+        assert!(out[next].started >= ended + Duration::from_millis(50), "{:?} then {:?}", out[before], out[next]);
+        assert!(out[next].ttft.expect("ttft") >= Duration::from_millis(30), "timed from its own send");
+        assert_eq!(out[next].shared_prefix_tokens, 10 + 3);
+    }
+}
+
+#[tokio::test]
+async fn an_agent_stops_at_its_first_failed_step() {
+    let plan = Plan { status: 503, first: Duration::ZERO, every: Duration::ZERO, chunks: 0, serial: false };
+    let (addr, seen) = server(plan).await;
+    let out = send_all(&reqwest::Client::new(), &format!("http://{addr}"), &agents(), false).await.expect("runs");
+    assert_eq!(seen.lock().expect("lock").arrived, 2, "each agent's first step only");
+    assert_eq!(out[0].status, Some(503));
+    for o in &out[2..] {
+        assert_eq!((o.status, o.error.as_deref()), (None, Some("an earlier step of its agent failed")));
+    }
 }

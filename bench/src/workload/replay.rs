@@ -66,6 +66,7 @@ pub fn parse(text: &str, model: &str, secs: f64, counter: &Counter) -> anyhow::R
             session: line.session_id,
             prompt_tokens: ids.len(),
             shared_prefix_tokens,
+            step: None,
         });
     }
     Ok(out)

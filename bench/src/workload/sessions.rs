@@ -99,6 +99,7 @@ pub fn generate(spec: &Spec, rate: f64, secs: f64, seed: u64, counter: &Counter)
                     session: Some(session.clone()),
                     prompt_tokens: ids.len(),
                     shared_prefix_tokens,
+                    step: None,
                 });
             }
             previous = Some(ids);

@@ -22,7 +22,7 @@ fn max_tokens(r: &Request) -> u64 {
 
 #[test]
 fn the_same_seed_gives_the_same_requests_and_another_seed_others() {
-    for kind in [Kind::W1, Kind::W2, Kind::W6, Kind::Mix, Kind::Hot, Kind::Rag, Kind::Burst, Kind::Long] {
+    for kind in [Kind::W1, Kind::W2, Kind::W6, Kind::Mix, Kind::Hot, Kind::Rag, Kind::Burst, Kind::Long, Kind::Agent] {
         let spec = small(kind);
         let a = generate(&spec, 4.0, 60.0, 1).expect("generates");
         assert!(!a.is_empty(), "{kind:?}");
@@ -174,6 +174,44 @@ fn w2_sessions_resend_their_history_and_think_10_to_20_s() {
             let reply = cur[prev.len()]["content"].as_str().expect("text");
             assert_eq!(inferrail_tokenize::sim::encode(reply).len() as u64, max_tokens(w[0]), "the reply is as long as asked");
             assert_eq!(w[1].shared_prefix_tokens, w[0].prompt_tokens, "the previous prompt is a prefix");
+        }
+    }
+}
+
+#[test]
+fn agents_take_their_steps_in_order_each_adding_a_tool_output() {
+    let spec = Spec { system_prompts: 2, turns: Span { min: 3, max: 8 }, ..small(Kind::Agent) };
+    let reqs = generate(&spec, 11.0, 100.0, 5).expect("generates");
+    let mut agents: Vec<Vec<&Request>> = Vec::new();
+    for r in &reqs {
+        let step = r.step.as_ref().expect("every request is a step");
+        if step.agent == agents.len() {
+            agents.push(Vec::new());
+        }
+        assert!(step.agent < agents.len(), "agent {} before agent {}", step.agent, agents.len() - 1);
+        agents[step.agent].push(r);
+    }
+    // 11 steps a second over 100 s, 5.5 steps an agent: 200 agents on average.
+    assert!((150..=250).contains(&agents.len()), "{} agents", agents.len());
+    let frameworks: HashSet<&str> = agents.iter().filter_map(|a| system_of(a[0])).collect();
+    assert_eq!(frameworks.len(), 2);
+    let counter = Counter::new().expect("tokenizer");
+    for steps in &agents {
+        assert!((3..=8).contains(&steps.len()), "{}", steps.len());
+        assert!(steps.iter().all(|r| r.at == steps[0].at), "every step at the agent's arrival");
+        let first = steps[0];
+        assert_eq!(first.step.as_ref().map(|s| s.think), Some(Duration::ZERO));
+        assert_eq!(first.body["messages"].as_array().map(Vec::len), Some(2), "a framework and a task");
+        assert!(first.shared_prefix_tokens >= 200);
+        assert_eq!(first.prompt_tokens, counter.ids(Api::Chat, &first.body).expect("ids").len());
+        for r in &steps[1..] {
+            let think = r.step.as_ref().expect("step").think;
+            assert!((200..=1000).contains(&think.as_millis()), "{think:?}");
+            let messages = r.body["messages"].as_array().expect("list");
+            assert_eq!(messages.len(), 1, "only what the step adds");
+            let tool = messages[0]["content"].as_str().expect("text");
+            assert!(tool.starts_with("Tool output: a"), "{tool}");
+            assert!((60..=200).contains(&(tool.split(' ').count() - 2)), "{tool}");
         }
     }
 }
