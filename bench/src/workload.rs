@@ -328,6 +328,11 @@ impl Counter {
         };
         Ok(chat::prompt_ids(&self.0, endpoint, map, RequestTemplates::Render)?)
     }
+
+    /// Where the prompt's turn markers are, as the router finds them.
+    pub fn special_positions(&self, ids: &[u32]) -> Vec<usize> {
+        self.0.special_positions(ids)
+    }
 }
 
 /// Draws ranks `0..n` with weight `1 / (rank + 1)^s`.

@@ -23,6 +23,12 @@
 //! (the scraper's default at the time scale, [`timescale::scrape_interval`]),
 //! and the decisions see those reports with their age, as the router's do.
 //!
+//! A closed-loop agent's step (`Arrival::agent`) also caches the blocks its
+//! reply fills, as an engine does, under the hashes of its prompt and the
+//! reply's tokens (all but the last, whose KV is never computed); when it
+//! completes, its agent's next step arrives after its think time, resending
+//! that reply. Other requests' output blocks are freed uncached, as before.
+//!
 //! With several routers (`Setup::routers`) arrivals go to them in turn, as
 //! Envoy balances ext_proc streams. Each router has its own core, counters
 //! and KV index. With `peers` on, as `inferrail` with `peers:` (ADR 0034),
@@ -38,17 +44,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inferrail_config::{CacheShape, Config, Limits, Model};
+use inferrail_kv::hash::extend_block_hashes;
 use inferrail_policy::{EngineReport, PolicyKind};
 use inferrail_route::fleet::{Fleet, Lease, Replica};
-use inferrail_route::kv::{Prediction, Prompt};
+use inferrail_route::kv::{Prediction, Prompt, seed};
 use inferrail_route::{Core, Hold, Report, Share, View};
 use inferrail_sim::cache::{BlockId, BlockPool};
 use inferrail_sim::cost::LatencyModel;
 use serde::Serialize;
 
-use super::traffic::Arrival;
+use super::traffic::{Agent, Arrival};
 use crate::report::{self, Latency};
 use crate::timescale;
+use crate::workload::Counter;
 
 /// The simulated fleet.
 #[derive(Debug, Clone)]
@@ -201,6 +209,8 @@ struct Job {
     blocked_ns: Option<u64>,
     /// When its prefill started.
     started_ns: u64,
+    /// A closed-loop agent's step: the rest of the agent, and the prompt's ids.
+    agent: Option<(Box<Agent>, Vec<u32>)>,
 }
 
 /// One simulated engine.
@@ -222,6 +232,8 @@ struct Engine {
 enum Event {
     PrefillDone(usize),
     Complete(usize),
+    /// An agent's next step (in `World::next_steps`) arrives.
+    Step(usize),
     /// A peer hears of job `.0`, decided by another router.
     Peer(usize, usize, Heard),
 }
@@ -275,26 +287,29 @@ struct World<'a> {
     /// names hot prefixes by default: a shared system prompt, not a
     /// template's opening tokens.
     root_blocks: usize,
+    /// Requests that arrived, and of those the ones the router refused.
+    arrived: usize,
+    rejected: usize,
+    /// Agents' next steps waiting for their arrival, by key.
+    next_steps: HashMap<usize, Arrival>,
+    /// Tokenizes agents' next steps and finds prompts' turn markers.
+    counter: Counter,
 }
 
 /// Runs `arrivals` through a cold fleet routed by `policy`.
 pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item = anyhow::Result<Arrival>>) -> anyhow::Result<Outcome> {
     let wall = std::time::Instant::now();
     let mut world = World::new(setup, policy)?;
-    let mut requests = 0;
-    let mut rejected = 0;
     let mut first_ns = None;
     for arrival in arrivals {
         let arrival = arrival?;
         let at = arrival.at.as_nanos() as u64;
         first_ns.get_or_insert(at);
-        world.run_until(at);
-        requests += 1;
-        if !world.arrive(arrival, at, requests - 1) {
-            rejected += 1;
-        }
+        world.run_until(at)?;
+        world.arrive(arrival, at);
     }
-    let end = world.run_until(u64::MAX);
+    let end = world.run_until(u64::MAX)?;
+    let (requests, rejected) = (world.arrived, world.rejected);
     let replica_hits: Vec<f64> =
         world.engines.iter().filter(|e| e.prompt_tokens > 0).map(|e| e.cached_tokens as f64 / e.prompt_tokens as f64).collect();
     let shares: Vec<f64> = world.engines.iter().map(|e| e.requests as f64 / (requests - rejected).max(1) as f64).collect();
@@ -411,6 +426,10 @@ impl<'a> World<'a> {
             measured: 0,
             reports: vec![Report { at: Duration::ZERO, load: EngineReport { running: 0, waiting: 0, kv_usage: 0.0 } }; setup.replicas],
             root_blocks: inferrail_policy::cost_model::HotPrefix::default().blocks,
+            arrived: 0,
+            rejected: 0,
+            next_steps: HashMap::new(),
+            counter: Counter::new()?,
         })
     }
 
@@ -420,7 +439,7 @@ impl<'a> World<'a> {
     }
 
     /// Handles every event up to and including `until`; returns the time of the last one.
-    fn run_until(&mut self, until: u64) -> u64 {
+    fn run_until(&mut self, until: u64) -> anyhow::Result<u64> {
         let mut last = 0;
         while let Some(&Reverse((ns, _, event))) = self.events.peek() {
             if ns > until {
@@ -430,18 +449,34 @@ impl<'a> World<'a> {
             last = ns;
             match event {
                 Event::PrefillDone(r) => self.prefill_done(r, ns),
-                Event::Complete(j) => self.complete(j, ns),
+                Event::Complete(j) => self.complete(j, ns)?,
+                Event::Step(k) => {
+                    if let Some(a) = self.next_steps.remove(&k) {
+                        self.arrive(a, ns);
+                    }
+                }
                 Event::Peer(j, k, heard) => self.peer_heard(j, k, heard, ns),
             }
         }
-        last
+        Ok(last)
     }
 
-    /// Routes one arrival (the `id`th) on router `id` mod routers; false when the router refused it.
-    fn arrive(&mut self, a: Arrival, now: u64, id: usize) -> bool {
+    /// Routes one arrival, counting it and whether the router refused it.
+    fn arrive(&mut self, a: Arrival, now: u64) {
+        let id = self.arrived;
+        self.arrived += 1;
+        if !self.route(a, now, id) {
+            self.rejected += 1;
+        }
+    }
+
+    /// Routes arrival `id` on router `id` mod routers; false when the router refused it.
+    fn route(&mut self, a: Arrival, now: u64, id: usize) -> bool {
         let decider = id % self.routers.len();
         let router = &self.routers[decider];
-        let prompt = Prompt { ids: a.ids, max_tokens: Some(a.max_tokens), cache_salt: None, special_at: Vec::new() };
+        let agent = a.agent.map(|agent| (agent, a.ids.clone()));
+        let special_at = self.counter.special_positions(&a.ids);
+        let prompt = Prompt { ids: a.ids, max_tokens: Some(a.max_tokens), cache_salt: None, special_at };
         let prediction = router.core.prepare(0, &prompt, &router.fleet);
         let view = View {
             model: 0,
@@ -478,6 +513,7 @@ impl<'a> World<'a> {
             hit: 0,
             blocked_ns: None,
             started_ns: 0,
+            agent,
         };
         self.jobs.insert(id, job);
         let engine = &mut self.engines[replica];
@@ -582,9 +618,25 @@ impl<'a> World<'a> {
         self.start_prefill(r, now);
     }
 
-    fn complete(&mut self, j: usize, now: u64) {
-        let Some(job) = self.jobs.remove(&j) else { return };
+    fn complete(&mut self, j: usize, now: u64) -> anyhow::Result<()> {
+        let Some(job) = self.jobs.remove(&j) else { return Ok(()) };
+        let bs = self.setup.block_size;
         let engine = &mut self.engines[job.replica];
+        let mut next = None;
+        if let Some((agent, mut ids)) = job.agent {
+            // The reply's blocks are cached as they filled, before they are freed.
+            let reply = agent.reply(job.max_tokens);
+            let reply_ids = inferrail_tokenize::sim::encode(&reply);
+            ids.extend_from_slice(&reply_ids[..reply_ids.len().saturating_sub(1)]);
+            let mut hashes = job.prediction.blocks(bs).unwrap_or_default().to_vec();
+            let prompt_full = hashes.len();
+            extend_block_hashes(&mut hashes, seed(&self.setup.model, None), &ids, bs);
+            // (A prompt that never fit holds no blocks.)
+            for (&block, &hash) in job.blocks.iter().zip(&hashes).skip(prompt_full) {
+                engine.pool.register(block, hash);
+            }
+            next = agent.next(&reply, Duration::from_nanos(now), &self.counter).transpose()?;
+        }
         engine.pool.release(job.blocks.iter().rev().copied());
         engine.running -= 1;
         let decider = j % self.routers.len();
@@ -592,6 +644,11 @@ impl<'a> World<'a> {
         job.lease.release();
         self.tell_peers(j, decider, Heard::End, now);
         self.start_prefill(job.replica, now);
+        if let Some(step) = next {
+            self.at(step.at.as_nanos() as u64, Event::Step(j));
+            self.next_steps.insert(j, step);
+        }
+        Ok(())
     }
 
     /// Tells every peer of router `decider` what it heard of job `j`, `peer_delay` from `now`.

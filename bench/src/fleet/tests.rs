@@ -3,6 +3,8 @@
 //! cache-blind routing does not, hot traffic still spreads, and capacity
 //! searches end and grow with the fleet.
 
+use std::time::Duration;
+
 use inferrail_config::Limits;
 use inferrail_policy::{PolicyKind, TextKind};
 
@@ -68,6 +70,51 @@ fn same_requests_as_the_harness() {
             assert_eq!(f.text.as_deref(), Some(contents.join(" ").as_str()));
         }
     }
+}
+
+#[test]
+fn an_agents_next_step_resends_the_reply_its_engine_generated() {
+    let spec = Spec { system_prompts: 1, turns: Span { min: 4, max: 4 }, ..small(Kind::Agent) };
+    let counter = Counter::new().expect("tokenizer");
+    let firsts: Vec<Arrival> =
+        Traffic::new(&spec, 8.0, 40, 3, TextKind::None).expect("traffic").collect::<anyhow::Result<_>>().expect("arrivals");
+    assert_eq!(firsts.len(), 10, "40 steps are 10 agents of 4; the later steps are made as the run goes");
+    let mut step = firsts[0].clone();
+    for k in 1..4 {
+        let agent = step.agent.take().expect("an agent's step");
+        let reply = agent.reply(step.max_tokens);
+        let reply_ids = inferrail_tokenize::sim::encode(&reply);
+        assert_eq!(reply_ids.len(), step.max_tokens, "as long as it asked");
+        let next = agent.next(&reply, Duration::from_secs(5), &counter).expect("a next step").expect("tokenizes");
+        assert!((Duration::from_millis(5200)..=Duration::from_secs(6)).contains(&next.at), "{:?}", next.at);
+        let resent: Vec<u32> = step.ids.iter().chain(&reply_ids).copied().collect();
+        assert_eq!(next.ids[..resent.len()], resent[..], "step {k} starts with the last prompt and its reply");
+        assert!(next.ids.len() >= resent.len() + 60, "and adds a tool's output");
+        step = next;
+    }
+    let last = step.agent.take().expect("the last step is an agent's too");
+    assert!(last.next("done", Duration::ZERO, &counter).is_none());
+}
+
+#[test]
+fn agents_find_their_replies_cached_where_they_were_generated() {
+    let spec = Spec { system_prompts: 2, turns: Span { min: 8, max: 8 }, ..small(Kind::Agent) };
+    let s = Setup { kv_blocks: 1500, ..setup(&spec, 3) };
+    let run = |policy, replicas| {
+        let s = Setup { replicas, ..s.clone() };
+        let o = sim::simulate(&s, policy, Traffic::new(&spec, 10.0, 800, 1, TextKind::None).expect("traffic")).expect("simulate");
+        eprintln!("{}", line(&o));
+        o
+    };
+    // One replica with room for every agent: each step finds the last one's
+    // prompt and reply. The router's prediction counts the reply cached only
+    // where the engine cached it, so exact predictions show the engine did.
+    let one = run(PolicyKind::CostModel, 1);
+    assert_eq!((one.requests, one.rejected), (800, 0), "every step of 100 agents arrived");
+    assert_eq!(one.prediction_exact, 1.0);
+    let (cost, rr) = (run(PolicyKind::CostModel, 3), run(PolicyKind::RoundRobin, 3));
+    assert!(cost.prediction_exact >= 0.99, "{}", cost.prediction_exact);
+    assert!(cost.hit_rate > rr.hit_rate + 0.1, "cost_model {} round robin {}", cost.hit_rate, rr.hit_rate);
 }
 
 #[test]

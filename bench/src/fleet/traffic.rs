@@ -9,7 +9,12 @@
 //! `same_requests_as_the_harness` test holds this equal to tokenizing the
 //! harness's bodies. W2 and replay take the slow road: the harness's
 //! requests, each tokenized when it arrives.
+//!
+//! An `agent`'s first step arrives on the workload's schedule and carries
+//! the rest of its agent ([`Agent`]); the simulation makes each later step
+//! when the one before completes, from the reply it generated.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -36,6 +41,44 @@ pub struct Arrival {
     pub session: Option<String>,
     /// The prompt as text, for policies that read it.
     pub text: Option<String>,
+    /// A closed-loop agent's later steps, if this is one of its steps.
+    pub agent: Option<Box<Agent>>,
+}
+
+/// What a closed-loop agent's step carries to make the next: the
+/// conversation it sent and the steps still to come.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Agent {
+    /// The messages the step sent.
+    messages: Vec<Value>,
+    /// The later steps as the workload made them: their own messages, `max_tokens` and think time.
+    steps: VecDeque<workload::Request>,
+    /// Which prompt text policies read.
+    text: TextKind,
+    /// Seeds the replies.
+    seed: u64,
+}
+
+impl Agent {
+    /// The reply of `tokens` the engine generates for the step that carries
+    /// this: the simulator's words, seeded by the agent and the step.
+    pub fn reply(&self, tokens: usize) -> String {
+        let mut rng = StdRng::seed_from_u64(self.seed ^ (self.steps.len() as u64).rotate_left(32));
+        workload::text::generated(&mut rng, tokens)
+    }
+
+    /// The next step, once `reply` to this one ended at `ended`; `None` when
+    /// the agent is done.
+    pub fn next(mut self: Box<Self>, reply: &str, ended: Duration, counter: &Counter) -> Option<anyhow::Result<Arrival>> {
+        let r = self.steps.pop_front()?;
+        self.messages.push(serde_json::json!({"role": "assistant", "content": reply}));
+        self.messages.extend(r.body["messages"].as_array().into_iter().flatten().cloned());
+        let mut body = r.body;
+        body["messages"] = Value::Array(self.messages.clone());
+        let at = ended + r.step.as_ref().map_or(Duration::ZERO, |s| s.think);
+        let arrival = slow(counter, workload::Request { at, body, ..r }, self.text);
+        Some(arrival.map(|a| Arrival { agent: Some(self), ..a }))
+    }
 }
 
 /// A workload's requests in arrival order; see the module doc.
@@ -47,7 +90,13 @@ pub struct Traffic {
 
 enum Source {
     Fast(Box<Fast>),
-    Slow { requests: std::vec::IntoIter<workload::Request> },
+    Slow {
+        requests: std::vec::IntoIter<workload::Request>,
+    },
+    /// Each agent's first step and the rest of it.
+    Agents {
+        agents: std::vec::IntoIter<(workload::Request, Agent)>,
+    },
 }
 
 /// What W1, W6, mix and hot need, tokenized once.
@@ -85,7 +134,7 @@ impl Traffic {
                 all.truncate(requests);
                 Source::Slow { requests: all.into_iter() }
             }
-            Kind::Agent => anyhow::bail!("agent loops are closed loops, which the fleet simulation does not run: use `run` or `compare`"),
+            Kind::Agent => Source::Agents { agents: agents(workload::generate(spec, rate, secs, seed)?, requests, text, seed).into_iter() },
         };
         Ok(Self { source, text, counter })
     }
@@ -94,7 +143,7 @@ impl Traffic {
     pub fn shared_prompt_tokens(&self) -> Vec<usize> {
         match &self.source {
             Source::Fast(f) => f.systems.iter().map(|(_, ids)| ids.len()).collect(),
-            Source::Slow { .. } => Vec::new(),
+            Source::Slow { .. } | Source::Agents { .. } => Vec::new(),
         }
     }
 }
@@ -109,14 +158,39 @@ impl Iterator for Traffic {
                 let r = requests.next()?;
                 Some(slow(&self.counter, r, self.text))
             }
+            Source::Agents { agents } => {
+                let (first, agent) = agents.next()?;
+                Some(slow(&self.counter, first, self.text).map(|a| Arrival { agent: Some(Box::new(agent)), ..a }))
+            }
         }
     }
+}
+
+/// The agents of a workload's steps, each as its first step and the rest,
+/// as many as take `requests` steps in all.
+fn agents(steps: Vec<workload::Request>, requests: usize, text: TextKind, seed: u64) -> Vec<(workload::Request, Agent)> {
+    let mut out: Vec<(workload::Request, Agent)> = Vec::new();
+    let mut taken = 0;
+    for r in steps {
+        let Some(step) = &r.step else { continue };
+        if let Some((_, agent)) = out.get_mut(step.agent) {
+            agent.steps.push_back(r);
+        } else if taken < requests {
+            let messages = r.body["messages"].as_array().cloned().unwrap_or_default();
+            let agent = Agent { messages, steps: VecDeque::new(), text, seed: seed.rotate_left(16) ^ step.agent as u64 };
+            out.push((r, agent));
+        } else {
+            continue;
+        }
+        taken += 1;
+    }
+    out
 }
 
 fn slow(counter: &Counter, r: workload::Request, kind: TextKind) -> anyhow::Result<Arrival> {
     let ids = counter.ids(r.api, &r.body)?;
     let max_tokens = r.body.get("max_tokens").and_then(Value::as_u64).unwrap_or(256) as usize;
-    Ok(Arrival { at: r.at, ids, max_tokens, session: r.session, text: r.body.as_object().and_then(|b| kind.read(b)) })
+    Ok(Arrival { at: r.at, ids, max_tokens, session: r.session, text: r.body.as_object().and_then(|b| kind.read(b)), agent: None })
 }
 
 /// The harness's filler: a marker, then `tokens - 1` words (indices into [`WORDS`]).
@@ -211,6 +285,6 @@ impl Fast {
             let body = chat_body(&self.model, system.map(|k| self.systems[k].0.as_str()), &words_text(&marker, &words), max_tokens);
             body.as_object().and_then(|b| kind.read(b))
         });
-        Some(Ok(Arrival { at, ids, max_tokens: max_tokens as usize, session: None, text: text.flatten() }))
+        Some(Ok(Arrival { at, ids, max_tokens: max_tokens as usize, session: None, text: text.flatten(), agent: None }))
     }
 }
