@@ -43,8 +43,8 @@
 //! holder still computing its first copy looks as cheap as waiting for it,
 //! and early copies leave replicas holding two prefixes that each keep
 //! hitting. The same charge delays the copies a hot prompt needs, and on
-//! three replicas those waits made hot traffic's tail. Off, the roots sent
-//! to each replica are not tracked at all.
+//! three replicas those waits made hot traffic's tail. The roots sent to
+//! each replica are tracked either way: hot copies look at them too.
 //!
 //! Hot prefixes: the requests for each root prefix (its first
 //! `hot_prefix.blocks` blocks) and for all of them are counted in a decaying
@@ -56,8 +56,9 @@
 //! it too, so its load spreads by queue and share. A root whose holders keep up stays put:
 //! copying a prefix evicts others, and on a busy fleet that cascades. So
 //! does a prompt whose shared part would take more than
-//! `hot_prefix.max_cache_share` of a replica's KV cache (a long context):
-//! its copy would evict most of what that replica serves.
+//! `hot_prefix.max_cache_share` of a replica's KV cache (a long context),
+//! or would not fit in it beside the other prompt last sent there within
+//! the window: its copy would evict what that replica serves.
 //!
 //! Session affinity (off by default): a request naming its conversation goes
 //! back to the conversation's last replica while the guards allow it.
@@ -187,22 +188,31 @@ const REPLICAS_REMEMBERED: NonZeroUsize = NonZeroUsize::new(4_096).unwrap();
 /// other than a given one since some time.
 #[derive(Debug, Clone, Copy)]
 struct Roots {
-    last: (u128, Duration),
-    before: Option<(u128, Duration)>,
+    last: Sent,
+    before: Option<Sent>,
+}
+
+/// A root sent to a replica: when, and the prompt's tokens (what its
+/// cache holds of that root afterwards).
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    root: u128,
+    at: Duration,
+    tokens: usize,
 }
 
 impl Roots {
-    fn sent(&mut self, root: u128, now: Duration) {
-        if self.last.0 != root {
+    fn sent(&mut self, sent: Sent) {
+        if self.last.root != sent.root {
             self.before = Some(self.last);
         }
-        self.last = (root, now);
+        self.last = sent;
     }
 
-    /// Whether a root other than `root` was sent there at or after `since`.
-    fn other_since(&self, root: u128, since: Duration) -> bool {
-        let other = if self.last.0 != root { Some(self.last) } else { self.before };
-        other.is_some_and(|(_, at)| at >= since)
+    /// The latest root other than `root` sent there at or after `since`.
+    fn other_since(&self, root: u128, since: Duration) -> Option<Sent> {
+        let other = if self.last.root != root { Some(self.last) } else { self.before };
+        other.filter(|o| o.at >= since)
     }
 }
 
@@ -349,7 +359,7 @@ impl RoutingPolicy for CostModel {
                 let since = req.now.saturating_sub(Duration::from_secs_f64(self.config.hot_prefix.window_secs));
                 let roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
                 for (s, &i) in out.iter_mut().zip(offered) {
-                    if c[i].cached_tokens < root_tokens && roots.peek(&c[i].key).is_some_and(|r| r.other_since(root, since)) {
+                    if c[i].cached_tokens < root_tokens && roots.peek(&c[i].key).is_some_and(|r| r.other_since(root, since).is_some()) {
                         let copy = self.config.copy_weight * s.terms[2];
                         s.terms[5] = copy;
                         s.total += copy;
@@ -374,11 +384,17 @@ impl RoutingPolicy for CostModel {
                 // would cache the whole shared prefix after one miss.
                 let held = offered.iter().map(|&i| c[i].cached_tokens).max().unwrap_or(root_tokens);
                 let load = |k: usize| out[k].terms[0] + out[k].terms[1] + share[k];
-                // A copy that would fill much of a replica's cache evicts
-                // what it serves, and its own request pays the whole long
-                // prefill: long contexts stay where they are cached.
+                // A copy that would fill much of a replica's cache, or that
+                // does not fit beside the other prompt it was last sent,
+                // evicts what it serves, and its own request pays the whole
+                // long prefill: long contexts stay where they are cached.
+                let since = req.now.saturating_sub(Duration::from_secs_f64(self.config.hot_prefix.window_secs));
+                let roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
                 let room = |x: &Candidate| {
-                    x.kv_capacity_tokens == 0 || held as f64 <= self.config.hot_prefix.max_cache_share * x.kv_capacity_tokens as f64
+                    let capacity = x.kv_capacity_tokens;
+                    let beside = roots.peek(&x.key).and_then(|r| r.other_since(root, since)).map_or(0, |o| o.tokens);
+                    capacity == 0
+                        || (held as f64 <= self.config.hot_prefix.max_cache_share * capacity as f64 && (held + beside) as u64 <= capacity)
                 };
                 let mut others: Vec<usize> =
                     (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens < root_tokens && room(&c[offered[k]])).collect();
@@ -409,10 +425,9 @@ impl RoutingPolicy for CostModel {
         self.taken.lock().unwrap_or_else(|p| p.into_inner()).add(u128::from(c[winner].key), 1.0, req.now);
         if let Some((root, _)) = self.root(req) {
             self.demand.lock().unwrap_or_else(|p| p.into_inner()).add(root, 1.0, req.now);
-            if self.config.copy_weight > 0.0 {
-                let mut roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
-                roots.get_or_insert_mut(c[winner].key, || Roots { last: (root, req.now), before: None }).sent(root, req.now);
-            }
+            let mut roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
+            let sent = Sent { root, at: req.now, tokens: req.prompt_tokens.unwrap_or(0) };
+            roots.get_or_insert_mut(c[winner].key, || Roots { last: sent, before: None }).sent(sent);
         }
         if self.config.session_affinity
             && let Some(session) = req.session

@@ -180,6 +180,17 @@ fn a_hot_root_prefix_gets_more_owners_and_a_cold_one_stays_on_its_holder() {
     p.score(&req, &c, &[0, 1, 2, 3], &mut r, &mut scores);
     let credited: Vec<usize> = (0..4).filter(|&k| scores[k].terms[3] > 0.0).collect();
     assert_eq!(credited, [3], "{scores:?}");
+    // Replica 3 was just sent the cold root's 700-token prompt: on a
+    // 1,300-token cache the 640 copied tokens do not fit beside it, though
+    // they are under 60% of it. Replicas 1 and 2 have room for both.
+    p.picked(&at(5_000, cold), &c, 3);
+    (c[1].kv_capacity_tokens, c[2].kv_capacity_tokens, c[3].kv_capacity_tokens) = (100_000, 100_000, 1_300);
+    p.score(&req, &c, &[0, 1, 2, 3], &mut r, &mut scores);
+    let credited: Vec<usize> = (0..4).filter(|&k| scores[k].terms[3] > 0.0).collect();
+    assert_eq!(credited, [1, 2], "{scores:?}");
+    c[3].kv_capacity_tokens = 1_340;
+    p.score(&req, &c, &[0, 1, 2, 3], &mut r, &mut scores);
+    assert!(scores[3].terms[3] > 0.0, "640 + 700 fit in 1,340: {scores:?}");
 }
 
 proptest! {
