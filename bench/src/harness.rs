@@ -135,7 +135,9 @@ async fn send_chain(http: &reqwest::Client, base: &str, steps: &[Request], at: I
             None => {
                 o.send_lag = at.elapsed();
                 o.started = r.at;
-                messages = r.body["messages"].as_array().cloned().unwrap_or_default();
+                if steps.len() > 1 {
+                    messages = r.body["messages"].as_array().cloned().unwrap_or_default();
+                }
                 (r.body.clone(), at)
             }
             Some(previous) if !previous.ok() => {
