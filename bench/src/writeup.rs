@@ -46,6 +46,22 @@ pub struct ReportArgs {
     /// `capacity-*.json` in them); a missing folder: not measured.
     #[arg(long, value_delimiter = ',', default_value = "bench/results/routing/capacity,bench/results/routing/capacity-cost-model")]
     pub real_capacity: Vec<PathBuf>,
+    /// Folders of `compare --capacity` results on a mixed fleet of real
+    /// simulators (issue 39); a missing folder: not measured.
+    #[arg(long, value_delimiter = ',', default_value = "bench/results/mixed/capacity")]
+    pub mixed_capacity: Vec<PathBuf>,
+    /// Fleet-simulation capacity searches of the reuse patterns (issue 39),
+    /// as files: their folder also holds variants; a missing file is left out.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "bench/results/fleet/reuse/capacity-agent-seed1.json,bench/results/fleet/reuse/capacity-agent-64-seed1.json,bench/results/fleet/reuse/capacity-rag-seed1.json"
+    )]
+    pub fleet_reuse: Vec<PathBuf>,
+    /// Folders of `compare` results that count only toward the prediction
+    /// checks (the same workload in the other mode); a missing folder has none.
+    #[arg(long, value_delimiter = ',', default_value = "bench/results/reuse/agent-exact")]
+    pub predictions: Vec<PathBuf>,
     /// Folder of fleet simulations on the comparison's requests (`fleet-<workload>.json`); missing: not measured.
     #[arg(long, default_value = "bench/results/routing/validation")]
     pub validation: PathBuf,
@@ -318,6 +334,13 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
     let capacity: Vec<Loaded<FleetCapacity>> = inputs::load_dir_having(&args.fleet, "fleet-simulation", "capacity")?;
     let capacity_scaled: Vec<Loaded<FleetCapacity>> = inputs::load_dir_having(&args.fleet_scale, "fleet-simulation", "capacity")?;
     let real_capacity = inputs::load_capacities(&args.real_capacity)?;
+    let mixed_capacity = inputs::load_capacities(&args.mixed_capacity)?;
+    let reuse_capacity: Vec<Loaded<FleetCapacity>> =
+        args.fleet_reuse.iter().filter(|f| f.exists()).map(|f| inputs::load(f)).collect::<anyhow::Result<_>>()?;
+    let mut prediction_runs = Vec::new();
+    for dir in args.predictions.iter().filter(|d| d.exists()) {
+        prediction_runs.extend(inputs::load_dir::<CompareRun>(dir, "routing-compare")?.into_iter().map(|f| f.value));
+    }
     let validation: Vec<Loaded<FleetRuns>> = inputs::load_dir_having(&args.validation, "fleet-simulation", "runs")?;
     let speed = args.fleet_speed.exists().then(|| inputs::load::<FleetRuns>(&args.fleet_speed)).transpose()?;
     let accuracy = args.prediction.exists().then(|| inputs::load::<Accuracy>(&args.prediction)).transpose()?;
@@ -325,7 +348,9 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
 
     let fleet = FleetWorkload::group(&capacity)?;
     let fleet_scaled = FleetWorkload::group(&capacity_scaled)?;
-    let checks = checks::all(&routing, &fleet, &real_capacity, ladder.as_ref());
+    let fleet_reuse = FleetWorkload::group(&reuse_capacity)?;
+    let mut checks = checks::all(&routing, &fleet, &real_capacity, ladder.as_ref());
+    checks.extend(checks::reuse(&routing, &prediction_runs, &mixed_capacity, &fleet_reuse));
     let mut md = String::new();
     writeln!(md, "# Inferrail benchmark report\n")?;
     writeln!(
@@ -333,7 +358,7 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
         "Made by `inferrail-bench report` from the committed JSON results alone (regenerate: `just bench-report`). Every section names the result files and the commits that produced them; where a workload was repeated with new seeds, values are the mean over repetitions with the lowest and highest in parentheses, and bars carry a whisker over that spread; TTFT percentiles are taken over the requests of all repetitions together, with the repetitions' own lowest and highest in parentheses.\n"
     )?;
     writeln!(md, "{}\n", time_scale(&compare_files))?;
-    writeln!(md, "## Must-show checks (issue 11)\n")?;
+    writeln!(md, "## Must-show checks (issues 11 and 39)\n")?;
     writeln!(
         md,
         "Computed from the results below; a check whose data is not in them says \"not measured\". Every contender got the same \
@@ -365,7 +390,11 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
     )?;
 
     routing_section(&mut md, &args.out_dir, &routing, &compare_files, &real_capacity)?;
-    real::capacity_section(&mut md, &args.out_dir, &real_capacity)?;
+    real::capacity_section(&mut md, &args.out_dir, ("Capacity at the SLO on real simulators", "real-capacity.png"), &real_capacity)?;
+    if !mixed_capacity.is_empty() {
+        let heading = ("Capacity at the SLO on a mixed fleet of real simulators", "mixed-capacity.png");
+        real::capacity_section(&mut md, &args.out_dir, heading, &mixed_capacity)?;
+    }
     if let Some(a) = &accuracy {
         accuracy_section(&mut md, &args.out_dir, a, &routing)?;
     }
@@ -379,6 +408,10 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
         let intro = "The same searches on fleets like the HTTP comparison's: 3 and 4 replicas, its caches and its time scale, so its SLO. They show what the three real simulators' capacity (above) would be on other seeds, and with a fourth replica.";
         let heading = ("Fleet simulation at the comparison's scale", intro);
         capacity_section(&mut md, &args.out_dir, heading, "fleet-capacity-bench-scale.png", &fleet_scaled)?;
+    }
+    if !fleet_reuse.is_empty() {
+        let heading = ("Fleet simulation: reuse patterns", "Agent loops and RAG (issue 39), each on one seed.");
+        capacity_section(&mut md, &args.out_dir, heading, "fleet-capacity-reuse.png", &fleet_reuse)?;
     }
     if let Some(s) = &speed {
         speed_section(&mut md, s)?;
@@ -740,7 +773,8 @@ fn capacity_section(md: &mut String, out: &Path, (title, intro): (&str, &str), p
         for f in &g.files {
             writeln!(md, "Command: `{}`\n", f.value.command)?;
         }
-        let seeds: Vec<String> = g.files.iter().map(|f| f.value.seed.to_string()).collect();
+        let mut seeds: Vec<String> = g.files.iter().map(|f| f.value.seed.to_string()).collect();
+        seeds.dedup();
         let over = if seeds.len() > 1 {
             format!(
                 "; the mean over seeds {} with the lowest and highest in parentheses, and the ratio to round robin of the sums over the seeds",

@@ -2,9 +2,9 @@
 //! its target, the measured value, and whether it passed; a check whose data
 //! is not in the results says so instead of passing.
 
-use super::real::find;
+use super::real::{fastest, find};
 use super::{Contenders, mean, num, paired_p99, paired_ttfts, ttft_p99};
-use crate::writeup::inputs::{FleetWorkload, Ladder, Loaded, RealCapacity};
+use crate::writeup::inputs::{CompareRun, FleetWorkload, Ladder, Loaded, RealCapacity};
 
 /// One check's outcome.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,8 +35,8 @@ fn check(name: impl Into<String>, target: &str, measured: String, pass: Option<b
 
 /// The policy the checks are about.
 pub const HERO: &str = "cost_model";
-/// The cache-blind policies W1's hit rate is compared with.
-const BLIND: [&str; 2] = ["round_robin", "least_request"];
+/// The cache-blind policies (W1's hit rate and a mixed fleet's capacity are compared with them).
+pub const BLIND: [&str; 2] = ["round_robin", "least_request"];
 
 /// A peer router's round robin and the contender that runs the same
 /// algorithm through Envoy and inferrail: where that router is the best
@@ -53,7 +53,8 @@ fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
 
-/// Every check, in the issue's order.
+/// Issue 11's checks, in its order (with the lowest p99 and highest
+/// goodput on issue 39's workloads where they ran).
 pub fn all(routing: &Contenders, fleet: &[FleetWorkload], real: &[Loaded<RealCapacity>], ladder: Option<&Loaded<Ladder>>) -> Vec<Check> {
     let mut out = Vec::new();
     // Over every repetition's requests together.
@@ -231,5 +232,97 @@ pub fn all(routing: &Contenders, fleet: &[FleetWorkload], real: &[Loaded<RealCap
         }),
         added.map(|(over_envoy, _)| over_envoy < 10.0),
     ));
+    out
+}
+
+/// Whether a run's router learned the engines' caches from their KV events
+/// (exact mode) rather than from its own decisions (approximate).
+fn exact_mode(r: &CompareRun) -> bool {
+    r.command.split_whitespace().any(|a| a == "--kv-events")
+}
+
+/// Issue 39's checks beyond each workload's lowest p99 and highest goodput:
+/// a mixed fleet's capacity on real simulators, agent-loop predictions in
+/// each mode (over `routing` and the runs kept for `predictions` alone), and
+/// the fleet simulation's capacity on agent loops and RAG.
+pub fn reuse(routing: &Contenders, predictions: &[CompareRun], mixed: &[Loaded<RealCapacity>], fleet: &[FleetWorkload]) -> Vec<Check> {
+    let mut out = Vec::new();
+    for w in ["w1", "mix"] {
+        let name = format!(
+            "on a mixed fleet of real simulators, {HERO}'s capacity at the SLO on {w} is at least 1.3x the best cache-blind policy's and above every peer router's"
+        );
+        let target = ">= 1.3x cache-blind; above every peer";
+        let blind = fastest(BLIND.iter().filter_map(|c| find(mixed, w, c)));
+        let peer = fastest(mixed.iter().map(|c| &c.value).filter(|c| c.workload == w && router_of(&c.contender) != "inferrail"));
+        out.push(match (find(mixed, w, HERO), blind, peer) {
+            (Some(h), Some(b), Some(p)) => {
+                let over = |x: &RealCapacity| if x.rate > 0.0 { h.rate / x.rate } else { f64::INFINITY };
+                let measured = format!(
+                    "{} req/s on {} simulators: {:.2}x {} ({} req/s), {:.2}x the best peer, {} ({} req/s)",
+                    num(h.rate),
+                    h.replicas,
+                    over(b),
+                    b.contender,
+                    num(b.rate),
+                    over(p),
+                    p.contender,
+                    num(p.rate)
+                );
+                check(name, target, measured, Some(over(b) >= 1.3 && h.rate > p.rate))
+            }
+            _ => check(
+                name,
+                target,
+                format!("not measured: no mixed-fleet capacity search of {HERO}, a cache-blind policy and a peer on {w}"),
+                None,
+            ),
+        });
+    }
+    let agent: Vec<&CompareRun> = routing
+        .get("agent", HERO)
+        .unwrap_or_default()
+        .iter()
+        .chain(predictions.iter().filter(|r| r.workload == "agent" && r.contender == HERO))
+        .collect();
+    for (exact, mode, least) in [(false, "approximate mode", 0.95), (true, "exact mode (KV events)", 0.999)] {
+        let (compared, hits) = agent
+            .iter()
+            .filter(|r| exact_mode(r) == exact)
+            .fold((0, 0), |(c, e), r| (c + r.summary.prediction.compared, e + r.summary.prediction.exact));
+        out.push(check(
+            format!("{mode}: {HERO}'s predicted cached tokens equal the engines' on at least {} of agent-loop steps", pct(least)),
+            &format!(">= {}", pct(least)),
+            if compared > 0 { format!("{} ({hits} of {compared})", pct(hits as f64 / compared as f64)) } else { "not measured".into() },
+            (compared > 0).then(|| hits as f64 / compared as f64 >= least),
+        ));
+    }
+    for w in ["agent", "rag"] {
+        let name = format!("fleet simulation: {HERO}'s capacity at the SLO on {w} is above every other policy's at 4, 16 and 64 replicas");
+        let target = "above every other at each size";
+        let Some(g) = fleet.iter().find(|g| g.workload == w) else {
+            out.push(check(name, target, "not measured".into(), None));
+            continue;
+        };
+        let (mut parts, mut failed, mut missing) = (Vec::new(), false, false);
+        for n in [4, 16, 64] {
+            // Each other policy's ratio to cost_model, the best other being the lowest.
+            let ratios: Vec<(&str, f64)> =
+                g.policies().into_iter().filter(|p| *p != HERO).filter_map(|p| g.ratio(HERO, p, n).map(|(r, _)| (p, r))).collect();
+            let rr = ratios.iter().find(|(p, _)| *p == "round_robin");
+            let best = ratios.iter().filter(|(p, _)| *p != "round_robin").min_by(|a, b| a.1.total_cmp(&b.1));
+            match (rr, best) {
+                (Some((_, r)), Some((b, x))) => {
+                    failed |= ratios.iter().any(|(_, r)| *r <= 1.0);
+                    parts.push(format!("at {n}: {r:.2}x round_robin, {x:.2}x {b} (the best other)"));
+                }
+                _ => {
+                    missing = true;
+                    parts.push(format!("at {n}: not searched"));
+                }
+            }
+        }
+        let verdict = if failed { Some(false) } else { (!missing).then_some(true) };
+        out.push(check(name, target, parts.join("; "), verdict));
+    }
     out
 }

@@ -124,8 +124,10 @@ pub struct FleetWorkload<'a> {
 
 impl FleetWorkload<'_> {
     /// The searches grouped by workload, in the order each first appears,
-    /// each group's by seed. A seed searched twice, or SLOs that differ
-    /// within a workload, are an error: summed, they would skew the ratio.
+    /// each group's by seed. A seed searched twice on one replica count, or
+    /// SLOs that differ within a workload, are an error: summed, they would
+    /// skew the ratio. One seed searched on other counts in another file
+    /// (a large fleet run apart) is not.
     pub fn group(capacity: &[Loaded<FleetCapacity>]) -> anyhow::Result<Vec<FleetWorkload<'_>>> {
         let mut out: Vec<FleetWorkload> = Vec::new();
         for f in capacity {
@@ -133,9 +135,10 @@ impl FleetWorkload<'_> {
             match out.iter_mut().find(|g| g.workload == w) {
                 Some(g) => {
                     let other = g.files[0];
+                    let sizes = Self::sizes_of(&f.value);
                     anyhow::ensure!(
-                        g.files.iter().all(|o| o.value.seed != f.value.seed),
-                        "{} and another file both search {w} on seed {}",
+                        g.files.iter().all(|o| o.value.seed != f.value.seed || Self::sizes_of(&o.value).is_disjoint(&sizes)),
+                        "{} and another file both search {w} on seed {} with the same replicas",
                         f.path.display(),
                         f.value.seed
                     );
@@ -169,7 +172,12 @@ impl FleetWorkload<'_> {
 
     /// Fleet sizes searched.
     pub fn sizes(&self) -> BTreeSet<usize> {
-        self.files.iter().flat_map(|f| &f.value.capacity).flat_map(|(_, c)| c.iter().map(|c| c.replicas)).collect()
+        self.files.iter().flat_map(|f| Self::sizes_of(&f.value)).collect()
+    }
+
+    /// Fleet sizes one search covers.
+    fn sizes_of(f: &FleetCapacity) -> BTreeSet<usize> {
+        f.capacity.iter().flat_map(|(_, c)| c.iter().map(|c| c.replicas)).collect()
     }
 
     /// `policy`'s capacity on `replicas` in one search.

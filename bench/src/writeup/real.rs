@@ -6,6 +6,7 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use super::charts::{self, Bar, Bars};
+use super::checks::BLIND;
 use super::inputs::{Loaded, RealCapacity};
 use super::{Contenders, contender_rank, in_workload_order, ms, num, pct, sources};
 
@@ -17,6 +18,11 @@ const LOAD_TOLERANCE: f64 = 0.01;
 /// The capacity search of `contender` on `workload`, if one ran.
 pub fn find<'a>(capacity: &'a [Loaded<RealCapacity>], workload: &str, contender: &str) -> Option<&'a RealCapacity> {
     capacity.iter().map(|c| &c.value).find(|c| c.workload == workload && c.contender == contender)
+}
+
+/// The search that found the highest capacity among `searches`.
+pub fn fastest<'a>(searches: impl Iterator<Item = &'a RealCapacity>) -> Option<&'a RealCapacity> {
+    searches.max_by(|a, b| a.rate.total_cmp(&b.rate))
 }
 
 /// The rates each workload's comparison ran at, as shares of round robin's
@@ -72,9 +78,9 @@ pub fn comparison_rates(routing: &Contenders, capacity: &[Loaded<RealCapacity>])
     out
 }
 
-/// The section: every capacity search, as a table and a chart.
-pub fn capacity_section(md: &mut String, out: &Path, capacity: &[Loaded<RealCapacity>]) -> anyhow::Result<()> {
-    writeln!(md, "## Capacity at the SLO on real simulators\n")?;
+/// A section (its title and chart): every capacity search, as a table and a chart.
+pub fn capacity_section(md: &mut String, out: &Path, (title, png): (&str, &str), capacity: &[Loaded<RealCapacity>]) -> anyhow::Result<()> {
+    writeln!(md, "## {title}\n")?;
     if capacity.is_empty() {
         writeln!(md, "Not measured: the results hold no `compare --capacity` search (`capacity-*.json`).\n")?;
         return Ok(());
@@ -101,7 +107,7 @@ pub fn capacity_section(md: &mut String, out: &Path, capacity: &[Loaded<RealCapa
     )?;
     writeln!(
         md,
-        "| contender | workload | replicas | capacity req/s | against round_robin | missed at req/s | probes | TTFT p99 ms | cached (usage) |\n|---|---|---|---|---|---|---|---|---|"
+        "| contender | workload | replicas | capacity req/s | against the best cache-blind | missed at req/s | probes | TTFT p99 ms | cached (usage) |\n|---|---|---|---|---|---|---|---|---|"
     )?;
     let workloads = in_workload_order(capacity.iter().map(|c| c.value.workload.clone()));
     let mut contenders: Vec<String> = Vec::new();
@@ -114,8 +120,8 @@ pub fn capacity_section(md: &mut String, out: &Path, capacity: &[Loaded<RealCapa
     for w in &workloads {
         for name in &contenders {
             let Some(c) = find(capacity, w, name) else { continue };
-            let against =
-                find(capacity, w, "round_robin").filter(|rr| rr.rate > 0.0).map_or("n/a".into(), |rr| format!("{:.2}x", c.rate / rr.rate));
+            let blind = fastest(BLIND.iter().filter_map(|b| find(capacity, w, b)));
+            let against = blind.filter(|b| b.rate > 0.0).map_or("n/a".into(), |b| format!("{:.2}x {}", c.rate / b.rate, b.contender));
             let probe = c.at_capacity.as_ref();
             writeln!(
                 md,
@@ -133,10 +139,7 @@ pub fn capacity_section(md: &mut String, out: &Path, capacity: &[Loaded<RealCapa
         .iter()
         .map(|w| contenders.iter().map(|c| find(capacity, w, c).map(|c| Bar { value: c.rate, spread: None })).collect())
         .collect();
-    charts::bars(
-        &out.join("real-capacity.png"),
-        &Bars { title: "Capacity at the SLO on real simulators", y_label: "req/s", groups: workloads, series: contenders, values },
-    )?;
-    writeln!(md, "\n![Capacity on real simulators](real-capacity.png)\n")?;
+    charts::bars(&out.join(png), &Bars { title, y_label: "req/s", groups: workloads, series: contenders, values })?;
+    writeln!(md, "\n![{title}]({png})\n")?;
     Ok(())
 }

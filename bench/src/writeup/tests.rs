@@ -2,7 +2,8 @@
 //! the Markdown names every chart, every chart is a PNG of the chart size,
 //! a failing must-show check is reported as failing, the capacity on real
 //! simulators decides its check, the fleet simulation's gap to the harness
-//! is computed, and missing folders read as not measured.
+//! is computed, issue 39's checks read their own results, and missing
+//! folders read as not measured.
 
 use serde_json::{Value, json};
 
@@ -153,6 +154,9 @@ fn fixtures(name: &str, cost_model_p99_w1: f64, cost_model_capacity: f64) -> any
         fleet: dir.join("fleet"),
         fleet_scale: dir.join("fleet-scale"),
         real_capacity: vec![dir.join("capacity"), dir.join("capacity-cost-model")],
+        mixed_capacity: vec![dir.join("mixed")],
+        fleet_reuse: vec![dir.join("fleet-reuse/capacity-agent-seed1.json")],
+        predictions: vec![dir.join("agent-exact")],
         validation: dir.join("validation"),
         fleet_speed: dir.join("fleet/speed/w1-256.json"),
         prediction: dir.join("prediction/accuracy.json"),
@@ -222,7 +226,7 @@ fn the_report_names_every_chart_and_each_is_a_png_of_the_chart_size() -> anyhow:
         md.contains("w1 at 0.5 req/s, 70.0% of round_robin's 0.714 req/s") && md.contains("Each is 70.0% of round robin's capacity"),
         "{md}"
     );
-    assert!(md.contains("| cost_model | w1 | 3 | 1 | 1.40x | 1.1 | 7 | 150 | 60.0% |"), "{md}");
+    assert!(md.contains("| cost_model | w1 | 3 | 1 | 1.40x round_robin | 1.1 | 7 | 150 | 60.0% |"), "{md}");
     std::fs::remove_dir_all(args.out_dir.parent().unwrap_or(&args.out_dir))?;
     Ok(())
 }
@@ -472,4 +476,79 @@ fn the_paired_interval_sees_a_constant_difference_whatever_the_requests() {
         pairs.iter().enumerate().map(|(i, &(a, b))| if i % 2 == 0 { (a + 20.0, b) } else { (b - 20.0, b) }).collect();
     let p = paired_p99(&noisy);
     assert!(p.low < 0.0 && p.high > 0.0, "{p:?}");
+}
+
+#[test]
+fn issue_39s_checks_read_the_mixed_fleet_the_agent_steps_by_mode_and_the_reuse_fleet() -> anyhow::Result<()> {
+    let args = fixtures("reuse", 1000.0, 1.0)?;
+    let dir = args.out_dir.parent().unwrap_or(&args.out_dir).to_path_buf();
+    let mixed = |contender: &str, rate: f64| -> anyhow::Result<()> {
+        write(&dir.join(format!("mixed/capacity-mix-{}.json", contender.replace(':', "-"))), &real_capacity("mix", contender, rate))
+    };
+    mixed("cost_model", 3.0)?;
+    mixed("least_request", 2.0)?;
+    mixed("vllm-router:cache_aware", 2.5)?;
+    // Approximate mode in the comparison: 10 of 10 steps exact; exact mode kept for predictions alone: 998 of 1000.
+    write(&args.routing[0].join("agent-cost_model-rep0.json"), &compare_run("agent", "cost_model", 0, 100.0, 0.9, 0.3))?;
+    let mut exact = compare_run("agent", "cost_model", 0, 100.0, 0.9, 0.3);
+    exact["command"] = json!("inferrail-bench compare --kv-events --workloads agent");
+    exact["summary"]["prediction"] = json!({"compared": 1000, "exact": 998, "over": 1, "under": 1});
+    write(&dir.join("agent-exact/agent-cost_model-rep0.json"), &exact)?;
+    // Agent loops on 4 and 16 replicas in one file, 64 on the same seed in another.
+    let search = |sizes: &[(usize, f64, f64, f64)]| {
+        let policy = |k: usize, name: &str| {
+            let caps: Vec<Value> = sizes.iter().map(|s| json!({"replicas": s.0, "rate": ([s.1, s.2, s.3][k])})).collect();
+            json!([name, caps])
+        };
+        json!({
+            "benchmark": "fleet-simulation", "commit": "def5678", "command": "inferrail-bench fleet --capacity --workload agent",
+            "workload": {"workload": "agent"}, "seed": 1, "slo_ttft_ms": 2000.0,
+            "capacity": [policy(0, "cost_model"), policy(1, "round_robin"), policy(2, "gie_default")], "fixed_rate": null, "replicas_needed": []
+        })
+    };
+    write(&args.fleet_reuse[0], &search(&[(4, 10.0, 8.0, 12.5), (16, 50.0, 40.0, 45.0)]))?;
+    let mut args = args;
+    args.fleet_reuse.push(dir.join("fleet-reuse/capacity-agent-64-seed1.json"));
+    write(&args.fleet_reuse[1], &search(&[(64, 200.0, 100.0, 160.0)]))?;
+    let failed = render(&args)?;
+    let md = std::fs::read_to_string(args.out_dir.join("report.md"))?;
+    let row = |needle: &str| md.lines().find(|l| l.contains(needle)).unwrap_or_default().to_owned();
+    let mix = row("on a mixed fleet of real simulators, cost_model's capacity at the SLO on mix");
+    assert!(
+        mix.contains(
+            "| 3 req/s on 3 simulators: 1.50x least_request (2 req/s), 1.20x the best peer, vllm-router:cache_aware (2.5 req/s) | pass |"
+        ),
+        "{mix}"
+    );
+    assert!(row("on a mixed fleet of real simulators, cost_model's capacity at the SLO on w1").ends_with("| not measured |"), "{md}");
+    assert!(row("approximate mode: cost_model's predicted").ends_with("| 100.0% (10 of 10) | pass |"), "{md}");
+    assert!(row("exact mode (KV events): cost_model's predicted").ends_with("| 99.8% (998 of 1000) | **FAIL** |"), "{md}");
+    let agent = row("fleet simulation: cost_model's capacity at the SLO on agent");
+    assert!(
+        agent.contains("at 4: 1.25x round_robin, 0.80x gie_default (the best other); at 16: 1.25x round_robin, 1.11x gie_default (the best other); at 64: 2.00x round_robin, 1.25x gie_default (the best other) | **FAIL** |"),
+        "{agent}"
+    );
+    assert!(row("fleet simulation: cost_model's capacity at the SLO on rag").ends_with("| not measured |"), "{md}");
+    assert_eq!(failed.len(), 2, "{failed:?}");
+    // Their sections, with a chart each; against the best cache-blind policy on the mixed fleet.
+    assert!(
+        md.contains("## Capacity at the SLO on a mixed fleet of real simulators")
+            && md.contains("| cost_model | mix | 3 | 3 | 1.50x least_request |"),
+        "{md}"
+    );
+    assert!(
+        md.contains("## Fleet simulation: reuse patterns")
+            && md.contains("| cost_model | 10.00 (1.25x rr) | 50.00 (1.25x rr) | 200.00 (2.00x rr) |"),
+        "{md}"
+    );
+    for png in ["mixed-capacity.png", "fleet-capacity-reuse.png"] {
+        assert!(md.contains(&format!("]({png})")), "{png}");
+        assert_eq!(png_size(&std::fs::read(args.out_dir.join(png))?)?, charts::SIZE, "{png}");
+    }
+    // One seed may be searched on other replica counts in another file, not on the same ones.
+    write(&dir.join("fleet-reuse/again.json"), &search(&[(16, 1.0, 1.0, 1.0)]))?;
+    args.fleet_reuse.push(dir.join("fleet-reuse/again.json"));
+    assert!(render(&args).is_err());
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
 }
