@@ -58,9 +58,10 @@ pub struct ReportArgs {
         default_value = "bench/results/fleet/reuse/capacity-agent-seed1.json,bench/results/fleet/reuse/capacity-agent-64-seed1.json,bench/results/fleet/reuse/capacity-rag-seed1.json"
     )]
     pub fleet_reuse: Vec<PathBuf>,
-    /// Folders of `compare` results that count only toward the prediction
-    /// checks (the same workload in the other mode); a missing folder has none.
-    #[arg(long, value_delimiter = ',', default_value = "bench/results/reuse/agent-exact")]
+    /// Folders of `compare` results that count only toward the agent-loop
+    /// prediction checks (each mode's; a run also in `--routing` counts
+    /// once); a missing folder has none.
+    #[arg(long, value_delimiter = ',', default_value = "bench/results/reuse/agent,bench/results/reuse/agent-exact")]
     pub predictions: Vec<PathBuf>,
     /// Folder of fleet simulations on the comparison's requests (`fleet-<workload>.json`); missing: not measured.
     #[arg(long, default_value = "bench/results/routing/validation")]

@@ -278,12 +278,12 @@ pub fn reuse(routing: &Contenders, predictions: &[CompareRun], mixed: &[Loaded<R
             ),
         });
     }
-    let agent: Vec<&CompareRun> = routing
-        .get("agent", HERO)
-        .unwrap_or_default()
+    // A run in both is counted once.
+    let compared = routing.get("agent", HERO).unwrap_or_default();
+    let apart = predictions
         .iter()
-        .chain(predictions.iter().filter(|r| r.workload == "agent" && r.contender == HERO))
-        .collect();
+        .filter(|r| r.workload == "agent" && r.contender == HERO && !compared.iter().any(|c| c.command == r.command && c.rep == r.rep));
+    let agent: Vec<&CompareRun> = compared.iter().chain(apart).collect();
     for (exact, mode, least) in [(false, "approximate mode", 0.95), (true, "exact mode (KV events)", 0.999)] {
         let (compared, hits) = agent
             .iter()

@@ -508,6 +508,8 @@ fn issue_39s_checks_read_the_mixed_fleet_the_agent_steps_by_mode_and_the_reuse_f
     };
     write(&args.fleet_reuse[0], &search(&[(4, 10.0, 8.0, 12.5), (16, 50.0, 40.0, 45.0)]))?;
     let mut args = args;
+    // The comparison's folder among them too: its run counts once.
+    args.predictions.push(args.routing[0].clone());
     args.fleet_reuse.push(dir.join("fleet-reuse/capacity-agent-64-seed1.json"));
     write(&args.fleet_reuse[1], &search(&[(64, 200.0, 100.0, 160.0)]))?;
     let failed = render(&args)?;
