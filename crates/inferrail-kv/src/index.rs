@@ -106,8 +106,9 @@ const REPLIES_KEPT: usize = 1024;
 enum Request {
     /// In the engine's queue: holds nothing yet.
     Waiting { prompt: Vec<BlockHash>, reusable: usize, partial: usize, output: usize },
-    /// Running: holds its blocks, the reused ones first.
-    Running { keys: Vec<BlockHash>, reused: usize, output: usize },
+    /// Running: holds its prompt's blocks, the reused ones first, and
+    /// those its generated tokens will fill.
+    Running { keys: Vec<BlockHash>, reused: usize, generated: Vec<BlockHash> },
     /// Sent to a replica in exact mode: claims its prompt blocks; `hole`:
     /// its tokens will end inside a block, which the engine frees unnamed.
     Claiming { keys: Vec<BlockHash>, hole: bool },
@@ -295,7 +296,10 @@ impl KvIndex {
     /// but the last when the prompt ends on a block boundary: it always
     /// computes the last prompt token); `partial` more blocks (the prompt's
     /// partial last block) take room but can never be matched, and `output`
-    /// blocks of generated tokens are taken as it completes; `ends_partial`:
+    /// blocks of generated tokens are taken when it starts (the engine
+    /// fills them as it decodes, evicting as it goes: taken at the end,
+    /// the shadow kept blocks the engine had already evicted, and on a
+    /// thrashing cache one prediction in seven was too high); `ends_partial`:
     /// its last block (prompt and output) is not full. As in the
     /// engine, a request that fits beside the running ones holds its blocks
     /// until it completes: reused blocks cannot be evicted meanwhile, fresh
@@ -319,7 +323,8 @@ impl KvIndex {
         let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };
         match admitted {
             Some((keys, reused)) => {
-                rep.requests.insert(request, Request::Running { keys, reused, output });
+                let generated = self.take_fresh(&mut rep.shadow, slot, output, &[]);
+                rep.requests.insert(request, Request::Running { keys, reused, generated });
             }
             None => {
                 rep.requests.insert(request, Request::Waiting { prompt: prompt.to_vec(), reusable, partial, output });
@@ -338,8 +343,8 @@ impl KvIndex {
                 continue;
             };
             let Some((keys, reused)) = self.admit(shadow, slot, prompt, *reusable, *partial, false) else { break };
-            let output = *output;
-            requests.insert(head, Request::Running { keys, reused, output });
+            let generated = self.take_fresh(shadow, slot, *output, &[]);
+            requests.insert(head, Request::Running { keys, reused, generated });
             queue.pop_front();
         }
     }
@@ -412,19 +417,19 @@ impl KvIndex {
     pub fn complete(&self, recorded: &Recorded) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
-        let (keys, output) = match rep.requests.remove(&recorded.request) {
-            Some(Request::Running { keys, output, .. }) => (keys, output),
+        let (keys, generated) = match rep.requests.remove(&recorded.request) {
+            Some(Request::Running { keys, generated, .. }) => (keys, generated),
             // It ran, though the index did not see room for it: it took what it could.
             Some(Request::Waiting { prompt, reusable, partial, output }) => {
                 rep.queue.retain(|&r| r != recorded.request);
-                (self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).map(|(k, _)| k).unwrap_or_default(), output)
+                let keys = self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).map(|(k, _)| k).unwrap_or_default();
+                (keys, self.take_fresh(&mut rep.shadow, recorded.slot, output, &[]))
             }
             Some(Request::Claiming { keys, hole }) => return self.unclaim(recorded.slot, rep, &keys, hole),
             None => return,
         };
         // Generated tokens' blocks, the request's last, are freed first.
         let shadow = &mut rep.shadow;
-        let generated = self.take_fresh(shadow, recorded.slot, output, &[]);
         for &h in generated.iter().rev().chain(keys.iter().rev()) {
             shadow.release(h);
         }
@@ -491,8 +496,8 @@ impl KvIndex {
         let shadow = &mut rep.shadow;
         // Last block first, as every release goes, so a prefix stays newer than what follows it.
         match rep.requests.remove(&recorded.request) {
-            Some(Request::Running { keys, reused, .. }) => {
-                for &h in keys[reused..].iter().rev() {
+            Some(Request::Running { keys, reused, generated }) => {
+                for &h in generated.iter().rev().chain(keys[reused..].iter().rev()) {
                     if shadow.withdraw(h) && !is_placeholder(h) {
                         self.holders.release(h, recorded.slot);
                     }

@@ -22,8 +22,8 @@ struct Pool {
     in_use: HashMap<BlockHash, (u32, bool)>,
     /// Which incarnation: records of an older one are ignored.
     generation: u32,
-    /// Requests in flight by id: running with (blocks, reused, output), or waiting with (prompt, reusable, partial, output).
-    running: HashMap<u64, (Vec<BlockHash>, usize, usize)>,
+    /// Requests in flight by id: running with (blocks, reused, generated blocks), or waiting with (prompt, reusable, partial, output).
+    running: HashMap<u64, (Vec<BlockHash>, usize, Vec<BlockHash>)>,
     waiting: Vec<(u64, Vec<BlockHash>, usize, usize, usize)>,
 }
 
@@ -97,11 +97,17 @@ impl Pool {
         Some((keys, reused))
     }
 
+    /// Blocks for `output` generated tokens, as many as fit beside the running requests'.
+    fn generate(&mut self, output: usize, next: &mut u128) -> Vec<BlockHash> {
+        (0..output.min(self.cap - self.in_use.len())).map(|_| self.take(next)).collect()
+    }
+
     fn admit_waiting(&mut self, next: &mut u128) {
         while let Some((id, prompt, reusable, partial, output)) = self.waiting.first().cloned() {
             let Some((keys, reused)) = self.admit(&prompt, reusable, partial, false, next) else { break };
             self.waiting.remove(0);
-            self.running.insert(id, (keys, reused, output));
+            let generated = self.generate(output, next);
+            self.running.insert(id, (keys, reused, generated));
         }
     }
 }
@@ -133,7 +139,8 @@ impl Naive {
         let added = match admitted {
             Some((keys, reused)) => {
                 let added = keys[reused..].to_vec();
-                pool.running.insert(id, (keys, reused, output));
+                let generated = pool.generate(output, next);
+                pool.running.insert(id, (keys, reused, generated));
                 added
             }
             None => {
@@ -150,15 +157,15 @@ impl Naive {
 
     fn complete(&mut self, flight: &Flight, next: &mut u128) {
         let Some(pool) = self.pool(flight) else { return };
-        let (keys, output) = if let Some((keys, _, output)) = pool.running.remove(&flight.2) {
-            (keys, output)
+        let (keys, generated) = if let Some((keys, _, generated)) = pool.running.remove(&flight.2) {
+            (keys, generated)
         } else if let Some(at) = pool.waiting.iter().position(|w| w.0 == flight.2) {
             let (_, prompt, reusable, partial, output) = pool.waiting.remove(at);
-            (pool.admit(&prompt, reusable, partial, true, next).map(|(k, _)| k).unwrap_or_default(), output)
+            let keys = pool.admit(&prompt, reusable, partial, true, next).map(|(k, _)| k).unwrap_or_default();
+            (keys, pool.generate(output, next))
         } else {
             return;
         };
-        let generated: Vec<BlockHash> = (0..output.min(pool.cap - pool.in_use.len())).map(|_| pool.take(next)).collect();
         for &h in generated.iter().rev().chain(keys.iter().rev()) {
             pool.release(h);
         }
@@ -167,8 +174,8 @@ impl Naive {
 
     fn take_back(&mut self, flight: &Flight, next: &mut u128) {
         let Some(pool) = self.pool(flight) else { return };
-        if let Some((keys, reused, _)) = pool.running.remove(&flight.2) {
-            for &h in keys[reused..].iter().rev() {
+        if let Some((keys, reused, generated)) = pool.running.remove(&flight.2) {
+            for &h in generated.iter().rev().chain(keys[reused..].iter().rev()) {
                 match pool.in_use.get(&h) {
                     Some((_, true)) => pool.release(h),
                     _ => {
