@@ -25,6 +25,9 @@ struct Fake {
     version: Mutex<u64>,
     pods: Mutex<Vec<Value>>,
     watches: Mutex<Vec<mpsc::UnboundedSender<Bytes>>>,
+    /// Every pod event told, by resourceVersion: a watch from a version
+    /// gets those after it first, as the API server sends them.
+    told: Mutex<Vec<(u64, Bytes)>>,
     objectives: Mutex<Vec<Value>>,
     objective_watches: Mutex<Vec<mpsc::UnboundedSender<Bytes>>>,
     requests: Mutex<Vec<String>>,
@@ -76,7 +79,7 @@ impl Fake {
                 "ADDED"
             }
         };
-        self.tell(&json!({"type": kind, "object": pod}));
+        self.tell(&json!({"type": kind, "object": pod}), Some(version));
     }
 
     /// Deletes a pod and tells every watch.
@@ -86,7 +89,7 @@ impl Fake {
         let i = pods.iter().position(|p| p["metadata"]["uid"] == uid).unwrap();
         let mut gone = pods.remove(i);
         gone["metadata"]["resourceVersion"] = json!(version.to_string());
-        self.tell(&json!({"type": "DELETED", "object": gone}));
+        self.tell(&json!({"type": "DELETED", "object": gone}), Some(version));
     }
 
     /// Adds, changes (by name) or, with `deleted`, deletes an InferenceObjective, and tells its watches.
@@ -118,8 +121,14 @@ impl Fake {
         *v
     }
 
-    fn tell(&self, event: &Value) {
-        self.watches.lock().unwrap().retain(|w| w.send(line(event)).is_ok());
+    /// Tells every pod watch; an event at a `version` is kept for the
+    /// watches that start from an earlier one.
+    fn tell(&self, event: &Value, version: Option<u64>) {
+        let mut watches = self.watches.lock().unwrap();
+        if let Some(v) = version {
+            self.told.lock().unwrap().push((v, line(event)));
+        }
+        watches.retain(|w| w.send(line(event)).is_ok());
     }
 
     /// Ends every open watch, as a server does at its timeout or when it restarts.
@@ -131,7 +140,7 @@ impl Fake {
     fn gone(&self) {
         let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
                             "message": "too old resource version", "reason": "Expired", "code": 410});
-        self.tell(&json!({"type": "ERROR", "object": status}));
+        self.tell(&json!({"type": "ERROR", "object": status}), None);
         self.drop_watches();
     }
 
@@ -162,7 +171,14 @@ impl Fake {
             (_, true) => {
                 let (tx, rx) = mpsc::unbounded_channel();
                 if uri.path().ends_with("/pods") {
-                    self.watches.lock().unwrap().push(tx);
+                    // Events after the version it watches from, then the new ones: none lost in between.
+                    let from =
+                        uri.query().and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("resourceVersion=")?.parse::<u64>().ok()));
+                    let mut watches = self.watches.lock().unwrap();
+                    for (_, event) in self.told.lock().unwrap().iter().filter(|(v, _)| from.is_some_and(|f| *v > f)) {
+                        let _ = tx.send(event.clone());
+                    }
+                    watches.push(tx);
                 } else if uri.path() == OBJECTIVES {
                     self.objective_watches.lock().unwrap().push(tx);
                 } else {
