@@ -146,10 +146,7 @@ async fn send_chain(http: &reqwest::Client, base: &str, steps: &[Request], at: I
             }
             Some(previous) => {
                 tokio::time::sleep(r.step.as_ref().map_or(Duration::ZERO, |s| s.think)).await;
-                messages.push(serde_json::json!({"role": "assistant", "content": previous.reply}));
-                messages.extend(r.body["messages"].as_array().into_iter().flatten().cloned());
-                let mut body = r.body.clone();
-                body["messages"] = Value::Array(messages.clone());
+                let body = crate::workload::continue_conversation(&mut messages, &previous.reply, &r.body);
                 // It shares the previous step's prompt and reply, as usage counted them.
                 o.shared_prefix_tokens = previous.prompt_tokens.unwrap_or(0) as usize + previous.output_tokens;
                 let now = Instant::now();

@@ -79,6 +79,17 @@ pub struct Step {
     pub think: Duration,
 }
 
+/// An agent's later step `step` (its own messages) as sent: `messages`,
+/// the conversation so far, gains the `reply` to the step before and the
+/// step's messages, and the body carries all of them.
+pub fn continue_conversation(messages: &mut Vec<serde_json::Value>, reply: &str, step: &serde_json::Value) -> serde_json::Value {
+    messages.push(serde_json::json!({"role": "assistant", "content": reply}));
+    messages.extend(step["messages"].as_array().into_iter().flatten().cloned());
+    let mut body = step.clone();
+    body["messages"] = serde_json::Value::Array(messages.clone());
+    body
+}
+
 /// Which OpenAI endpoint a request goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum Api {

@@ -71,10 +71,7 @@ impl Agent {
     /// the agent is done.
     pub fn next(mut self: Box<Self>, reply: &str, ended: Duration, counter: &Counter) -> Option<anyhow::Result<Arrival>> {
         let r = self.steps.pop_front()?;
-        self.messages.push(serde_json::json!({"role": "assistant", "content": reply}));
-        self.messages.extend(r.body["messages"].as_array().into_iter().flatten().cloned());
-        let mut body = r.body;
-        body["messages"] = Value::Array(self.messages.clone());
+        let body = workload::continue_conversation(&mut self.messages, reply, &r.body);
         let at = ended + r.step.as_ref().map_or(Duration::ZERO, |s| s.think);
         let arrival = slow(counter, workload::Request { at, body, ..r }, self.text);
         Some(arrival.map(|a| Arrival { agent: Some(self), ..a }))

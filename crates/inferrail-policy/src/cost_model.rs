@@ -352,11 +352,12 @@ impl RoutingPolicy for CostModel {
             *s = self.estimate(&c[i], req.prompt_tokens, c[i].cached_tokens);
         }
         if let Some((root, root_tokens)) = self.root(req) {
+            // Roots sent within the window are the ones a replica serves.
+            let since = req.now.saturating_sub(Duration::from_secs_f64(self.config.hot_prefix.window_secs));
             // The copy term, for a root held somewhere, before the hot
             // credit: a credited replica is priced as a holder.
             let holders = offered.iter().filter(|&&i| c[i].cached_tokens >= root_tokens).count();
             if self.config.copy_weight > 0.0 && holders > 0 {
-                let since = req.now.saturating_sub(Duration::from_secs_f64(self.config.hot_prefix.window_secs));
                 let roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
                 for (s, &i) in out.iter_mut().zip(offered) {
                     if c[i].cached_tokens < root_tokens && roots.peek(&c[i].key).is_some_and(|r| r.other_since(root, since).is_some()) {
@@ -388,7 +389,6 @@ impl RoutingPolicy for CostModel {
                 // does not fit beside the other prompt it was last sent,
                 // evicts what it serves, and its own request pays the whole
                 // long prefill: long contexts stay where they are cached.
-                let since = req.now.saturating_sub(Duration::from_secs_f64(self.config.hot_prefix.window_secs));
                 let roots = self.roots.lock().unwrap_or_else(|p| p.into_inner());
                 let room = |x: &Candidate| {
                     let capacity = x.kv_capacity_tokens;
