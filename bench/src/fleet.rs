@@ -9,6 +9,8 @@
 //! Results are JSON stamped with the commit and the command, as `run`'s.
 
 pub mod capacity;
+pub mod outcome;
+pub mod setup;
 pub mod sim;
 #[cfg(test)]
 mod tests;
@@ -136,6 +138,8 @@ pub(crate) fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> 
         routers: args.routers,
         peers: !args.no_peers,
         peer_delay: std::time::Duration::from_micros(args.peer_delay_us),
+        timing: inferrail_route::lifecycle::Timing::ROUTER,
+        status_after_end: None,
     };
     // The router checks them as it checks a model's own `policies`: unknown keys and ranges.
     let params = sim::config(&setup, PolicyKind::RoundRobin).params(0).map_err(|p| anyhow::anyhow!("--policy-params: {}", p.join("; ")))?;

@@ -14,9 +14,13 @@
 mod charts;
 mod checks;
 pub(crate) mod inputs;
+mod ladder;
 mod real;
+mod sim_capacity;
+mod stats;
 #[cfg(test)]
 pub(crate) mod tests;
+mod text;
 mod validation;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -28,6 +32,9 @@ use clap::Args;
 use charts::{Bar, Bars, Cdf};
 use checks::Verdict;
 use inputs::{Accuracy, CompareRun, FleetCapacity, FleetRuns, FleetWorkload, Ladder, Loaded, RealCapacity};
+use stats::{RESAMPLES, bar, median, pooled_ttfts};
+pub use stats::{mean, paired_p99, paired_ttfts, ttft_p50, ttft_p99};
+use text::{cell, ms, num, pct, sources};
 
 /// Flags of `report`.
 #[derive(Debug, Clone, Args)]
@@ -156,162 +163,6 @@ fn in_workload_order(workloads: impl Iterator<Item = String>) -> Vec<String> {
     out
 }
 
-/// The median (none for nothing).
-fn median(mut values: Vec<f64>) -> Option<f64> {
-    values.sort_by(f64::total_cmp);
-    let n = values.len();
-    (n > 0).then(|| if n % 2 == 1 { values[n / 2] } else { (values[n / 2 - 1] + values[n / 2]) / 2.0 })
-}
-
-/// Arithmetic mean (0 for nothing).
-pub fn mean(values: impl Iterator<Item = f64>) -> f64 {
-    let (sum, n) = values.fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));
-    if n == 0 { 0.0 } else { sum / n as f64 }
-}
-
-/// The mean of a metric over repetitions, with the spread when there are several.
-fn bar(values: &[f64]) -> Bar {
-    let spread = (values.len() > 1)
-        .then(|| (values.iter().copied().fold(f64::INFINITY, f64::min), values.iter().copied().fold(f64::NEG_INFINITY, f64::max)));
-    Bar { value: mean(values.iter().copied()), spread }
-}
-
-/// The measured TTFTs of every repetition together, sorted; none when a
-/// repetition's result predates per-request TTFTs.
-fn pooled_ttfts(runs: &[CompareRun]) -> Option<Vec<f64>> {
-    let mut all = Vec::new();
-    for r in runs {
-        all.extend_from_slice(r.ttft_ms.as_deref()?);
-    }
-    all.sort_by(f64::total_cmp);
-    Some(all)
-}
-
-/// A TTFT percentile (`q`) of one contender on one workload over the
-/// measured requests of all its repetitions together (nearest rank), with
-/// the repetitions' own (`own`) as the spread. A 25-second repetition at
-/// 70% load holds 100-150 requests, so its p99 is its slowest request or
-/// next to it, and the mean of three such is the mean of three maxima;
-/// pooled, the p99 rests on three to four hundred. Results without
-/// per-request TTFTs give the mean of the repetitions' own; no request
-/// served at all, infinity (never the best).
-pub fn ttft(runs: &[CompareRun], q: f64, own: fn(&inputs::Latency) -> f64) -> Bar {
-    let mut b = bar(&runs.iter().map(|r| own(&r.summary.ttft)).collect::<Vec<_>>());
-    match pooled_ttfts(runs) {
-        Some(all) if all.is_empty() => b.value = f64::INFINITY,
-        Some(all) => b.value = crate::report::quantile(&all, q),
-        None => {}
-    }
-    b
-}
-
-/// [`ttft`]'s p50.
-pub fn ttft_p50(runs: &[CompareRun]) -> Bar {
-    ttft(runs, 0.50, |l| l.p50_ms)
-}
-
-/// [`ttft`]'s p99.
-pub fn ttft_p99(runs: &[CompareRun]) -> Bar {
-    ttft(runs, 0.99, |l| l.p99_ms)
-}
-
-/// The same requests' TTFTs under two contenders, `(a's, b's)`, over the
-/// repetitions both ran with the same seed at the same rate (the same
-/// schedule) where each measured every request: their TTFTs are then of
-/// the same requests in the same scheduled order. A repetition that lost a
-/// request does not pair; none: no repetition pairs.
-pub fn paired_ttfts(a: &[CompareRun], b: &[CompareRun]) -> Option<Vec<(f64, f64)>> {
-    fn whole(r: &CompareRun) -> Option<&[f64]> {
-        r.ttft_ms.as_deref().filter(|t| r.summary.ok == r.summary.requests && t.len() == r.summary.requests)
-    }
-    let mut pairs = Vec::new();
-    for x in a {
-        let same = b.iter().find(|y| y.seed == x.seed && y.rate == x.rate && y.sent == x.sent);
-        if let Some((tx, ty)) = whole(x).zip(same.and_then(whole)) {
-            pairs.extend(tx.iter().copied().zip(ty.iter().copied()));
-        }
-    }
-    (!pairs.is_empty()).then_some(pairs)
-}
-
-/// Two contenders' p99 TTFT over the same requests, compared.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PairedP99 {
-    pub requests: usize,
-    /// The first's p99 minus the second's, milliseconds.
-    pub difference: f64,
-    /// The 95% bootstrap interval of the difference.
-    pub low: f64,
-    pub high: f64,
-    /// The median of the per-request differences: what every request pays or saves, tail or not.
-    pub median_request: f64,
-}
-
-/// Resamples of the bootstrap; its seed is fixed, so the same results give the same interval.
-const RESAMPLES: usize = 2000;
-
-/// [`PairedP99`] of `(a, b)` TTFT pairs: the interval resamples whole pairs,
-/// so what the requests themselves ask (an 8,000-token prompt computed cold
-/// under both) does not count as a difference between the contenders.
-pub fn paired_p99(pairs: &[(f64, f64)]) -> PairedP99 {
-    use rand::{Rng as _, SeedableRng as _};
-    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-    let mut resampled: Vec<f64> =
-        (0..RESAMPLES).map(|_| p99_difference((0..pairs.len()).map(|_| pairs[rng.random_range(0..pairs.len())]))).collect();
-    resampled.sort_by(f64::total_cmp);
-    let mut each: Vec<f64> = pairs.iter().map(|(a, b)| a - b).collect();
-    each.sort_by(f64::total_cmp);
-    PairedP99 {
-        requests: pairs.len(),
-        difference: p99_difference(pairs.iter().copied()),
-        low: crate::report::quantile(&resampled, 0.025),
-        high: crate::report::quantile(&resampled, 0.975),
-        median_request: crate::report::quantile(&each, 0.5),
-    }
-}
-
-/// The first's p99 minus the second's over `(a, b)` pairs.
-fn p99_difference(pairs: impl Iterator<Item = (f64, f64)>) -> f64 {
-    let (mut a, mut b): (Vec<f64>, Vec<f64>) = pairs.unzip();
-    a.sort_by(f64::total_cmp);
-    b.sort_by(f64::total_cmp);
-    crate::report::quantile(&a, 0.99) - crate::report::quantile(&b, 0.99)
-}
-
-/// `mean` or `mean (lo–hi)`.
-fn cell(b: Bar, unit: impl Fn(f64) -> String) -> String {
-    match b.spread {
-        Some((lo, hi)) => format!("{} ({}–{})", unit(b.value), unit(lo), unit(hi)),
-        None => unit(b.value),
-    }
-}
-
-fn ms(x: f64) -> String {
-    format!("{x:.0}")
-}
-
-/// A number to three decimals at most, without trailing zeros (`200`, `0.1`, `2.345`).
-fn num(x: f64) -> String {
-    format!("{}", (x * 1e3).round() / 1e3)
-}
-
-fn pct(x: f64) -> String {
-    format!("{:.1}%", x * 100.0)
-}
-
-/// `path (commit c)` lines for a set of files.
-fn sources<'a>(files: impl Iterator<Item = (&'a Path, &'a str)>) -> String {
-    let mut by_commit: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-    for (path, commit) in files {
-        by_commit.entry(commit).or_default().push(path.display().to_string());
-    }
-    by_commit
-        .iter()
-        .map(|(c, paths)| format!("commit `{c}`: {}", paths.iter().map(|p| format!("`{p}`")).collect::<Vec<_>>().join(", ")))
-        .collect::<Vec<_>>()
-        .join("; ")
-}
-
 /// Writes the report; returns the checks that failed.
 pub fn report(args: ReportArgs) -> anyhow::Result<()> {
     let failed = render(&args)?;
@@ -400,19 +251,19 @@ pub fn render(args: &ReportArgs) -> anyhow::Result<Vec<String>> {
         accuracy_section(&mut md, &args.out_dir, a, &routing)?;
     }
     if let Some(l) = &ladder {
-        ladder_section(&mut md, &args.out_dir, l)?;
+        ladder::section(&mut md, &args.out_dir, l)?;
     }
     if !fleet.is_empty() {
-        capacity_section(&mut md, &args.out_dir, ("Fleet simulation: capacity at the SLO", ""), "fleet-capacity.png", &fleet)?;
+        sim_capacity::section(&mut md, &args.out_dir, ("Fleet simulation: capacity at the SLO", ""), "fleet-capacity.png", &fleet)?;
     }
     if !fleet_scaled.is_empty() {
         let intro = "The same searches on fleets like the HTTP comparison's: 3 and 4 replicas, its caches and its time scale, so its SLO. They show what the three real simulators' capacity (above) would be on other seeds, and with a fourth replica.";
         let heading = ("Fleet simulation at the comparison's scale", intro);
-        capacity_section(&mut md, &args.out_dir, heading, "fleet-capacity-bench-scale.png", &fleet_scaled)?;
+        sim_capacity::section(&mut md, &args.out_dir, heading, "fleet-capacity-bench-scale.png", &fleet_scaled)?;
     }
     if !fleet_reuse.is_empty() {
         let heading = ("Fleet simulation: reuse patterns", "Agent loops and RAG (issue 39), each on one seed.");
-        capacity_section(&mut md, &args.out_dir, heading, "fleet-capacity-reuse.png", &fleet_reuse)?;
+        sim_capacity::section(&mut md, &args.out_dir, heading, "fleet-capacity-reuse.png", &fleet_reuse)?;
     }
     if let Some(s) = &speed {
         speed_section(&mut md, s)?;
@@ -647,221 +498,5 @@ fn accuracy_section(md: &mut String, out: &Path, a: &Loaded<Accuracy>, routing: 
         &Bars { title: "Predicted cached tokens against the engines'", y_label: "share of requests", groups, series, values },
     )?;
     writeln!(md, "\n![Prediction accuracy](prediction.png)\n")?;
-    Ok(())
-}
-
-fn ladder_section(md: &mut String, out: &Path, l: &Loaded<Ladder>) -> anyhow::Result<()> {
-    let v = &l.value;
-    writeln!(md, "## Overhead ladder\n")?;
-    // The recipe passes the setup in the command; say it once.
-    let setup = if v.command.contains(&v.setup) { String::new() } else { format!("; {}", v.setup) };
-    writeln!(md, "Source: `{}` (commit `{}`), `{}`. {} req/s open loop{setup}.\n", l.path.display(), v.commit, v.command, v.rate)?;
-    writeln!(md, "Latency counts from each request's scheduled send to the last byte of its answer.\n")?;
-    writeln!(
-        md,
-        "| rung | ok | errors | latency p50 ms | latency p99 ms | added p50 ms | added p99 ms | CPU µs per request, by process |\n|---|---|---|---|---|---|---|---|"
-    )?;
-    let cpu = |r: &inputs::RungResult| r.cpu_us_per_request.iter().map(|(k, v)| format!("{k} {v:.0}")).collect::<Vec<_>>().join(", ");
-    for r in &v.rungs {
-        writeln!(
-            md,
-            "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {} |",
-            r.rung,
-            r.ok,
-            r.errors,
-            r.latency.p50_ms,
-            r.latency.p99_ms,
-            r.added_p50_ms,
-            r.added_p99_ms,
-            cpu(r)
-        )?;
-    }
-    let groups: Vec<String> = v.rungs.iter().map(|r| r.rung.clone()).collect();
-    let one = |x: f64| Some(Bar { value: x, spread: None });
-    let values = v.rungs.iter().map(|r| vec![one(r.added_p50_ms), one(r.added_p99_ms)]).collect();
-    charts::bars(
-        &out.join("overhead-latency.png"),
-        &Bars {
-            title: "Latency added over straight to the simulators",
-            y_label: "ms",
-            groups: groups.clone(),
-            series: vec!["added p50".into(), "added p99".into()],
-            values,
-        },
-    )?;
-    // In the chart each rung's Envoy is "Envoy" and its processor or router "router", so the bars line up.
-    let kind = |role: &str| match role {
-        "client" | "simulators" => role.to_string(),
-        r if r.starts_with("envoy") => "Envoy".into(),
-        _ => "processor or router".into(),
-    };
-    let roles: Vec<String> = ["client", "Envoy", "processor or router", "simulators"].map(str::to_string).to_vec();
-    let values = v
-        .rungs
-        .iter()
-        .map(|r| {
-            roles.iter().map(|k| r.cpu_us_per_request.iter().find(|(role, _)| kind(role) == *k).and_then(|(_, us)| one(*us))).collect()
-        })
-        .collect();
-    charts::bars(
-        &out.join("overhead-cpu.png"),
-        &Bars { title: "CPU time per request, by process", y_label: "µs", groups, series: roles, values },
-    )?;
-    writeln!(md, "\n![Latency added per rung](overhead-latency.png)\n\n![CPU per request per rung](overhead-cpu.png)\n")?;
-    if let Some(lp) = &v.long_prompt {
-        writeln!(md, "### Long prompts ({} kB), closed loop\n", lp.prompt_bytes / 1000)?;
-        writeln!(
-            md,
-            "Each client sends its next request when the last one's first byte is in, so with every process on the same \
-             cores the mean TTFT is close to the clients times the CPU time all processes spend per request, over the \
-             cores: on 2 cores each millisecond of CPU per request adds about 10 ms at 20 clients.{}\n",
-            if lp.levels.iter().any(|l| l.clients == 1) {
-                " With one client nothing waits for the cores: what each layer adds there is the time it takes itself."
-            } else {
-                ""
-            }
-        )?;
-        writeln!(
-            md,
-            "| clients | rung | ok | errors | TTFT mean ms | TTFT p99 ms | added mean ms | added p99 ms | CPU µs per request, by process |\n|---|---|---|---|---|---|---|---|---|"
-        )?;
-        for level in &lp.levels {
-            for r in &level.rungs {
-                writeln!(
-                    md,
-                    "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
-                    level.clients,
-                    r.rung,
-                    r.ok,
-                    r.errors,
-                    r.latency.mean_ms,
-                    r.latency.p99_ms,
-                    r.added_mean_ms,
-                    r.added_p99_ms,
-                    cpu(r)
-                )?;
-            }
-        }
-        let series: Vec<String> = lp.levels.first().map(|l| l.rungs.iter().map(|r| r.rung.clone()).collect()).unwrap_or_default();
-        let groups = lp.levels.iter().map(|l| format!("{} client{}", l.clients, if l.clients == 1 { "" } else { "s" })).collect();
-        let values = lp
-            .levels
-            .iter()
-            .map(|l| series.iter().map(|s| l.rungs.iter().find(|r| &r.rung == s).and_then(|r| one(r.added_mean_ms))).collect())
-            .collect();
-        charts::bars(
-            &out.join("overhead-long-prompt.png"),
-            &Bars { title: "Mean TTFT added over straight to the simulators, long prompts", y_label: "ms", groups, series, values },
-        )?;
-        writeln!(md, "\n![Long prompts](overhead-long-prompt.png)\n")?;
-    }
-    Ok(())
-}
-
-/// Capacity searches of the fleet simulation, grouped by workload, under a
-/// heading (its title, and a paragraph unless empty), with the chart `png`.
-fn capacity_section(md: &mut String, out: &Path, (title, intro): (&str, &str), png: &str, fleet: &[FleetWorkload]) -> anyhow::Result<()> {
-    writeln!(md, "## {title}\n")?;
-    if !intro.is_empty() {
-        writeln!(md, "{intro}\n")?;
-    }
-    let files = fleet.iter().flat_map(|g| &g.files);
-    writeln!(md, "Source: {}.\n", sources(files.map(|f| (f.path.as_path(), f.value.commit.as_str()))))?;
-    let mut groups = Vec::new();
-    let mut rows: Vec<BTreeMap<String, Bar>> = Vec::new();
-    let mut policies: Vec<String> = Vec::new();
-    for g in fleet {
-        for f in &g.files {
-            writeln!(md, "Command: `{}`\n", f.value.command)?;
-        }
-        let mut seeds: Vec<String> = g.files.iter().map(|f| f.value.seed.to_string()).collect();
-        seeds.dedup();
-        let over = if seeds.len() > 1 {
-            format!(
-                "; the mean over seeds {} with the lowest and highest in parentheses, and the ratio to round robin of the sums over the seeds",
-                seeds.join(", ")
-            )
-        } else {
-            String::new()
-        };
-        let slo = g.files.first().map_or(0.0, |f| f.value.slo_ttft_ms);
-        writeln!(md, "**{}**, p99 TTFT within {slo} ms: highest arrival rate (req/s) per policy and replica count{over}\n", g.workload)?;
-        let sizes = g.sizes();
-        writeln!(
-            md,
-            "| policy | {} |\n|---|{}",
-            sizes.iter().map(|n| format!("{n} replicas")).collect::<Vec<_>>().join(" | "),
-            "---|".repeat(sizes.len())
-        )?;
-        for policy in g.policies() {
-            if !policies.iter().any(|p| p == policy) {
-                policies.push(policy.to_owned());
-            }
-            let cells: Vec<String> = sizes
-                .iter()
-                .map(|&n| {
-                    let rates = g.rates(policy, n);
-                    if rates.is_empty() {
-                        return "n/a".into();
-                    }
-                    let b = bar(&rates);
-                    let spread = b.spread.map_or(String::new(), |(lo, hi)| format!("{lo:.2}–{hi:.2}; "));
-                    match g.ratio(policy, "round_robin", n) {
-                        Some((r, _)) if r.is_finite() => format!("{:.2} ({spread}{r:.2}x rr)", b.value),
-                        _ => cell(b, |x| format!("{x:.2}")),
-                    }
-                })
-                .collect();
-            writeln!(md, "| {policy} | {} |", cells.join(" | "))?;
-        }
-        for &n in &sizes {
-            groups.push(format!("{} x{n}", g.workload));
-            rows.push(
-                g.policies()
-                    .into_iter()
-                    .filter_map(|p| {
-                        let per: Vec<f64> = g.rates(p, n).iter().map(|r| r / n as f64).collect();
-                        (!per.is_empty()).then(|| (p.to_owned(), bar(&per)))
-                    })
-                    .collect(),
-            );
-        }
-        writeln!(md)?;
-        for f in &g.files {
-            let v = &f.value;
-            let Some(rate) = v.fixed_rate else { continue };
-            let needed: Vec<String> = v
-                .replicas_needed
-                .iter()
-                .map(|(p, n)| format!("{p} {}", n.map_or("more than searched".into(), |n| n.to_string())))
-                .collect();
-            let saved = v
-                .replicas_needed
-                .iter()
-                .find(|(p, _)| p == "cost_model")
-                .and_then(|(_, n)| *n)
-                .zip(v.replicas_needed.iter().find(|(p, _)| p == "round_robin").and_then(|(_, n)| *n));
-            // The search's default rate is round robin's capacity on the largest fleet: say so when it is.
-            let rr_largest = v.capacity.iter().find(|(p, _)| p == "round_robin").and_then(|(_, per)| per.iter().max_by_key(|c| c.replicas));
-            let whose = rr_largest
-                .filter(|c| c.rate == rate)
-                .map_or(String::new(), |c| format!(" (round_robin's capacity on {} replicas)", c.replicas));
-            writeln!(
-                md,
-                "Seed {}: replicas needed for {rate} req/s{whose} within the SLO: {}.{}\n",
-                v.seed,
-                needed.join(", "),
-                saved.map_or(String::new(), |(c, r)| format!(
-                    " GPUs saved by cost_model against round_robin: {} of {r} ({}).",
-                    r as i64 - c as i64,
-                    pct(1.0 - c as f64 / r as f64)
-                ))
-            )?;
-        }
-    }
-    let values = rows.iter().map(|row| policies.iter().map(|p| row.get(p).copied()).collect()).collect();
-    let chart_title = format!("{title} (req/s per replica)");
-    charts::bars(&out.join(png), &Bars { title: &chart_title, y_label: "req/s per replica", groups, series: policies, values })?;
-    writeln!(md, "![{title}]({png})\n")?;
     Ok(())
 }

@@ -16,9 +16,13 @@
 //! slow prefill (TTFT is what is measured).
 //!
 //! Events: an arrival is tokenized ([`super::traffic`]), cut into blocks by
-//! `Core::prepare` and decided by `Core::decide` at the virtual now; a first
-//! token marks the lease's first byte; a completion completes the lease in
-//! the core and releases it. Each engine's load (running, waiting, KV usage)
+//! `Core::prepare`, decided by `Core::decide` at the virtual now and
+//! entered in the router's own `Ledger`, which runs each request's life as
+//! the service does (ADR 0029): the engine's status and first token are
+//! heard when its prefill ends, its end when it completes, and the ledger
+//! completes the KV record and releases the lease as the lifecycle says.
+//! `Setup::status_after_end` tells the status only after the end, as an
+//! access log would, so that the grace period decides. Each engine's load (running, waiting, KV usage)
 //! is read as the scraper reads it, every scrape interval of virtual time
 //! (the scraper's default at the time scale, [`timescale::scrape_interval`]),
 //! and the decisions see those reports with their age, as the router's do.
@@ -43,161 +47,29 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use inferrail_config::{CacheShape, Config, Limits, Model};
+use inferrail_config::CacheShape;
 use inferrail_kv::hash::extend_block_hashes;
 use inferrail_policy::{EngineReport, PolicyKind};
-use inferrail_route::fleet::{Fleet, Lease, Replica};
+use inferrail_route::fleet::{Fleet, Replica};
 use inferrail_route::kv::{Prediction, Prompt, seed};
+use inferrail_route::ledger::{Ledger, mirror_id};
+use inferrail_route::lifecycle;
 use inferrail_route::{Core, Hold, Report, Share, View};
 use inferrail_sim::cache::{BlockId, BlockPool};
 use inferrail_sim::cost::LatencyModel;
-use serde::Serialize;
 
+pub use super::outcome::Outcome;
+use super::outcome::{prefixes_served, slowest};
+pub use super::setup::{Setup, config};
 use super::traffic::{Agent, Arrival};
-use crate::report::{self, Latency};
+use crate::report;
 use crate::timescale;
 use crate::workload::Counter;
-
-/// The simulated fleet.
-#[derive(Debug, Clone)]
-pub struct Setup {
-    /// Replicas.
-    pub replicas: usize,
-    /// KV blocks per replica (the engine's pool, and the router's shadow of it).
-    pub kv_blocks: usize,
-    /// A mixed fleet: replica `i` has `mixed[i % len]`, its latency model
-    /// as a multiple of the time scale's and its KV blocks, and the router
-    /// prices it by that model, as `inferrail-calibrate` fits it (empty:
-    /// every replica alike).
-    pub mixed: Vec<(f64, usize)>,
-    /// Tokens per block.
-    pub block_size: usize,
-    /// The engines' latency model is the simulator's default times this
-    /// ([`crate::timescale`]); the router's costs are set to match.
-    pub time_scale: f64,
-    /// The model's own policy parameters over the time scale's (`--policy-params`; null: none).
-    pub policies: serde_yaml::Value,
-    /// Each replica's limits as the router holds them.
-    pub limits: Limits,
-    /// The router's seed.
-    pub seed: u64,
-    /// The model the requests ask for.
-    pub model: String,
-    /// Routers deciding, in turn.
-    pub routers: usize,
-    /// Whether the routers are each other's peers.
-    pub peers: bool,
-    /// How long a router's word takes to reach its peers.
-    pub peer_delay: Duration,
-}
-
-impl Setup {
-    /// Replica `i`'s latency model and KV blocks.
-    fn engine(&self, i: usize) -> (LatencyModel, usize) {
-        let (speed, blocks) = self.mixed.get(i % self.mixed.len().max(1)).copied().unwrap_or((1.0, self.kv_blocks));
-        (timescale::latency(self.time_scale * speed), blocks)
-    }
-}
-
-/// What one simulation measured.
-#[derive(Debug, Clone, Serialize)]
-pub struct Outcome {
-    /// The policy.
-    pub policy: String,
-    /// Replicas.
-    pub replicas: usize,
-    /// Routers, and whether they were peers.
-    pub routers: (usize, bool),
-    /// The most requests one engine had at once (queued, prefilling or decoding).
-    pub peak_in_flight: usize,
-    /// Requests that arrived.
-    pub requests: usize,
-    /// Requests the router refused (every replica full).
-    pub rejected: usize,
-    /// Cached prompt tokens over prompt tokens, every replica.
-    pub hit_rate: f64,
-    /// Lowest and highest hit rate of one replica (of those that served any).
-    pub replica_hit_rate: (f64, f64),
-    /// The busiest replica's share of requests.
-    pub busiest_share: f64,
-    /// The idlest replica's share of requests.
-    pub idlest_share: f64,
-    /// How many shared prefixes a replica serves: the mean over the replicas
-    /// that served any, and the most on one (see `prefixes_served`).
-    pub prefixes_per_replica: (f64, f64),
-    /// Time to first token from arrival.
-    pub ttft: Latency,
-    /// Where the slowest 1% of first tokens spent their time.
-    pub slowest: Phases,
-    /// Share of requests whose predicted cached tokens were the engine's.
-    pub prediction_exact: f64,
-    /// Virtual seconds from the first arrival to the last completion.
-    pub virtual_s: f64,
-    /// Wall seconds the simulation took.
-    pub wall_s: f64,
-}
-
-/// Mean milliseconds a set of requests spent in each phase before their
-/// first token: queued behind other requests (their prefills, or a head of
-/// the queue waiting for room), at the head of the queue waiting for KV room,
-/// and in their own prefill. They add up to the mean time to first token.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct Phases {
-    /// Requests averaged.
-    pub requests: usize,
-    /// Queued behind other requests.
-    pub queued_ms: f64,
-    /// At the head of the queue until completions freed room for its blocks.
-    pub kv_wait_ms: f64,
-    /// Its own prefill.
-    pub prefill_ms: f64,
-}
-
-/// The phases of the slowest `share` of requests (at least one), each given
-/// as (queued, KV wait, prefill) nanoseconds.
-fn slowest(mut phases: Vec<[u64; 3]>, share: f64) -> Phases {
-    phases.sort_by_key(|p| Reverse(p.iter().sum::<u64>()));
-    let n = ((phases.len() as f64 * share).ceil() as usize).min(phases.len());
-    let mean = |k: usize| phases[..n].iter().map(|p| p[k] as f64).sum::<f64>() / n.max(1) as f64 * 1e-6;
-    Phases { requests: n, queued_ms: mean(0), kv_wait_ms: mean(1), prefill_ms: mean(2) }
-}
-
-/// How many shared prefixes each replica serves, as (mean over the replicas
-/// that served any, highest): a replica's count is the effective number of
-/// root prefixes among its requests (the exponential of their entropy), 1
-/// for a replica that serves one prefix, 2 for one that serves two equally
-/// often, a little over 1 for one that served another prefix now and then.
-/// Only roots asked for more than once in the fleet count. On a fleet whose
-/// caches hold about one shared prompt each, a replica that serves two holds
-/// both and has room for fewer requests.
-fn prefixes_served<'a>(engines: impl Iterator<Item = &'a HashMap<u128, u64>> + Clone) -> (f64, f64) {
-    let mut total: HashMap<u128, u64> = HashMap::new();
-    for roots in engines.clone() {
-        for (&root, &n) in roots {
-            *total.entry(root).or_default() += n;
-        }
-    }
-    let counts: Vec<f64> = engines
-        .map(|roots| roots.iter().filter(|(r, _)| total.get(*r).is_some_and(|&t| t > 1)).map(|(_, &n)| n as f64).collect::<Vec<_>>())
-        .filter(|n| !n.is_empty())
-        .map(|mut n| {
-            // In one order: a map's varies from run to run, and sums of floats with it.
-            n.sort_by(f64::total_cmp);
-            let sum: f64 = n.iter().sum();
-            (-n.iter().map(|&x| x / sum * (x / sum).ln()).sum::<f64>()).exp()
-        })
-        .collect();
-    if counts.is_empty() {
-        return (0.0, 0.0);
-    }
-    (counts.iter().sum::<f64>() / counts.len() as f64, counts.iter().copied().fold(0.0, f64::max))
-}
 
 /// A request on its replica.
 struct Job {
     arrival_ns: u64,
     replica: usize,
-    lease: Arc<Lease>,
     prediction: Arc<Prediction>,
     prompt_tokens: usize,
     max_tokens: usize,
@@ -236,19 +108,26 @@ enum Event {
     Step(usize),
     /// A peer hears of job `.0`, decided by another router.
     Peer(usize, usize, Heard),
+    /// The status of job `.0`, told after its end (`Setup::status_after_end`).
+    LateStatus(usize),
+    /// Router `.0`'s ledger delivers the deadlines due.
+    Tick(usize),
 }
 
-/// What a peer hears of a request.
+/// What a router hears of a request: its decision (peers only), then its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Heard {
     Decided,
+    /// The engine answered 200.
+    Status,
     FirstByte,
     End,
 }
 
-/// One router: its decision core, its view of the replicas and its place among the routers.
+/// One router: its decision core, its ledger, its view of the replicas and its place among the routers.
 struct Router {
     core: Core,
+    ledger: Ledger,
     fleet: Arc<Fleet>,
     by_slot: HashMap<u64, usize>,
     share: Share,
@@ -272,8 +151,8 @@ struct World<'a> {
     peak_in_flight: usize,
     /// The decisions peers are told of, by job, until every peer holds them.
     told: HashMap<usize, Told>,
-    /// Each peer's mirror of a job, by (job, router).
-    mirrors: HashMap<(usize, usize), Arc<Lease>>,
+    /// The replica that serves each job, by its key, until its status and end are heard.
+    served_by: HashMap<usize, u64>,
     events: BinaryHeap<Reverse<(u64, u64, Event)>>,
     seq: u64,
     ttft: Vec<Duration>,
@@ -336,23 +215,6 @@ pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item 
     })
 }
 
-/// The router's configuration for one model routed by `policy` over `setup`.
-pub fn config(setup: &Setup, policy: PolicyKind) -> Config {
-    let mut config = Config::default();
-    config.routing.seed = setup.seed;
-    config.routing.policies = timescale::params(setup.time_scale);
-    config.kv.block_size = setup.block_size;
-    config.kv.blocks = setup.kv_blocks;
-    config.models = vec![Model {
-        name: setup.model.clone(),
-        policy,
-        tokenizer: Some("builtin:sim".into()),
-        policies: setup.policies.clone(),
-        ..Model::default()
-    }];
-    config
-}
-
 /// One router over `setup`'s replicas.
 fn router(setup: &Setup, policy: PolicyKind, share: Share) -> anyhow::Result<Router> {
     let core = Core::new(&config(setup, policy))?;
@@ -376,7 +238,7 @@ fn router(setup: &Setup, policy: PolicyKind, share: Share) -> anyhow::Result<Rou
             r
         })
         .collect();
-    Ok(Router { core, fleet: Arc::new(Fleet::new(replicas, 1)), by_slot, share })
+    Ok(Router { core, ledger: Ledger::new(setup.timing), fleet: Arc::new(Fleet::new(replicas, 1)), by_slot, share })
 }
 
 impl<'a> World<'a> {
@@ -416,7 +278,7 @@ impl<'a> World<'a> {
             engines,
             jobs: HashMap::new(),
             told: HashMap::new(),
-            mirrors: HashMap::new(),
+            served_by: HashMap::new(),
             peak_in_flight: 0,
             events: BinaryHeap::new(),
             seq: 0,
@@ -456,6 +318,11 @@ impl<'a> World<'a> {
                     }
                 }
                 Event::Peer(j, k, heard) => self.peer_heard(j, k, heard, ns),
+                Event::LateStatus(j) => self.hear(j, Heard::Status, ns),
+                Event::Tick(k) => {
+                    let router = &self.routers[k];
+                    router.ledger.tick(Duration::from_nanos(ns), &router.core, &router.fleet);
+                }
             }
         }
         Ok(last)
@@ -497,6 +364,8 @@ impl<'a> World<'a> {
         let Some(&replica) = router.by_slot.get(&u64::from(committed.lease.replica.slot)) else {
             return false;
         };
+        router.ledger.insert(&id.to_string(), committed.lease.clone(), now_d);
+        self.served_by.insert(id, committed.lease.replica.key);
         self.tell_peers(id, decider, Heard::Decided, now);
         if self.setup.peers && self.routers.len() > 1 {
             self.told.insert(id, Told { replica, hold: committed.lease.hold(), session: a.session.clone() });
@@ -504,7 +373,6 @@ impl<'a> World<'a> {
         let job = Job {
             arrival_ns: now,
             replica,
-            lease: committed.lease,
             prediction,
             prompt_tokens: prompt.ids.len(),
             max_tokens: a.max_tokens.max(1),
@@ -606,14 +474,16 @@ impl<'a> World<'a> {
                     engine.pool.register(block, hash);
                 }
             }
-            job.lease.first_byte();
             self.ttft.push(Duration::from_nanos(now - job.arrival_ns));
             let kv_wait = job.blocked_ns.map_or(0, |b| job.started_ns - b);
             self.phases.push([job.started_ns - job.arrival_ns - kv_wait, kv_wait, now - job.started_ns]);
             engine.running += 1;
             let decode = job.max_tokens as f64 * engine.latency.decode_secs(engine.running);
             self.at(now + (decode * 1e9) as u64, Event::Complete(j));
-            self.tell_peers(j, j % self.routers.len(), Heard::FirstByte, now);
+            if self.setup.status_after_end.is_none() {
+                self.hear(j, Heard::Status, now);
+            }
+            self.hear(j, Heard::FirstByte, now);
         }
         self.start_prefill(r, now);
     }
@@ -639,16 +509,51 @@ impl<'a> World<'a> {
         }
         engine.pool.release(job.blocks.iter().rev().copied());
         engine.running -= 1;
-        let decider = j % self.routers.len();
-        self.routers[decider].core.complete(&job.lease);
-        job.lease.release();
-        self.tell_peers(j, decider, Heard::End, now);
-        self.start_prefill(job.replica, now);
+        let replica = job.replica;
+        self.hear(j, Heard::End, now);
+        if let Some(after) = self.setup.status_after_end {
+            self.at(now + after.as_nanos() as u64, Event::LateStatus(j));
+            // Every router's ledger ends what it holds of the job once its grace is over.
+            let due = now + self.setup.timing.grace.as_nanos() as u64 + 1 + self.setup.peer_delay.as_nanos() as u64;
+            for k in 0..self.routers.len() {
+                self.at(due, Event::Tick(k));
+            }
+        }
+        self.start_prefill(replica, now);
         if let Some(step) = next {
             self.at(step.at.as_nanos() as u64, Event::Step(j));
             self.next_steps.insert(j, step);
         }
         Ok(())
+    }
+
+    /// Job `j`'s decider hears `heard` at `now` in its ledger, and tells its peers.
+    fn hear(&mut self, j: usize, heard: Heard, now: u64) {
+        let decider = j % self.routers.len();
+        let Some(event) = self.event(j, heard) else { return };
+        let router = &self.routers[decider];
+        router.ledger.hear(&j.to_string(), Duration::from_nanos(now), event, &router.core, &router.fleet);
+        self.tell_peers(j, decider, heard, now);
+        // Once both its status and its end are heard, nobody needs to know who served it.
+        let last = if self.setup.status_after_end.is_some() { Heard::Status } else { Heard::End };
+        if heard == last && !self.peered() {
+            self.served_by.remove(&j);
+        }
+    }
+
+    /// Whether routers tell each other what they decide and hear.
+    fn peered(&self) -> bool {
+        self.setup.peers && self.routers.len() > 1
+    }
+
+    /// What `heard` of job `j` is as an event of its life.
+    fn event(&self, j: usize, heard: Heard) -> Option<lifecycle::Event> {
+        Some(match heard {
+            Heard::Decided => return None,
+            Heard::Status => lifecycle::Event::Status { code: 200, served_by: self.served_by.get(&j).copied() },
+            Heard::FirstByte => lifecycle::Event::FirstByte,
+            Heard::End => lifecycle::Event::End,
+        })
     }
 
     /// Tells every peer of router `decider` what it heard of job `j`, `peer_delay` from `now`.
@@ -662,32 +567,30 @@ impl<'a> World<'a> {
         }
     }
 
-    /// Router `k` hears of job `j`, which another decided: it holds it as
-    /// its own (slot, queued prefill, KV record), marks its first token,
-    /// and completes and releases it at its end.
+    /// Router `k` hears of job `j`, which another decided: it holds it as a
+    /// mirror in its ledger (slot, queued prefill, KV record), and its
+    /// ledger runs the mirror's life on what the decider heard.
     fn peer_heard(&mut self, j: usize, k: usize, heard: Heard, now: u64) {
+        let decider = j % self.routers.len();
+        let at = Duration::from_nanos(now);
         let router = &self.routers[k];
-        match heard {
-            Heard::Decided => {
+        match self.event(j, heard) {
+            None => {
                 let Some(told) = self.told.get(&j) else { return };
                 let replica = &router.fleet.replicas[told.replica];
-                let lease = router.core.mirror(0, replica, &told.hold, told.session.as_deref(), Duration::from_nanos(now));
-                self.mirrors.insert((j, k), lease);
+                let lease = router.core.mirror(0, replica, &told.hold, told.session.as_deref(), at);
+                router.ledger.mirror(decider as u64, &j.to_string(), lease, at);
                 // Every peer is told at the same instant, in router order: the last one lets go of it.
-                let decider = j % self.routers.len();
                 if (0..self.routers.len()).rev().find(|&p| p != decider) == Some(k) {
                     self.told.remove(&j);
                 }
             }
-            Heard::FirstByte => {
-                if let Some(lease) = self.mirrors.get(&(j, k)) {
-                    lease.first_byte();
-                }
-            }
-            Heard::End => {
-                if let Some(lease) = self.mirrors.remove(&(j, k)) {
-                    router.core.complete(&lease);
-                    lease.release();
+            Some(event) => {
+                router.ledger.hear(&mirror_id(decider as u64, &j.to_string()), at, event, &router.core, &router.fleet);
+                // The last peer told of the job's last event lets go of who served it.
+                let last = if self.setup.status_after_end.is_some() { Heard::Status } else { Heard::End };
+                if heard == last && (0..self.routers.len()).rev().find(|&p| p != decider) == Some(k) {
+                    self.served_by.remove(&j);
                 }
             }
         }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use inferrail_config::Limits;
 use inferrail_policy::{PolicyKind, TextKind};
+use inferrail_route::lifecycle::Timing;
 
 use super::capacity::{self, Search};
 use super::sim::{self, Outcome, Setup};
@@ -38,6 +39,8 @@ fn setup(spec: &Spec, replicas: usize) -> Setup {
         routers: 1,
         peers: true,
         peer_delay: std::time::Duration::from_micros(500),
+        timing: Timing::ROUTER,
+        status_after_end: None,
     }
 }
 
@@ -94,6 +97,31 @@ fn an_agents_next_step_resends_the_reply_its_engine_generated() {
     }
     let last = step.agent.take().expect("the last step is an agent's too");
     assert!(last.next("done", Duration::ZERO, &counter).is_none());
+}
+
+/// The simulation runs the router's own ledger: with statuses heard 100 ms
+/// after each request's end (as an access log tells them), the lifecycle's
+/// grace (500 ms) waits for them and the KV records complete, so every
+/// prediction on one replica is exact. With the grace cut to 50 ms (the
+/// rule broken), the records are taken back before the status comes and
+/// the index forgets prompts the engine holds.
+#[test]
+fn the_simulation_runs_the_routers_lifecycle() {
+    let spec = Spec { system_prompts: 2, turns: Span { min: 8, max: 8 }, ..small(Kind::Agent) };
+    let late = Setup { kv_blocks: 1500, status_after_end: Some(Duration::from_millis(100)), ..setup(&spec, 1) };
+    let run = |s: &Setup| {
+        let o =
+            sim::simulate(s, PolicyKind::CostModel, Traffic::new(&spec, 10.0, 400, 1, TextKind::None).expect("traffic")).expect("simulate");
+        eprintln!("{}", line(&o));
+        o
+    };
+    let kept = run(&late);
+    assert_eq!((kept.requests, kept.rejected), (400, 0));
+    assert_eq!(kept.prediction_exact, 1.0, "the status came within the grace: every record completed");
+    let short = Timing { grace: Duration::from_millis(50), ..Timing::ROUTER };
+    let broken = run(&Setup { timing: short, ..late.clone() });
+    assert!(broken.prediction_exact < 0.5, "records taken back before their status: {}", broken.prediction_exact);
+    assert_eq!(run(&Setup { status_after_end: None, ..late }).prediction_exact, 1.0, "a status with the first token needs no grace");
 }
 
 #[test]

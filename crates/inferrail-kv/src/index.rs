@@ -29,7 +29,9 @@ use holders::Holders;
 use shadow::Shadow;
 
 mod exact;
+mod exact_mode;
 mod holders;
+mod lookup;
 mod shadow;
 
 /// Most blocks a shadow, and the holder map, take room for before they
@@ -213,67 +215,6 @@ impl KvIndex {
         fresh.exact = entry.exact.as_ref().map(|e| Exact::new(e.block_size(), entry.shadow.cap()));
         let old = std::mem::replace(entry, fresh);
         self.drop_all(slot, old);
-    }
-
-    /// Puts a replica in exact mode, empty: its engine's cache is known to
-    /// hold nothing (it just started, or cleared it), and its events from
-    /// now on, of blocks of `block_size` tokens, say what it holds. Requests
-    /// recorded before are forgotten. False when the slot is unknown.
-    pub fn enter_exact(&self, slot: Slot, block_size: usize) -> bool {
-        let mut replicas = self.lock();
-        let Some(entry) = replicas.get_mut(&slot) else { return false };
-        let mut fresh = self.new_replica(entry.shadow.cap());
-        fresh.exact = Some(Exact::new(block_size, entry.shadow.cap()));
-        let old = std::mem::replace(entry, fresh);
-        self.drop_all(slot, old);
-        true
-    }
-
-    /// Puts a replica in approximate mode. With `keep`, its shadow starts
-    /// from what the engine was last known to hold (deepest blocks oldest,
-    /// as the engine would evict them); without, from nothing (its engine
-    /// restarted). Requests recorded before are forgotten. A replica
-    /// already approximate is left alone.
-    pub fn leave_exact(&self, slot: Slot, keep: bool) {
-        let mut replicas = self.lock();
-        let Some(entry) = replicas.get_mut(&slot) else { return };
-        let Some(exact) = &entry.exact else { return };
-        let mut fresh = self.new_replica(entry.shadow.cap());
-        if keep {
-            for h in exact.deepest_first() {
-                if !fresh.shadow.contains(h) && fresh.shadow.push(h).is_err() {
-                    break;
-                }
-            }
-        }
-        let old = std::mem::replace(entry, fresh);
-        self.drop_all(slot, old);
-        for h in replicas.get(&slot).into_iter().flat_map(|r| r.shadow.blocks()) {
-            self.holders.add(h, slot);
-        }
-    }
-
-    /// Applies one of the engine's KV events to a replica in exact mode.
-    /// An error leaves the replica's view untrustworthy: the caller puts it
-    /// in approximate mode.
-    pub fn apply(&self, slot: Slot, event: &Event<'_>) -> Result<(), EventError> {
-        let mut replicas = self.lock();
-        let rep = replicas.get_mut(&slot).ok_or(EventError::UnknownReplica(slot))?;
-        let exact = rep.exact.as_mut().ok_or(EventError::NotExact(slot))?;
-        let mut changes = Vec::new();
-        let applied = exact.apply(event, &mut changes);
-        self.present(slot, &changes);
-        applied
-    }
-
-    /// Whether a replica is in exact mode.
-    pub fn is_exact(&self, slot: Slot) -> bool {
-        self.lock().get(&slot).is_some_and(|r| r.exact.is_some())
-    }
-
-    /// Blocks an exact replica's engine holds in each tier: medium, group, blocks.
-    pub fn exact_tiers(&self, slot: Slot) -> Vec<(String, u32, usize)> {
-        self.lock().get(&slot).and_then(|r| r.exact.as_ref()).map(Exact::tiers).unwrap_or_default()
     }
 
     /// Sets or clears `slot`'s bit for each changed block.
@@ -539,76 +480,6 @@ impl KvIndex {
         self.present(slot, &changes);
     }
 
-    /// How many leading blocks of `hashes` each of `slots` holds.
-    ///
-    /// A shadow holds whole prefixes (`record` frees a prompt's last block
-    /// first, and takes back only what follows the blocks it reused), so the
-    /// replicas holding block `d` hold every block before it too. The search
-    /// bisects the prompt: the replicas holding the same blocks at both ends
-    /// of a stretch all stop outside it, and only stretches where some
-    /// replica stops are probed further, about log2(blocks) probes per
-    /// distinct depth rather than one per block.
-    pub fn matched(&self, hashes: &[BlockHash], slots: &[Slot]) -> Vec<usize> {
-        // The slots asked about, 64 to a word of the holder bitmaps; each word is searched on its own.
-        let mut words: Vec<u64> = Vec::new();
-        for &s in slots {
-            set_bit(&mut words, s);
-        }
-        let mut depth_of = vec![0; words.len() * 64];
-        // Stretches [lo, hi) with the slots holding the first lo and the first hi
-        // blocks; the slots in the first set and not the second stop inside it.
-        // A level's stretches are split together: their probes do not wait
-        // for one another, so the processor overlaps them.
-        let (mut level, mut next): (Vec<(usize, usize, u64, u64)>, Vec<_>) = (Vec::with_capacity(64), Vec::with_capacity(64));
-        for (w, &wanted) in words.iter().enumerate().filter(|(_, wanted)| **wanted != 0) {
-            level.push((0, hashes.len() + 1, wanted, 0));
-            while !level.is_empty() {
-                for &(lo, hi, at_lo, at_hi) in &level {
-                    if hi == lo + 1 {
-                        let mut stop = at_lo & !at_hi;
-                        while stop != 0 {
-                            depth_of[w * 64 + stop.trailing_zeros() as usize] = lo;
-                            stop &= stop - 1;
-                        }
-                        continue;
-                    }
-                    let mid = (lo + hi) / 2;
-                    let at_mid = at_lo & self.holders.word(hashes[mid - 1], w);
-                    for half in [(lo, mid, at_lo, at_mid), (mid, hi, at_mid, at_hi)] {
-                        if half.2 != half.3 {
-                            next.push(half);
-                        }
-                    }
-                }
-                std::mem::swap(&mut level, &mut next);
-                next.clear();
-            }
-        }
-        slots.iter().map(|&s| depth_of[s as usize]).collect()
-    }
-
-    /// Of the first `depth` blocks of `hashes` each `(slot, depth)` holds,
-    /// how many a request in flight there holds: the engine reuses those
-    /// without taking them out of its free pool. A request holds a whole
-    /// prefix of its prompt, so these are leading blocks too, found by
-    /// bisection. Without a match anywhere the replicas are not locked.
-    pub fn held(&self, hashes: &[BlockHash], at: &[(Slot, usize)]) -> Vec<usize> {
-        if at.iter().all(|&(_, depth)| depth == 0) {
-            return vec![0; at.len()];
-        }
-        let replicas = self.lock();
-        at.iter()
-            .map(|&(slot, depth)| {
-                let Some(rep) = replicas.get(&slot).filter(|_| depth > 0) else { return 0 };
-                let prefix = &hashes[..depth.min(hashes.len())];
-                match &rep.exact {
-                    Some(exact) => prefix.partition_point(|&h| exact.claimed(h)),
-                    None => prefix.partition_point(|&h| rep.shadow.in_use(h) == Some(true)),
-                }
-            })
-            .collect()
-    }
-
     /// Blocks the index holds, over every replica (an exact replica's in every tier).
     pub fn entries(&self) -> usize {
         self.lock().values().map(Replica::entries).sum()
@@ -657,14 +528,6 @@ fn keep_reply(rep: &mut Replica, last: BlockHash, replied: Replied) {
 /// up to `UP_FRONT`.
 fn room_up_front(replicas: &HashMap<Slot, Replica>) -> usize {
     replicas.values().map(|r| r.shadow.cap()).fold(0, usize::saturating_add).min(UP_FRONT)
-}
-
-fn set_bit(bits: &mut Vec<u64>, slot: Slot) {
-    let w = slot as usize / 64;
-    if bits.len() <= w {
-        bits.resize(w + 1, 0);
-    }
-    bits[w] |= 1 << (slot % 64);
 }
 
 /// Cached tokens to predict from matched blocks: whole blocks, never the

@@ -26,11 +26,14 @@ pub mod round_robin;
 pub mod sglang_cache_aware;
 pub mod sketch;
 
+mod decision;
+
 use std::time::Duration;
 
-use rand::RngCore;
 use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
+
+pub use decision::{Ranked, decide, order, rank};
 
 /// A block's chained hash, as the KV index names it.
 pub type BlockHash = u128;
@@ -125,6 +128,14 @@ impl Candidate {
     /// tokens it holds, at its engine's prefill cost (else the model's).
     pub fn prefill_secs(&self, model: Prefill, prompt: usize, cached: usize) -> f64 {
         self.prefill.unwrap_or(model).secs(prompt.saturating_sub(cached), cached.min(prompt))
+    }
+
+    /// Its estimated time to first token, seconds, for a prompt of `prompt`
+    /// tokens of which it holds `cached`: the prefill queued there and this
+    /// prompt's own (an untokenized prompt's: its fixed cost alone). The one
+    /// estimate the router, the policies and the ledger's leases share.
+    pub fn ttft_secs(&self, model: Prefill, prompt: Option<usize>, cached: usize) -> f64 {
+        self.queued_prefill_secs + self.prefill_secs(model, prompt.unwrap_or(0), cached)
     }
 
     /// Requests decoding now: the engine's count while its report is fresh,
@@ -365,38 +376,6 @@ impl TextKind {
     }
 }
 
-/// The best `k` of `offered` (all of them when fewer), best first: by score,
-/// then fewer requests in flight, then the lowest weight of the prompt's
-/// `last` full block on each replica (rendezvous hashing), or at random for
-/// a prompt without a full block. Ties that follow the prompt rather than a
-/// draw make every router with the same view pick the same replica. The
-/// last full block's hash chains over every block before it, so prompts
-/// that differ before it spread as they would at random, shared prefix or
-/// not: a cache-blind policy stays blind. Selecting the top `k`
-/// before sorting them keeps a decision over hundreds of replicas linear.
-pub fn order(
-    candidates: &[Candidate],
-    offered: &[usize],
-    scores: &[Score],
-    k: usize,
-    last: Option<BlockHash>,
-    rng: &mut StdRng,
-) -> Vec<usize> {
-    let mut tie = |c: &Candidate| match last {
-        Some(last) => weight(last, c.key),
-        None => rng.next_u64(),
-    };
-    let mut keyed: Vec<(f64, u32, u64, usize)> =
-        offered.iter().zip(scores).map(|(&i, s)| (s.total, candidates[i].in_flight, tie(&candidates[i]), i)).collect();
-    let cmp = |a: &(f64, u32, u64, usize), b: &(f64, u32, u64, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2));
-    if k < keyed.len() {
-        keyed.select_nth_unstable_by(k, cmp);
-        keyed.truncate(k);
-    }
-    keyed.sort_unstable_by(cmp);
-    keyed.into_iter().map(|k| k.3).collect()
-}
-
 /// A well-mixed 64-bit weight of a prefix on a replica (splitmix64's finalizer), for rendezvous hashing.
 fn weight(prefix: BlockHash, key: u64) -> u64 {
     let mut z = (prefix as u64) ^ ((prefix >> 64) as u64).rotate_left(29) ^ key;
@@ -539,227 +518,8 @@ pub const ALL: [PolicyKind; 10] = [
     PolicyKind::GieDefault,
 ];
 
-/// What a policy made of the eligible candidates: its guards, scores and order.
-#[derive(Debug, Clone)]
-pub struct Ranked {
-    /// Why each was not offered: not eligible, or set aside by a guard.
-    pub set_aside: Vec<Option<SetAside>>,
-    /// Each one's score, when it was offered.
-    pub scores: Vec<Option<Score>>,
-    /// The best `k` offered, best first: indices into the candidates.
-    pub order: Vec<usize>,
-    /// What steered the decision besides the scores' order.
-    pub steer: Option<&'static str>,
-    /// A guard waived because it would have refused every replica.
-    pub waived: Option<&'static str>,
-}
-
-/// The policy's guards, scores and order over `candidates`, the ones
-/// `aside` names not eligible left out; the best `k`.
-pub fn rank(
-    policy: &dyn RoutingPolicy,
-    req: &Request,
-    candidates: &[Candidate],
-    mut aside: Vec<Option<SetAside>>,
-    k: usize,
-    rng: &mut StdRng,
-) -> Ranked {
-    let waived = policy.guard(req, candidates, &mut aside);
-    let offered: Vec<usize> = (0..aside.len()).filter(|&i| aside[i].is_none()).collect();
-    let mut scores = vec![Score::default(); offered.len()];
-    let steer = policy.score(req, candidates, &offered, rng, &mut scores);
-    let order = order(candidates, &offered, &scores, k, req.blocks.last().copied(), rng);
-    let mut all = vec![None; aside.len()];
-    for (&i, s) in offered.iter().zip(scores) {
-        all[i] = Some(s);
-    }
-    Ranked { set_aside: aside, scores: all, order, steer, waived }
-}
-
-/// Runs one whole decision over plain candidates: eligibility, the policy's
-/// guards, scores and order. Returns the order (winner first) or why nobody
-/// qualifies. The route crate does the same with its own bookkeeping; this
-/// is for tests, benchmarks and simulations that need only the order.
-pub fn decide(policy: &dyn RoutingPolicy, req: &Request, candidates: &[Candidate], rng: &mut StdRng) -> Result<Vec<usize>, NoReplica> {
-    let mut aside = vec![None; candidates.len()];
-    eligibility(candidates, &mut aside)?;
-    Ok(rank(policy, req, candidates, aside, usize::MAX, rng).order)
-}
+#[cfg(test)]
+pub(crate) mod testing;
 
 #[cfg(test)]
-pub(crate) mod testing {
-    use super::*;
-    use rand::SeedableRng;
-
-    pub fn load(in_flight: u32) -> Candidate {
-        Candidate {
-            key: u64::from(in_flight).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5555,
-            in_flight,
-            pending: 0,
-            max_concurrency: 100,
-            max_pending: 100,
-            healthy: true,
-            cached_tokens: 0,
-            held_cached_tokens: 0,
-            queued_prefill_secs: 0.0,
-            prefill: None,
-            prompt_tokens_in_flight: 0,
-            kv_capacity_tokens: 0,
-            unreported_kv_tokens: 0,
-            engine: None,
-            own: None,
-        }
-    }
-
-    /// Candidates with distinct keys.
-    pub fn fleet(loads: &[u32]) -> Vec<Candidate> {
-        loads.iter().enumerate().map(|(i, &l)| Candidate { key: i as u64 * 0x9e37_79b9 + 17, ..load(l) }).collect()
-    }
-
-    pub fn rng(seed: u64) -> StdRng {
-        StdRng::seed_from_u64(seed)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::testing::*;
-    use super::*;
-    use proptest::prelude::*;
-
-    fn eligible(c: &[Candidate]) -> Result<Vec<usize>, NoReplica> {
-        let mut aside = vec![None; c.len()];
-        eligibility(c, &mut aside)?;
-        Ok((0..c.len()).filter(|&i| aside[i].is_none()).collect())
-    }
-
-    #[test]
-    fn eligibility_names_why_nobody_can_serve() {
-        assert_eq!(eligible(&[]), Err(NoReplica::NoneServe));
-        let sick = Candidate { healthy: false, ..load(0) };
-        assert_eq!(eligible(&[sick.clone(), sick.clone()]), Err(NoReplica::AllUnhealthy));
-        let full = Candidate { in_flight: 100, ..load(0) };
-        assert_eq!(eligible(&[sick.clone(), full.clone()]), Err(NoReplica::AllFull));
-        let waiting = Candidate { pending: 100, ..load(0) };
-        assert_eq!(eligible(&[sick, full, waiting, load(3)]), Ok(vec![3]));
-    }
-
-    #[test]
-    fn routers_sharing_a_replica_split_its_limits_so_that_the_parts_add_up() {
-        for limit in [0, 1, 2, 7, 256] {
-            for of in 1..=5 {
-                assert_eq!((0..of).map(|rank| Share { rank, of }.part(limit)).sum::<u32>(), limit, "{limit} over {of}");
-            }
-        }
-        assert_eq!([0, 1, 2].map(|rank| Share { rank, of: 3 }.part(7)), [3, 2, 2]);
-        assert_eq!(Share::ALONE.part(7), 7);
-        let own = |in_flight| Some(Own { in_flight, pending: 0, max_concurrency: 3, max_pending: 3 });
-        assert!(Candidate { own: own(2), ..load(10) }.has_room());
-        assert!(!Candidate { own: own(3), ..load(10) }.has_room(), "its part is used up though the replica has room");
-        assert!(!Candidate { own: own(0), ..load(100) }.has_room(), "the replica's own limit still holds");
-        let waiting = Some(Own { pending: 3, ..own(3).unwrap() });
-        assert!(!Candidate { own: waiting, max_concurrency: 1_000, ..load(10) }.has_room(), "its part of max_pending is used up");
-    }
-
-    #[test]
-    fn ties_go_to_fewer_in_flight_then_to_chance() {
-        let c = fleet(&[4, 2, 2]);
-        let scores = [Score::single(1.0); 3];
-        let mut wins = [0; 3];
-        let mut r = rng(5);
-        for _ in 0..300 {
-            let o = order(&c, &[0, 1, 2], &scores, 3, None, &mut r);
-            assert_eq!(o[2], 0, "the busiest is last on equal scores");
-            wins[o[0]] += 1;
-        }
-        assert!(wins[1] > 100 && wins[2] > 100, "{wins:?}");
-    }
-
-    #[test]
-    fn ties_follow_the_prompts_last_block_whatever_the_draws() {
-        let c = fleet(&[4, 2, 2]);
-        let scores = [Score::single(1.0); 3];
-        let mut wins = [0; 3];
-        for last in 0..300u128 {
-            let last = last << 70 | last;
-            let first = order(&c, &[0, 1, 2], &scores, 3, Some(last), &mut rng(1));
-            assert_eq!(first[2], 0, "the busiest is still last on equal scores");
-            for seed in 2..5 {
-                assert_eq!(order(&c, &[0, 1, 2], &scores, 3, Some(last), &mut rng(seed)), first, "another router, the same order");
-            }
-            wins[first[0]] += 1;
-        }
-        assert!(wins[1] > 100 && wins[2] > 100, "prompts spread over the tied replicas: {wins:?}");
-    }
-
-    proptest! {
-        #[test]
-        fn the_best_k_are_the_first_k_of_the_whole_order(
-            totals in proptest::collection::vec((0u8..4, 0u32..3), 1..40),
-            k in 0usize..45,
-            seed in any::<u64>(),
-        ) {
-            let c = fleet(&totals.iter().map(|t| t.1).collect::<Vec<_>>());
-            let scores: Vec<Score> = totals.iter().map(|t| Score::single(f64::from(t.0))).collect();
-            let offered: Vec<usize> = (0..c.len()).collect();
-            let last = (seed % 2 == 0).then_some(u128::from(seed));
-            let all = order(&c, &offered, &scores, usize::MAX, last, &mut rng(seed));
-            let best = order(&c, &offered, &scores, k, last, &mut rng(seed));
-            prop_assert_eq!(&best[..], &all[..k.min(all.len())]);
-        }
-
-        #[test]
-        fn every_policy_ranks_each_offered_candidate_exactly_once_and_never_an_ineligible_one(
-            loads in proptest::collection::vec((0u32..20, any::<bool>(), 0usize..4000, 0.0f64..2.0), 1..12),
-            seed in any::<u64>(),
-            prompt in proptest::option::of(0usize..4000),
-            calls in 1usize..5,
-        ) {
-            let mut c = fleet(&loads.iter().map(|l| l.0).collect::<Vec<_>>());
-            for (x, l) in c.iter_mut().zip(&loads) {
-                x.healthy = l.1;
-                x.cached_tokens = l.2;
-                x.queued_prefill_secs = l.3;
-            }
-            let blocks: Vec<BlockHash> = (0..prompt.unwrap_or(0) as u128 / 16).collect();
-            let text = prompt.map(|n| "ab ".repeat(n % 300));
-            let req = Request { prompt_tokens: prompt, blocks: &blocks, block_size: 16, text: text.as_deref(), ..Request::default() };
-            let mut r = rng(seed);
-            for kind in ALL {
-                let policy = build(kind, &Params::default());
-                for _ in 0..calls {
-                    match decide(policy.as_ref(), &req, &c, &mut r) {
-                        Ok(ranked) => {
-                            prop_assert!(!ranked.is_empty());
-                            let eligible = eligible(&c).unwrap_or_default();
-                            prop_assert!(ranked.iter().all(|i| eligible.contains(i)), "{kind:?} offered an ineligible replica");
-                            let mut dedup = ranked.clone();
-                            dedup.sort_unstable();
-                            dedup.dedup();
-                            prop_assert_eq!(dedup.len(), ranked.len());
-                            policy.picked(&req, &c, ranked[0]);
-                        }
-                        Err(e) => prop_assert_eq!(Some(e), eligible(&c).err()),
-                    }
-                }
-            }
-        }
-
-        #[test]
-        fn a_seed_replays_the_same_choices(loads in proptest::collection::vec(0u32..5, 2..8), seed in any::<u64>()) {
-            let c = fleet(&loads);
-            for kind in ALL {
-                let (a, b) = (build(kind, &Params::default()), build(kind, &Params::default()));
-                let (mut ra, mut rb) = (rng(seed), rng(seed));
-                for _ in 0..10 {
-                    let req = Request::default();
-                    let x = decide(a.as_ref(), &req, &c, &mut ra).unwrap();
-                    let y = decide(b.as_ref(), &req, &c, &mut rb).unwrap();
-                    a.picked(&req, &c, x[0]);
-                    b.picked(&req, &c, y[0]);
-                    prop_assert_eq!(x, y);
-                }
-            }
-        }
-    }
-}
+mod tests;

@@ -145,6 +145,13 @@ pub struct Timing {
     pub max_life: Duration,
 }
 
+impl Timing {
+    /// The router's: a request waits half a second, once over, for its
+    /// status or first byte still on its way; one whose end is never heard
+    /// counts for at most an hour.
+    pub const ROUTER: Timing = Timing { grace: Duration::from_millis(500), max_life: Duration::from_secs(3_600) };
+}
+
 /// One request's life, from its decision to its outcome.
 #[derive(Debug, Clone)]
 pub struct Life {

@@ -317,7 +317,8 @@ fn a_peers_decision_held_here_counts_caches_and_teaches_the_policy() {
 #[test]
 fn a_peers_request_that_envoy_retried_elsewhere_stays_the_peers() {
     let (core, fleet) = core("round_robin", 3);
-    let hold = Hold { prompt_tokens: Some(100), prefill: Duration::from_millis(5), kv_tokens: 100, prediction: None };
+    let hold =
+        Hold { prompt_tokens: Some(100), prefill: Duration::from_millis(5), estimate: Duration::ZERO, kv_tokens: 100, prediction: None };
     let mirror = core.mirror(0, &fleet.replicas[0], &hold, None, Duration::ZERO);
     let moved = core.move_lease(&mirror, &fleet.replicas[1]);
     assert!(!moved.mine);

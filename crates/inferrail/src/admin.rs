@@ -43,7 +43,7 @@ pub async fn serve(listener: TcpListener, router: Arc<Router>, metrics: Promethe
 fn answer(path: &str, router: &Router, metrics: &PrometheusHandle) -> Response<Full<Bytes>> {
     let (status, content_type, body) = match path {
         "/metrics" => {
-            crate::health::publish_gauges(router);
+            crate::telemetry::gauges::publish_gauges(router);
             (StatusCode::OK, "text/plain; version=0.0.4", metrics.render())
         }
         "/healthz" => (StatusCode::OK, "text/plain", "ok\n".to_string()),

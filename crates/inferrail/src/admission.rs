@@ -18,7 +18,7 @@ use inferrail_admit::queue::{Bounds, Entry, Full, Id, Queue};
 use inferrail_config::{Admission as Settings, Band, Config, OnMiss};
 use tokio::sync::Notify;
 
-use crate::router::RouteError;
+use crate::decision::RouteError;
 
 /// How often the request at a queue's head looks again without being woken
 /// (estimates fall as prefill completes, which no event announces).

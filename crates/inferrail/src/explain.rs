@@ -15,8 +15,9 @@ use inferrail_route::{FRESH, Plan, Report};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
+use crate::decision::{Explained, RouteError};
 use crate::request::{self, Endpoint};
-use crate::router::{Explained, RouteError, Router};
+use crate::router::Router;
 
 /// How often `WatchReplicas` looks for changes.
 const WATCH_EVERY: Duration = Duration::from_millis(200);

@@ -21,7 +21,7 @@ use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use serde_json::json;
 
-use crate::router::{Decision, RouteError};
+use crate::decision::{Decision, RouteError};
 
 /// The header (and `envoy.lb` key) naming the chosen replicas.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";

@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::admission::Asked;
+use crate::decision::BodyError;
 
 /// The request line and the headers the router cares about.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -110,17 +111,6 @@ pub struct Fields {
     pub model_at: Option<Range<usize>>,
     /// The body's `user`, when it is a string: names a conversation for session affinity.
     pub user: Option<String>,
-}
-
-/// Why a body was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum BodyError {
-    /// Not a JSON object.
-    #[error("the request body is not a JSON object: {0}")]
-    NotJson(String),
-    /// `model` is present but not a string.
-    #[error("`model` must be a string")]
-    ModelNotString,
 }
 
 /// A field's raw JSON when present, `null` included (an `Option` would

@@ -17,10 +17,13 @@ use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::access_log::AccessLog;
+use crate::discovery::{dns, eds, kubernetes};
 use crate::extproc::ExtProc;
-use crate::peers::PeerService;
+use crate::health::{cards, grpc, probe};
+use crate::peers::dial::{self, Dns};
+use crate::peers::service::PeerService;
 use crate::router::Router;
-use crate::{admin, discovery, eds, explain, health, kubernetes, kv_events, load, peers};
+use crate::{admin, explain, kv_events, load};
 
 /// A started service.
 pub struct Running {
@@ -84,12 +87,14 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
     let (grpc, admin, admin_grpc) = (grpc_listener.local_addr()?, admin_listener.local_addr()?, admin_grpc_listener.local_addr()?);
     let grace = Duration::from_millis(config.server.shutdown_grace_ms);
     let (stop_tx, stopping) = tokio::sync::oneshot::channel();
+    let peer_dns = Dns::new(&config)?;
+    let (probe_client, cards_client) = (probe::client(&config)?, cards::client()?);
     let router = Arc::new(Router::new(config)?);
-    let models = Arc::new(ArcSwap::from_pointee(health::models_json(&router, &[])));
+    let models = Arc::new(ArcSwap::from_pointee(cards::models_json(&router, &[])));
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     let ready = router.ready();
-    health::publish_grpc_health(&health_reporter, ready).await;
+    grpc::publish_grpc_health(&health_reporter, ready).await;
     let ext_proc = ExternalProcessorServer::new(ExtProc::new(router.clone(), models.clone())).max_decoding_message_size(64 << 20);
     // Envoy sends every request's whole body on one HTTP/2 connection: with
     // hyper's 1 MiB connection window, twenty 220 KB bodies in flight would
@@ -119,17 +124,17 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
             }
         }),
         tokio::spawn(admin::serve(admin_listener, router.clone(), metrics_handle())),
-        tokio::spawn(health::probe_loop(router.clone())),
+        tokio::spawn(probe::probe_loop(router.clone(), probe_client)),
         tokio::spawn(load::run(router.clone())),
         tokio::spawn(load::learn_loop(router.clone())),
         tokio::spawn(kv_events::run(router.clone())),
-        tokio::spawn(health::cards_loop(router.clone(), models)),
-        tokio::spawn(discovery::run(router.clone())),
+        tokio::spawn(cards::cards_loop(router.clone(), models, cards_client)),
+        tokio::spawn(dns::run(router.clone())),
         tokio::spawn(eds::run(router.clone())),
         tokio::spawn(kubernetes::run(router.clone())),
         tokio::spawn(sweep_loop(router.clone())),
-        tokio::spawn(peers::run(router.clone())),
-        tokio::spawn(health::grpc_health_loop(router.clone(), health_reporter, ready)),
+        tokio::spawn(dial::run(router.clone(), peer_dns)),
+        tokio::spawn(grpc::grpc_health_loop(router.clone(), health_reporter, ready)),
     ];
     Ok(Running { grpc, admin, admin_grpc, router, server, stopping, grace, background })
 }

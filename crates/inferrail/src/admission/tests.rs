@@ -3,7 +3,8 @@
 //! in which order it goes, and what is refused or shed.
 
 use super::*;
-use crate::router::{Caller, Decision, Router};
+use crate::decision::Decision;
+use crate::router::{Caller, Router};
 use inferrail_route::lifecycle::Event;
 use inferrail_tokenize::chat::Endpoint;
 

@@ -17,7 +17,15 @@ use inferrail_config::Config;
 use inferrail_route::lifecycle::Usage;
 use tonic::transport::Channel;
 
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingRequest};
+
 use super::*;
+use crate::extproc::response::usage;
+use crate::router::Router;
+use envoy_types::pb::google::protobuf::value::Kind;
 
 const CONFIG: &str = "
 models: [{name: m, policy: round_robin}]
@@ -159,6 +167,20 @@ async fn a_retry_seen_by_the_observe_stream_moves_the_request() {
 }
 
 #[tokio::test]
+async fn an_unparseable_status_is_counted_and_never_taken_for_an_answer() {
+    let metrics = crate::service::metrics_handle();
+    let (router, mut client) = serve().await;
+    let (stream, _) = route(&mut client, "u").await;
+    observe(&mut client, "u", "127.0.0.1:8001", "abc").await;
+    assert_eq!(counts(&router), [(1, 0), (0, 0)], "its first byte still counts");
+    stream.close().await;
+    assert_eq!(counts(&router), [(0, 0), (0, 0)], "the slot goes back at the end");
+    assert_eq!(router.leases_held(), 1, "no status was heard: it waits out its grace, unanswered, not a success");
+    let page = metrics.render();
+    assert!(page.contains(r#"inferrail_bad_events_total{source="envoy",reason="bad_status"} 1"#), "{page}");
+}
+
+#[tokio::test]
 async fn a_request_with_no_status_waits_out_its_grace_then_is_forgotten() {
     let (router, mut client) = serve().await;
     let (stream, _) = route(&mut client, "c").await;
@@ -258,11 +280,11 @@ async fn a_full_duplex_request_the_router_refuses_gets_its_answer_once_the_body_
 #[test]
 fn usage_is_read_from_an_sse_streams_last_chunk_or_a_json_answer() {
     let sse = b"data: {\"usage\":null}\n\ndata: {\"usage\": {\"prompt_tokens\": 900, \"completion_tokens\": 3, \"prompt_tokens_details\": {\"cached_tokens\": 880}}}\n\ndata: [DONE]\n\n";
-    assert_eq!(picker::usage(sse), Some(Usage { prompt_tokens: 900, cached_tokens: 880, completion_tokens: 3 }));
+    assert_eq!(usage(sse), Some(Usage { prompt_tokens: 900, cached_tokens: 880, completion_tokens: 3 }));
     let json = br#"{"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":12,"total_tokens":14,"completion_tokens":2,"prompt_tokens_details":null}}"#;
-    assert_eq!(picker::usage(json), Some(Usage { prompt_tokens: 12, cached_tokens: 0, completion_tokens: 2 }));
-    assert_eq!(picker::usage(b"data: {\"usage\":null}\n\n"), None, "a stream without usage reports none");
-    assert_eq!(picker::usage(b"{\"usage\":{\"prompt_tok"), None, "cut off");
+    assert_eq!(usage(json), Some(Usage { prompt_tokens: 12, cached_tokens: 0, completion_tokens: 2 }));
+    assert_eq!(usage(b"data: {\"usage\":null}\n\n"), None, "a stream without usage reports none");
+    assert_eq!(usage(b"{\"usage\":{\"prompt_tok"), None, "cut off");
 }
 
 #[tokio::test]
@@ -341,9 +363,9 @@ async fn serve_pair(policy: &str) -> [(Arc<Router>, ExternalProcessorClient<Chan
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
         let server = tonic::transport::Server::builder()
             .add_service(ExternalProcessorServer::new(ExtProc::new(router.clone(), models)))
-            .add_service(inferrail_proto::peer::v1::peer_server::PeerServer::new(crate::peers::PeerService::new(router.clone())));
+            .add_service(inferrail_proto::peer::v1::peer_server::PeerServer::new(crate::peers::service::PeerService::new(router.clone())));
         tokio::spawn(server.serve_with_incoming(incoming));
-        tokio::spawn(crate::peers::run(router.clone()));
+        tokio::spawn(crate::peers::dial::run(router.clone(), None));
         pair.push(router);
     }
     while pair.iter().any(|r| r.peers.linked() < 1) {

@@ -77,12 +77,12 @@ async fn a_reload_keeps_what_survives_starts_what_changed_cold_and_forgets_what_
     assert_eq!(apply(&router, path), "invalid");
     std::fs::write(path, format!("routing: {{seed: 9}}\n{}", yaml(TWO))).unwrap();
     assert_eq!(apply(&router, path), "refused");
-    let refused = router.reload(Config::load(path).unwrap()).unwrap_err();
+    let refused = router.reload(Config::load(path).unwrap()).unwrap_err().to_string();
     assert!(refused.contains("routing changed otherwise"), "{refused}");
     // A tokenizer that does not load refuses the whole file.
     std::fs::write(path, yaml(TWO).replace("builtin:sim", "hf:org/absent")).unwrap();
     assert_eq!(apply(&router, path), "refused");
-    let refused = router.reload(Config::load(path).unwrap()).unwrap_err();
+    let refused = router.reload(Config::load(path).unwrap()).unwrap_err().to_string();
     assert!(refused.contains("tokenizer hf:org/absent"), "{refused}");
     assert_eq!(ids(&router), ["r1", "r2", "r3"]);
     assert_eq!(router.config().replicas.len(), 3, "the running configuration stays");
@@ -144,7 +144,7 @@ async fn models_are_known_by_name_so_a_reload_may_add_remove_and_reorder_them() 
             let body = format!(r#"{{"model": "{model}", "prompt": "otters hold hands while they sleep so that they do not drift apart"}}"#);
             let d = router.decide(body.as_bytes(), Endpoint::Completions, id, None, None).await?;
             router.forget(&d.request_id);
-            Ok::<_, crate::router::RouteError>((d.targets[0].id.clone(), d.prompt_tokens))
+            Ok::<_, crate::decision::RouteError>((d.targets[0].id.clone(), d.prompt_tokens))
         }
     };
     assert_eq!(pick("a", "1").await.unwrap(), ("r1".to_string(), None), "no tokenizer for a");
@@ -158,8 +158,8 @@ async fn models_are_known_by_name_so_a_reload_may_add_remove_and_reorder_them() 
     assert_eq!(pick("a", "2").await.unwrap().0, "r2", "a's round robin goes on where it was");
     let (_, tokens) = pick("c", "3").await.unwrap();
     assert!(tokens.is_some_and(|t| t > 0), "c's tokenizer was loaded by the reload");
-    assert_eq!(pick("b", "4").await.unwrap_err(), crate::router::RouteError::UnknownModel("b".into()));
-    let listed: Vec<String> = serde_json::from_str::<serde_json::Value>(&crate::health::models_json(&router, &[])).unwrap()["data"]
+    assert_eq!(pick("b", "4").await.unwrap_err(), crate::decision::RouteError::UnknownModel("b".into()));
+    let listed: Vec<String> = serde_json::from_str::<serde_json::Value>(&crate::health::cards::models_json(&router, &[])).unwrap()["data"]
         .as_array()
         .unwrap()
         .iter()

@@ -1,7 +1,9 @@
 //! Decisions over in-memory fleets.
 
 use super::*;
+use crate::decision::{Decision, RouteError};
 use inferrail_config::Config;
+use inferrail_policy::NoReplica;
 use inferrail_route::fleet::Lease;
 use inferrail_tokenize::chat::Endpoint;
 
@@ -164,4 +166,21 @@ replicas:
         let d = r.decide(br#"{"model":"m"}"#, Endpoint::Completions, &i.to_string(), None, None).await.unwrap();
         assert_eq!(ids(&d), ["r2"], "r1 drains: not even a fallback");
     }
+}
+
+/// The router's clock is tokio's: with time paused, a request that ended
+/// with no status is held for exactly its grace on that clock.
+#[tokio::test(start_paused = true)]
+async fn the_routers_clock_runs_on_tokios_paused_time() {
+    let r = router("round_robin", 0);
+    let d = r.decide(br#"{"model": "small", "prompt": "x"}"#, Endpoint::Completions, "p", None, None).await.unwrap();
+    let ended = r.now();
+    assert!(r.hear(&d.request_id, inferrail_route::lifecycle::Event::End));
+    tokio::time::advance(std::time::Duration::from_millis(499)).await;
+    assert_eq!(r.now() - ended, std::time::Duration::from_millis(499), "the router reads the paused clock");
+    r.sweep();
+    assert!(r.lease(&d.request_id).is_some(), "still within its grace");
+    tokio::time::advance(std::time::Duration::from_millis(1)).await;
+    r.sweep();
+    assert!(r.lease(&d.request_id).is_none(), "its grace is over on the paused clock");
 }

@@ -31,7 +31,7 @@ use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{BatchSpanProcessor, Sampler, SdkTracer, SdkTracerProvider, SpanData, SpanExporter};
 
-use crate::router::{Decision, RouteError};
+use crate::decision::{Decision, RouteError};
 
 /// The decision span's name.
 pub const SPAN_NAME: &str = "inferrail.route";

@@ -1,0 +1,104 @@
+//! What one fleet simulation measured, and how its figures are drawn
+//! from the simulated engines: hit rates, shares, the prefixes each
+//! replica serves, and where the slowest first tokens spent their time.
+
+use std::cmp::Reverse;
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use crate::report::Latency;
+
+/// What one simulation measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Outcome {
+    /// The policy.
+    pub policy: String,
+    /// Replicas.
+    pub replicas: usize,
+    /// Routers, and whether they were peers.
+    pub routers: (usize, bool),
+    /// The most requests one engine had at once (queued, prefilling or decoding).
+    pub peak_in_flight: usize,
+    /// Requests that arrived.
+    pub requests: usize,
+    /// Requests the router refused (every replica full).
+    pub rejected: usize,
+    /// Cached prompt tokens over prompt tokens, every replica.
+    pub hit_rate: f64,
+    /// Lowest and highest hit rate of one replica (of those that served any).
+    pub replica_hit_rate: (f64, f64),
+    /// The busiest replica's share of requests.
+    pub busiest_share: f64,
+    /// The idlest replica's share of requests.
+    pub idlest_share: f64,
+    /// How many shared prefixes a replica serves: the mean over the replicas
+    /// that served any, and the most on one (see `prefixes_served`).
+    pub prefixes_per_replica: (f64, f64),
+    /// Time to first token from arrival.
+    pub ttft: Latency,
+    /// Where the slowest 1% of first tokens spent their time.
+    pub slowest: Phases,
+    /// Share of requests whose predicted cached tokens were the engine's.
+    pub prediction_exact: f64,
+    /// Virtual seconds from the first arrival to the last completion.
+    pub virtual_s: f64,
+    /// Wall seconds the simulation took.
+    pub wall_s: f64,
+}
+
+/// Mean milliseconds a set of requests spent in each phase before their
+/// first token: queued behind other requests (their prefills, or a head of
+/// the queue waiting for room), at the head of the queue waiting for KV room,
+/// and in their own prefill. They add up to the mean time to first token.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Phases {
+    /// Requests averaged.
+    pub requests: usize,
+    /// Queued behind other requests.
+    pub queued_ms: f64,
+    /// At the head of the queue until completions freed room for its blocks.
+    pub kv_wait_ms: f64,
+    /// Its own prefill.
+    pub prefill_ms: f64,
+}
+
+/// The phases of the slowest `share` of requests (at least one), each given
+/// as (queued, KV wait, prefill) nanoseconds.
+pub fn slowest(mut phases: Vec<[u64; 3]>, share: f64) -> Phases {
+    phases.sort_by_key(|p| Reverse(p.iter().sum::<u64>()));
+    let n = ((phases.len() as f64 * share).ceil() as usize).min(phases.len());
+    let mean = |k: usize| phases[..n].iter().map(|p| p[k] as f64).sum::<f64>() / n.max(1) as f64 * 1e-6;
+    Phases { requests: n, queued_ms: mean(0), kv_wait_ms: mean(1), prefill_ms: mean(2) }
+}
+
+/// How many shared prefixes each replica serves, as (mean over the replicas
+/// that served any, highest): a replica's count is the effective number of
+/// root prefixes among its requests (the exponential of their entropy), 1
+/// for a replica that serves one prefix, 2 for one that serves two equally
+/// often, a little over 1 for one that served another prefix now and then.
+/// Only roots asked for more than once in the fleet count. On a fleet whose
+/// caches hold about one shared prompt each, a replica that serves two holds
+/// both and has room for fewer requests.
+pub fn prefixes_served<'a>(engines: impl Iterator<Item = &'a HashMap<u128, u64>> + Clone) -> (f64, f64) {
+    let mut total: HashMap<u128, u64> = HashMap::new();
+    for roots in engines.clone() {
+        for (&root, &n) in roots {
+            *total.entry(root).or_default() += n;
+        }
+    }
+    let counts: Vec<f64> = engines
+        .map(|roots| roots.iter().filter(|(r, _)| total.get(*r).is_some_and(|&t| t > 1)).map(|(_, &n)| n as f64).collect::<Vec<_>>())
+        .filter(|n| !n.is_empty())
+        .map(|mut n| {
+            // In one order: a map's varies from run to run, and sums of floats with it.
+            n.sort_by(f64::total_cmp);
+            let sum: f64 = n.iter().sum();
+            (-n.iter().map(|&x| x / sum * (x / sum).ln()).sum::<f64>()).exp()
+        })
+        .collect();
+    if counts.is_empty() {
+        return (0.0, 0.0);
+    }
+    (counts.iter().sum::<f64>() / counts.len() as f64, counts.iter().copied().fold(0.0, f64::max))
+}

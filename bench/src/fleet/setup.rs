@@ -1,0 +1,76 @@
+//! The simulated fleet's shape (replicas, their caches and speeds, the
+//! routers and how they hear of requests) and the router configuration a
+//! simulation routes with.
+
+use std::time::Duration;
+
+use inferrail_config::{Config, Limits, Model};
+use inferrail_policy::PolicyKind;
+use inferrail_route::lifecycle::Timing;
+use inferrail_sim::cost::LatencyModel;
+
+use crate::timescale;
+
+/// The simulated fleet.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// Replicas.
+    pub replicas: usize,
+    /// KV blocks per replica (the engine's pool, and the router's shadow of it).
+    pub kv_blocks: usize,
+    /// A mixed fleet: replica `i` has `mixed[i % len]`, its latency model
+    /// as a multiple of the time scale's and its KV blocks, and the router
+    /// prices it by that model, as `inferrail-calibrate` fits it (empty:
+    /// every replica alike).
+    pub mixed: Vec<(f64, usize)>,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// The engines' latency model is the simulator's default times this
+    /// ([`crate::timescale`]); the router's costs are set to match.
+    pub time_scale: f64,
+    /// The model's own policy parameters over the time scale's (`--policy-params`; null: none).
+    pub policies: serde_yaml::Value,
+    /// Each replica's limits as the router holds them.
+    pub limits: Limits,
+    /// The router's seed.
+    pub seed: u64,
+    /// The model the requests ask for.
+    pub model: String,
+    /// Routers deciding, in turn.
+    pub routers: usize,
+    /// Whether the routers are each other's peers.
+    pub peers: bool,
+    /// How long a router's word takes to reach its peers.
+    pub peer_delay: Duration,
+    /// How long the routers' ledgers wait for what is still on its way
+    /// (`Timing::ROUTER`, as the service's).
+    pub timing: Timing,
+    /// When set, a request's status is heard only this long after its end
+    /// (as an access log tells it), not with its first token.
+    pub status_after_end: Option<Duration>,
+}
+
+impl Setup {
+    /// Replica `i`'s latency model and KV blocks.
+    pub fn engine(&self, i: usize) -> (LatencyModel, usize) {
+        let (speed, blocks) = self.mixed.get(i % self.mixed.len().max(1)).copied().unwrap_or((1.0, self.kv_blocks));
+        (timescale::latency(self.time_scale * speed), blocks)
+    }
+}
+
+/// The router's configuration for one model routed by `policy` over `setup`.
+pub fn config(setup: &Setup, policy: PolicyKind) -> Config {
+    let mut config = Config::default();
+    config.routing.seed = setup.seed;
+    config.routing.policies = timescale::params(setup.time_scale);
+    config.kv.block_size = setup.block_size;
+    config.kv.blocks = setup.kv_blocks;
+    config.models = vec![Model {
+        name: setup.model.clone(),
+        policy,
+        tokenizer: Some("builtin:sim".into()),
+        policies: setup.policies.clone(),
+        ..Model::default()
+    }];
+    config
+}

@@ -1,0 +1,174 @@
+//! What a routing decision comes to, as plain data: the decision, why a
+//! request was refused ([`RouteError`], with its HTTP status and OpenAI error
+//! type), what an explanation shows and what a reload did. Everything that
+//! names a result imports it from here, not from the router.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use inferrail_policy::NoReplica;
+use inferrail_route::Plan;
+use inferrail_route::fleet::Replica;
+
+use crate::admission::{Placed, Shed};
+
+/// A routing decision.
+#[derive(Debug)]
+pub struct Decision {
+    /// The id the request is known by from here on: the client's
+    /// `x-request-id`, unless another request in flight already uses it.
+    pub request_id: String,
+    /// The model's engine-side name.
+    pub model: String,
+    /// Winner first, then the fallbacks.
+    pub targets: Vec<Arc<Replica>>,
+    /// The policy that ranked them.
+    pub policy: &'static str,
+    /// The body with the model rewritten, when it had to be.
+    pub body: Option<Vec<u8>>,
+    /// Prompt tokens, when the prompt was tokenized.
+    pub prompt_tokens: Option<usize>,
+    /// Predicted cached prompt tokens on each target, when the prompt was tokenized.
+    pub cached_tokens: Vec<usize>,
+    /// What steered the decision besides the scores, if anything.
+    pub steer: Option<&'static str>,
+    /// Replicas the policy weighed.
+    pub candidates: usize,
+    /// The winner's estimated time to first token (the prefill queued there
+    /// and its own, from the model's prefill cost, whatever the policy).
+    pub estimate: Option<Duration>,
+    /// The router that decided it ([`Peers::id`]), for what is heard elsewhere to find it.
+    pub decider: u64,
+    /// Its tenant has token limits: its output tokens count once its usage is heard.
+    pub wants_usage: bool,
+    /// How long it waited its turn in its model's queue.
+    pub waited: Duration,
+}
+
+/// What the model's policy would do with a request, and why.
+#[derive(Debug)]
+pub struct Explained {
+    /// The name the client asked for, when it was an alias.
+    pub requested: Option<String>,
+    /// Why the prompt has no tokens, when it has none.
+    pub no_prediction: Option<&'static str>,
+    /// The plan, every offered replica in its order (or, when none can take
+    /// the request, why not and what each lacks).
+    pub plan: Plan,
+    /// Its tenant and band.
+    pub placed: Placed,
+    /// Requests waiting ahead of it in its model's queue.
+    pub waiting_ahead: usize,
+    /// Whether it would wait now.
+    pub would_wait: bool,
+}
+
+/// Why the router answered a request itself.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    /// Bad JSON or a bad `model` field.
+    #[error(transparent)]
+    Body(#[from] BodyError),
+    /// No model named while several are served.
+    #[error("`model` is required: this gateway serves several models")]
+    MissingModel,
+    /// A model nobody serves.
+    #[error("The model `{0}` does not exist.")]
+    UnknownModel(String),
+    /// Larger than `server.max_body_bytes`.
+    #[error("The request body is larger than {0} bytes.")]
+    TooLarge(usize),
+    /// Nobody can take it.
+    #[error("{0}")]
+    NoReplica(#[from] NoReplica),
+    /// No valid API key, where one is required or one was presented.
+    #[error("Incorrect or missing API key. Send a valid key as `Authorization: Bearer <key>`.")]
+    Unauthorized,
+    /// A band that is not configured.
+    #[error("There is no band `{0}`.")]
+    UnknownBand(String),
+    /// A band the request's key does not allow.
+    #[error("This API key may not use the band `{0}`.")]
+    BandNotAllowed(String),
+    /// The tenant's token limit is reached.
+    #[error("The token limit of tenant `{tenant}` is reached; try again in {} s.", retry_after.as_secs_f64().ceil())]
+    RateLimited {
+        /// The tenant.
+        tenant: String,
+        /// When its windows free.
+        retry_after: Duration,
+    },
+    /// Shed under load.
+    #[error("{0}")]
+    Shed(Shed),
+}
+
+impl RouteError {
+    /// HTTP status, OpenAI error type and the parameter at fault.
+    pub fn http(&self) -> (u16, &'static str, Option<&'static str>) {
+        match self {
+            Self::Body(_) => (400, "BadRequestError", None),
+            Self::MissingModel => (400, "BadRequestError", Some("model")),
+            Self::UnknownModel(_) => (404, "NotFoundError", Some("model")),
+            Self::TooLarge(_) => (413, "BadRequestError", None),
+            // Shed: every replica that could serve it is at its limits (the picker protocol's 429).
+            Self::NoReplica(NoReplica::AllFull) => (429, "RateLimitError", None),
+            // No endpoint is ready for it.
+            Self::NoReplica(_) => (503, "ServiceUnavailableError", None),
+            Self::Unauthorized => (401, "AuthenticationError", None),
+            Self::UnknownBand(_) => (400, "BadRequestError", None),
+            Self::BandNotAllowed(_) => (403, "PermissionDeniedError", None),
+            Self::RateLimited { .. } => (429, "RateLimitError", None),
+            Self::Shed(_) => (503, "ServiceUnavailableError", None),
+        }
+    }
+
+    /// How long the client should wait before trying again, when it should.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::RateLimited { retry_after, .. } => Some(*retry_after),
+            Self::Shed(shed) => Some(shed.retry_after()),
+            _ => None,
+        }
+    }
+
+    /// A short label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Self::Body(_) => "bad_body",
+            Self::MissingModel => "missing_model",
+            Self::UnknownModel(_) => "unknown_model",
+            Self::TooLarge(_) => "too_large",
+            Self::NoReplica(e) => e.label(),
+            Self::Unauthorized => "unauthorized",
+            Self::UnknownBand(_) => "unknown_band",
+            Self::BandNotAllowed(_) => "band_not_allowed",
+            Self::RateLimited { .. } => "rate_limited",
+            Self::Shed(shed) => shed.label(),
+        }
+    }
+}
+
+/// What a reload did to the models and the listed replicas.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Reloaded {
+    /// Models whose aliases, policy or parameters changed (their policy state starts fresh).
+    pub models: usize,
+    /// Kept, with what was learned of them.
+    pub kept: usize,
+    /// New, or changed enough to start cold.
+    pub joined: usize,
+    /// Gone.
+    pub left: usize,
+}
+
+/// Why a body was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BodyError {
+    /// Not a JSON object.
+    #[error("the request body is not a JSON object: {0}")]
+    NotJson(String),
+    /// `model` is present but not a string.
+    #[error("`model` must be a string")]
+    ModelNotString,
+}

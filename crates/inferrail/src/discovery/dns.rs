@@ -1,0 +1,148 @@
+//! DNS discovery: each group's name is resolved on its interval and its
+//! members become replicas named `<group>-<ip>-<port>`, published to the
+//! router as the group's wanted set. A member that
+//! survives a lookup keeps its state (in-flight counts, health, backoff);
+//! a failed lookup keeps the last set rather than emptying the group.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use inferrail_config::DnsGroup;
+
+use inferrail_route::fleet::Replica;
+
+use crate::router::Router;
+
+/// The id of a discovered member.
+pub fn member_id(group: &str, addr: SocketAddr) -> String {
+    format!("{group}-{}-{}", addr.ip(), addr.port())
+}
+
+/// Current members of every group; each group publishes its own to the router as `dns:<group>`.
+pub struct Discovery {
+    groups: Vec<DnsGroup>,
+    members: Vec<Vec<Arc<Replica>>>,
+}
+
+impl Discovery {
+    /// Every group empty.
+    pub fn new(router: &Router) -> Self {
+        let groups = router.config().discovery.clone();
+        let members = vec![Vec::new(); groups.len()];
+        Self { groups, members }
+    }
+
+    /// Applies one lookup of group `g`; returns whether its membership changed.
+    pub fn apply(&mut self, router: &Router, g: usize, lookup: Result<Vec<IpAddr>, String>) -> bool {
+        let group = &self.groups[g];
+        let ips = match lookup {
+            Ok(ips) => ips,
+            Err(e) => {
+                metrics::counter!("inferrail_dns_failures_total", "group" => group.group.clone()).increment(1);
+                tracing::warn!(group = %group.group, host = %group.host, error = %e, "lookup failed; keeping the last members");
+                return false;
+            }
+        };
+        let mut addrs: Vec<SocketAddr> = ips.into_iter().map(|ip| SocketAddr::new(ip, group.port)).collect();
+        addrs.sort();
+        addrs.dedup();
+        let old = &self.members[g];
+        let new: Vec<Arc<Replica>> = addrs
+            .iter()
+            .map(|&a| {
+                let kept = old.iter().find(|r| r.addr == a).cloned();
+                kept.unwrap_or_else(|| {
+                    router.cold_replica(member_id(&group.group, a), a, router.model_slots(&group.serving.models), &group.serving, None)
+                })
+            })
+            .collect();
+        let changed = new.len() != old.len() || new.iter().zip(old).any(|(a, b)| !Arc::ptr_eq(a, b));
+        for gone in old.iter().filter(|r| !new.iter().any(|n| Arc::ptr_eq(n, r))) {
+            router.core.leave(gone);
+        }
+        if changed {
+            tracing::info!(group = %group.group, members = ?addrs, "membership changed");
+            router.publish(&format!("dns:{}", group.group), new.clone());
+            self.members[g] = new;
+        }
+        changed
+    }
+}
+
+/// Resolves every group on its interval, forever.
+pub async fn run(router: Arc<Router>) {
+    if router.config().discovery.is_empty() {
+        return;
+    }
+    let resolver = match hickory_resolver::TokioResolver::builder_tokio().and_then(|b| b.build()) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "no DNS resolver; discovery groups stay empty");
+            return;
+        }
+    };
+    let mut discovery = Discovery::new(&router);
+    let mut next = vec![tokio::time::Instant::now(); router.config().discovery.len()];
+    loop {
+        let (g, at) = next.iter().enumerate().min_by_key(|(_, t)| **t).map(|(g, t)| (g, *t)).unwrap_or((0, tokio::time::Instant::now()));
+        tokio::time::sleep_until(at).await;
+        let group = &router.config().discovery[g];
+        let lookup = resolver.lookup_ip(group.host.as_str()).await.map(|ips| ips.iter().collect()).map_err(|e| e.to_string());
+        discovery.apply(&router, g, lookup);
+        next[g] = tokio::time::Instant::now() + Duration::from_millis(group.interval_ms);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use inferrail_config::Config;
+
+    fn router() -> Router {
+        let yaml = "
+models: [{name: m}]
+replicas: [{id: listed, address: 127.0.0.1:7000, models: [m]}]
+discovery: [{group: pool, host: pool.internal, port: 8000, models: [m]}]
+";
+        Router::new(Config::parse(yaml).unwrap()).unwrap()
+    }
+
+    fn ids(r: &Router) -> Vec<String> {
+        r.fleet().replicas.iter().map(|x| x.id.clone()).collect()
+    }
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([10, 0, 0, last])
+    }
+
+    #[tokio::test]
+    async fn members_join_and_leave_and_survivors_keep_their_state() {
+        let r = router();
+        let mut d = Discovery::new(&r);
+        assert!(d.apply(&r, 0, Ok(vec![ip(2), ip(1), ip(1)])));
+        assert_eq!(ids(&r), ["listed", "pool-10.0.0.1-8000", "pool-10.0.0.2-8000"]);
+        let survivor = r.fleet().replicas[2].clone();
+        let lease = r.decide(br#"{"model": "m"}"#, inferrail_tokenize::chat::Endpoint::Chat, "req", None, None).await;
+        assert!(lease.is_ok());
+        survivor.set_probe(false);
+
+        assert!(!d.apply(&r, 0, Ok(vec![ip(1), ip(2)])), "same members, no change");
+        assert!(d.apply(&r, 0, Ok(vec![ip(2), ip(3)])));
+        assert_eq!(ids(&r), ["listed", "pool-10.0.0.2-8000", "pool-10.0.0.3-8000"]);
+        let kept = r.fleet().replicas[1].clone();
+        assert!(Arc::ptr_eq(&kept, &survivor), "the survivor is the same replica");
+        assert!(!kept.healthy(r.now_ms()), "and keeps its health state");
+    }
+
+    #[test]
+    fn a_failed_lookup_keeps_the_last_members() {
+        let r = router();
+        let mut d = Discovery::new(&r);
+        d.apply(&r, 0, Ok(vec![ip(1)]));
+        assert!(!d.apply(&r, 0, Err("SERVFAIL".into())));
+        assert_eq!(ids(&r), ["listed", "pool-10.0.0.1-8000"]);
+        assert!(d.apply(&r, 0, Ok(vec![])), "an empty answer is an answer");
+        assert_eq!(ids(&r), ["listed"]);
+    }
+}
