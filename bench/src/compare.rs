@@ -23,11 +23,11 @@ use serde::Serialize;
 
 use inferrail_policy::Prefill;
 
-use crate::fleet::capacity::{self, Search};
 use crate::processes::{self, KvEventPorts, Processes, Programs, until};
 use crate::run::{self, Measured};
 use crate::summary::Slo;
-use crate::workload::{self, Kind, Spec};
+use inferrail_fleet::capacity::{self, Search};
+use inferrail_workload::{self as workload, Kind, Spec};
 
 /// Flags of `compare`.
 #[derive(Debug, Clone, Args)]
@@ -80,11 +80,11 @@ pub struct CompareArgs {
     /// Scales the simulators' latency model, the router's matching costs and
     /// the SLO ([`crate::timescale`]; 0.1: ten times faster engines, a 200 ms
     /// TTFT SLO); rates and durations are as given.
-    #[arg(long, default_value_t = 1.0, value_parser = crate::timescale::parse)]
+    #[arg(long, default_value_t = 1.0, value_parser = inferrail_fleet::timescale::parse)]
     pub time_scale: f64,
     /// Policy parameters laid over the time scale's, as the routing YAML's
     /// `policies` in JSON: `'{"cost_model": {"share_weight": 0}}'`.
-    #[arg(long, value_parser = crate::timescale::parse_overrides)]
+    #[arg(long, value_parser = inferrail_fleet::timescale::parse_overrides)]
     pub policy_params: Option<serde_json::Value>,
     /// The simulators publish their KV events and Inferrail follows them
     /// (exact mode); the peer routers ignore them.
@@ -95,7 +95,7 @@ pub struct CompareArgs {
     pub sim_flags: String,
     /// A mixed fleet: each simulator's latency model as a multiple of the
     /// time scale's, comma separated, one per simulator (2: half as fast).
-    #[arg(long, value_delimiter = ',', default_value = "1,1,1", value_parser = crate::timescale::parse)]
+    #[arg(long, value_delimiter = ',', default_value = "1,1,1", value_parser = inferrail_fleet::timescale::parse)]
     pub replica_time_scale: Vec<f64>,
     /// A mixed fleet: each simulator's own extra flags after `--sim-flags`
     /// (its cache size), `|` between simulators.
@@ -192,7 +192,7 @@ async fn start_sims(args: &CompareArgs, logs: &Path, http: &reqwest::Client) -> 
         .iter()
         .map(|s| s.to_string())
         .collect();
-        flags.extend(crate::timescale::sim_flags(args.time_scale * args.replica_time_scale.get(i).copied().unwrap_or(1.0)));
+        flags.extend(inferrail_fleet::timescale::sim_flags(args.time_scale * args.replica_time_scale.get(i).copied().unwrap_or(1.0)));
         flags.extend(args.sim_flags.split_whitespace().map(str::to_string));
         flags.extend(own.get(i).into_iter().flat_map(|f| f.split_whitespace()).map(str::to_string));
         if args.kv_events {

@@ -1,20 +1,10 @@
-//! `fleet`: the router's own decision core over simulated replicas, on a
-//! virtual clock, to see what happens beyond one machine.
-//!
-//! `traffic` turns the harness's workloads into token ids, `sim` runs the
-//! discrete-event simulation (the route crate's `Core`, policies and KV
-//! index, unchanged, over engines with the simulator's latency model and
-//! prefix cache), `capacity` searches for the highest rate each policy
-//! serves within the TTFT SLO and the replicas it needs for a fixed rate.
-//! Results are JSON stamped with the commit and the command, as `run`'s.
+//! `fleet`: the command that runs the fleet simulation (crate
+//! `inferrail-fleet`): one simulation per policy and fleet size, or a
+//! capacity search at the SLO. Results are JSON stamped with the commit
+//! and the command, as `run`'s.
 
-pub mod capacity;
-pub mod outcome;
-pub mod setup;
-pub mod sim;
 #[cfg(test)]
 mod tests;
-pub mod traffic;
 
 use std::path::PathBuf;
 
@@ -23,12 +13,14 @@ use inferrail_config::Limits;
 use inferrail_policy::PolicyKind;
 use serde::Serialize;
 
-use self::capacity::{Capacity, Search};
-use self::sim::{Outcome, Setup};
-use self::traffic::Traffic;
+use inferrail_fleet::capacity::{self, Capacity, Search};
+use inferrail_fleet::sim::{self, Outcome, Setup};
+use inferrail_fleet::traffic::Traffic;
+use inferrail_fleet::{default_kv_blocks, line};
+use inferrail_workload::Spec;
+
 use crate::report;
 use crate::run::{command_line, commit};
-use crate::workload::Spec;
 
 /// Flags of `fleet`.
 #[derive(Debug, Clone, Args)]
@@ -60,7 +52,7 @@ pub struct FleetArgs {
     /// of the time scale's, comma separated, the kinds taken in turn over
     /// the replicas (`0.5,1,2`: a third twice as fast, a third half as
     /// fast); the router is given each one's prefill cost, as calibrated.
-    #[arg(long, value_delimiter = ',', value_parser = crate::timescale::parse)]
+    #[arg(long, value_delimiter = ',', value_parser = inferrail_fleet::timescale::parse)]
     pub replica_time_scale: Vec<f64>,
     /// A mixed fleet: each kind of replica's KV blocks, comma separated, in
     /// the order of `--replica-time-scale` (default: `--kv-blocks`'s).
@@ -74,11 +66,11 @@ pub struct FleetArgs {
     pub max_concurrency: u32,
     /// Scales the engines' latency model and the router's matching costs
     /// (0.1: ten times faster engines); rates and the SLO are as given.
-    #[arg(long, default_value_t = 1.0, value_parser = crate::timescale::parse)]
+    #[arg(long, default_value_t = 1.0, value_parser = inferrail_fleet::timescale::parse)]
     pub time_scale: f64,
     /// Policy parameters laid over the time scale's, as the routing YAML's
     /// `policies` in JSON: `'{"cost_model": {"share_weight": 0}}'`.
-    #[arg(long, value_parser = crate::timescale::parse_overrides)]
+    #[arg(long, value_parser = inferrail_fleet::timescale::parse_overrides)]
     pub policy_params: Option<serde_json::Value>,
     /// Search each policy's capacity at the SLO instead of one simulation.
     #[arg(long)]
@@ -146,14 +138,6 @@ pub(crate) fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> 
     let problems = params.validate("--policy-params");
     anyhow::ensure!(problems.is_empty(), "{}", problems.join("; "));
     Ok(setup)
-}
-
-/// Half the shared system prompts' blocks (a replica holds a third of them
-/// and has room for the requests it runs), and room for the largest request.
-pub fn default_kv_blocks(spec: &Spec, seed: u64, block_size: usize) -> anyhow::Result<usize> {
-    let shared: usize = Traffic::new(spec, 1.0, 0, seed, inferrail_policy::TextKind::None)?.shared_prompt_tokens().iter().sum();
-    let largest = spec.system_tokens.max + spec.question_tokens.max + spec.output_tokens.max + 64;
-    Ok((shared / 2).max(largest as usize).div_ceil(block_size))
 }
 
 /// One simulation of `policy` at `rate` on `setup`.
@@ -271,31 +255,4 @@ fn capacities(args: &FleetArgs) -> anyhow::Result<Capacities> {
 
 fn name(p: PolicyKind) -> String {
     serde_json::to_value(p).ok().and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_else(|| format!("{p:?}"))
-}
-
-/// One line per simulation, for the terminal.
-pub fn line(o: &Outcome) -> String {
-    format!(
-        "{:<20} {:>4} replicas, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}%, {:.1} virtual s in {:.2} s",
-        o.policy,
-        o.replicas,
-        o.routers.0,
-        if o.routers.0 > 1 && !o.routers.1 { " without peers" } else { "" },
-        o.hit_rate * 100.0,
-        o.replica_hit_rate.0 * 100.0,
-        o.replica_hit_rate.1 * 100.0,
-        o.busiest_share * 100.0,
-        o.prefixes_per_replica.0,
-        o.prefixes_per_replica.1,
-        o.ttft.p50_ms,
-        o.ttft.p90_ms,
-        o.ttft.p99_ms,
-        o.slowest.queued_ms,
-        o.slowest.kv_wait_ms,
-        o.slowest.prefill_ms,
-        o.rejected,
-        o.prediction_exact * 100.0,
-        o.virtual_s,
-        o.wall_s
-    )
 }

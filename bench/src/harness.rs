@@ -16,7 +16,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::Value;
 use tokio::time::Instant;
 
-use crate::workload::Request;
+use inferrail_workload::Request;
 
 /// The router's response header naming the replica it picked.
 pub const REPLICA_HEADER: &str = "x-inferrail-replica";
@@ -125,7 +125,7 @@ fn chains(requests: &[Request]) -> Vec<Vec<usize>> {
 }
 
 /// Sends `steps` in turn, the first at `at`; each later one continues the
-/// conversation with the reply to the one before (see [`crate::workload::Step`]).
+/// conversation with the reply to the one before (see [`inferrail_workload::Step`]).
 async fn send_chain(http: &reqwest::Client, base: &str, steps: &[Request], at: Instant, bar: &ProgressBar) -> Vec<Outcome> {
     let mut out: Vec<Outcome> = Vec::with_capacity(steps.len());
     let mut messages: Vec<Value> = Vec::new();
@@ -146,7 +146,7 @@ async fn send_chain(http: &reqwest::Client, base: &str, steps: &[Request], at: I
             }
             Some(previous) => {
                 tokio::time::sleep(r.step.as_ref().map_or(Duration::ZERO, |s| s.think)).await;
-                let body = crate::workload::continue_conversation(&mut messages, &previous.reply, &r.body);
+                let body = inferrail_workload::continue_conversation(&mut messages, &previous.reply, &r.body);
                 // It shares the previous step's prompt and reply, as usage counted them.
                 o.shared_prefix_tokens = previous.prompt_tokens.unwrap_or(0) as usize + previous.output_tokens;
                 let now = Instant::now();

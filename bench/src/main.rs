@@ -2,7 +2,6 @@
 //! the router end to end. Results are written as JSON, to be committed with
 //! the commit that produced them.
 
-mod arrivals;
 mod compare;
 mod cpu;
 mod engines;
@@ -15,8 +14,6 @@ mod report;
 mod run;
 mod sim_load;
 mod summary;
-mod timescale;
-mod workload;
 mod writeup;
 
 use clap::{Parser, Subcommand};

@@ -31,9 +31,10 @@ use serde::Serialize;
 use crate::cpu::Snapshot;
 use crate::processes::Programs;
 use crate::report::{self, Latency};
-use crate::workload::text;
-use crate::{arrivals, run};
+use crate::run;
 use fleet::Role;
+use inferrail_workload::arrivals;
+use inferrail_workload::text;
 use send::Sample;
 
 /// A layer in front of the simulators.

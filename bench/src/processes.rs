@@ -192,12 +192,12 @@ pub fn router_config(
         .collect();
     let RouterPorts { ext_proc, admin, admin_grpc } = ports;
     // JSON is YAML: the time scale's parameters, and the model's own over them.
-    let policies = serde_json::to_string(&crate::timescale::params(time_scale))?;
+    let policies = serde_json::to_string(&inferrail_fleet::timescale::params(time_scale))?;
     let own = match overrides {
         Some(o) => format!(", policies: {}", serde_json::to_string(o)?),
         None => String::new(),
     };
-    let scrape_ms = crate::timescale::scrape_interval(time_scale).as_millis();
+    let scrape_ms = inferrail_fleet::timescale::scrape_interval(time_scale).as_millis();
     let yaml = format!(
         "server: {{listen: 127.0.0.1:{ext_proc}}}\n\
          admin: {{listen: 127.0.0.1:{admin}, grpc_listen: 127.0.0.1:{admin_grpc}}}\n\
@@ -292,7 +292,7 @@ mod tests {
     fn with_kv_event_ports_each_replica_follows_its_simulators_events() -> anyhow::Result<()> {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let events = [KvEventPorts { publish: 7001, replay: 7101 }, KvEventPorts { publish: 7002, replay: 7102 }];
-        let params = crate::timescale::params(0.1);
+        let params = inferrail_fleet::timescale::params(0.1);
         let (yaml, config) = router_config("cost_model", "builtin:sim", 1, ports, (&[8001, 8002], &[]), (0.1, None), Some(&events))?;
         assert_eq!(inferrail_config::Config::parse(&yaml)?, config, "the YAML reads as the configuration returned");
         let ip = "127.0.0.1".parse()?;
@@ -344,11 +344,11 @@ mod tests {
     fn policy_overrides_change_only_what_they_name_and_bad_ones_fail_before_the_router_starts() -> anyhow::Result<()> {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let with = |over: &str| -> anyhow::Result<inferrail_config::Config> {
-            let over = crate::timescale::parse_overrides(over).map_err(anyhow::Error::msg)?;
+            let over = inferrail_fleet::timescale::parse_overrides(over).map_err(anyhow::Error::msg)?;
             Ok(router_config("cost_model", "builtin:sim", 1, ports, (&[8001], &[]), (0.1, Some(&over)), None)?.1)
         };
         let config = with(r#"{"cost_model": {"share_weight": 0, "hot_prefix": {"enabled": false}}}"#)?;
-        let (base, p) = (crate::timescale::params(0.1), config.params(0).map_err(|e| anyhow::anyhow!(e.join("; ")))?);
+        let (base, p) = (inferrail_fleet::timescale::params(0.1), config.params(0).map_err(|e| anyhow::anyhow!(e.join("; ")))?);
         assert_eq!(p.cost_model.share_weight, 0.0);
         assert!(!p.cost_model.hot_prefix.enabled);
         assert_eq!(p.cost_model.hot_prefix.blocks, base.cost_model.hot_prefix.blocks, "its siblings kept");
@@ -356,7 +356,7 @@ mod tests {
         assert_eq!(p.prefill, base.prefill);
         assert!(with(r#"{"cost_model": {"kappa": 2}}"#).is_err(), "kappa above 1");
         assert!(with(r#"{"cost_model": {"share_wieght": 0}}"#).is_err(), "an unknown key");
-        assert!(crate::timescale::parse_overrides("[1]").is_err());
+        assert!(inferrail_fleet::timescale::parse_overrides("[1]").is_err());
         Ok(())
     }
 }

@@ -10,8 +10,8 @@ use serde::Serialize;
 
 use crate::engines::{self, FleetHits};
 use crate::summary::{self, Prefix, Slo, Summary};
-use crate::workload::{self, Spec};
 use crate::{harness, report};
+use inferrail_workload::{self as workload, Spec};
 
 /// Flags of `run`.
 #[derive(Debug, Clone, Args)]

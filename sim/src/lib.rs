@@ -9,10 +9,10 @@
 //! `server` accepts connections. [`Sim::start`] runs one inside any tokio
 //! program or test.
 
+pub use inferrail_engine::{cache, cost};
+
 pub mod api;
 pub mod args;
-pub mod cache;
-pub mod cost;
 pub mod engine;
 pub mod errors;
 pub mod events;

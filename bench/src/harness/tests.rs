@@ -10,7 +10,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::sleep;
 
 use super::*;
-use crate::workload::{Api, Request, Step};
+use inferrail_workload::{Api, Request, Step};
 
 /// How a test server answers.
 #[derive(Clone, Copy)]

@@ -14,8 +14,10 @@
 //! index; [`Core::decide`] plans and commits in one turn per model. After
 //! the decision, [`lifecycle`] is the request's life as a pure state machine
 //! fed by whatever transport hears of it, and [`ledger`] keeps the requests
-//! in flight and applies what their lives call for. No I/O
-//! happens here, so that the service (Envoy's requests, the scraper's
+//! in flight and applies what their lives call for. In the path one
+//! request takes (`docs/architecture.md`), this file, `ledger.rs` and
+//! `lifecycle.rs` are the core's three steps. No I/O and no clock read
+//! happen here, so that the service (Envoy's requests, the scraper's
 //! reports), an explaining endpoint (plans only) and a fleet simulation on a
 //! virtual clock can all run the same decision.
 #![forbid(unsafe_code)]

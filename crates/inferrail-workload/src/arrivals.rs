@@ -1,5 +1,5 @@
 //! Seeded Poisson arrivals: exponential gaps at a given rate, the schedule
-//! every open-loop sender in this crate follows.
+//! every open-loop sender (the harness's, the fleet simulation's) follows.
 
 use std::time::Duration;
 

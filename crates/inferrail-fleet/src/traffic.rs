@@ -24,9 +24,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
 
-use crate::arrivals;
-use crate::workload::text::WORDS;
-use crate::workload::{self, Api, Counter, Kind, Spec, Zipf, chat_body, common_prefix};
+use inferrail_workload::arrivals;
+use inferrail_workload::text::WORDS;
+use inferrail_workload::{self as workload, Api, Counter, Kind, Spec, Zipf, chat_body, common_prefix};
 
 /// One request as the simulation sees it.
 #[derive(Debug, Clone, PartialEq)]
@@ -284,4 +284,12 @@ impl Fast {
         });
         Some(Ok(Arrival { at, ids, max_tokens: max_tokens as usize, session: None, text: text.flatten(), agent: None }))
     }
+}
+
+/// Half the shared system prompts' blocks (a replica holds a third of them
+/// and has room for the requests it runs), and room for the largest request.
+pub fn default_kv_blocks(spec: &Spec, seed: u64, block_size: usize) -> anyhow::Result<usize> {
+    let shared: usize = Traffic::new(spec, 1.0, 0, seed, TextKind::None)?.shared_prompt_tokens().iter().sum();
+    let largest = spec.system_tokens.max + spec.question_tokens.max + spec.output_tokens.max + 64;
+    Ok((shared / 2).max(largest as usize).div_ceil(block_size))
 }

@@ -10,7 +10,7 @@
 
 use serde::Serialize;
 
-use super::sim::Outcome;
+use crate::sim::Outcome;
 
 /// How finely to search.
 #[derive(Debug, Clone, Copy)]

@@ -4,9 +4,9 @@
 //! decision sees is the virtual time.
 //!
 //! A simulated replica is a FIFO prefill queue in front of one prefill at a
-//! time, priced by the simulator's latency model (`inferrail_sim::cost`:
+//! time, priced by the simulator's latency model (`inferrail_engine::cost`:
 //! `a*u + b*u*(c + u/2) + d` for `u` uncached tokens after `c` cached), and a
-//! real block pool with a prefix cache and LRU eviction (`inferrail_sim::cache`).
+//! real block pool with a prefix cache and LRU eviction (`inferrail_engine::cache`).
 //! When a request reaches the head of the queue its cached tokens are looked
 //! up in that pool (the truth, not the router's prediction); it takes blocks
 //! for its prompt and output and waits there, holding up the queue, while
@@ -48,6 +48,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use inferrail_config::CacheShape;
+use inferrail_engine::cache::{BlockId, BlockPool};
+use inferrail_engine::cost::LatencyModel;
 use inferrail_kv::hash::extend_block_hashes;
 use inferrail_policy::{EngineReport, PolicyKind};
 use inferrail_route::fleet::{Fleet, Replica};
@@ -55,16 +57,14 @@ use inferrail_route::kv::{Prediction, Prompt, seed};
 use inferrail_route::ledger::{Ledger, mirror_id};
 use inferrail_route::lifecycle;
 use inferrail_route::{Core, Hold, Report, Share, View};
-use inferrail_sim::cache::{BlockId, BlockPool};
-use inferrail_sim::cost::LatencyModel;
 
-pub use super::outcome::Outcome;
-use super::outcome::{prefixes_served, slowest};
-pub use super::setup::{Setup, config};
-use super::traffic::{Agent, Arrival};
-use crate::report;
+use crate::latency;
+pub use crate::outcome::Outcome;
+use crate::outcome::{prefixes_served, slowest};
+pub use crate::setup::{Setup, config};
 use crate::timescale;
-use crate::workload::Counter;
+use crate::traffic::{Agent, Arrival};
+use inferrail_workload::Counter;
 
 /// A request on its replica.
 struct Job {
@@ -207,7 +207,7 @@ pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item 
         busiest_share: max(&shares),
         idlest_share: if shares.is_empty() { 0.0 } else { min(&shares) },
         prefixes_per_replica: prefixes_served(world.engines.iter().map(|e| &e.roots)),
-        ttft: report::latency(std::mem::take(&mut world.ttft)),
+        ttft: latency::latency(std::mem::take(&mut world.ttft)),
         slowest: slowest(std::mem::take(&mut world.phases), 0.01),
         prediction_exact: if world.measured == 0 { 0.0 } else { world.exact as f64 / world.measured as f64 },
         virtual_s: end.saturating_sub(first_ns.unwrap_or(0)) as f64 * 1e-9,

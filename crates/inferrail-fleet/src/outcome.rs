@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use serde::Serialize;
 
-use crate::report::Latency;
+use crate::latency::Latency;
 
 /// What one simulation measured.
 #[derive(Debug, Clone, Serialize)]
@@ -101,4 +101,31 @@ pub fn prefixes_served<'a>(engines: impl Iterator<Item = &'a HashMap<u128, u64>>
         return (0.0, 0.0);
     }
     (counts.iter().sum::<f64>() / counts.len() as f64, counts.iter().copied().fold(0.0, f64::max))
+}
+
+/// One line per simulation, for the terminal.
+pub fn line(o: &Outcome) -> String {
+    format!(
+        "{:<20} {:>4} replicas, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}%, {:.1} virtual s in {:.2} s",
+        o.policy,
+        o.replicas,
+        o.routers.0,
+        if o.routers.0 > 1 && !o.routers.1 { " without peers" } else { "" },
+        o.hit_rate * 100.0,
+        o.replica_hit_rate.0 * 100.0,
+        o.replica_hit_rate.1 * 100.0,
+        o.busiest_share * 100.0,
+        o.prefixes_per_replica.0,
+        o.prefixes_per_replica.1,
+        o.ttft.p50_ms,
+        o.ttft.p90_ms,
+        o.ttft.p99_ms,
+        o.slowest.queued_ms,
+        o.slowest.kv_wait_ms,
+        o.slowest.prefill_ms,
+        o.rejected,
+        o.prediction_exact * 100.0,
+        o.virtual_s,
+        o.wall_s
+    )
 }

@@ -8,8 +8,8 @@
 
 use std::time::Duration;
 
+use inferrail_engine::cost::{DEFAULT, LatencyModel};
 use inferrail_policy::{Params, Prefill};
-use inferrail_sim::cost::{DEFAULT, LatencyModel};
 
 /// A time scale flag: a positive, finite number.
 pub fn parse(s: &str) -> Result<f64, String> {

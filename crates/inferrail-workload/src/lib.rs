@@ -1,4 +1,5 @@
-//! Seeded, deterministic workloads: the requests a run sends, each with its
+//! `inferrail-workload`: seeded, deterministic workloads, the requests a
+//! benchmark run or a fleet simulation sends, each with its
 //! scheduled arrival, body, session and the prompt tokens it is known to share
 //! with earlier requests (counted with the simulator's `builtin:sim`
 //! tokenizer, one token per word), for hit-rate accounting.
@@ -18,7 +19,9 @@
 //! Same seed, same requests. Arrivals are Poisson at `rate` (for `w2`,
 //! conversations arrive at `rate` divided by the mean turn count, and so do
 //! `agent`'s agents).
+#![forbid(unsafe_code)]
 
+pub mod arrivals;
 mod replay;
 mod reuse;
 mod sessions;
@@ -38,7 +41,6 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-use crate::arrivals;
 pub use text::Span;
 
 /// One request of a workload.
@@ -211,7 +213,6 @@ fn display<S: serde::Serializer>(v: &Span, s: S) -> Result<S::Ok, S::Error> {
 
 impl Spec {
     /// Defaults for `workload`, as the command line has them.
-    #[cfg(test)]
     pub fn new(workload: Kind) -> Self {
         Spec {
             workload,

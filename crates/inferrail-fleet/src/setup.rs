@@ -5,9 +5,9 @@
 use std::time::Duration;
 
 use inferrail_config::{Config, Limits, Model};
+use inferrail_engine::cost::LatencyModel;
 use inferrail_policy::PolicyKind;
 use inferrail_route::lifecycle::Timing;
-use inferrail_sim::cost::LatencyModel;
 
 use crate::timescale;
 
