@@ -68,5 +68,6 @@ async fn serve(args: Args, config: Config) -> anyhow::Result<()> {
     tracing::info!(grpc = %running.grpc, admin = %running.admin, "inferrail serving");
     tokio::spawn(inferrail::reload::run(running.router.clone(), args.config.clone()));
     println!("inferrail ext_proc on {}, admin on http://{}", running.grpc, running.admin);
-    running.wait().await
+    running.wait().await?;
+    Ok(())
 }

@@ -99,6 +99,7 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
     // Envoy sends every request's whole body on one HTTP/2 connection: with
     // hyper's 1 MiB connection window, twenty 220 KB bodies in flight would
     // wait for window updates, and 16 KB frames cut each into fourteen.
+    let closing = router.clone();
     let server = tonic::transport::Server::builder()
         .initial_connection_window_size(64 << 20)
         .initial_stream_window_size(16 << 20)
@@ -109,6 +110,8 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         .add_service(LogsServiceServer::new(AccessLog::new(router.clone())).max_decoding_message_size(64 << 20))
         .serve_with_incoming_shutdown(nodelay(grpc_listener), async move {
             shutdown.await;
+            // The peers' streams are not requests in flight: they end now, so the grace waits only for requests.
+            closing.peers.close();
             tracing::info!(grace_ms = grace.as_millis() as u64, "shutting down: no new streams, open ones may finish");
             // Nobody waiting for the signal is not an error.
             let _ = stop_tx.send(());
@@ -139,12 +142,24 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
     Ok(Running { grpc, admin, admin_grpc, router, server, stopping, grace, background })
 }
 
+/// How a service stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// Every open stream finished within the grace period (or the server ended on its own).
+    Drained,
+    /// The grace period ended with streams still open.
+    GraceOver,
+}
+
 impl Running {
     /// Serves until shutdown, then lets open streams finish for the grace
     /// period, then ends the background work.
-    pub async fn wait(mut self) -> anyhow::Result<()> {
+    pub async fn wait(mut self) -> anyhow::Result<Stopped> {
         tokio::select! {
-            joined = &mut self.server => return Ok(joined??),
+            joined = &mut self.server => {
+                joined??;
+                return Ok(Stopped::Drained);
+            }
             _ = &mut self.stopping => {}
         }
         let outcome = tokio::time::timeout(self.grace, self.server).await;
@@ -164,10 +179,13 @@ impl Running {
             tracing::warn!(error = %e, "the last traces were not exported");
         }
         match outcome {
-            Ok(joined) => Ok(joined??),
+            Ok(joined) => {
+                joined??;
+                Ok(Stopped::Drained)
+            }
             Err(_) => {
                 tracing::warn!("grace period over with streams still open");
-                Ok(())
+                Ok(Stopped::GraceOver)
             }
         }
     }

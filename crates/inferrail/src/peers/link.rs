@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use inferrail_proto::peer::v1::PeerMessage;
 use inferrail_proto::peer::v1::peer_message::Kind;
 use inferrail_route::Share;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 /// Messages waiting for one peer; past this they are dropped (and counted)
 /// rather than hold up a request.
@@ -31,6 +31,8 @@ pub struct Peers {
     /// Addresses that turned out to be this router's own.
     pub(super) selves: Mutex<Vec<String>>,
     pub(super) closed: AtomicBool,
+    /// Turns true when the router closes: the peers' streams into it end.
+    closing: watch::Sender<bool>,
 }
 
 impl Peers {
@@ -46,19 +48,27 @@ impl Peers {
             tasks: Mutex::new(HashMap::new()),
             selves: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
+            closing: watch::Sender::new(false),
         }
     }
 
-    /// Ends every stream to the peers for good (the router is going): they
-    /// forget the requests it decided.
+    /// Ends every stream to and from the peers for good (the router is
+    /// going): they forget the requests it decided, and no stream of theirs
+    /// holds this router's shutdown open.
     pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
+        self.closing.send_replace(true);
         for (_, task) in lock(&self.tasks).drain() {
             task.abort();
         }
         let mut links = lock(&self.links);
         links.clear();
         self.relinked(&links);
+    }
+
+    /// Turns true when the router closes ([`Peers::close`]).
+    pub fn closing(&self) -> watch::Receiver<bool> {
+        self.closing.subscribe()
     }
 
     /// Whether some peer is linked.

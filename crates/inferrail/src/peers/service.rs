@@ -85,8 +85,15 @@ impl Peer for PeerService {
         let _ = tx.try_send(Ok(PeerMessage { kind: Some(Kind::Hello(Hello { router: me })) }));
         if from != me {
             let router = self.router.clone();
+            let mut closing = router.peers.closing();
             tokio::spawn(async move {
-                while let Ok(Some(m)) = inbound.message().await {
+                loop {
+                    // This router closing ends the stream: the peer sees it go, and its shutdown waits for nothing.
+                    let m = tokio::select! {
+                        m = inbound.message() => m,
+                        _ = closing.wait_for(|&closed| closed) => break,
+                    };
+                    let Ok(Some(m)) = m else { break };
                     if let Some(kind) = m.kind {
                         apply(&router, from, kind);
                     }

@@ -63,3 +63,29 @@ async fn readiness_follows_whether_any_replica_can_take_a_request_and_liveness_s
     assert_eq!(status(client.check(check("liveness")).await.unwrap().into_inner()), ServingStatus::Serving);
     assert!(!running.router.ready());
 }
+
+/// A router that a peer has linked to stops without waiting out its grace:
+/// the peer's stream into it is not a request in flight. The grace is a
+/// minute; before the fix the peer's stream held the shutdown open for all
+/// of it and `wait` answered `GraceOver`.
+#[tokio::test]
+async fn a_router_with_a_linked_peer_stops_without_waiting_out_its_grace() {
+    let (addr, _replica) = replica().await;
+    let mut dialed = config(addr);
+    dialed.server.shutdown_grace_ms = 60_000;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let dialed = start(dialed, async move { drop(stopped.await) }).await.unwrap();
+    let mut dialing = config(addr);
+    dialing.peers.addresses = vec![dialed.grpc.to_string()];
+    let dialing = start(dialing, std::future::pending()).await.unwrap();
+    // Only the dialing side links (the dialed one serves the stream).
+    while dialing.router.peers.linked() < 1 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.send(()).unwrap();
+    assert_eq!(dialed.wait().await.unwrap(), Stopped::Drained, "the peer's stream ended with the router");
+    // The dialing router saw its peer go.
+    while dialing.router.peers.linked() > 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
