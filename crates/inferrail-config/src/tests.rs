@@ -208,3 +208,31 @@ fn a_model_may_name_a_shadow_policy_and_a_wrong_name_is_refused() {
     let e = Config::parse(&bad).unwrap_err().to_string();
     assert!(e.contains("clairvoyant"), "{e}");
 }
+
+proptest::proptest! {
+    /// Any routing YAML is a configuration or an error that says why, never
+    /// a panic: the shipped example with any line's value replaced by a
+    /// hostile one, and text of any shape.
+    #[test]
+    fn any_routing_yaml_is_a_config_or_an_error_never_a_panic(
+        line in 0usize..600,
+        hostile in proptest::sample::select(vec![
+            "-1", "0", "1e309", "18446744073709551616", "[]", "{}", "null", "''", "~", "!!binary AAAA",
+            "&a [*a, *a]", "NaN", ".inf", "{name: {}}", "[1, [2, [3, [4]]]]", "'\u{0}'", "0x10", "true",
+        ]),
+        text in ".{0,300}",
+    ) {
+        let example = include_str!("../example.yaml");
+        let mut lines: Vec<String> = example.lines().map(str::to_owned).collect();
+        let at = line % lines.len();
+        if let Some((key, _)) = lines[at].split_once(": ") {
+            lines[at] = format!("{key}: {hostile}");
+        } else {
+            lines[at] = hostile.to_string();
+        }
+        if let Err(e) = Config::parse(&lines.join("\n")) {
+            proptest::prop_assert!(!e.to_string().is_empty());
+        }
+        let _ = Config::parse(&text);
+    }
+}

@@ -175,3 +175,33 @@ fn random_bytes_never_panic() {
         let _ = parse(&String::from_utf8_lossy(&page));
     }
 }
+
+proptest::proptest! {
+    /// Any text is a load or an error, never a panic: a recorded page with
+    /// any line replaced by a hostile one, and text of any shape.
+    #[test]
+    fn any_page_is_a_load_or_an_error_never_a_panic(
+        line in 0usize..400,
+        hostile in proptest::sample::select(vec![
+            "vllm:num_requests_running{model_name=\"m\"} NaN",
+            "vllm:num_requests_running{model_name=\"m\"} -1e309",
+            "vllm:num_requests_waiting 18446744073709551616",
+            "vllm:kv_cache_usage_perc{model_name=\"m\" 0.5",
+            "vllm:kv_cache_usage_perc{model_name=\"m\"} inf",
+            "# TYPE vllm:num_requests_running histogram",
+            "vllm:cache_config_info{block_size=\"-16\",num_gpu_blocks=\"x\"} 1",
+            "vllm:prefix_cache_queries_total{model_name=\"m\"} 1e400",
+            "\u{0}\u{ffff}",
+            "",
+        ]),
+        text in ".{0,300}",
+    ) {
+        for page in [VLLM_IDLE, VLLM_LOADED] {
+            let mut lines: Vec<&str> = page.lines().collect();
+            let at = line % lines.len();
+            lines[at] = hostile;
+            let _ = parse(&lines.join("\n"));
+        }
+        let _ = parse(&text);
+    }
+}

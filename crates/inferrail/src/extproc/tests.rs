@@ -534,3 +534,131 @@ async fn a_route_filter_set_to_send_the_response_body_and_trailers_gets_each_ans
     stream.close().await;
     assert_eq!(router.leases_held(), 0);
 }
+
+/// One message Envoy might send, in any order.
+#[derive(Debug, Clone)]
+enum Piece {
+    RequestHeaders { path: &'static str, end: bool },
+    RequestBody { body: &'static [u8], end: bool },
+    RequestTrailers,
+    ResponseHeaders { status: &'static str, end: bool },
+    ResponseBody { body: &'static [u8], end: bool },
+    ResponseTrailers,
+    Nothing,
+}
+
+fn piece() -> impl proptest::strategy::Strategy<Value = Piece> {
+    use proptest::prelude::*;
+    let path = proptest::sample::select(vec!["/v1/completions", "/v1/chat/completions", "/v1/models", "/nope", ""]);
+    let body = proptest::sample::select(vec![
+        &br#"{"model": "m", "prompt": "otters", "max_tokens": 4}"#[..],
+        &br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}]}"#[..],
+        &br#"{"model": 5}"#[..],
+        &b"{not json"[..],
+        &b""[..],
+        &b"\xff\xfe\x00"[..],
+        &b"data: {\"usage\": {\"prompt_tokens\": 3, \"completion_tokens\": 1}}\n\n"[..],
+    ]);
+    let status = proptest::sample::select(vec!["200", "503", "404", "abc", "", "99999", "-1"]);
+    prop_oneof![
+        (path, any::<bool>()).prop_map(|(path, end)| Piece::RequestHeaders { path, end }),
+        (body.clone(), any::<bool>()).prop_map(|(body, end)| Piece::RequestBody { body, end }),
+        Just(Piece::RequestTrailers),
+        (status, any::<bool>()).prop_map(|(status, end)| Piece::ResponseHeaders { status, end }),
+        (body, any::<bool>()).prop_map(|(body, end)| Piece::ResponseBody { body, end }),
+        Just(Piece::ResponseTrailers),
+        Just(Piece::Nothing),
+    ]
+}
+
+fn envoy_message(piece: &Piece, duplex: bool, id: &str) -> ProcessingRequest {
+    let request = match *piece {
+        Piece::RequestHeaders { path, end } => Request::RequestHeaders(HttpHeaders {
+            headers: headers(&[(":method", "POST"), (":path", path), ("x-request-id", id)]),
+            end_of_stream: end,
+            ..Default::default()
+        }),
+        Piece::RequestBody { body: b, end } => Request::RequestBody(body(b, end)),
+        Piece::RequestTrailers => Request::RequestTrailers(Default::default()),
+        Piece::ResponseHeaders { status, end } => {
+            Request::ResponseHeaders(HttpHeaders { headers: headers(&[(":status", status)]), end_of_stream: end, ..Default::default() })
+        }
+        Piece::ResponseBody { body: b, end } => Request::ResponseBody(body(b, end)),
+        Piece::ResponseTrailers => Request::ResponseTrailers(Default::default()),
+        Piece::Nothing => return ProcessingRequest::default(),
+    };
+    if duplex { full_duplex(request) } else { message(request) }
+}
+
+/// Envoy's messages in any order, truncated or repeated, in both body
+/// modes: every stream ends, nothing panics, and once every request is
+/// over and its longest life has passed, no lease, slot or pending count
+/// is left behind.
+#[test]
+fn extproc_messages_in_any_order_end_every_stream_and_leave_nothing_held() {
+    use proptest::strategy::Strategy;
+    static PANICS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        hook(info);
+    }));
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (router, client) = runtime.block_on(serve());
+    let config = proptest::test_runner::Config { cases: 96, ..Default::default() };
+    let mut runner = proptest::test_runner::TestRunner::new(config);
+    // A well-formed exchange cut anywhere, then anything, with two messages swapped at times.
+    let script = |end: bool| {
+        vec![
+            Piece::RequestHeaders { path: "/v1/completions", end: false },
+            Piece::RequestBody { body: br#"{"model": "m", "prompt": "otters", "max_tokens": 4}"#, end: true },
+            Piece::ResponseHeaders { status: "200", end: false },
+            Piece::ResponseBody { body: b"data: {\"usage\": {\"prompt_tokens\": 3, \"completion_tokens\": 1}}\n\n", end },
+        ]
+    };
+    let stream = (proptest::bool::ANY, 0usize..=4, proptest::collection::vec(piece(), 0..5), proptest::option::of((0usize..8, 0usize..8)))
+        .prop_map(move |(duplex, cut, tail, swap)| {
+            let mut pieces: Vec<Piece> = script(duplex).into_iter().take(cut).chain(tail).collect();
+            if let Some((i, j)) = swap.filter(|&(i, j)| i < pieces.len() && j < pieces.len()) {
+                pieces.swap(i, j);
+            }
+            (duplex, pieces)
+        });
+    let streams = proptest::collection::vec(stream, 1..4);
+    let (n, decided) = (std::sync::atomic::AtomicUsize::new(0), std::sync::atomic::AtomicUsize::new(0));
+    runner
+        .run(&streams, |streams| {
+            runtime.block_on(async {
+                for (duplex, pieces) in streams {
+                    let id = format!("fuzz-{}", n.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+                    // Room for every message: a server that stopped reading never blocks the sender.
+                    let (tx, rx) = mpsc::channel(pieces.len() + 1);
+                    let mut answers = client.clone().process(ReceiverStream::new(rx)).await.unwrap().into_inner();
+                    for p in &pieces {
+                        tx.try_send(envoy_message(p, duplex, &id)).unwrap();
+                    }
+                    drop(tx);
+                    // Every stream ends, whatever it was sent.
+                    while let Ok(Some(answer)) = answers.message().await {
+                        if answer.dynamic_metadata.is_some_and(|m| m.fields.contains_key("envoy.lb")) {
+                            decided.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                }
+            });
+            router.sweep_at(router.now() + std::time::Duration::from_secs(3_601));
+            proptest::prop_assert_eq!(router.leases_held(), 0);
+            proptest::prop_assert_eq!(counts(&router), [(0, 0), (0, 0)]);
+            proptest::prop_assert_eq!(
+                router.fleet().replicas.iter().map(|r| r.queued_prefill()).sum::<std::time::Duration>(),
+                std::time::Duration::ZERO
+            );
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(PANICS.load(std::sync::atomic::Ordering::SeqCst), 0, "no task panicked");
+    // Not vacuous: some of the streams got as far as a decision.
+    let decided = decided.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(decided > 0, "{decided} of {} streams decided", n.load(std::sync::atomic::Ordering::Relaxed));
+    eprintln!("{decided} of {} streams decided", n.load(std::sync::atomic::Ordering::Relaxed));
+}
