@@ -1,0 +1,457 @@
+"""The stress suite (`just stress`): the local fleet (three simulators, the
+router, a real Envoy running envoy/local.yaml) driven past what the e2e tests
+do, one bounded scenario at a time. Each row says its pass condition and the
+figure it measured. Each fault scenario also proves that its fault fired
+(a counter, a status seen), so no row passes without its fault.
+
+The table is printed, and then written under bench/results/stress/ as
+<commit>.md and <commit>.json. Scenarios are picked with `--only NAME,...`.
+Release builds by default (INFERRAIL_PROFILE)."""
+
+import argparse
+import concurrent.futures
+import http.client as httpc
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "crates" / "inferrail" / "tests" / "e2e"))
+sys.path.insert(0, str(ROOT / "crates" / "inferrail" / "tests"))
+from conftest import Fleet  # noqa: E402
+from harness import http, wait_until  # noqa: E402
+
+ROWS = []
+
+
+def row(name, condition, measured, ok, fault=None):
+    ROWS.append({"scenario": name, "pass_if": condition, "measured": measured, "fault_fired": fault, "pass": bool(ok)})
+    print(f"{'PASS' if ok else 'FAIL'}  {name}: {measured}" + (f" [fault: {fault}]" if fault else ""), flush=True)
+
+
+def rss_mb(pid):
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def openai_error(body):
+    """Whether a body is an error in the OpenAI shape vLLM uses."""
+    try:
+        e = json.loads(body)["error"]
+        return isinstance(e["message"], str) and isinstance(e["type"], str) and "code" in e
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def raw(fleet, method, path, body=b"", headers=None, timeout=30):
+    """One request on its own connection; (status, body), or (None, error) when the connection broke."""
+    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=timeout)
+    try:
+        c.request(method, path, body=body, headers={"content-type": "application/json", **(headers or {})})
+        r = c.getresponse()
+        return r.status, r.read()
+    except (OSError, httpc.HTTPException) as e:
+        return None, repr(e).encode()
+    finally:
+        c.close()
+
+
+def hostile_requests(n, rng):
+    """`n` requests that a router must answer or forward, never crash on."""
+    ok = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    deep = b'{"model": "sim", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    loop = "{% for x in range(99999999) %}{{x}}{% endfor %}"
+    makers = [
+        lambda: ("POST", "/v1/chat/completions", b"{not json", {}),
+        lambda: ("POST", "/v1/chat/completions", b"", {}),
+        lambda: ("POST", "/v1/chat/completions", b"[1, 2, 3]", {}),
+        lambda: ("POST", "/v1/chat/completions", b"\xff\xfe\xfd{\"model\": \"sim\"}", {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "model": 5}).encode(), {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "messages": "hi"}).encode(), {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "max_tokens": "many"}).encode(), {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "temperature": [1]}).encode(), {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "model": "nobody-serves-this"}).encode(), {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "messages": [{"role": "wizard", "content": 7}]}).encode(), {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "messages": [{"role": "user", "content": [{"type": "x"}]}]}).encode(), {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "tools": [{"type": "function", "function": {"name": 3}}]}).encode(), {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "messages": [{"role": "user", "content": loop}]}).encode(), {}),
+        lambda: ("POST", "/v1/completions", deep, {}),
+        lambda: ("POST", "/v1/completions", json.dumps({"model": "sim", "prompt": "x" * 1_500_000, "max_tokens": 1}).encode(), {}),
+        lambda: ("POST", "/v1/completions", json.dumps({"model": "sim", "prompt": "\ud800 lone surrogate", "max_tokens": 1}).encode("utf-8", "surrogatepass"), {}),
+        lambda: ("POST", "/v1/completions", json.dumps({"model": "sim", "prompt": [1, 2, "x"], "max_tokens": 1}).encode(), {}),
+        lambda: ("POST", "/v1/completions", json.dumps({"model": "sim", "prompt": "x", "max_tokens": -5}).encode(), {}),
+        lambda: ("GET", "/v1/chat/completions", b"", {}),
+        lambda: ("PUT", "/v1/completions", json.dumps(ok).encode(), {}),
+        lambda: ("DELETE", "/v1/models", b"", {}),
+        lambda: ("POST", "/v1/../v1/completions", json.dumps(ok).encode(), {}),
+        lambda: ("POST", "/v1/completions?x=1&x=2", json.dumps({"model": "sim", "prompt": "x", "max_tokens": 1}).encode(), {}),
+        lambda: ("POST", "/nothing/here", b"{}", {}),
+        lambda: ("GET", "/v1/models", b"", {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps(ok).encode(), {"x-request-id": "r" * 4000}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps(ok).encode(), {"content-type": "text/plain"}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps(ok).encode(), {"authorization": "Bearer " + "k" * 2000}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps(ok).encode(), {"x-session-id": "\u00e9"}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps(ok).encode(), {}),
+    ]
+    return [rng.choice(makers)() for _ in range(n)]
+
+
+def scenario_hostile(fleet):
+    rng = random.Random(54)
+    requests = hostile_requests(3000, rng)
+    router = fleet.procs["inferrail"]
+
+    def send(req):
+        method, path, body, headers = req
+        return raw(fleet, method, path, body, headers)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(send, requests))
+    broken = [b[:120] for s, b in answers if s is None]
+    forwarded = sum(1 for s, _ in answers if s is not None and s < 300)
+    shaped = sum(1 for s, b in answers if s is not None and s >= 400 and openai_error(b))
+    other = [(s, b[:160]) for s, b in answers if s is not None and s >= 300 and not openai_error(b)]
+    alive = router.poll() is None
+    panics = (fleet.tmp / "inferrail.log").read_text(errors="replace").count("panicked")
+    row("input: 3,000 hostile HTTP requests through Envoy",
+        "every request forwarded or answered in the OpenAI error shape; no broken connection; router alive, no panic",
+        f"{forwarded} forwarded, {shaped} OpenAI-shaped errors, {len(other)} other answers {sorted({s for s, _ in other})}, "
+        f"{len(broken)} broken; router alive: {alive}, panics: {panics}",
+        not broken and not other and alive and panics == 0, fault=f"{shaped} refusals")
+    for s, b in other[:3]:
+        print(f"      other answer {s}: {b!r}")
+    for b in broken[:3]:
+        print(f"      broken: {b!r}")
+
+
+def scenario_trickle(fleet):
+    """An 8 MiB body in one-byte writes (Nagle off, so each goes out on its own where the kernel allows)."""
+    body = json.dumps({"model": "sim", "prompt": "x " * (4 << 20), "max_tokens": 1}).encode()[: 8 << 20]
+    s = socket.create_connection(("127.0.0.1", fleet.listen), timeout=120)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    started = time.monotonic()
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode())
+    router = fleet.procs["inferrail"]
+    before = rss_mb(router.pid)
+    peak, sent, answered = before, 0, b""
+    s.setblocking(False)
+    try:
+        for i in range(len(body)):
+            while True:
+                try:
+                    s.send(body[i:i + 1])
+                    break
+                except BlockingIOError:
+                    time.sleep(0.001)
+            sent = i + 1
+            if i % (1 << 20) == 0:
+                peak = max(peak, rss_mb(router.pid))
+                try:
+                    answered += s.recv(65536)
+                except BlockingIOError:
+                    pass
+                if answered:
+                    break  # answered before the whole body came (a refusal)
+    except OSError:
+        pass  # the other side closed: whatever it answered is read below
+    s.setblocking(True)
+    try:
+        while b"\r\n\r\n" not in answered or len(answered) < answered.find(b"\r\n\r\n") + 14:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answered += chunk
+    except OSError:
+        pass
+    finally:
+        s.close()
+    peak = max(peak, rss_mb(router.pid))
+    status = int(answered.split(b" ", 2)[1]) if answered.startswith(b"HTTP/1.1 ") else None
+    shaped = status is not None and status >= 400 and openai_error(answered[answered.find(b"\r\n\r\n") + 4:])
+    row("clients: an 8 MiB body sent one byte at a time",
+        "answered (forwarded, or refused in the OpenAI error shape); router memory bounded (under 64 MB more)",
+        f"{sent:,} bytes sent, answered {status} ({'OpenAI shape' if shaped else 'other'}) after {time.monotonic() - started:.0f} s; "
+        f"router RSS {before:.1f} -> {peak:.1f} MB",
+        status is not None and (status < 300 or shaped) and peak - before < 64)
+
+
+def stream_one(fleet, max_tokens):
+    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=300)
+    try:
+        body = {"model": "sim", "prompt": "tell me", "max_tokens": max_tokens, "stream": True}
+        c.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+        r = c.getresponse()
+        text = r.read().decode(errors="replace")
+        return "ok" if r.status == 200 and text.endswith("data: [DONE]\n\n") else f"{r.status} {text[-80:]!r}"
+    except (OSError, httpc.HTTPException) as e:
+        return repr(e)[:80]
+    finally:
+        c.close()
+
+
+def scenario_concurrent_streams(fleet, n=2000):
+    started = time.monotonic()
+    peak = [0.0]
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], fleet.metric("inferrail_leases") or 0)
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        done = list(pool.map(lambda _: stream_one(fleet, 200), range(n)))
+    stop.set()
+    watcher.join()
+    wall = time.monotonic() - started
+    wait_until(lambda: "inferrail_leases 0\n" in fleet.metrics(), "every lease released", timeout=60)
+    failed = [d for d in done if d != "ok"]
+    row(f"clients: {n:,} concurrent streams of 200 tokens",
+        "every stream completes with [DONE]; leases back to zero",
+        f"{n - len(failed):,} of {n:,} complete in {wall:.0f} s, up to {peak[0]:.0f} in flight at once (sampled); leases 0"
+        + (f"; failures: {sorted(set(failed))[:3]}" if failed else ""),
+        not failed, fault=f"{peak[0]:.0f} streams open at once")
+
+
+def scenario_soak(fleet, n=35_000, clients=8):
+    router = fleet.procs["inferrail"]
+    samples, lock, sent, errors = [], threading.Lock(), [0], [0]
+
+    def worker(k):
+        c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+        rng = random.Random(k)
+        while True:
+            with lock:
+                if sent[0] >= n:
+                    return
+                sent[0] += 1
+                i = sent[0]
+            # Distinct prompts: the index would grow without bound unless it keeps to the replicas' capacity.
+            body = {"model": "sim", "prompt": f"soak {i} {rng.random()} " + "word " * 40, "max_tokens": 1}
+            try:
+                c.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+                r = c.getresponse()
+                r.read()
+                if r.status != 200:
+                    errors[0] += 1
+            except (OSError, httpc.HTTPException):
+                errors[0] += 1
+                c.close()
+                c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+            if i % 1000 == 0:
+                samples.append((i, rss_mb(router.pid)))
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.monotonic() - started
+    samples.sort()
+    base = next(m for i, m in samples if i >= 5000)
+    last = samples[-1][1]
+    entries = fleet.metric("inferrail_kv_index_entries") or 0
+    row(f"soak: {n:,} requests with distinct prompts, router memory sampled",
+        "zero errors; router RSS grows by under 10 MB after the first 5,000",
+        f"{errors[0]} errors at {n / wall:.0f} req/s; RSS {base:.1f} -> {last:.1f} MB (+{last - base:.1f}); KV index entries {entries:.0f}",
+        errors[0] == 0 and last - base < 10)
+
+
+def load_until(fleet, stop, results, seed):
+    rng = random.Random(seed)
+    c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+    while not stop.is_set():
+        t = time.monotonic()
+        body = {"model": "sim", "prompt": f"load {rng.random()}", "max_tokens": 2}
+        try:
+            c.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+            r = c.getresponse()
+            r.read()
+            results.append((t, r.status))
+        except (OSError, httpc.HTTPException) as e:
+            results.append((t, repr(e)))
+            c.close()
+            c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+
+
+def under_load(fleet, clients, during):
+    stop, results = threading.Event(), []
+    threads = [threading.Thread(target=load_until, args=(fleet, stop, results, k)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        during(results)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    return results
+
+
+def scenario_flapping(fleet):
+    retried_before = fleet.replicas_stat("retry.upstream_rq_503")
+    http("POST", fleet.sim_url(1) + "/_sim/fault", {"mode": "flap", "period_ms": 100, "status": 503})
+
+    def during(results):
+        wait_until(lambda: fleet.replicas_stat("retry.upstream_rq_503") - retried_before >= 20 and len(results) >= 2000,
+                   "20 retried 503s and 2,000 requests", timeout=300)
+
+    results = under_load(fleet, 8, during)
+    http("POST", fleet.sim_url(1) + "/_sim/fault", {"mode": "none"})
+    wait_until(lambda: fleet.metric("inferrail_replica_healthy", 'replica="sim-2"') == 1.0, "sim-2 back", timeout=60)
+    errors = [s for _, s in results if s != 200]
+    fired = fleet.replicas_stat("retry.upstream_rq_503") - retried_before
+    ejections = fleet.metric("inferrail_ejections_total", 'replica="sim-2"') or 0
+    row("faults: a replica flapping between healthy and 503 every 100 ms, under load",
+        "zero client errors; the 503s were answered and retried",
+        f"{len(errors)} errors in {len(results):,} requests; sim-2 ejected {ejections:.0f} times",
+        not errors, fault=f"{fired} 503s retried by Envoy")
+
+
+def scenario_killed(fleet):
+    times = {}
+
+    def during(results):
+        wait_until(lambda: len(results) >= 500, "load")
+        fleet.kill("sim-3")
+        times["killed"] = time.monotonic()
+        wait_until(lambda: fleet.metric("inferrail_replica_healthy", 'replica="sim-3"') == 0.0, "sim-3 marked down", timeout=30)
+        times["down"] = time.monotonic() - times["killed"]
+        fleet.start_sim(2)
+        restarted = time.monotonic()
+        wait_until(lambda: fleet.metric("inferrail_replica_healthy", 'replica="sim-3"') == 1.0, "sim-3 readmitted", timeout=30)
+        times["up"] = time.monotonic() - restarted
+        after = time.monotonic()
+        wait_until(lambda: sum(1 for t, _ in list(results) if t > after) >= 500, "load after")
+
+    retries_before = fleet.replicas_stat("upstream_rq_retry_success")
+    results = under_load(fleet, 8, during)
+    after_kill = [s for t, s in results if t > times["killed"]]
+    errors = [s for s in after_kill if s != 200]
+    retried = fleet.replicas_stat("upstream_rq_retry_success") - retries_before
+    row("faults: a simulator killed and restarted under load",
+        "zero errors for requests sent after the kill; it is marked down, then readmitted",
+        f"{len(errors)} errors in {len(after_kill):,} requests after the kill; marked down {times['down'] * 1e3:.0f} ms after the kill, "
+        f"readmitted {times['up'] * 1e3:.0f} ms after its restart",
+        not errors and retried > 0, fault=f"{retried} requests retried away from the dead engine")
+
+
+def scenario_disconnects(fleet, n=1000):
+    rng = random.Random(11)
+
+    def aborted_in(i):
+        page = http("GET", fleet.sim_url(i) + "/metrics").body.decode()
+        return sum(float(line.split()[-1]) for line in page.splitlines()
+                   if line.startswith("vllm:request_success_total") and 'finished_reason="abort"' in line)
+
+    aborted_before = sum(aborted_in(i) for i in range(3))
+
+    def client(seed):
+        r = random.Random(seed)
+        c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+        try:
+            body = {"model": "sim", "prompt": "tell me", "max_tokens": r.choice([5, 50, 200]), "stream": True}
+            c.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+            resp = c.getresponse()
+            if r.random() < 0.5:
+                resp.read(r.randint(1, 64))
+                return True  # gone mid-stream
+            resp.read()
+            return False
+        except (OSError, httpc.HTTPException):
+            return True
+        finally:
+            c.close()
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        left = sum(pool.map(client, [rng.random() for _ in range(n)]))
+
+    def settled():
+        m = fleet.metrics()
+        return "inferrail_leases 0\n" in m and all(f'inferrail_replica_in_flight{{replica="sim-{i}"}} 0\n' in m for i in (1, 2, 3))
+
+    wait_until(settled, "leases and counters back to zero", timeout=60)
+    aborted = sum(aborted_in(i) for i in range(3)) - aborted_before
+    row(f"clients: {n:,} streams with random disconnects",
+        "leases and in-flight counts back to zero; disconnects aborted in the engines",
+        f"{left} clients left mid-stream; engines aborted {aborted:.0f}; leases and in-flight 0",
+        aborted > 0, fault=f"{left} disconnects")
+
+
+# Each scenario and the fleet it runs on: `zero`, zero-latency engines (the
+# router and Envoy are what is stressed); `paced`, engines that take 2 ms a
+# token, so that streams stay open long enough to overlap and be cut.
+SCENARIOS = {
+    "hostile": ("zero", scenario_hostile),
+    "trickle": ("zero", scenario_trickle),
+    "flapping": ("zero", scenario_flapping),
+    "killed": ("zero", scenario_killed),
+    "soak": ("zero", scenario_soak),
+    "disconnects": ("paced", scenario_disconnects),
+    "streams": ("paced", scenario_concurrent_streams),
+}
+
+# The engines' flags, and the router's limits for each replica: room for
+# every stream the engines take (with the default 256 a replica, the router
+# answers the 769th concurrent stream with a 429, as it should).
+FLEETS = {
+    "zero": (["--zero-latency", "--max-num-seqs", "4096"], ""),
+    "paced": (["--decode-token-ms", "2", "--prefill-fixed-ms", "1", "--max-num-seqs", "4096"], ", max_concurrency: 4096, max_pending: 4096"),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", help="comma-separated scenarios: " + ",".join(SCENARIOS))
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "stress"))
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(SCENARIOS)
+    commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=8"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="inferrail-stress-") as tmp:
+        for kind, (flags, limits) in FLEETS.items():
+            mine = [n for n in names if SCENARIOS[n][0] == kind]
+            if not mine:
+                continue
+            fleet = Fleet(Path(tmp) / kind, policy="cost_model", sim_flags=flags, replica_extra=limits)
+            fleet.start()
+            try:
+                for name in mine:
+                    t = time.monotonic()
+                    try:
+                        SCENARIOS[name][1](fleet)
+                    except Exception as e:  # a scenario that broke is a failed row, and the next one still runs
+                        row(name, "completes", f"raised {e!r}"[:300], False)
+                    ROWS[-1]["seconds"] = round(time.monotonic() - t, 1)
+            finally:
+                fleet.stop()
+    wall = time.monotonic() - started
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# Stress suite at {commit}", "",
+             f"`just stress` on {os.cpu_count()} cores shared by the client, Envoy, the router and three simulators "
+             f"(zero-latency, or 2 ms a token where streams must overlap); {wall / 60:.1f} minutes in all.", "",
+             "| scenario | pass if | measured | fault fired | result | s |", "|---|---|---|---|---|---|"]
+    for r in ROWS:
+        lines.append(f"| {r['scenario']} | {r['pass_if']} | {r['measured']} | {r['fault_fired'] or ''} | "
+                     f"{'pass' if r['pass'] else 'FAIL'} | {r.get('seconds', '')} |")
+    (out / f"{commit}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{commit}.json").write_text(json.dumps({"commit": commit, "minutes": round(wall / 60, 1), "rows": ROWS}, indent=2) + "\n")
+    print("\n".join(lines))
+    sys.exit(0 if all(r["pass"] for r in ROWS) else 1)
+
+
+if __name__ == "__main__":
+    main()
