@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "crates" / "inferrail" / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "crates" / "inferrail" / "tests"))
-from conftest import Fleet  # noqa: E402
+from conftest import MODEL, Fleet  # noqa: E402
 from harness import http, wait_until  # noqa: E402
 
 ROWS = []
@@ -274,12 +274,13 @@ def load_until(fleet, stop, results, seed):
     c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
     while not stop.is_set():
         t = time.monotonic()
-        body = {"model": "sim", "prompt": f"load {rng.random()}", "max_tokens": 2}
+        # The engines' own model name: with the router down nothing rewrites an alias.
+        body = {"model": MODEL, "prompt": f"load {rng.random()}", "max_tokens": 2}
         try:
             c.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
             r = c.getresponse()
             r.read()
-            results.append((t, r.status))
+            results.append((t, r.status if r.getheader("x-inferrail-replica") else f"{r.status} unrouted"))
         except (OSError, httpc.HTTPException) as e:
             results.append((t, repr(e)))
             c.close()
@@ -348,6 +349,72 @@ def scenario_killed(fleet):
         not errors and retried > 0, fault=f"{retried} requests retried away from the dead engine")
 
 
+def scenario_router_restart(fleet):
+    """The shipped configuration fails open (envoy/local.yaml, BUFFERED): while
+    the router is down, Envoy's own round robin serves."""
+    times = {}
+
+    def during(results):
+        wait_until(lambda: len(results) >= 500, "load")
+        fleet.kill("inferrail")
+        times["killed"] = time.monotonic()
+        try:
+            wait_until(lambda: sum(1 for t, s in list(results) if t > times["killed"] and s == "200 unrouted") >= 200,
+                       "requests served without the router", timeout=60)
+        except AssertionError:
+            from collections import Counter
+            print("      after the kill:", Counter(str(s) for t, s in list(results) if t > times["killed"]).most_common(5))
+            raise
+        fleet.start_router()
+        times["back"] = time.monotonic()
+        wait_until(lambda: sum(1 for t, s in list(results) if t > times["back"] and s == 200) >= 500, "the router routing again", timeout=60)
+
+    results = under_load(fleet, 8, during)
+    after = [s for t, s in results if t > times["killed"]]
+    errors = [s for s in after if s not in (200, "200 unrouted")]
+    unrouted = sum(1 for s in after if s == "200 unrouted")
+    row("faults: the router killed and restarted under load (BUFFERED, fail-open)",
+        "zero client errors; while it is down Envoy's own balancing serves, and routing resumes when it is back",
+        f"{len(errors)} errors in {len(after):,} requests after the kill ({sorted(set(map(str, errors)))[:3]}); "
+        f"{unrouted:,} served unrouted; what it loses while down: the routing, its predictions, and aliases (a request naming one gets the engine's 404)",
+        not errors and unrouted > 0, fault=f"{unrouted} requests Envoy served without it")
+
+
+def scenario_reload_storm(fleet, rewrites=10):
+    config = fleet.config
+    original = config.read_text()
+    ok_before = fleet.metric("inferrail_config_reloads_total", 'result="ok"') or 0
+    # Every request before this one's has its outcome counted.
+    wait_until(lambda: "inferrail_leases 0\n" in fleet.metrics(), "no request in flight", timeout=30)
+
+    def counted():
+        return sum(float(line.split()[-1]) for line in fleet.metrics().splitlines() if line.startswith("inferrail_requests_total{"))
+
+    counted_before = counted()
+
+    def during(results):
+        wait_until(lambda: len(results) >= 200, "load")
+        for k in range(rewrites):
+            # A replica limit changes each time: the replicas are kept, with what was learned of them.
+            config.write_text(original.replace("{id: sim-1, ", f"{{id: sim-1, max_concurrency: {300 + k}, "))
+            target = ok_before + k + 1
+            wait_until(lambda: (fleet.metric("inferrail_config_reloads_total", 'result="ok"') or 0) >= target, f"reload {k + 1}", timeout=30)
+        config.write_text(original)
+        wait_until(lambda: (fleet.metric("inferrail_config_reloads_total", 'result="ok"') or 0) >= ok_before + rewrites + 1, "the last reload")
+
+    results = under_load(fleet, 8, during)
+    wait_until(lambda: "inferrail_leases 0\n" in fleet.metrics(), "every request over", timeout=30)
+    # The outcomes of the last requests are counted once their grace is over.
+    wait_until(lambda: counted() - counted_before >= len(results), "every outcome counted", timeout=30)
+    errors = [s for _, s in results if s != 200]
+    reloaded = (fleet.metric("inferrail_config_reloads_total", 'result="ok"') or 0) - ok_before
+    outcomes = counted() - counted_before
+    row(f"churn: the routing YAML rewritten {rewrites + 1} times under load",
+        "zero errors; every rewrite reloaded once; every request's outcome counted once",
+        f"{len(errors)} errors in {len(results):,} requests; {reloaded:.0f} reloads; {outcomes:.0f} outcomes counted for {len(results):,} requests",
+        not errors and reloaded == rewrites + 1 and outcomes == len(results), fault=f"{reloaded:.0f} reloads")
+
+
 def scenario_disconnects(fleet, n=1000):
     rng = random.Random(11)
 
@@ -399,6 +466,8 @@ SCENARIOS = {
     "flapping": ("zero", scenario_flapping),
     "killed": ("zero", scenario_killed),
     "soak": ("zero", scenario_soak),
+    "reloads": ("zero", scenario_reload_storm),
+    "router-restart": ("zero", scenario_router_restart),
     "disconnects": ("paced", scenario_disconnects),
     "streams": ("paced", scenario_concurrent_streams),
 }
