@@ -415,6 +415,97 @@ def scenario_reload_storm(fleet, rewrites=10):
         not errors and reloaded == rewrites + 1 and outcomes == len(results), fault=f"{reloaded:.0f} reloads")
 
 
+def scenario_hanging(fleet):
+    times = {}
+
+    def during(results):
+        wait_until(lambda: len(results) >= 500, "load")
+        http("POST", fleet.sim_url(0) + "/_sim/fault", {"mode": "hang"})
+        hung = time.monotonic()
+        wait_until(lambda: fleet.metric("inferrail_replica_healthy", 'replica="sim-1"') == 0.0, "sim-1 marked down", timeout=30)
+        times["down"] = time.monotonic() - hung
+        times["marked"] = time.monotonic()
+        wait_until(lambda: sum(1 for t, s in list(results) if t > times["marked"] and s == 200) >= 1000, "load around sim-1", timeout=60)
+        http("POST", fleet.sim_url(0) + "/_sim/fault", {"mode": "none"})
+        wait_until(lambda: fleet.metric("inferrail_replica_healthy", 'replica="sim-1"') == 1.0, "sim-1 back", timeout=30)
+
+    results = under_load(fleet, 8, during)
+    after = [s for t, s in results if t > times["marked"]]
+    errors = [s for _, s in results if s != 200]
+    row("faults: a replica that hangs, under load",
+        "zero client errors; routed around once its probe times out; the requests it held are answered when it wakes",
+        f"{len(errors)} errors in {len(results):,} requests; {len(after):,} sent after it was marked down; "
+        f"marked down {times['down'] * 1e3:.0f} ms after it hung",
+        not errors and after, fault=f"its probe timed out after {times['down'] * 1e3:.0f} ms")
+
+
+def scenario_all_failing(fleet):
+    ejected_max, refusals, stop = [0], [], threading.Event()
+
+    def refused():
+        return sum(float(line.split()[-1]) for line in fleet.metrics().splitlines()
+                   if line.startswith("inferrail_router_errors_total{") and 'reason="all_' in line)
+
+    refused_before = refused()
+
+    def watch():
+        while not stop.is_set():
+            m = fleet.metrics()
+            ejected_max[0] = max(ejected_max[0], sum(f'inferrail_replica_ejected{{replica="sim-{i}"}} 1\n' in m for i in (1, 2, 3)))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+
+    def during(results):
+        wait_until(lambda: len(results) >= 200, "load")
+        for i in range(3):
+            http("POST", fleet.sim_url(i) + "/_sim/fault", {"mode": "error", "status": 503, "for_ms": 3000})
+        times["failing"] = time.monotonic()
+        wait_until(lambda: all(fleet.metric("inferrail_replica_healthy", f'replica="sim-{i}"') == 1.0 for i in (1, 2, 3))
+                   and time.monotonic() - times["failing"] > 3.5, "every engine back", timeout=60)
+        times["back"] = time.monotonic()
+        wait_until(lambda: sum(1 for t, _ in list(results) if t > times["back"]) >= 500, "load after")
+
+    times = {}
+    results = under_load(fleet, 8, during)
+    stop.set()
+    watcher.join()
+    during_fault = [s for t, s in results if times["failing"] < t < times["failing"] + 3]
+    after = [s for t, s in results if t > times["back"]]
+    refusals = refused() - refused_before
+    answered_503 = sum(1 for s in during_fault if s in (503, "503 unrouted"))
+    row("faults: every engine failing with 503 for 3 s, under load",
+        "never more than half the replicas ejected; the router never refuses for want of a replica; zero errors once they recover",
+        f"at most {ejected_max[0]} of 3 ejected at once; {refusals:.0f} requests refused by the router itself (no replica left: "
+        f"every probe failed); {len([s for s in after if s != 200])} errors in {len(after):,} requests after recovery",
+        ejected_max[0] <= 1 and refusals == 0 and all(s == 200 for s in after),
+        fault=f"{answered_503} answers of 503 while failing")
+
+
+def scenario_peer_killed(fleet):
+    times = {}
+
+    def during(results):
+        wait_until(lambda: len(results) >= 500, "load")
+        fleet.kill("inferrail-2")
+        times["killed"] = time.monotonic()
+        wait_until(lambda: fleet.metric("inferrail_peers") == 0, "the surviving router to see its peer go", timeout=30)
+        after = time.monotonic()
+        wait_until(lambda: sum(1 for t, _ in list(results) if t > after) >= 1000, "load after")
+
+    results = under_load(fleet, 8, during)
+    after = [s for t, s in results if t > times["killed"]]
+    errors = [s for s in after if s not in (200, "200 unrouted")]
+    forgotten = fleet.metric("inferrail_peer_mirrors_forgotten_total") or 0
+    unrouted = sum(1 for s in after if s == "200 unrouted")
+    row("faults: one of two peer routers killed under load",
+        "zero client errors; the survivor forgets the dead one's requests and routes alone",
+        f"{len(errors)} errors in {len(after):,} requests after the kill; {unrouted} served unrouted; "
+        f"{forgotten:.0f} of its mirrors forgotten; peers linked 0",
+        not errors, fault="the survivor's peer gauge went to 0")
+
+
 def scenario_disconnects(fleet, n=1000):
     rng = random.Random(11)
 
@@ -468,6 +559,9 @@ SCENARIOS = {
     "soak": ("zero", scenario_soak),
     "reloads": ("zero", scenario_reload_storm),
     "router-restart": ("zero", scenario_router_restart),
+    "hanging": ("zero", scenario_hanging),
+    "all-failing": ("zero", scenario_all_failing),
+    "peer-killed": ("peers", scenario_peer_killed),
     "disconnects": ("paced", scenario_disconnects),
     "streams": ("paced", scenario_concurrent_streams),
 }
@@ -478,6 +572,7 @@ SCENARIOS = {
 FLEETS = {
     "zero": (["--zero-latency", "--max-num-seqs", "4096"], ""),
     "paced": (["--decode-token-ms", "2", "--prefill-fixed-ms", "1", "--max-num-seqs", "4096"], ", max_concurrency: 4096, max_pending: 4096"),
+    "peers": (["--zero-latency"], ""),
 }
 
 
@@ -494,7 +589,7 @@ def main():
             mine = [n for n in names if SCENARIOS[n][0] == kind]
             if not mine:
                 continue
-            fleet = Fleet(Path(tmp) / kind, policy="cost_model", sim_flags=flags, replica_extra=limits)
+            fleet = Fleet(Path(tmp) / kind, policy="cost_model", sim_flags=flags, replica_extra=limits, routers=2 if kind == "peers" else 1)
             fleet.start()
             try:
                 for name in mine:

@@ -252,9 +252,6 @@ pub enum NoReplica {
     /// The model has no replicas at all.
     #[error("no replica serves this model")]
     NoneServe,
-    /// Every replica is unhealthy or ejected.
-    #[error("every replica of this model is unhealthy")]
-    AllUnhealthy,
     /// Every healthy replica is at its concurrency or pending limit.
     #[error("every healthy replica of this model is at capacity")]
     AllFull,
@@ -271,7 +268,6 @@ impl NoReplica {
     pub fn label(self) -> &'static str {
         match self {
             Self::NoneServe => "no_replica",
-            Self::AllUnhealthy => "all_unhealthy",
             Self::AllFull => "all_full",
             Self::NoneInSubset => "none_in_subset",
             Self::AllDraining => "all_draining",
@@ -279,14 +275,19 @@ impl NoReplica {
     }
 }
 
-/// Marks the candidates that may not take a request (unhealthy, or full) in
-/// `aside`; fails with the reason when none may.
+/// Marks the candidates that may not take a request in `aside`: full ones,
+/// and unhealthy ones while another is healthy; fails with the reason when
+/// none may. When every candidate fails its health checks, all are offered
+/// ([`panicking`]), as Envoy's balancer does below its panic threshold: a
+/// probe can be wrong, and a refusal surely fails the request. The pool
+/// never empties for want of health.
 pub fn eligibility(candidates: &[Candidate], aside: &mut [Option<SetAside>]) -> Result<(), NoReplica> {
     if candidates.is_empty() {
         return Err(NoReplica::NoneServe);
     }
+    let panic = panicking(candidates);
     for (c, a) in candidates.iter().zip(aside.iter_mut()) {
-        *a = if !c.healthy {
+        *a = if !c.healthy && !panic {
             Some(SetAside::Unhealthy)
         } else if !c.has_room() {
             Some(SetAside::Full)
@@ -294,13 +295,12 @@ pub fn eligibility(candidates: &[Candidate], aside: &mut [Option<SetAside>]) -> 
             None
         };
     }
-    if aside.iter().all(|a| *a == Some(SetAside::Unhealthy)) {
-        Err(NoReplica::AllUnhealthy)
-    } else if aside.iter().all(Option::is_some) {
-        Err(NoReplica::AllFull)
-    } else {
-        Ok(())
-    }
+    if aside.iter().all(Option::is_some) { Err(NoReplica::AllFull) } else { Ok(()) }
+}
+
+/// Whether every candidate fails its health checks (then [`eligibility`] offers them all).
+pub fn panicking(candidates: &[Candidate]) -> bool {
+    !candidates.is_empty() && candidates.iter().all(|c| !c.healthy)
 }
 
 /// A routing policy: guards, then scores; see the module doc.

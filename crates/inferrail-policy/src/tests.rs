@@ -15,7 +15,9 @@ fn eligible(c: &[Candidate]) -> Result<Vec<usize>, NoReplica> {
 fn eligibility_names_why_nobody_can_serve() {
     assert_eq!(eligible(&[]), Err(NoReplica::NoneServe));
     let sick = Candidate { healthy: false, ..load(0) };
-    assert_eq!(eligible(&[sick.clone(), sick.clone()]), Err(NoReplica::AllUnhealthy));
+    // Every replica failing its probes: all offered (panic), as Envoy's balancer does.
+    assert_eq!(eligible(&[sick.clone(), sick.clone()]), Ok(vec![0, 1]));
+    assert!(panicking(&[sick.clone(), sick.clone()]) && !panicking(&[sick.clone(), load(0)]));
     let full = Candidate { in_flight: 100, ..load(0) };
     assert_eq!(eligible(&[sick.clone(), full.clone()]), Err(NoReplica::AllFull));
     let waiting = Candidate { pending: 100, ..load(0) };

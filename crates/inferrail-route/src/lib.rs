@@ -39,6 +39,7 @@ use std::time::Duration;
 use inferrail_config::Config;
 use inferrail_kv::mode::{Mode, Reason};
 pub use inferrail_policy::Share;
+use inferrail_policy::panicking;
 use inferrail_policy::{Candidate, EngineReport, NoReplica, Params, Request, RoutingPolicy, SetAside, TextKind, eligibility, rank};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -359,7 +360,8 @@ impl Core {
         plan.set_aside = ranked.set_aside;
         plan.scores = ranked.scores;
         plan.order = ranked.order;
-        plan.steer = ranked.steer;
+        // Every replica failing its probes: all were offered, and the decision says so.
+        plan.steer = if panicking(&plan.candidates) { Some("panic") } else { ranked.steer };
         plan.waived = ranked.waived;
         plan
     }

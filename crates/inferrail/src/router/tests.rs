@@ -80,16 +80,19 @@ async fn leases_follow_the_request_and_are_released_at_its_end() {
 }
 
 #[tokio::test]
-async fn an_unhealthy_fleet_is_reported_as_such() {
+async fn a_fleet_failing_every_probe_is_still_routed_and_the_decision_says_panic() {
     let r = router("p2c", 1);
     for rep in &r.fleet().replicas {
         rep.set_probe(false);
     }
-    assert_eq!(
-        r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "x", None, None).await.unwrap_err(),
-        RouteError::NoReplica(NoReplica::AllUnhealthy)
-    );
-    assert_eq!(r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "x", None, None).await.unwrap_err().http().0, 503);
+    assert!(!r.ready(), "not ready: no replica passes its probes");
+    let d = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "x", None, None).await.unwrap();
+    assert_eq!(d.steer, Some("panic"), "every replica offered, as Envoy's balancer does below its panic threshold");
+    assert_eq!(d.targets.len(), 2, "the winner and a fallback");
+    // One healthy replica again: the others are set aside as before.
+    r.fleet().replicas[2].set_probe(true);
+    let d = r.decide(br#"{"model":"big"}"#, Endpoint::Completions, "y", None, None).await.unwrap();
+    assert_eq!((ids(&d), d.steer), (vec!["r3"], None));
 }
 
 #[tokio::test]
