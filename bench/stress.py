@@ -506,6 +506,33 @@ def scenario_peer_killed(fleet):
         not errors, fault="the survivor's peer gauge went to 0")
 
 
+def scenario_load(_fleet, rate=1000, seconds=11):
+    """The overhead ladder's open loop (`inferrail-bench overhead`) at `rate`
+    for `seconds`, plain Envoy against Envoy with Inferrail in the same run:
+    2,000-word prompts tokenized with Qwen3's tokenizer, the index on, the
+    engines scraped, zero-latency simulators."""
+    with tempfile.TemporaryDirectory(prefix="inferrail-load-") as tmp:
+        out = Path(tmp) / "load.json"
+        profile = os.environ.get("INFERRAIL_PROFILE", "release")
+        cmd = [ROOT / "target" / profile / "inferrail-bench", "overhead", "--rungs", "envoy,inferrail", "--rate", str(rate),
+               "--duration-s", str(seconds), "--rounds", "2", "--long-prompt-kb", "0", "--bin-dir", f"target/{profile}",
+               "--setup", "just stress", "--out", out]
+        done = subprocess.run([str(c) for c in cmd], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-400:])
+        rungs = {r["rung"]: r for r in json.loads(out.read_text())["rungs"]}
+    envoy, ours = rungs["envoy"], rungs["inferrail"]
+    errors = envoy["errors"] + ours["errors"]
+    lag = ours["send_lag"]["p99_ms"]
+    row(f"load: open loop at {rate:,} req/s for {seconds} s through Envoy with Inferrail",
+        "at least 10,000 requests, zero errors, every one routed; added p50 and p99 over plain Envoy in the same run",
+        f"{ours['ok']:,} ok, {errors} errors; Inferrail adds {ours['added_p50_ms'] - envoy['added_p50_ms']:.2f} ms at p50 and "
+        f"{ours['added_p99_ms'] - envoy['added_p99_ms']:.2f} ms at p99 over plain Envoy; router CPU "
+        f"{ours['cpu_us_per_request'].get('inferrail', 0):.0f} us a request; the sender lagged its schedule by {lag:.1f} ms at p99",
+        # Poisson arrivals: about rate x seconds of them, at least 10,000 here.
+        errors == 0 and ours["ok"] >= 10_000 and ours["named"] == ours["ok"], fault=f"{ours['named']:,} routed by Inferrail")
+
+
 def scenario_disconnects(fleet, n=1000):
     rng = random.Random(11)
 
@@ -562,6 +589,7 @@ SCENARIOS = {
     "hanging": ("zero", scenario_hanging),
     "all-failing": ("zero", scenario_all_failing),
     "peer-killed": ("peers", scenario_peer_killed),
+    "load": ("none", scenario_load),
     "disconnects": ("paced", scenario_disconnects),
     "streams": ("paced", scenario_concurrent_streams),
 }
@@ -585,6 +613,14 @@ def main():
     commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=8"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="inferrail-stress-") as tmp:
+        for name in [n for n in names if SCENARIOS[n][0] == "none"]:
+            # Scenarios that start their own processes.
+            t = time.monotonic()
+            try:
+                SCENARIOS[name][1](None)
+            except Exception as e:
+                row(name, "completes", f"raised {e!r}"[:300], False)
+            ROWS[-1]["seconds"] = round(time.monotonic() - t, 1)
         for kind, (flags, limits) in FLEETS.items():
             mine = [n for n in names if SCENARIOS[n][0] == kind]
             if not mine:
