@@ -215,7 +215,7 @@ impl Kv {
         let n = p.prompt_tokens;
         // The engine holds every token it computed: the prompt, then all but the last generated one.
         let prompt_blocks = n.div_ceil(bs);
-        let output_blocks = (n + p.output_tokens - 1).div_ceil(bs).saturating_sub(prompt_blocks);
+        let output_blocks = (n + p.output_tokens).saturating_sub(1).div_ceil(bs).saturating_sub(prompt_blocks);
         let partial = prompt_blocks.saturating_sub(hashes.len());
         let ends_partial = !(n + p.output_tokens).saturating_sub(1).is_multiple_of(bs);
         // A resent reply's blocks take their names first, so the request reuses them.

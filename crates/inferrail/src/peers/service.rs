@@ -41,6 +41,11 @@ fn apply(router: &Router, from: u64, m: Kind) {
 /// Holds a peer's decision here as it holds it there. A model or replica
 /// this router does not know (its discovery has not caught up) is left out.
 fn mirror(router: &Router, from: u64, d: Decided) {
+    if let Err(why) = sane(&d) {
+        metrics::counter!("inferrail_bad_events_total", "source" => "peer", "reason" => why).increment(1);
+        tracing::debug!(request = d.request, why, "a peer's decision that cannot be held");
+        return;
+    }
     let prediction = d.tokenized.then(|| {
         let hashes = d.blocks.chunks_exact(16).map(|c| BlockHash::from_le_bytes(c.try_into().unwrap_or_default())).collect();
         Arc::new(Prediction::of_blocks(d.prompt_tokens as usize, d.output_tokens as usize, d.block_size as usize, hashes))
@@ -53,6 +58,30 @@ fn mirror(router: &Router, from: u64, d: Decided) {
         prediction,
     };
     router.hold_mirror(from, &d.request, &d.model, &d.replica, &hold, d.session.as_deref());
+}
+
+/// The most prompt or output tokens, and KV tokens, a peer's decision may
+/// name; the largest block size; the longest prefill. Far past any engine's:
+/// only a damaged or hostile message goes beyond them.
+const MAX_TOKENS: u64 = 1 << 24;
+const MAX_BLOCK_SIZE: u32 = 1 << 12;
+const MAX_PREFILL_US: u64 = 3_600_000_000;
+
+/// Whether a peer's decision is one this router can hold, or why not.
+fn sane(d: &Decided) -> Result<(), &'static str> {
+    if d.prompt_tokens > MAX_TOKENS || d.output_tokens > MAX_TOKENS || d.kv_tokens > MAX_TOKENS {
+        return Err("bad_tokens");
+    }
+    if d.prefill_us > MAX_PREFILL_US {
+        return Err("bad_prefill");
+    }
+    if d.tokenized {
+        let full = d.prompt_tokens / u64::from(d.block_size.max(1));
+        if d.block_size == 0 || d.block_size > MAX_BLOCK_SIZE || !d.blocks.len().is_multiple_of(16) || d.blocks.len() as u64 / 16 > full {
+            return Err("bad_blocks");
+        }
+    }
+    Ok(())
 }
 
 /// The `Peer` service: a peer's stream of what it decided and heard.
@@ -107,3 +136,6 @@ impl Peer for PeerService {
         Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
+
+#[cfg(test)]
+mod tests;
