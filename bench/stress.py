@@ -533,6 +533,46 @@ def scenario_load(_fleet, rate=1000, seconds=11):
         errors == 0 and ours["ok"] >= 10_000 and ours["named"] == ours["ok"], fault=f"{ours['named']:,} routed by Inferrail")
 
 
+def scenario_admission(fleet, clients=48, seconds=10):
+    """Admission bands full under overload: a fleet that runs six requests at
+    once, 48 clients in two bands. Every request is served, or shed with its
+    503 (the band's wait ran out) or 429 and a Retry-After; none hangs."""
+    answers, stop = [], threading.Event()
+
+    def client(k):
+        band = "interactive" if k % 2 else "batch"
+        c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+        body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": f"hi {k}"}], "max_tokens": 50})
+        while not stop.is_set():
+            try:
+                c.request("POST", "/v1/chat/completions", body=body,
+                          headers={"content-type": "application/json", "x-inferrail-band": band})
+                r = c.getresponse()
+                text = r.read()
+                answers.append((r.status, r.getheader("retry-after"), openai_error(text) if r.status >= 400 else True))
+            except (OSError, httpc.HTTPException) as e:
+                answers.append((repr(e)[:60], None, False))
+                c.close()
+                c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)  # the load runs for a fixed time; every answer is checked, none is timed
+    stop.set()
+    for t in threads:
+        t.join()
+    served = sum(1 for s, _, _ in answers if s == 200)
+    shed = [(s, ra, shaped) for s, ra, shaped in answers if s in (429, 503)]
+    bad = [a for a in answers if a[0] not in (200, 429, 503) or (a[0] in (429, 503) and (not a[1] or not a[2]))]
+    wait_until(lambda: "inferrail_leases 0\n" in fleet.metrics(), "every request over", timeout=60)
+    row(f"admission: two bands full under overload ({clients} clients, 6 slots)",
+        "every request served or shed with 503/429, a Retry-After and the OpenAI shape; none hangs; nothing held after",
+        f"{served:,} served, {len(shed):,} shed ({sorted({s for s, _, _ in shed})}), {len(bad)} other "
+        f"{sorted({str(a[0]) for a in bad})[:3]}; leases 0",
+        not bad and served > 0, fault=f"{len(shed):,} shed")
+
+
 def scenario_disconnects(fleet, n=1000):
     rng = random.Random(11)
 
@@ -590,17 +630,22 @@ SCENARIOS = {
     "all-failing": ("zero", scenario_all_failing),
     "peer-killed": ("peers", scenario_peer_killed),
     "load": ("none", scenario_load),
+    "admission": ("admission", scenario_admission),
     "disconnects": ("paced", scenario_disconnects),
     "streams": ("paced", scenario_concurrent_streams),
 }
 
-# The engines' flags, and the router's limits for each replica: room for
-# every stream the engines take (with the default 256 a replica, the router
-# answers the 769th concurrent stream with a 429, as it should).
+# The engines' flags, the router's limits for each replica and more of its
+# configuration. `paced` has room for every stream the engines take (with
+# the default 256 a replica, the router answers the 769th concurrent stream
+# with a 429, as it should).
 FLEETS = {
-    "zero": (["--zero-latency", "--max-num-seqs", "4096"], ""),
-    "paced": (["--decode-token-ms", "2", "--prefill-fixed-ms", "1", "--max-num-seqs", "4096"], ", max_concurrency: 4096, max_pending: 4096"),
-    "peers": (["--zero-latency"], ""),
+    "zero": (["--zero-latency", "--max-num-seqs", "4096"], "", ""),
+    "paced": (["--decode-token-ms", "2", "--prefill-fixed-ms", "1", "--max-num-seqs", "4096"], ", max_concurrency: 4096, max_pending: 4096", ""),
+    "peers": (["--zero-latency"], "", ""),
+    # Two slots a replica and two bands: the fleet is full, requests wait their band's turn or are shed.
+    "admission": (["--decode-token-ms", "2", "--prefill-fixed-ms", "1"], ", max_concurrency: 2, max_pending: 2",
+                  "admission:\n  bands:\n    - {name: interactive, max_wait_ms: 2000}\n    - {name: batch, max_wait_ms: 200}\n"),
 }
 
 
@@ -621,11 +666,12 @@ def main():
             except Exception as e:
                 row(name, "completes", f"raised {e!r}"[:300], False)
             ROWS[-1]["seconds"] = round(time.monotonic() - t, 1)
-        for kind, (flags, limits) in FLEETS.items():
+        for kind, (flags, limits, extra) in FLEETS.items():
             mine = [n for n in names if SCENARIOS[n][0] == kind]
             if not mine:
                 continue
-            fleet = Fleet(Path(tmp) / kind, policy="cost_model", sim_flags=flags, replica_extra=limits, routers=2 if kind == "peers" else 1)
+            fleet = Fleet(Path(tmp) / kind, policy="cost_model", sim_flags=flags, replica_extra=limits, config_extra=extra,
+                          routers=2 if kind == "peers" else 1)
             fleet.start()
             try:
                 for name in mine:
