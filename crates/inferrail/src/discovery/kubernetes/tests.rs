@@ -420,3 +420,105 @@ admission:
     fake.objective(objective("batch", "llm", None), true);
     until_band("batch", "sheddable").await;
 }
+
+/// A pod as a watch might send it: any name from a few, recreated or not, an IP that
+/// may be missing or not one, any readiness, deletion and KV annotation.
+fn any_pod() -> impl proptest::strategy::Strategy<Value = Value> {
+    use proptest::prelude::*;
+    use proptest::sample::select;
+    (
+        select(vec!["vllm-0", "vllm-1", "vllm-2", ""]),
+        // A uid names one object: a pod recreated under its name gets a new one.
+        select(vec!["a", "b"]),
+        proptest::option::weighted(0.9, select(vec!["10.0.0.1", "10.0.0.2", "10.0.0.3", "::1", "not-an-ip", "999.1.1.1"])),
+        select(vec!["True", "True", "True", "False", "Unknown"]),
+        proptest::bool::weighted(0.2),
+        proptest::option::of(select(vec!["tcp://{host}:5557", "", "\u{0}"])),
+    )
+        .prop_map(|(name, generation, ip, ready, deleting, events)| {
+            let uid = format!("{name}-{generation}");
+            let mut pod = json!({"apiVersion": "v1", "kind": "Pod",
+                                 "metadata": {"name": name, "namespace": "ns", "uid": uid, "labels": {"app": "vllm"}},
+                                 "status": {"conditions": [{"type": "Ready", "status": ready}]}});
+            if let Some(ip) = ip {
+                pod["status"]["podIP"] = json!(ip);
+            }
+            if deleting {
+                pod["metadata"]["deletionTimestamp"] = json!("2026-12-05T00:00:00Z");
+            }
+            if let Some(e) = events {
+                pod["metadata"]["annotations"] = json!({KV_EVENTS_ANNOTATION: e});
+            }
+            pod
+        })
+}
+
+/// Any sequence of watch states (pods of any shape, recreated under the
+/// same name with a new uid or address, a pool spec of any port or none)
+/// leaves the pool's replicas exactly the ready pods with an address, one
+/// replica per pod name, never a panic.
+#[test]
+fn any_watch_history_leaves_exactly_the_ready_pods_with_an_address() {
+    use proptest::prelude::*;
+    let yaml = "
+models: [{name: m}]
+kubernetes: {pool: llm, namespace: ns, models: [m]}
+";
+    let config = Config::parse(yaml).unwrap();
+    let spec_of = |port: Option<u64>| {
+        let mut p = pool();
+        match port {
+            Some(n) => p["spec"]["targetPorts"] = json!([{"number": n}]),
+            None => drop(p["spec"].as_object_mut().unwrap().remove("targetPorts")),
+        }
+        PoolSpec::read(&serde_json::from_value::<DynamicObject>(p).unwrap())
+    };
+    let states = proptest::collection::vec(
+        (
+            proptest::option::weighted(0.9, prop_oneof![6 => Just(8000u64), 1 => Just(0), 1 => Just(70_000), 1 => any::<u64>()]),
+            proptest::collection::vec(any_pod(), 0..6),
+        ),
+        1..8,
+    );
+    let routed = std::sync::atomic::AtomicUsize::new(0);
+    proptest::test_runner::TestRunner::new(proptest::test_runner::Config { cases: 256, ..Default::default() })
+        .run(&states, |states| {
+            let router = Router::new(config.clone()).unwrap();
+            let mut members = Members::new(config.kubernetes.clone().unwrap());
+            for (port, mut pods) in states {
+                // The watch's store keeps one object per name, the last it heard.
+                pods.reverse();
+                let mut seen = std::collections::HashSet::new();
+                pods.retain(|p| seen.insert(p["metadata"]["name"].to_string()));
+                let spec = spec_of(port);
+                let views: Vec<PodView> = pods.iter().filter_map(|p| PodView::read(&serde_json::from_value(p.clone()).unwrap())).collect();
+                members.apply(&router, spec.as_ref(), &views);
+                let mut expected: Vec<String> = match &spec {
+                    Some(s) => views
+                        .iter()
+                        .filter(|v| v.ready && v.ip.is_some())
+                        .map(|v| format!("{} {}", v.name, SocketAddr::new(v.ip.unwrap(), s.port)))
+                        .collect(),
+                    None => Vec::new(),
+                };
+                expected.sort();
+                expected.dedup();
+                let mut got: Vec<String> = router.fleet().replicas.iter().map(|r| format!("{} {}", r.id, r.addr)).collect();
+                got.sort();
+                prop_assert_eq!(&got, &expected);
+                let fleet = router.fleet();
+                let mut names: Vec<&str> = fleet.replicas.iter().map(|r| r.id.as_str()).collect();
+                names.sort_unstable();
+                names.dedup();
+                prop_assert_eq!(names.len(), fleet.replicas.len(), "one replica per pod name");
+                if fleet.replicas.len() > 1 {
+                    routed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+    // Not vacuous: many states had several replicas.
+    let routed = routed.into_inner();
+    assert!(routed > 50, "{routed} states with several replicas");
+}
