@@ -108,8 +108,8 @@ enum Event {
     Step(usize),
     /// A peer hears of job `.0`, decided by another router.
     Peer(usize, usize, Heard),
-    /// The status of job `.0`, told after its end (`Setup::status_after_end`).
-    LateStatus(usize),
+    /// The status of job `.0` from replica `.1`, told after its end (`Setup::status_after_end`).
+    LateStatus(usize, usize),
     /// Router `.0`'s ledger delivers the deadlines due.
     Tick(usize),
 }
@@ -118,8 +118,8 @@ enum Event {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Heard {
     Decided,
-    /// The engine answered 200.
-    Status,
+    /// Replica `.0` answered 200.
+    Status(usize),
     FirstByte,
     End,
 }
@@ -151,8 +151,6 @@ struct World<'a> {
     peak_in_flight: usize,
     /// The decisions peers are told of, by job, until every peer holds them.
     told: HashMap<usize, Told>,
-    /// The replica that serves each job, by its key, until its status and end are heard.
-    served_by: HashMap<usize, u64>,
     events: BinaryHeap<Reverse<(u64, u64, Event)>>,
     seq: u64,
     ttft: Vec<Duration>,
@@ -278,7 +276,6 @@ impl<'a> World<'a> {
             engines,
             jobs: HashMap::new(),
             told: HashMap::new(),
-            served_by: HashMap::new(),
             peak_in_flight: 0,
             events: BinaryHeap::new(),
             seq: 0,
@@ -318,7 +315,7 @@ impl<'a> World<'a> {
                     }
                 }
                 Event::Peer(j, k, heard) => self.peer_heard(j, k, heard, ns),
-                Event::LateStatus(j) => self.hear(j, Heard::Status, ns),
+                Event::LateStatus(j, r) => self.hear(j, Heard::Status(r), ns),
                 Event::Tick(k) => {
                     let router = &self.routers[k];
                     router.ledger.tick(Duration::from_nanos(ns), &router.core, &router.fleet);
@@ -365,7 +362,6 @@ impl<'a> World<'a> {
             return false;
         };
         router.ledger.insert(&id.to_string(), committed.lease.clone(), now_d);
-        self.served_by.insert(id, committed.lease.replica.key);
         self.tell_peers(id, decider, Heard::Decided, now);
         if self.setup.peers && self.routers.len() > 1 {
             self.told.insert(id, Told { replica, hold: committed.lease.hold(), session: a.session.clone() });
@@ -481,7 +477,7 @@ impl<'a> World<'a> {
             let decode = job.max_tokens as f64 * engine.latency.decode_secs(engine.running);
             self.at(now + (decode * 1e9) as u64, Event::Complete(j));
             if self.setup.status_after_end.is_none() {
-                self.hear(j, Heard::Status, now);
+                self.hear(j, Heard::Status(r), now);
             }
             self.hear(j, Heard::FirstByte, now);
         }
@@ -512,7 +508,7 @@ impl<'a> World<'a> {
         let replica = job.replica;
         self.hear(j, Heard::End, now);
         if let Some(after) = self.setup.status_after_end {
-            self.at(now + after.as_nanos() as u64, Event::LateStatus(j));
+            self.at(now + after.as_nanos() as u64, Event::LateStatus(j, replica));
             // Every router's ledger ends what it holds of the job once its grace is over.
             let due = now + self.setup.timing.grace.as_nanos() as u64 + 1 + self.setup.peer_delay.as_nanos() as u64;
             for k in 0..self.routers.len() {
@@ -530,27 +526,18 @@ impl<'a> World<'a> {
     /// Job `j`'s decider hears `heard` at `now` in its ledger, and tells its peers.
     fn hear(&mut self, j: usize, heard: Heard, now: u64) {
         let decider = j % self.routers.len();
-        let Some(event) = self.event(j, heard) else { return };
+        let Some(event) = self.event(heard) else { return };
         let router = &self.routers[decider];
         router.ledger.hear(&j.to_string(), Duration::from_nanos(now), event, &router.core, &router.fleet);
         self.tell_peers(j, decider, heard, now);
-        // Once both its status and its end are heard, nobody needs to know who served it.
-        let last = if self.setup.status_after_end.is_some() { Heard::Status } else { Heard::End };
-        if heard == last && !self.peered() {
-            self.served_by.remove(&j);
-        }
     }
 
-    /// Whether routers tell each other what they decide and hear.
-    fn peered(&self) -> bool {
-        self.setup.peers && self.routers.len() > 1
-    }
-
-    /// What `heard` of job `j` is as an event of its life.
-    fn event(&self, j: usize, heard: Heard) -> Option<lifecycle::Event> {
+    /// What `heard` is as an event of a request's life (the decision is none).
+    fn event(&self, heard: Heard) -> Option<lifecycle::Event> {
         Some(match heard {
             Heard::Decided => return None,
-            Heard::Status => lifecycle::Event::Status { code: 200, served_by: self.served_by.get(&j).copied() },
+            // Every router names a replica by the same key (its id's hash).
+            Heard::Status(r) => lifecycle::Event::Status { code: 200, served_by: Some(self.routers[0].fleet.replicas[r].key) },
             Heard::FirstByte => lifecycle::Event::FirstByte,
             Heard::End => lifecycle::Event::End,
         })
@@ -574,7 +561,7 @@ impl<'a> World<'a> {
         let decider = j % self.routers.len();
         let at = Duration::from_nanos(now);
         let router = &self.routers[k];
-        match self.event(j, heard) {
+        match self.event(heard) {
             None => {
                 let Some(told) = self.told.get(&j) else { return };
                 let replica = &router.fleet.replicas[told.replica];
@@ -587,11 +574,6 @@ impl<'a> World<'a> {
             }
             Some(event) => {
                 router.ledger.hear(&mirror_id(decider as u64, &j.to_string()), at, event, &router.core, &router.fleet);
-                // The last peer told of the job's last event lets go of who served it.
-                let last = if self.setup.status_after_end.is_some() { Heard::Status } else { Heard::End };
-                if heard == last && (0..self.routers.len()).rev().find(|&p| p != decider) == Some(k) {
-                    self.served_by.remove(&j);
-                }
             }
         }
     }

@@ -264,7 +264,7 @@ impl CostModel {
     fn estimate(&self, c: &Candidate, prompt: Option<usize>, cached: usize) -> Score {
         let queue = c.queued_prefill_secs;
         let decode = self.config.decode_interference_ms * 1e-3 * f64::from(c.running());
-        let prefill = c.ttft_secs(self.prefill, prompt, cached) - queue;
+        let prefill = c.prompt_prefill_secs(self.prefill, prompt, cached);
         Score { total: queue + decode + prefill, terms: [queue, decode, prefill, 0.0, 0.0, 0.0] }
     }
 }

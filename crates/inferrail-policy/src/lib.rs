@@ -130,12 +130,17 @@ impl Candidate {
         self.prefill.unwrap_or(model).secs(prompt.saturating_sub(cached), cached.min(prompt))
     }
 
-    /// Its estimated time to first token, seconds, for a prompt of `prompt`
-    /// tokens of which it holds `cached`: the prefill queued there and this
-    /// prompt's own (an untokenized prompt's: its fixed cost alone). The one
+    /// Seconds to prefill a prompt of `prompt` tokens here past the `cached`
+    /// ones it holds (an untokenized prompt's: its fixed cost alone).
+    pub fn prompt_prefill_secs(&self, model: Prefill, prompt: Option<usize>, cached: usize) -> f64 {
+        self.prefill_secs(model, prompt.unwrap_or(0), cached)
+    }
+
+    /// Its estimated time to first token, seconds: the prefill queued there
+    /// and this prompt's own ([`Candidate::prompt_prefill_secs`]). The one
     /// estimate the router, the policies and the ledger's leases share.
     pub fn ttft_secs(&self, model: Prefill, prompt: Option<usize>, cached: usize) -> f64 {
-        self.queued_prefill_secs + self.prefill_secs(model, prompt.unwrap_or(0), cached)
+        self.queued_prefill_secs + self.prompt_prefill_secs(model, prompt, cached)
     }
 
     /// Requests decoding now: the engine's count while its report is fresh,

@@ -392,14 +392,14 @@ impl Core {
         rng.clone_from(&plan.rng);
         let won = plan.winner();
         let prompt_tokens = plan.prompt_tokens();
-        let estimate = plan.estimate(winner, model.params.prefill);
-        let queued = Duration::from_secs_f64(plan.candidates[winner].queued_prefill_secs);
+        let c = &plan.candidates[winner];
+        let prefill = c.prompt_prefill_secs(model.params.prefill, prompt_tokens, c.cached_tokens);
         // It takes free room for its prompt but the cached blocks requests in flight hold.
-        let held = plan.candidates[winner].held_cached_tokens;
+        let held = c.held_cached_tokens;
         let hold = Hold {
             prompt_tokens,
-            prefill: estimate.saturating_sub(queued),
-            estimate,
+            prefill: Duration::from_secs_f64(prefill),
+            estimate: plan.estimate(winner, model.params.prefill),
             kv_tokens: prompt_tokens.map_or(0, |n| n.saturating_sub(held)) as u64,
             prediction: plan.prediction.clone(),
         };
