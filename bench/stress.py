@@ -25,8 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "crates" / "inferrail" / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "crates" / "inferrail" / "tests"))
-from conftest import MODEL, Fleet  # noqa: E402
-from harness import http, wait_until  # noqa: E402
+from conftest import MODEL, TARGET, Fleet  # noqa: E402
+from harness import free_ports, http, wait_until  # noqa: E402
+from test_picker import ISTIO  # noqa: E402
 
 ROWS = []
 
@@ -380,6 +381,143 @@ def scenario_router_restart(fleet):
         not errors and unrouted > 0, fault=f"{unrouted} requests Envoy served without it")
 
 
+def report_ages(fleet):
+    """Each replica's engine report age in seconds, as the router publishes it."""
+    ages = {}
+    for line in fleet.metrics().splitlines():
+        if line.startswith('inferrail_engine_report_age_seconds{replica="'):
+            ages[line.split('"')[1]] = float(line.split()[-1])
+    return ages
+
+
+def scenario_scraper_killed(fleet):
+    """The load sidecar (`inferrail-scraper`, `load.sidecar`) killed under
+    load and started again: its reports go stale and are not used (each
+    decision counts the stale ones), routing goes on on the router's own
+    counters, and the stream resumes when it is back."""
+    cmd = [TARGET / "inferrail-scraper", "--config", fleet.config, "--listen", f"127.0.0.1:{SIDECAR}"]
+
+    def fresh():
+        ages = report_ages(fleet)
+        return len(ages) == 3 and max(ages.values()) < 0.25
+
+    def stale():
+        return fleet.metric("inferrail_stale_reports_total", 'policy="cost_model"') or 0
+
+    fleet.procs["scraper"] = fleet._spawn("scraper", cmd)
+    wait_until(fresh, "fresh sidecar reports of all three replicas", timeout=30)
+    times = {}
+
+    def during(results):
+        wait_until(lambda: len(results) >= 500, "load")
+        fleet.kill("scraper")
+        times["killed"] = time.monotonic()
+        wait_until(lambda: min(report_ages(fleet).values()) > 0.3, "every report stale", timeout=30)
+        times["stale"], times["stale_before"] = time.monotonic(), stale()
+        wait_until(lambda: sum(1 for t, _ in list(results) if t > times["stale"]) >= 1000, "load on stale reports")
+        times["stale_counted"] = stale() - times["stale_before"]
+        times["sent_stale"] = sum(1 for t, _ in list(results) if t > times["stale"])
+        fleet.procs["scraper"] = fleet._spawn("scraper", cmd)
+        restarted = time.monotonic()
+        wait_until(fresh, "fresh reports again", timeout=30)
+        times["fresh_again"] = time.monotonic() - restarted
+        after = time.monotonic()
+        wait_until(lambda: sum(1 for t, _ in list(results) if t > after) >= 500, "load after")
+
+    results = under_load(fleet, 8, during)
+    errors = [s for _, s in results if s != 200]
+    row("faults: the scraper sidecar killed and restarted under load",
+        "zero errors, every request routed; while it is down its reports are stale and unused (counted), and fresh again once it is back",
+        f"{len(errors)} errors in {len(results):,} requests, all routed; {times['stale_counted']:.0f} stale reports passed over "
+        f"in about {times['sent_stale']:,} decisions while it was down; reports fresh {times['fresh_again'] * 1e3:.0f} ms after its restart",
+        not errors and times["stale_counted"] > 0, fault=f"{times['stale_counted']:.0f} stale reports counted")
+
+
+def scenario_picker_restart(fleet):
+    """The picker protocol's fail-closed configuration (Istio's, as
+    test_picker.py writes it): while the router is down Envoy refuses every
+    request, and routing resumes when it is back."""
+    times = {}
+
+    def decisions():
+        return sum(float(line.split()[-1]) for line in fleet.metrics().splitlines() if line.startswith("inferrail_decisions_total{"))
+
+    def during(results):
+        wait_until(lambda: len(results) >= 500, "load")
+        fleet.kill("inferrail")
+        times["killed"] = time.monotonic()
+        wait_until(lambda: sum(1 for t, s in list(results) if t > times["killed"] and s != 200) >= 100,
+                   "requests refused without the picker", timeout=60)
+        fleet.start_router()
+        times["decided"] = decisions()
+        times["back"] = time.monotonic()
+        wait_until(lambda: sum(1 for t, s in list(results) if t > times["back"] and ok(s)) >= 1000, "the picker routing again", timeout=60)
+
+    # The picker sets no response header of its own: a 200 is served, its decisions are counted.
+    def ok(s):
+        return s in (200, "200 unrouted")
+
+    results = under_load(fleet, 8, during)
+    down = [s for t, s in results if times["killed"] < t < times["back"]]
+    after = [s for t, s in results if t > times["back"]]
+    refused = [s for s in down if not ok(s)]
+    hung = [s for s in down + after if not str(s)[:3].isdigit()]
+    late = [s for s in after if not ok(s)]
+    decided = decisions() - times["decided"]
+    row("faults: the router killed and restarted under load (picker protocol, FULL_DUPLEX_STREAMED, fail-closed)",
+        "every request answered; while it is down Envoy refuses requests itself (what fail-closed loses); after its restart, every request routed",
+        f"{len(refused):,} of {len(down):,} requests sent while it was down refused ({sorted({str(s) for s in refused})[:3]}); "
+        f"{len(late)} errors in {len(after):,} sent after its restart, {decided:.0f} decided by it; {len(hung)} connection errors",
+        refused and not late and not hung and decided >= len(after) * 0.9,
+        fault=f"{len(refused):,} refused by Envoy without its picker")
+
+
+def scenario_slow_readers(fleet, total_mib=640, max_tokens=32000):
+    """Clients that ask for long streams and stop reading: Envoy's flow
+    control must hold the engines back rather than buffer what they send.
+    The streams together would carry `total_mib` MiB."""
+    body = json.dumps({"model": "sim", "prompt": "tell me", "max_tokens": max_tokens, "stream": True, "ignore_eos": True})
+    status, text = raw(fleet, "POST", "/v1/completions", body.encode(), timeout=120)
+    assert status == 200 and text.endswith(b"data: [DONE]\n\n"), (status, text[-100:])
+    n = -(-total_mib * 2**20 // len(text))
+    envoy, router = fleet.procs["envoy"].pid, fleet.procs["inferrail"].pid
+    before = {"envoy": rss_mb(envoy), "router": rss_mb(router)}
+    paused_before = fleet.replicas_stat("upstream_flow_control_paused_reading_total")
+    request = (f"POST /v1/completions HTTP/1.1\r\nhost: stress\r\ncontent-type: application/json\r\n"
+               f"content-length: {len(body)}\r\n\r\n{body}").encode()
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            # A reader that takes nothing: the kernel's receive buffer is all it holds.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", fleet.listen))
+            s.sendall(request)
+            socks.append(s)
+        # Each stream's upstream read paused by Envoy at least once (the fault), or every stream buffered whole.
+        # Bounded: with buffers larger than a stream, Envoy takes every stream whole and pauses none.
+        try:
+            wait_until(lambda: fleet.replicas_stat("upstream_flow_control_paused_reading_total") - paused_before >= n,
+                       "every stream's upstream read paused", timeout=60)
+        except AssertionError:
+            pass
+        time.sleep(1)  # more output would have arrived by now, were it not held back
+        peak = {"envoy": rss_mb(envoy), "router": rss_mb(router)}
+        paused = fleet.replicas_stat("upstream_flow_control_paused_reading_total") - paused_before
+    finally:
+        for s in socks:
+            s.close()
+    wait_until(lambda: "inferrail_leases 0\n" in fleet.metrics(), "every stream over once its client left", timeout=120)
+    assert fleet.chat().status == 200
+    grew = {k: peak[k] - before[k] for k in peak}
+    row(f"clients: {n} clients stop reading {total_mib} MiB of streamed output ({len(text) / 2**20:.1f} MiB a stream)",
+        "Envoy holds the engines back: its memory grows by under 3 MB a stream (its 1 MiB buffers), not by the output; "
+        "the router's by under 20 MB; every stream ends when its client leaves",
+        f"Envoy RSS +{grew['envoy']:.0f} MB ({grew['envoy'] / n:.1f} MB a stream), router +{grew['router']:.1f} MB; "
+        f"upstream reads paused {paused:.0f} times; leases 0 after the clients left",
+        grew["envoy"] < 3 * n and grew["router"] < 20 and paused >= n, fault=f"{paused:.0f} upstream reads paused by Envoy")
+
+
 def scenario_reload_storm(fleet, rewrites=10):
     config = fleet.config
     original = config.read_text()
@@ -617,7 +755,9 @@ def scenario_disconnects(fleet, n=1000):
 
 # Each scenario and the fleet it runs on: `zero`, zero-latency engines (the
 # router and Envoy are what is stressed); `paced`, engines that take 2 ms a
-# token, so that streams stay open long enough to overlap and be cut.
+# token, so that streams stay open long enough to overlap and be cut;
+# `sidecar`, engine load read by the inferrail-scraper sidecar; `picker`,
+# Envoy's ext_proc filter written as Istio writes an endpoint picker's.
 SCENARIOS = {
     "hostile": ("zero", scenario_hostile),
     "trickle": ("zero", scenario_trickle),
@@ -633,19 +773,26 @@ SCENARIOS = {
     "admission": ("admission", scenario_admission),
     "disconnects": ("paced", scenario_disconnects),
     "streams": ("paced", scenario_concurrent_streams),
+    "slow-readers": ("zero", scenario_slow_readers),
+    "scraper-killed": ("sidecar", scenario_scraper_killed),
+    "picker-restart": ("picker", scenario_picker_restart),
 }
 
 # The engines' flags, the router's limits for each replica and more of its
 # configuration. `paced` has room for every stream the engines take (with
 # the default 256 a replica, the router answers the 769th concurrent stream
 # with a 429, as it should).
+SIDECAR = free_ports(1)[0]
 FLEETS = {
-    "zero": (["--zero-latency", "--max-num-seqs", "4096"], "", ""),
-    "paced": (["--decode-token-ms", "2", "--prefill-fixed-ms", "1", "--max-num-seqs", "4096"], ", max_concurrency: 4096, max_pending: 4096", ""),
-    "peers": (["--zero-latency"], "", ""),
+    "zero": {"sim_flags": ["--zero-latency", "--max-num-seqs", "4096"]},
+    "paced": {"sim_flags": ["--decode-token-ms", "2", "--prefill-fixed-ms", "1", "--max-num-seqs", "4096"],
+              "replica_extra": ", max_concurrency: 4096, max_pending: 4096"},
+    "peers": {"sim_flags": ["--zero-latency"], "routers": 2},
     # Two slots a replica and two bands: the fleet is full, requests wait their band's turn or are shed.
-    "admission": (["--decode-token-ms", "2", "--prefill-fixed-ms", "1"], ", max_concurrency: 2, max_pending: 2",
-                  "admission:\n  bands:\n    - {name: interactive, max_wait_ms: 2000}\n    - {name: batch, max_wait_ms: 200}\n"),
+    "admission": {"sim_flags": ["--decode-token-ms", "2", "--prefill-fixed-ms", "1"], "replica_extra": ", max_concurrency: 2, max_pending: 2",
+                  "config_extra": "admission:\n  bands:\n    - {name: interactive, max_wait_ms: 2000}\n    - {name: batch, max_wait_ms: 200}\n"},
+    "sidecar": {"sim_flags": ["--zero-latency"], "config_extra": f"load: {{sidecar: http://127.0.0.1:{SIDECAR}}}\n"},
+    "picker": {"sim_flags": ["--zero-latency"], "filters": ISTIO},
 }
 
 
@@ -666,12 +813,11 @@ def main():
             except Exception as e:
                 row(name, "completes", f"raised {e!r}"[:300], False)
             ROWS[-1]["seconds"] = round(time.monotonic() - t, 1)
-        for kind, (flags, limits, extra) in FLEETS.items():
+        for kind, fleet_args in FLEETS.items():
             mine = [n for n in names if SCENARIOS[n][0] == kind]
             if not mine:
                 continue
-            fleet = Fleet(Path(tmp) / kind, policy="cost_model", sim_flags=flags, replica_extra=limits, config_extra=extra,
-                          routers=2 if kind == "peers" else 1)
+            fleet = Fleet(Path(tmp) / kind, policy="cost_model", **fleet_args)
             fleet.start()
             try:
                 for name in mine:

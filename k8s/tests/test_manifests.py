@@ -365,9 +365,11 @@ def test_the_envoyfilter_applied_to_a_gateway_bootstrap_passes_envoy_validate(tm
             name = f"outbound|{match['cluster']['portNumber']}||{match['cluster']['service']}"
             assert op == "MERGE" and name in clusters, (name, list(clusters))
             merge(clusters[name], value)
-        elif patch["applyTo"] == "LISTENER":
+        elif patch["applyTo"] == "VIRTUAL_HOST":
             assert op == "MERGE"
-            merge(listener, value)
+            hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+            for vhost in hcm["route_config"]["virtual_hosts"]:
+                merge(vhost, value)
         else:
             pytest.fail(f"the test does not apply {patch['applyTo']} patches yet")
     # Every ext_proc filter's cluster is the Inferrail Service's ext_proc port.
@@ -391,7 +393,10 @@ def test_the_envoyfilter_applied_to_a_gateway_bootstrap_passes_envoy_validate(tm
         mine = copy.deepcopy(f)
         mine["typed_config"]["grpc_service"] = own[f["name"]]["typed_config"]["grpc_service"]
         assert mine == own[f["name"]], f["name"]
-    assert listener["per_connection_buffer_limit_bytes"] >= config.get("server", {}).get("max_body_bytes", 16 << 20)
+    # Request bodies up to the router's limit are buffered; the listener's own buffers stay at Envoy's 1 MiB.
+    vhost = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
+    assert vhost["request_body_buffer_limit"] >= config.get("server", {}).get("max_body_bytes", 16 << 20)
+    assert "per_connection_buffer_limit_bytes" not in listener
     assert "override_host" in json.dumps(clusters[vllm]["load_balancing_policy"])
     bootstrap = tmp_path / "gateway.yaml"
     bootstrap.write_text(yaml.safe_dump({"static_resources": {"listeners": [listener], "clusters": list(clusters.values())}}))

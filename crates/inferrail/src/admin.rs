@@ -42,10 +42,7 @@ pub async fn serve(listener: TcpListener, router: Arc<Router>, metrics: Promethe
 
 fn answer(path: &str, router: &Router, metrics: &PrometheusHandle) -> Response<Full<Bytes>> {
     let (status, content_type, body) = match path {
-        "/metrics" => {
-            crate::telemetry::gauges::publish_gauges(router);
-            (StatusCode::OK, "text/plain; version=0.0.4", metrics.render())
-        }
+        "/metrics" => (StatusCode::OK, "text/plain; version=0.0.4", crate::telemetry::gauges::page(router, metrics)),
         "/healthz" => (StatusCode::OK, "text/plain", "ok\n".to_string()),
         "/readyz" => {
             if router.ready() {

@@ -145,4 +145,53 @@ discovery: [{group: pool, host: pool.internal, port: 8000, models: [m]}]
         assert!(d.apply(&r, 0, Ok(vec![])), "an empty answer is an answer");
         assert_eq!(ids(&r), ["listed"]);
     }
+
+    /// Members joining and leaving on every lookup (issue 54's churn), with
+    /// requests decided, answered and ended across the changes: every
+    /// decision names a member of the fleet as it is then, no series of a
+    /// departed replica is left on the metrics page, and once the requests
+    /// end no lease or in-flight count is left anywhere.
+    #[tokio::test]
+    async fn under_churn_requests_go_to_members_and_nothing_of_a_departed_one_is_left() {
+        use inferrail_route::lifecycle::Event;
+        let metrics = crate::service::metrics_handle();
+        let r = router();
+        let mut d = Discovery::new(&r);
+        let mut seed = 54u64;
+        let mut open = std::collections::VecDeque::new();
+        let mut departed = 0;
+        for round in 0..200 {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let members: Vec<IpAddr> = (1..=8).filter(|b| seed >> (32 + b) & 1 == 1).map(ip).collect();
+            let before = ids(&r);
+            d.apply(&r, 0, Ok(members));
+            let now = ids(&r);
+            departed += before.iter().filter(|id| !now.contains(id)).count();
+            for k in 0..3 {
+                let id = format!("{round}-{k}");
+                let decided = r.decide(br#"{"model": "m"}"#, inferrail_tokenize::chat::Endpoint::Chat, &id, None, None).await.unwrap();
+                assert!(decided.targets.iter().all(|t| now.contains(&t.id)), "{:?} not in {now:?}", decided.targets);
+                r.hear(&id, Event::Status { code: 200, served_by: None });
+                r.hear(&id, Event::FirstByte);
+                open.push_back(id);
+            }
+            // Requests outlive the lookups that took their replica away.
+            while open.len() > 6 {
+                r.hear(&open.pop_front().unwrap(), Event::End);
+            }
+            let page = crate::telemetry::gauges::page(&r, &metrics);
+            for line in page.lines() {
+                if let Some(id) = crate::telemetry::gauges::replica_label(line) {
+                    assert!(now.iter().any(|n| n == id), "{id} left, yet: {line}");
+                }
+            }
+        }
+        assert!(departed > 100, "the fault fired: {departed} departures");
+        for id in open {
+            r.hear(&id, Event::End);
+        }
+        r.sweep_at(r.now() + Duration::from_secs(1));
+        assert_eq!(r.leases_held(), 0);
+        assert!(r.fleet().replicas.iter().all(|x| x.in_flight() == 0 && x.pending() == 0));
+    }
 }

@@ -1,10 +1,48 @@
-//! The per-replica and per-router gauges, set from the live state each
-//! time the metrics page is scraped.
+//! The metrics page: the per-replica and per-router gauges, set from the
+//! live state each time the page is scraped, and every series recorded,
+//! less those of replicas that have left the fleet.
+
+use std::collections::HashSet;
+
+use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::router::Router;
 
+/// The page as scraped. The recorder keeps a series once it was written, so
+/// a replica that left (through discovery or a reload) would stay on the
+/// page with its last values: its series are left out instead.
+pub fn page(router: &Router, metrics: &PrometheusHandle) -> String {
+    publish_gauges(router);
+    let fleet = router.fleet();
+    let live: HashSet<&str> = fleet.replicas.iter().map(|r| r.id.as_str()).collect();
+    let text = metrics.render();
+    let mut page = String::with_capacity(text.len());
+    for line in text.lines().filter(|l| replica_label(l).is_none_or(|id| live.contains(id))) {
+        page.push_str(line);
+        page.push('\n');
+    }
+    page
+}
+
+/// The value of a sample line's `replica` label, if it has one.
+pub(crate) fn replica_label(line: &str) -> Option<&str> {
+    if line.starts_with('#') {
+        return None;
+    }
+    let labels = &line[line.find('{')? + 1..];
+    let mut rest = labels;
+    loop {
+        let (key, after) = rest.split_once("=\"")?;
+        let end = after.find('"')?;
+        if key == "replica" {
+            return Some(&after[..end]);
+        }
+        rest = after[end + 1..].strip_prefix(',')?;
+    }
+}
+
 /// Sets the per-replica gauges from the live state; called on each scrape.
-pub fn publish_gauges(router: &Router) {
+fn publish_gauges(router: &Router) {
     let now = router.now_ms();
     for r in &router.fleet().replicas {
         metrics::gauge!("inferrail_replica_healthy", "replica" => r.id.clone()).set(if r.healthy(now) { 1.0 } else { 0.0 });

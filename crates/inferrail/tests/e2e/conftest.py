@@ -42,7 +42,7 @@ def observe_filter(envoy):
 
 class Fleet:
     def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
-                 kv_events=None, routers=1, filters=None, envoy_edit=None, peers=True):
+                 kv_events=None, routers=1, filters=None, envoy_edit=None, peers=True, max_body_bytes=1 << 20):
         """`kv_events`, to publish and follow KV events: a dict with `bind`
         ("router": the router binds and the engines connect, vLLM's way with
         an IP endpoint; "engine": the engines bind `tcp://*:port` and the
@@ -80,7 +80,7 @@ class Fleet:
         for k, (grpc, admin, admin_grpc) in enumerate(self.routers):
             config = tmp / ("inferrail.yaml" if k == 0 else f"inferrail-{k + 1}.yaml")
             config.write_text(
-                f"server: {{listen: 127.0.0.1:{grpc}, max_body_bytes: 1048576, shutdown_grace_ms: 2000}}\n"
+                f"server: {{listen: 127.0.0.1:{grpc}, max_body_bytes: {max_body_bytes}, shutdown_grace_ms: 2000}}\n"
                 f"admin: {{listen: 127.0.0.1:{admin}, grpc_listen: 127.0.0.1:{admin_grpc}}}\n"
                 f"routing: {{seed: 7{routing}}}\n"
                 f"health: {{probe_interval_ms: 100, probe_timeout_ms: 300}}\n"

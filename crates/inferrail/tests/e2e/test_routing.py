@@ -158,6 +158,18 @@ def test_bad_requests_get_openai_errors_from_the_router(fleet_factory, method, p
     assert fleet.chat().status == 200
 
 
+def test_a_body_over_a_mebibyte_is_buffered_whole_and_routed(fleet_factory):
+    # Envoy's listener keeps its 1 MiB buffer (a client that stops reading a
+    # stream holds that much of it in Envoy, not the whole stream); the
+    # route's request_body_buffer_limit lets a request body up to 16 MiB be
+    # buffered for the decision.
+    fleet = fleet_factory(max_body_bytes=16 << 20)
+    body = {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "user": "u" * (6 << 20)}
+    r = http("POST", fleet.url + "/v1/chat/completions", body)
+    assert r.status == 200, r.body[:300]
+    assert r.headers.get("x-inferrail-replica", "").startswith("sim-"), "decided by the router, not sent on unrouted"
+
+
 def test_openai_sdk_sync_and_async_through_envoy(fleet_factory):
     fleet = fleet_factory()
     c = openai.OpenAI(base_url=f"{fleet.url}/v1", api_key="unused", max_retries=0)

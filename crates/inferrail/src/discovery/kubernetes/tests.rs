@@ -31,6 +31,10 @@ struct Fake {
     objectives: Mutex<Vec<Value>>,
     objective_watches: Mutex<Vec<mpsc::UnboundedSender<Bytes>>>,
     requests: Mutex<Vec<String>>,
+    /// The server is gone: connections are dropped, requests on kept ones answered 503.
+    down: std::sync::atomic::AtomicBool,
+    /// Connections and requests turned away while down.
+    turned_away: std::sync::atomic::AtomicUsize,
 }
 
 const OBJECTIVES: &str = "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/ns/inferenceobjectives";
@@ -144,6 +148,23 @@ impl Fake {
         self.drop_watches();
     }
 
+    /// Takes the server away (every open watch ends) or brings it back.
+    fn set_down(&self, down: bool) {
+        self.down.store(down, std::sync::atomic::Ordering::SeqCst);
+        if down {
+            self.drop_watches();
+            self.objective_watches.lock().unwrap().clear();
+        }
+    }
+
+    fn is_down(&self) -> bool {
+        let down = self.down.load(std::sync::atomic::Ordering::SeqCst);
+        if down {
+            self.turned_away.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        down
+    }
+
     fn requests(&self, what: &str) -> Vec<String> {
         self.requests.lock().unwrap().iter().filter(|r| r.contains(what)).cloned().collect()
     }
@@ -198,11 +219,18 @@ async fn serve(fake: Arc<Fake>) -> kube::Client {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
+            if fake.is_down() {
+                continue;
+            }
             let fake = fake.clone();
             let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let body = fake.answer(req.uri());
+                let down = fake.is_down();
+                let body = if down { Full::new(Bytes::from_static(b"{}")).boxed() } else { fake.answer(req.uri()) };
                 async move {
                     let mut r = hyper::Response::new(body);
+                    if down {
+                        *r.status_mut() = hyper::StatusCode::SERVICE_UNAVAILABLE;
+                    }
                     r.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("application/json"));
                     Ok::<_, Infallible>(r)
                 }
@@ -250,8 +278,8 @@ async fn served(router: &Router) -> String {
     d.targets[0].id.clone()
 }
 
-#[tokio::test]
-async fn the_pools_ready_pods_are_its_replicas_through_every_kind_of_change() {
+/// A router following pool `llm` of namespace `ns` on the fake, which already holds `pods`.
+async fn following(fake: &Arc<Fake>, pods: Vec<Value>) -> Arc<Router> {
     let yaml = "
 models: [{name: m, policy: round_robin, tokenizer: \"builtin:sim\"}]
 retry: {fallbacks: 0}
@@ -259,11 +287,18 @@ kubernetes: {pool: llm, namespace: ns, models: [m]}
 ";
     let config = Config::parse(yaml).unwrap();
     let router = Arc::new(Router::new(config.clone()).unwrap());
-    let fake = Arc::new(Fake::default());
-    fake.put(pod("vllm-0", "u0", "10.0.0.1", true));
-    fake.put(pod("vllm-1", "u1", "10.0.0.2", false));
+    for p in pods {
+        fake.put(p);
+    }
     let client = serve(fake.clone()).await;
     tokio::spawn(follow(router.clone(), client, config.kubernetes.clone().unwrap()));
+    router
+}
+
+#[tokio::test]
+async fn the_pools_ready_pods_are_its_replicas_through_every_kind_of_change() {
+    let fake = Arc::new(Fake::default());
+    let router = following(&fake, vec![pod("vllm-0", "u0", "10.0.0.1", true), pod("vllm-1", "u1", "10.0.0.2", false)]).await;
 
     // Listed: only the ready pod, on the pool's target port.
     until(&router, &[("vllm-0", "10.0.0.1:8000")]).await;
@@ -321,6 +356,43 @@ kubernetes: {pool: llm, namespace: ns, models: [m]}
     until(&router, &[("vllm-3", "10.0.0.4:8000")]).await;
     let relists = fake.requests("/pods?").iter().filter(|r| !r.contains("watch=true")).count();
     assert!(relists > lists, "410 led to a fresh list");
+}
+
+#[tokio::test]
+async fn the_pool_is_kept_while_the_api_server_is_gone_and_the_watch_resumes_when_it_is_back() {
+    let fake = Arc::new(Fake::default());
+    let router = following(&fake, vec![pod("vllm-0", "u0", "10.0.0.1", true)]).await;
+    until(&router, &[("vllm-0", "10.0.0.1:8000")]).await;
+    assert_eq!(served(&router).await, "vllm-0");
+
+    // Gone: every watch ends, and every try to list or watch again is turned away.
+    fake.set_down(true);
+    for _ in 0..3000 {
+        if fake.turned_away.load(std::sync::atomic::Ordering::SeqCst) >= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(fake.turned_away.load(std::sync::atomic::Ordering::SeqCst) >= 3, "the fault fired: the watcher kept trying");
+    assert_eq!(fleet(&router), [("vllm-0".to_owned(), "10.0.0.1:8000".to_owned())], "the pool is kept");
+    assert_eq!(served(&router).await, "vllm-0", "and routed to");
+    // A pod comes up while the server cannot say so.
+    fake.put(pod("vllm-1", "u1", "10.0.0.2", true));
+    let before = fake.requests("watch=true").len();
+
+    // Back: the watch resumes (after the watcher's backoff) and brings what changed.
+    fake.set_down(false);
+    let want = [("vllm-0".to_owned(), "10.0.0.1:8000".to_owned()), ("vllm-1".to_owned(), "10.0.0.2:8000".to_owned())];
+    for _ in 0..6000 {
+        if fleet(&router) == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(fleet(&router), want);
+    assert!(fake.requests("watch=true").len() > before, "watching again");
+    fake.put(pod("vllm-0", "u0", "10.0.0.1", false));
+    until(&router, &[("vllm-1", "10.0.0.2:8000")]).await;
 }
 
 fn annotated(mut pod: Value, endpoint: &str, replay: Option<&str>) -> Value {
