@@ -63,8 +63,27 @@ test: setup setup-compose lint
     "{{venv}}/bin/pytest" -q k8s/tests
     "{{venv}}/bin/pytest" -q envoy/compose/tests
 
+# `just test` N times in a row while a busy loop per core keeps every core saturated (the background load the suite must stay green under), stopping at the first failure. Each run's output: .cache/under-load/run-<k>.log.
+test-under-load N="10": setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    logs="{{cache}}/under-load"
+    mkdir -p "$logs"
+    busy=()
+    for _ in $(seq "$(nproc)"); do python3 -c 'while True: pass' & busy+=($!); done
+    trap 'kill "${busy[@]}" 2> /dev/null' EXIT
+    for k in $(seq {{N}}); do
+        start=$(date +%s)
+        if "{{just_executable()}}" --justfile "{{justfile()}}" test > "$logs/run-$k.log" 2>&1; then
+            echo "run $k of {{N}}: green in $(( $(date +%s) - start )) s"
+        else
+            echo "run $k of {{N}}: FAILED after $(( $(date +%s) - start )) s; see $logs/run-$k.log" >&2
+            exit 1
+        fi
+    done
+
 # The stress suite, not part of `test` (release builds; minutes): open-loop load at 1,000 req/s against plain Envoy, hostile input, an 8 MiB body a byte at a time, faults under load (a flapping, a hanging and a killed replica, every engine failing, the router killed in the BUFFERED and in the picker configuration, a peer router and the scraper sidecar killed), clients that stop reading 640 MiB of streams, a soak with the router's memory sampled, reload storms, admission bands under overload, streams cut at random and 2,000 concurrent streams, through a real Envoy. Prints the table and writes bench/results/stress/<commit>.md and .json; `--only hostile,soak` picks scenarios.
-stress *args: setup
+stress *args: setup setup-clients
     cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-scraper -p inferrail-bench
     INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/stress.py {{args}}
 
@@ -252,6 +271,28 @@ setup-peers:
         [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
         [ "$("$venv/bin/pip" show "$name" 2>/dev/null | sed -n 's/^Version: //p')" = "$version" ] ||
             "$venv/bin/pip" install --quiet --disable-pip-version-check "$peer"
+    done
+
+# Install the real load clients that `just stress` drives through Envoy into a gitignored virtualenv (.venv-clients): inference-perf 0.7.0 and guidellm 0.8.1 from PyPI. Both need Python 3.12 (python3.12 on the PATH, or pyenv's newest 3.12); guidellm pulls in torch (several GB); idempotent.
+setup-clients:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    venv="{{justfile_directory()}}/.venv-clients"
+    if [ ! -x "$venv/bin/python" ]; then
+        py=""
+        if python3.12 -V > /dev/null 2>&1; then
+            py=python3.12
+        elif command -v pyenv > /dev/null; then
+            version=$(pyenv versions --bare | grep -E '^3\.12(\.|$)' | sort -V | tail -1)
+            [ -z "$version" ] || py="$(pyenv root)/versions/$version/bin/python3.12"
+        fi
+        [ -n "$py" ] || { echo "setup-clients: Python 3.12 is needed (python3.12 on the PATH, or pyenv install 3.12)" >&2; exit 1; }
+        "$py" -m venv "$venv"
+    fi
+    for client in inference-perf==0.7.0 guidellm==0.8.1; do
+        name="${client%%==*}" version="${client##*==}"
+        [ "$("$venv/bin/pip" show "$name" 2>/dev/null | sed -n 's/^Version: //p')" = "$version" ] ||
+            "$venv/bin/pip" install --quiet --disable-pip-version-check "$client"
     done
 
 # A mixed fleet: three simulators, one twice as fast with 1,600 blocks, one as `bench-routing`'s with 1,100, one half as fast with 700, each calibrated by inferrail-calibrate and its fit given to Inferrail; W1 at 20 req/s and mix at 16 (near where least_request's goodput falls below 80%), two repetitions, least_request (the best cache-blind policy here: round robin's queue on the slow engine reached a 35 s p99 at 12 req/s) and every peer router; then cost_model again without the calibration. Approximate mode. Other flags go to `inferrail-bench compare`. Results: bench/results/mixed/.

@@ -37,6 +37,11 @@ def row(name, condition, measured, ok, fault=None):
     print(f"{'PASS' if ok else 'FAIL'}  {name}: {measured}" + (f" [fault: {fault}]" if fault else ""), flush=True)
 
 
+def decisions(fleet):
+    """Requests the (first) router decided so far."""
+    return sum(float(line.split()[-1]) for line in fleet.metrics().splitlines() if line.startswith("inferrail_decisions_total{"))
+
+
 def rss_mb(pid):
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -439,9 +444,6 @@ def scenario_picker_restart(fleet):
     request, and routing resumes when it is back."""
     times = {}
 
-    def decisions():
-        return sum(float(line.split()[-1]) for line in fleet.metrics().splitlines() if line.startswith("inferrail_decisions_total{"))
-
     def during(results):
         wait_until(lambda: len(results) >= 500, "load")
         fleet.kill("inferrail")
@@ -449,7 +451,7 @@ def scenario_picker_restart(fleet):
         wait_until(lambda: sum(1 for t, s in list(results) if t > times["killed"] and s != 200) >= 100,
                    "requests refused without the picker", timeout=60)
         fleet.start_router()
-        times["decided"] = decisions()
+        times["decided"] = decisions(fleet)
         times["back"] = time.monotonic()
         wait_until(lambda: sum(1 for t, s in list(results) if t > times["back"] and ok(s)) >= 1000, "the picker routing again", timeout=60)
 
@@ -463,7 +465,7 @@ def scenario_picker_restart(fleet):
     refused = [s for s in down if not ok(s)]
     hung = [s for s in down + after if not str(s)[:3].isdigit()]
     late = [s for s in after if not ok(s)]
-    decided = decisions() - times["decided"]
+    decided = decisions(fleet) - times["decided"]
     row("faults: the router killed and restarted under load (picker protocol, FULL_DUPLEX_STREAMED, fail-closed)",
         "every request answered; while it is down Envoy refuses requests itself (what fail-closed loses); after its restart, every request routed",
         f"{len(refused):,} of {len(down):,} requests sent while it was down refused ({sorted({str(s) for s in refused})[:3]}); "
@@ -516,6 +518,85 @@ def scenario_slow_readers(fleet, total_mib=640, max_tokens=32000):
         f"Envoy RSS +{grew['envoy']:.0f} MB ({grew['envoy'] / n:.1f} MB a stream), router +{grew['router']:.1f} MB; "
         f"upstream reads paused {paused:.0f} times; leases 0 after the clients left",
         grew["envoy"] < 3 * n and grew["router"] < 20 and paused >= n, fault=f"{paused:.0f} upstream reads paused by Envoy")
+
+
+CLIENTS = ROOT / ".venv-clients" / "bin"
+TOKENIZER = ROOT / ".cache" / "tokenizers" / "qwen3"
+# Where the real clients' reports go: set by main, beside the table.
+REPORTS = {}
+
+
+
+def run_client(name, cmd):
+    """Runs a real client to its end; its output goes to the reports' logs."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    logs = REPORTS["dir"] / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / f"{name}.log", "wb") as log:
+        done = subprocess.run([str(c) for c in cmd], stdout=log, stderr=log, env=env, timeout=600, cwd=REPORTS["dir"])
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} exited {done.returncode}: {(logs / f'{name}.log').read_text(errors='replace')[-300:]}")
+
+
+def scenario_inference_perf(fleet, rate=10, seconds=30):
+    """inference-perf, the Inference Extension's benchmark client, through
+    Envoy with Inferrail: its shared-prefix workload (8 system prompts of
+    1,000 tokens, 16 questions of 50 each), Poisson arrivals, streamed
+    completions naming the model's alias."""
+    out = REPORTS["dir"] / "inference-perf"
+    config = {
+        "api": {"type": "completion", "streaming": True},
+        "data": {"type": "shared_prefix", "shared_prefix": {"num_groups": 8, "num_prompts_per_group": 16, "system_prompt_len": 1000,
+                                                            "question_len": 50, "output_len": 50, "seed": 54}},
+        "load": {"type": "poisson", "stages": [{"rate": rate, "duration": seconds}], "num_workers": 2},
+        "server": {"type": "vllm", "model_name": "sim", "base_url": fleet.url, "ignore_eos": True},
+        "tokenizer": {"pretrained_model_name_or_path": str(TOKENIZER)},
+        "report": {"request_lifecycle": {"summary": True, "per_stage": True, "per_request": False}},
+        "storage": {"local_storage": {"path": str(out)}},
+    }
+    path = REPORTS["dir"] / "logs" / "inference-perf.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(config, indent=2) + "\n")  # JSON is YAML
+    before = decisions(fleet)
+    run_client("inference-perf", [CLIENTS / "inference-perf", "-c", path])
+    summary = json.loads((out / "summary_lifecycle_metrics.json").read_text())
+    ok, failed = summary["successes"]["count"], summary["failures"]["count"]
+    ttft = summary["successes"]["latency"]["time_to_first_token"]
+    prompt = summary["successes"]["prompt_tokens"]
+    cached = prompt.get("cached", 0) / max(prompt.get("total", 0), 1)
+    decided = decisions(fleet) - before
+    row(f"real clients: inference-perf 0.7.0, shared prefixes, Poisson {rate} req/s for {seconds} s, streamed",
+        "zero failures; every request decided by Inferrail; its report committed",
+        f"{ok} succeeded, {failed} failed; {decided:.0f} decided by Inferrail; TTFT p50 {ttft['median'] * 1e3:.0f} ms, "
+        f"p99 {ttft['p99'] * 1e3:.0f} ms; {cached:.0%} of prompt tokens cached (engine usage); report: {os.path.relpath(out, ROOT)}",
+        failed == 0 and ok > 0 and decided >= ok)
+
+
+def scenario_guidellm(fleet, rate=10, count=300):
+    """GuideLLM through Envoy with Inferrail: synthetic 512-token prompts and
+    64-token answers, Poisson arrivals, streamed chat completions."""
+    out = REPORTS["dir"] / "guidellm.json"
+    before = decisions(fleet)
+    run_client("guidellm", [CLIENTS / "guidellm", "run", "--backend", f"kind=openai_http,target={fleet.url},model=sim",
+                            "--data", "kind=synthetic_text,prompt_tokens=512,output_tokens=64",
+                            "--tokenizer", f"kind=hf_auto,model={TOKENIZER}", "--profile", f"kind=poisson,rate={rate}",
+                            "--constraint", f"kind=max_requests,count={count}", "--output", f"kind=json,path={out}",
+                            "--disable-console-interactive"])
+    report = json.loads(out.read_text())
+    # The per-request records (prompts and answers) stay in the run's logs; the committed report keeps the statistics.
+    (REPORTS["dir"] / "logs" / "guidellm-requests.json").write_text(json.dumps([b.get("requests") for b in report["benchmarks"]]))
+    for b in report["benchmarks"]:
+        b.pop("requests", None)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    metrics = report["benchmarks"][0]["metrics"]
+    totals = metrics["request_totals"]
+    ttft = metrics["time_to_first_token_ms"]["successful"]["percentiles"]
+    decided = decisions(fleet) - before
+    row(f"real clients: GuideLLM 0.8.1, 512-token prompts, Poisson {rate} req/s, {count} requests, streamed",
+        "zero errored or incomplete requests; every request decided by Inferrail; its report committed",
+        f"{totals['successful']} succeeded, {totals['errored']} errored, {totals['incomplete']} incomplete; {decided:.0f} decided by Inferrail; "
+        f"TTFT p50 {ttft['p50']:.0f} ms, p99 {ttft['p99']:.0f} ms; report: {os.path.relpath(out, ROOT)}",
+        totals["errored"] == 0 and totals["incomplete"] == 0 and totals["successful"] == count and decided >= count)
 
 
 def scenario_reload_storm(fleet, rewrites=10):
@@ -776,6 +857,8 @@ SCENARIOS = {
     "slow-readers": ("zero", scenario_slow_readers),
     "scraper-killed": ("sidecar", scenario_scraper_killed),
     "picker-restart": ("picker", scenario_picker_restart),
+    "inference-perf": ("paced", scenario_inference_perf),
+    "guidellm": ("paced", scenario_guidellm),
 }
 
 # The engines' flags, the router's limits for each replica and more of its
@@ -804,6 +887,7 @@ def main():
     names = args.only.split(",") if args.only else list(SCENARIOS)
     commit = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=8"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     started = time.monotonic()
+    REPORTS["dir"] = Path(args.out) / "clients" / commit
     with tempfile.TemporaryDirectory(prefix="inferrail-stress-") as tmp:
         for name in [n for n in names if SCENARIOS[n][0] == "none"]:
             # Scenarios that start their own processes.
