@@ -245,7 +245,10 @@ async fn over_zmq_without_replay_a_skipped_message_ends_exact_mode() {
 #[derive(Debug, Clone)]
 enum Step {
     /// A message `ahead` of the next sequence number (0: in order; negative: repeated or from before).
-    Message { ahead: i8, events: Vec<KvEvent> },
+    Message {
+        ahead: i8,
+        events: Vec<KvEvent>,
+    },
     Replayed(Vec<(u8, Vec<KvEvent>)>),
     Garbage(Option<u8>),
     Dropped,
@@ -263,7 +266,14 @@ enum Step {
 /// removals of held and unheld blocks, clears.
 fn any_event() -> impl proptest::strategy::Strategy<Value = KvEvent> {
     use proptest::prelude::*;
-    let stored = (0usize..8, 0usize..4, any::<bool>(), prop_oneof![6 => Just(BS as u32), 1 => Just(8u32), 1 => Just(0u32)], any::<bool>(), any::<bool>())
+    let stored = (
+        0usize..8,
+        0usize..4,
+        any::<bool>(),
+        prop_oneof![6 => Just(BS as u32), 1 => Just(8u32), 1 => Just(0u32)],
+        any::<bool>(),
+        any::<bool>(),
+    )
         .prop_map(|(first, n, fill, block_size, cpu, orphan)| {
             let KvEvent::BlockStored(mut s) = stored(first, n, None, None) else { unreachable!() };
             if !fill {
