@@ -4,7 +4,9 @@
 //! `refs`) or free. Free blocks sit in one LRU queue; a free block may still
 //! hold a cached prefix (its hash) until it is reused. Allocation takes the
 //! least recently freed block and forgets its hash. A finished sequence frees
-//! its blocks last block first, so a long prefix is evicted from its tail.
+//! its blocks last block first, so a long prefix is evicted from its tail;
+//! a freed block that caches nothing goes to the front of the queue, to be
+//! reused before any cached prefix is evicted.
 //! A cache hit on a free block takes it back out of the queue. Two
 //! sequences that compute the same block in one step each cache their copy,
 //! as vLLM's `BlockHashToBlockMap` does (a hit takes the copy cached first),
@@ -147,14 +149,17 @@ impl BlockPool {
         true
     }
 
-    /// Drops one reference on each block, in the order given; a block no one
-    /// holds joins the back of the free queue, keeping what it cached.
+    /// Drops one reference on each block, in the order given. A block no one
+    /// holds that caches a prefix joins the back of the free queue, keeping
+    /// it; one that caches nothing (a partial last block, or one never
+    /// filled) goes to the front, to be reused before any cached prefix is
+    /// evicted, as vLLM 0.32's `BlockPool.free_blocks` does.
     pub fn release(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
         for b in blocks {
             let block = &mut self.blocks[b as usize];
             block.refs = block.refs.saturating_sub(1);
             if block.refs == 0 {
-                self.push_back(b);
+                if block.hash.is_some() { self.push_back(b) } else { self.push_front(b) }
             }
         }
     }
@@ -187,6 +192,18 @@ impl BlockPool {
         self.blocks[b as usize].prev = NIL;
         self.blocks[b as usize].next = NIL;
         self.free -= 1;
+    }
+
+    fn push_front(&mut self, b: u32) {
+        self.blocks[b as usize].prev = NIL;
+        self.blocks[b as usize].next = self.head;
+        if self.head == NIL {
+            self.tail = b
+        } else {
+            self.blocks[self.head as usize].prev = b
+        }
+        self.head = b;
+        self.free += 1;
     }
 
     fn push_back(&mut self, b: u32) {

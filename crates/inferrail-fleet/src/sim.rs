@@ -50,7 +50,7 @@ use std::time::Duration;
 use inferrail_config::CacheShape;
 use inferrail_engine::cache::{BlockId, BlockPool};
 use inferrail_engine::cost::LatencyModel;
-use inferrail_kv::hash::extend_block_hashes;
+use inferrail_kv::hash::{BlockHash, extend_block_hashes};
 use inferrail_policy::{EngineReport, PolicyKind};
 use inferrail_route::fleet::{Fleet, Replica};
 use inferrail_route::kv::{Prediction, Prompt, seed};
@@ -65,6 +65,9 @@ pub use crate::setup::{Setup, config};
 use crate::timescale;
 use crate::traffic::{Agent, Arrival};
 use inferrail_workload::Counter;
+
+/// The high bits of the names given to blocks of generated tokens no prompt resends.
+const GENERATED: BlockHash = 0x6e6e << 112;
 
 /// A request on its replica.
 struct Job {
@@ -502,6 +505,14 @@ impl<'a> World<'a> {
                 engine.pool.register(block, hash);
             }
             next = agent.next(&reply, Duration::from_nanos(now), &self.counter).transpose()?;
+        } else {
+            // The engine caches every block the reply filled, as vLLM hashes
+            // every full block; no prompt asks for these again. Only a last
+            // block left partial caches nothing.
+            let full = (job.prompt_tokens + job.max_tokens).saturating_sub(1) / bs;
+            for k in job.prompt_tokens / bs..full.min(job.blocks.len()) {
+                engine.pool.register(job.blocks[k], GENERATED | (j as BlockHash) << 32 | k as BlockHash);
+            }
         }
         engine.pool.release(job.blocks.iter().rev().copied());
         engine.running -= 1;

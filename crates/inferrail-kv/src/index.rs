@@ -107,13 +107,13 @@ const REPLIES_KEPT: usize = 1024;
 #[derive(Debug)]
 enum Request {
     /// In the engine's queue: holds nothing yet.
-    Waiting { prompt: Vec<BlockHash>, reusable: usize, partial: usize, output: usize },
+    Waiting { prompt: Vec<BlockHash>, reusable: usize, partial: usize, output: usize, ends_partial: bool },
     /// Running: holds its prompt's blocks, the reused ones first, and
-    /// those its generated tokens will fill.
-    Running { keys: Vec<BlockHash>, reused: usize, generated: Vec<BlockHash> },
-    /// Sent to a replica in exact mode: claims its prompt blocks; `hole`:
-    /// its tokens will end inside a block, which the engine frees unnamed.
-    Claiming { keys: Vec<BlockHash>, hole: bool },
+    /// those its generated tokens will fill; `ends_partial`: its last block
+    /// will not be full, and the engine frees it as room.
+    Running { keys: Vec<BlockHash>, reused: usize, generated: Vec<BlockHash>, ends_partial: bool },
+    /// Sent to a replica in exact mode: claims its prompt blocks.
+    Claiming { keys: Vec<BlockHash> },
 }
 
 /// Hashes a block hash with two multiplies: a block hash is uniform already
@@ -241,7 +241,8 @@ impl KvIndex {
     /// fills them as it decodes, evicting as it goes: taken at the end,
     /// the shadow kept blocks the engine had already evicted, and on a
     /// thrashing cache one prediction in seven was too high); `ends_partial`:
-    /// its last block (prompt and output) is not full. As in the
+    /// its last block (prompt and output) is not full, so the engine caches
+    /// nothing in it and frees it to be reused first, as room. As in the
     /// engine, a request that fits beside the running ones holds its blocks
     /// until it completes: reused blocks cannot be evicted meanwhile, fresh
     /// blocks take the least recently freed ones, and a fresh block whose
@@ -256,7 +257,7 @@ impl KvIndex {
         if let Some(exact) = &mut rep.exact {
             let mut changes = Vec::new();
             exact.claim(prompt, &mut changes);
-            rep.requests.insert(request, Request::Claiming { keys: prompt.to_vec(), hole: ends_partial });
+            rep.requests.insert(request, Request::Claiming { keys: prompt.to_vec() });
             self.present(slot, &changes);
             return Recorded { slot, replica: rep.id, request };
         }
@@ -265,10 +266,10 @@ impl KvIndex {
         match admitted {
             Some((keys, reused)) => {
                 let generated = self.take_fresh(&mut rep.shadow, slot, output, &[]);
-                rep.requests.insert(request, Request::Running { keys, reused, generated });
+                rep.requests.insert(request, Request::Running { keys, reused, generated, ends_partial });
             }
             None => {
-                rep.requests.insert(request, Request::Waiting { prompt: prompt.to_vec(), reusable, partial, output });
+                rep.requests.insert(request, Request::Waiting { prompt: prompt.to_vec(), reusable, partial, output, ends_partial });
                 rep.queue.push_back(request);
             }
         }
@@ -279,13 +280,13 @@ impl KvIndex {
     fn admit_waiting(&self, slot: Slot, rep: &mut Replica) {
         let Replica { shadow, requests, queue, .. } = rep;
         while let Some(&head) = queue.front() {
-            let Some(Request::Waiting { prompt, reusable, partial, output }) = requests.get(&head) else {
+            let Some(&Request::Waiting { ref prompt, reusable, partial, output, ends_partial }) = requests.get(&head) else {
                 queue.pop_front();
                 continue;
             };
-            let Some((keys, reused)) = self.admit(shadow, slot, prompt, *reusable, *partial, false) else { break };
-            let generated = self.take_fresh(shadow, slot, *output, &[]);
-            requests.insert(head, Request::Running { keys, reused, generated });
+            let Some((keys, reused)) = self.admit(shadow, slot, prompt, reusable, partial, false) else { break };
+            let generated = self.take_fresh(shadow, slot, output, &[]);
+            requests.insert(head, Request::Running { keys, reused, generated, ends_partial });
             queue.pop_front();
         }
     }
@@ -358,21 +359,28 @@ impl KvIndex {
     pub fn complete(&self, recorded: &Recorded) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
-        let (keys, generated) = match rep.requests.remove(&recorded.request) {
-            Some(Request::Running { keys, generated, .. }) => (keys, generated),
+        let (keys, generated, ends_partial) = match rep.requests.remove(&recorded.request) {
+            Some(Request::Running { keys, generated, ends_partial, .. }) => (keys, generated, ends_partial),
             // It ran, though the index did not see room for it: it took what it could.
-            Some(Request::Waiting { prompt, reusable, partial, output }) => {
+            Some(Request::Waiting { prompt, reusable, partial, output, ends_partial }) => {
                 rep.queue.retain(|&r| r != recorded.request);
                 let keys = self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).map(|(k, _)| k).unwrap_or_default();
-                (keys, self.take_fresh(&mut rep.shadow, recorded.slot, output, &[]))
+                (keys, self.take_fresh(&mut rep.shadow, recorded.slot, output, &[]), ends_partial)
             }
-            Some(Request::Claiming { keys, hole }) => return self.unclaim(recorded.slot, rep, &keys, hole),
+            Some(Request::Claiming { keys }) => return self.unclaim(recorded.slot, rep, &keys),
             None => return,
         };
-        // Generated tokens' blocks, the request's last, are freed first.
+        // Generated tokens' blocks, the request's last, are freed first; a
+        // last block that is not full caches nothing and becomes room.
         let shadow = &mut rep.shadow;
-        for &h in generated.iter().rev().chain(keys.iter().rev()) {
-            shadow.release(h);
+        for (i, &h) in generated.iter().rev().chain(keys.iter().rev()).enumerate() {
+            if i == 0 && ends_partial {
+                if shadow.withdraw(h) && !is_placeholder(h) {
+                    self.holders.release(h, recorded.slot);
+                }
+            } else {
+                shadow.release(h);
+            }
         }
         if let Some((reply, full)) = rep.coming.remove(&recorded.request) {
             // Kept when the prompt's blocks all went in under their names.
@@ -437,7 +445,7 @@ impl KvIndex {
         let shadow = &mut rep.shadow;
         // Last block first, as every release goes, so a prefix stays newer than what follows it.
         match rep.requests.remove(&recorded.request) {
-            Some(Request::Running { keys, reused, generated }) => {
+            Some(Request::Running { keys, reused, generated, .. }) => {
                 for &h in generated.iter().rev().chain(keys[reused..].iter().rev()) {
                     if shadow.withdraw(h) && !is_placeholder(h) {
                         self.holders.release(h, recorded.slot);
@@ -448,8 +456,7 @@ impl KvIndex {
                 }
             }
             Some(Request::Waiting { .. }) => rep.queue.retain(|&r| r != recorded.request),
-            // The engine never ran it: it freed no partial block.
-            Some(Request::Claiming { keys, .. }) => return self.unclaim(recorded.slot, rep, &keys, false),
+            Some(Request::Claiming { keys }) => return self.unclaim(recorded.slot, rep, &keys),
             None => return,
         }
         self.admit_waiting(recorded.slot, rep);
@@ -467,16 +474,16 @@ impl KvIndex {
         if !matches!(rep.requests.get(&recorded.request), Some(Request::Claiming { .. })) {
             return false;
         }
-        let Some(Request::Claiming { keys, hole }) = rep.requests.remove(&recorded.request) else { return false };
-        self.unclaim(recorded.slot, rep, &keys, hole);
+        let Some(Request::Claiming { keys }) = rep.requests.remove(&recorded.request) else { return false };
+        self.unclaim(recorded.slot, rep, &keys);
         true
     }
 
     /// A request sent to an exact replica ends its claims.
-    fn unclaim(&self, slot: Slot, rep: &mut Replica, keys: &[BlockHash], hole: bool) {
+    fn unclaim(&self, slot: Slot, rep: &mut Replica, keys: &[BlockHash]) {
         let Some(exact) = &mut rep.exact else { return };
         let mut changes = Vec::new();
-        exact.unclaim(keys, hole, &mut changes);
+        exact.unclaim(keys, &mut changes);
         self.present(slot, &changes);
     }
 

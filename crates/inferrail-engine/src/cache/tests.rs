@@ -53,7 +53,8 @@ impl Naive {
         for &b in blocks {
             self.refs[b as usize] = self.refs[b as usize].saturating_sub(1);
             if self.refs[b as usize] == 0 {
-                self.queue.push(b);
+                // A block that caches nothing is reused first.
+                if self.hash[b as usize].is_some() { self.queue.push(b) } else { self.queue.insert(0, b) }
             }
         }
     }
@@ -70,10 +71,12 @@ impl Naive {
 
 #[derive(Debug, Clone)]
 enum Op {
-    /// A sequence over prompt `prefix` of a shared family, `len` blocks long.
+    /// A sequence over prompt `prefix` of a shared family, `len` full
+    /// blocks long, and a partial last block (never cached) when `partial`.
     Start {
         family: u8,
         len: usize,
+        partial: bool,
     },
     /// Finish the `i`-th live sequence.
     Finish(usize),
@@ -82,7 +85,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0u8..4, 1usize..8).prop_map(|(family, len)| Op::Start { family, len }),
+        6 => (0u8..4, 1usize..8, any::<bool>()).prop_map(|(family, len, partial)| Op::Start { family, len, partial }),
         4 => (0usize..16).prop_map(Op::Finish),
         1 => Just(Op::Reset),
     ]
@@ -97,13 +100,13 @@ proptest! {
         let mut live: Vec<Vec<BlockId>> = Vec::new();
         for op in ops {
             match op {
-                Op::Start { family, len } => {
+                Op::Start { family, len, partial } => {
                     // Hashes of a chain: family f, block k is named (f, k), so
                     // sequences of one family share a prefix.
                     let hashes: Vec<BlockHash> = (0..len).map(|k| (u128::from(family) << 64) | k as u128).collect();
                     let hit = pool.lookup(&hashes);
                     prop_assert_eq!(&hit, &naive.lookup(&hashes));
-                    let new = len - hit.len();
+                    let new = len - hit.len() + usize::from(partial);
                     if new + pool.count_free(&hit) > pool.num_free() { continue; }
                     pool.touch(&hit);
                     naive.touch(&hit);
@@ -111,7 +114,7 @@ proptest! {
                     prop_assert_eq!(&fresh, &naive.allocate(new));
                     prop_assert_eq!(pool.take_evicted(), std::mem::take(&mut naive.evicted));
                     let blocks: Vec<BlockId> = hit.iter().copied().chain(fresh.unwrap_or_default()).collect();
-                    for (k, &b) in blocks.iter().enumerate() {
+                    for (k, &b) in blocks.iter().enumerate().take(len) {
                         let before = naive.hash[b as usize].is_none();
                         naive.register(b, hashes[k]);
                         prop_assert_eq!(pool.register(b, hashes[k]), before);
@@ -130,6 +133,9 @@ proptest! {
                 }
             }
             prop_assert_eq!(pool.num_free(), naive.queue.len());
+            // The same free queue: the next allocation of everything takes the same blocks in the same order.
+            let mut probe = pool.clone();
+            prop_assert_eq!(probe.allocate(probe.num_free()), Some(naive.queue.clone()));
             prop_assert_eq!(pool.num_cached(), naive.hash.iter().filter(|h| h.is_some()).count());
         }
     }

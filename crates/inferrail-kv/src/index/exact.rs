@@ -35,10 +35,9 @@
 //! its prompt; a block stored after one nobody claims goes just before it.
 //! So a block's descendants are always evicted before it, and what is
 //! presented is still whole prefixes. A request whose tokens end inside a
-//! block frees that block unnamed (no event stores or removes it): it is a
-//! hole in the eviction order, just before the request's deepest block, that
-//! takes room until the allocations reach it, not a block of the empty room
-//! taken first.
+//! block frees that block unnamed (no event stores or removes it); the
+//! engine puts such a block at the head of its free queue, reused before any
+//! cached block is evicted, so it is room like any never-used block.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -195,11 +194,6 @@ pub(super) struct Exact {
     live: usize,
     /// The routing tier's blocks no request claims, first to be evicted first.
     free: BTreeSet<(Stamp, BlockHash)>,
-    /// Unnamed free blocks (a finished request's partial last block) in the
-    /// same order. One the engine reused without an event stays until a
-    /// block freed after it is evicted; until then it is at the head of the
-    /// order, where it takes one place and one block of room, which cancel.
-    holes: BTreeSet<Stamp>,
     /// Each free block's stamp.
     stamps: HashMap<BlockHash, Stamp, FoldState>,
     /// The free blocks the requests sent will evict: held, but absent for routing.
@@ -229,7 +223,6 @@ impl Exact {
             unheld: 0,
             live: 0,
             free: BTreeSet::new(),
-            holes: BTreeSet::new(),
             stamps: HashMap::default(),
             doomed: HashSet::default(),
             trailing: HashMap::default(),
@@ -402,10 +395,6 @@ impl Exact {
                         self.unheld += 1;
                     } else if routing {
                         changes.push((b.router, false));
-                        // The engine evicts from the head: every hole freed before it was reused.
-                        if let Some(&stamp) = self.stamps.get(&b.router) {
-                            self.holes = self.holes.split_off(&stamp);
-                        }
                         self.unfree(b.router);
                     }
                 }
@@ -422,7 +411,6 @@ impl Exact {
         }
         self.unheld = self.claims.len();
         self.free.clear();
-        self.holes.clear();
         self.stamps.clear();
         self.doomed.clear();
         self.trailing.clear();
@@ -490,14 +478,11 @@ impl Exact {
 
     /// The request completed or was taken back: its claims end. The engine
     /// frees a request's blocks last first, so its held blocks enter the
-    /// eviction order at a new tick, deepest first, after its partial last
-    /// block when it ran and its tokens end inside one (`hole`).
-    pub(super) fn unclaim(&mut self, keys: &[BlockHash], hole: bool, changes: &mut Vec<Change>) {
+    /// eviction order at a new tick, deepest first (a partial last block it
+    /// frees unnamed is room).
+    pub(super) fn unclaim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) {
         self.live = self.live.saturating_sub(1);
         self.tick += 1;
-        if hole {
-            self.holes.insert((self.tick, Reverse(u32::MAX)));
-        }
         for (depth, h) in keys.iter().enumerate() {
             let Some(n) = self.claims.get_mut(h) else { continue };
             *n -= 1;
@@ -527,29 +512,13 @@ impl Exact {
     /// those they no longer will.
     fn settle(&mut self, changes: &mut Vec<Change>) {
         let held = self.tiers[0].engine.len();
-        // No more holes than blocks the engine holds no name for: past that the oldest were reused.
-        while self.holes.len() > self.capacity.saturating_sub(held) {
-            self.holes.pop_first();
-        }
-        let room = self.capacity.saturating_sub(held + self.holes.len());
+        let room = self.capacity.saturating_sub(held);
         let evicted = (self.unheld + self.live).saturating_sub(room);
         if evicted == 0 && self.doomed.is_empty() {
             return;
         }
-        // The first `evicted` places in the eviction order; a hole takes its place and dooms nothing.
-        let mut holes = self.holes.iter().peekable();
-        let mut doomed: HashSet<BlockHash, FoldState> = HashSet::default();
-        let mut taken = 0;
-        for &(stamp, h) in &self.free {
-            while taken < evicted && holes.next_if(|&&hole| hole < stamp).is_some() {
-                taken += 1;
-            }
-            if taken >= evicted {
-                break;
-            }
-            doomed.insert(h);
-            taken += 1;
-        }
+        // The first `evicted` places in the eviction order.
+        let doomed: HashSet<BlockHash, FoldState> = self.free.iter().take(evicted).map(|&(_, h)| h).collect();
         changes.extend(doomed.iter().filter(|h| !self.doomed.contains(*h)).map(|&h| (h, false)));
         changes.extend(self.doomed.iter().filter(|h| !doomed.contains(*h)).map(|&h| (h, true)));
         self.doomed = doomed;
@@ -585,7 +554,7 @@ impl Exact {
         let per_engine = size_of::<(u64, Block)>() + 1;
         let per_routed = size_of::<(BlockHash, u32)>() + 1;
         let tiers: usize = self.tiers.iter().map(|tb| tb.engine.capacity() * per_engine + tb.routed.capacity() * per_routed).sum();
-        tiers + self.claims.capacity() * per_routed + self.holes.len() * size_of::<Stamp>()
+        tiers + self.claims.capacity() * per_routed
     }
 }
 

@@ -22,9 +22,9 @@ struct Pool {
     in_use: HashMap<BlockHash, (u32, bool)>,
     /// Which incarnation: records of an older one are ignored.
     generation: u32,
-    /// Requests in flight by id: running with (blocks, reused, generated blocks), or waiting with (prompt, reusable, partial, output).
-    running: HashMap<u64, (Vec<BlockHash>, usize, Vec<BlockHash>)>,
-    waiting: Vec<(u64, Vec<BlockHash>, usize, usize, usize)>,
+    /// Requests in flight by id: running with (blocks, reused, generated blocks, ends partial), or waiting with (prompt, reusable, partial, output, ends partial).
+    running: HashMap<u64, (Vec<BlockHash>, usize, Vec<BlockHash>, bool)>,
+    waiting: Vec<(u64, Vec<BlockHash>, usize, usize, usize, bool)>,
 }
 
 impl Pool {
@@ -103,11 +103,11 @@ impl Pool {
     }
 
     fn admit_waiting(&mut self, next: &mut u128) {
-        while let Some((id, prompt, reusable, partial, output)) = self.waiting.first().cloned() {
+        while let Some((id, prompt, reusable, partial, output, ends_partial)) = self.waiting.first().cloned() {
             let Some((keys, reused)) = self.admit(&prompt, reusable, partial, false, next) else { break };
             self.waiting.remove(0);
             let generated = self.generate(output, next);
-            self.running.insert(id, (keys, reused, generated));
+            self.running.insert(id, (keys, reused, generated, ends_partial));
         }
     }
 }
@@ -129,7 +129,7 @@ impl Naive {
         prompt: &[BlockHash],
         reusable: usize,
         partial: usize,
-        output: usize,
+        (output, ends_partial): (usize, bool),
         next: &mut u128,
     ) -> Option<(Flight, Vec<BlockHash>)> {
         self.ids += 1;
@@ -140,11 +140,11 @@ impl Naive {
             Some((keys, reused)) => {
                 let added = keys[reused..].to_vec();
                 let generated = pool.generate(output, next);
-                pool.running.insert(id, (keys, reused, generated));
+                pool.running.insert(id, (keys, reused, generated, ends_partial));
                 added
             }
             None => {
-                pool.waiting.push((id, prompt.to_vec(), reusable, partial, output));
+                pool.waiting.push((id, prompt.to_vec(), reusable, partial, output, ends_partial));
                 Vec::new()
             }
         };
@@ -157,24 +157,30 @@ impl Naive {
 
     fn complete(&mut self, flight: &Flight, next: &mut u128) {
         let Some(pool) = self.pool(flight) else { return };
-        let (keys, generated) = if let Some((keys, _, generated)) = pool.running.remove(&flight.2) {
-            (keys, generated)
+        let (keys, generated, ends_partial) = if let Some((keys, _, generated, ends_partial)) = pool.running.remove(&flight.2) {
+            (keys, generated, ends_partial)
         } else if let Some(at) = pool.waiting.iter().position(|w| w.0 == flight.2) {
-            let (_, prompt, reusable, partial, output) = pool.waiting.remove(at);
+            let (_, prompt, reusable, partial, output, ends_partial) = pool.waiting.remove(at);
             let keys = pool.admit(&prompt, reusable, partial, true, next).map(|(k, _)| k).unwrap_or_default();
-            (keys, pool.generate(output, next))
+            (keys, pool.generate(output, next), ends_partial)
         } else {
             return;
         };
-        for &h in generated.iter().rev().chain(keys.iter().rev()) {
-            pool.release(h);
+        // The last block, when not full, caches nothing: it goes, as room (unless another request holds it).
+        for (i, &h) in generated.iter().rev().chain(keys.iter().rev()).enumerate() {
+            if i == 0 && ends_partial && !matches!(pool.in_use.get(&h), Some((_, true))) {
+                pool.in_use.remove(&h);
+                pool.free.retain(|&b| b != h);
+            } else {
+                pool.release(h);
+            }
         }
         pool.admit_waiting(next);
     }
 
     fn take_back(&mut self, flight: &Flight, next: &mut u128) {
         let Some(pool) = self.pool(flight) else { return };
-        if let Some((keys, reused, generated)) = pool.running.remove(&flight.2) {
+        if let Some((keys, reused, generated, _)) = pool.running.remove(&flight.2) {
             for &h in generated.iter().rev().chain(keys[reused..].iter().rev()) {
                 match pool.in_use.get(&h) {
                     Some((_, true)) => pool.release(h),
@@ -216,6 +222,7 @@ enum Op {
         reusable: usize,
         partial: usize,
         output: usize,
+        ends_partial: bool,
     },
     /// Completes (or takes back) the in-flight request at this index, if there is one.
     Finish {
@@ -230,9 +237,17 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         // An engine reuses every full block of a prompt, or all but the last when the prompt ends on a block boundary.
-        6 => (0u32..4, 0u8..3, 1usize..8, any::<bool>(), 0usize..2, 0usize..3).prop_map(|(slot, family, len, all, partial, output)| {
-            Op::Record { slot, family, len, reusable: if all { len } else { len - 1 }, partial, output }
-        }),
+        6 => (0u32..4, 0u8..3, 1usize..8, any::<bool>(), 0usize..2, 0usize..3, any::<bool>()).prop_map(
+            |(slot, family, len, all, partial, output, ends_partial)| Op::Record {
+                slot,
+                family,
+                len,
+                reusable: if all { len } else { len - 1 },
+                partial,
+                output,
+                ends_partial
+            }
+        ),
         6 => (0usize..4, prop::bool::weighted(0.2)).prop_map(|(which, take_back)| Op::Finish { which, take_back }),
         1 => (0u32..4).prop_map(Op::Clear),
         1 => (0u32..4).prop_map(Op::Remove),
@@ -263,10 +278,10 @@ proptest! {
         }
         for op in ops {
             match op {
-                Op::Record { slot, family, len, reusable, partial, output } => {
+                Op::Record { slot, family, len, reusable, partial, output, ends_partial } => {
                     let hashes = chain(family, len);
-                    let recorded = index.record(slot, &hashes, reusable, partial, output, false);
-                    let flight = naive.record(slot, &hashes, reusable, partial, output, &mut next);
+                    let recorded = index.record(slot, &hashes, reusable, partial, output, ends_partial);
+                    let flight = naive.record(slot, &hashes, reusable, partial, (output, ends_partial), &mut next);
                     let real = |v: &[BlockHash]| -> (Vec<BlockHash>, usize) {
                         let mut r: Vec<BlockHash> = v.iter().copied().filter(|h| hashes.contains(h)).collect();
                         r.sort_unstable();
