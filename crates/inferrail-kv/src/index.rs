@@ -371,13 +371,12 @@ impl KvIndex {
             None => return,
         };
         // Generated tokens' blocks, the request's last, are freed first; a
-        // last block that is not full caches nothing and becomes room.
+        // last block that is not full (a placeholder: no prompt names it)
+        // caches nothing and becomes room.
         let shadow = &mut rep.shadow;
         for (i, &h) in generated.iter().rev().chain(keys.iter().rev()).enumerate() {
-            if i == 0 && ends_partial {
-                if shadow.withdraw(h) && !is_placeholder(h) {
-                    self.holders.release(h, recorded.slot);
-                }
+            if i == 0 && ends_partial && is_placeholder(h) {
+                shadow.withdraw(h);
             } else {
                 shadow.release(h);
             }

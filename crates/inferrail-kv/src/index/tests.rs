@@ -166,9 +166,9 @@ impl Naive {
         } else {
             return;
         };
-        // The last block, when not full, caches nothing: it goes, as room (unless another request holds it).
+        // The last block, when not full (a placeholder), caches nothing: it goes, as room.
         for (i, &h) in generated.iter().rev().chain(keys.iter().rev()).enumerate() {
-            if i == 0 && ends_partial && !matches!(pool.in_use.get(&h), Some((_, true))) {
+            if i == 0 && ends_partial && h >> 100 == 7 {
                 pool.in_use.remove(&h);
                 pool.free.retain(|&b| b != h);
             } else {
