@@ -10,6 +10,10 @@
 //! What an attempt recorded can be taken back (the engine refused it), a
 //! replica can be cleared (its engine restarted) or forgotten (it left).
 //!
+//! While requests wait on an approximate replica, lookups see its cache as
+//! a request sent now will find it, once the requests ahead have started
+//! (`ahead`, ADR 0050).
+//!
 //! A replica in exact mode has no shadow in use: the engine's events say what
 //! it holds, and the requests the router sent and the engine has not
 //! reported claim their prompt blocks until they complete (ADR 0012); the
@@ -23,11 +27,13 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::hash::BlockHash;
+use ahead::Ahead;
 use exact::{Change, Exact};
 pub use exact::{Event, EventError, Stored, Tier};
 use holders::Holders;
 use shadow::Shadow;
 
+mod ahead;
 mod exact;
 mod exact_mode;
 mod holders;
@@ -86,6 +92,8 @@ struct Replica {
     requests: HashMap<u64, Request>,
     /// Requests waiting for room, first come first, as in the engine's queue.
     queue: VecDeque<u64>,
+    /// What they will evict and store before a request sent now starts, as lookups see it.
+    ahead: Ahead,
     /// The replies requests recorded and not yet completed will leave, and their prompts' full blocks.
     coming: HashMap<u64, (Reply, usize)>,
     /// Completed requests' replies by their prompt's last full block.
@@ -193,6 +201,7 @@ impl KvIndex {
             exact: None,
             requests: HashMap::new(),
             queue: VecDeque::new(),
+            ahead: Ahead::default(),
             coming: HashMap::new(),
             replies: HashMap::new(),
             prune_at: REPLIES_KEPT,
@@ -271,12 +280,14 @@ impl KvIndex {
             None => {
                 rep.requests.insert(request, Request::Waiting { prompt: prompt.to_vec(), reusable, partial, output, ends_partial });
                 rep.queue.push_back(request);
+                self.foresee(slot, rep);
             }
         }
         Recorded { slot, replica: rep.id, request }
     }
 
-    /// Starts waiting requests, first come first, while the first fits.
+    /// Starts waiting requests, first come first, while the first fits,
+    /// and foresees what the rest will do.
     fn admit_waiting(&self, slot: Slot, rep: &mut Replica) {
         let Replica { shadow, requests, queue, .. } = rep;
         while let Some(&head) = queue.front() {
@@ -288,6 +299,24 @@ impl KvIndex {
             let generated = self.take_fresh(shadow, slot, output, &[]);
             requests.insert(head, Request::Running { keys, reused, generated, ends_partial });
             queue.pop_front();
+        }
+        self.foresee(slot, rep);
+    }
+
+    /// Presents an approximate replica's cache as a request sent now will
+    /// find it: the blocks the waiting requests will evict absent from the
+    /// holder map, those they will store present.
+    fn foresee(&self, slot: Slot, rep: &mut Replica) {
+        if rep.queue.is_empty() && rep.ahead.is_empty() {
+            return;
+        }
+        let old = std::mem::replace(&mut rep.ahead, Ahead::foresee(&rep.shadow, &rep.requests, &rep.queue));
+        for h in old.changed().chain(rep.ahead.changed()).filter(|&h| !is_placeholder(h)) {
+            if rep.ahead.holds(&rep.shadow, h) {
+                self.holders.add(h, slot);
+            } else {
+                self.holders.release(h, slot);
+            }
         }
     }
 
@@ -335,10 +364,11 @@ impl KvIndex {
         }
         let mut fresh = Vec::with_capacity(room);
         for i in 0..room {
-            // The slot's bit in the holder map is whether its shadow holds
-            // the block: one probe asks and, when it does not, adds it.
             let key = match names.get(i) {
-                Some(&h) if self.holders.add(h, slot) => h,
+                Some(&h) if !shadow.contains(h) => {
+                    self.holders.add(h, slot);
+                    h
+                }
                 _ => self.placeholder(),
             };
             // Cannot fail: `make_room` left room for it.
@@ -409,7 +439,7 @@ impl KvIndex {
         let replicas = self.lock();
         let rep = replicas.get(&slot).filter(|r| r.exact.is_none())?;
         let replied = rep.replies.get(&last)?;
-        let held = replied.blocks.iter().take_while(|&&h| rep.shadow.contains(h)).count();
+        let held = replied.blocks.iter().take_while(|&&h| rep.ahead.holds(&rep.shadow, h)).count();
         Some((replied.reply.clone(), held))
     }
 
@@ -510,7 +540,7 @@ impl KvIndex {
 
     /// Releases every block of a replica's old shadow or exact view; called under the lock.
     fn drop_all(&self, slot: Slot, old: Replica) {
-        for h in old.shadow.blocks().filter(|&h| !is_placeholder(h)) {
+        for h in old.shadow.blocks().chain(old.ahead.stored()).filter(|&h| !is_placeholder(h)) {
             self.holders.release(h, slot);
         }
         for h in old.exact.iter().flat_map(Exact::present) {

@@ -69,7 +69,7 @@ impl KvIndex {
                 let prefix = &hashes[..depth.min(hashes.len())];
                 match &rep.exact {
                     Some(exact) => prefix.partition_point(|&h| exact.claimed(h)),
-                    None => prefix.partition_point(|&h| rep.shadow.in_use(h) == Some(true)),
+                    None => prefix.partition_point(|&h| rep.ahead.in_use(&rep.shadow, h)),
                 }
             })
             .collect()

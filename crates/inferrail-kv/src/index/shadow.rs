@@ -237,6 +237,12 @@ impl Shadow {
         self.unused = i;
     }
 
+    /// The blocks no running request holds, least recently freed first.
+    pub(super) fn oldest_free(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        std::iter::successors(Some(self.oldest).filter(|&i| i != NIL), |&i| Some(self.nodes[i as usize].newer).filter(|&n| n != NIL))
+            .map(|i| join(self.nodes[i as usize].key))
+    }
+
     /// Every block held, in no particular order.
     pub(super) fn blocks(&self) -> impl Iterator<Item = BlockHash> + '_ {
         self.table.iter().map(|&i| join(self.nodes[i as usize].key))
@@ -287,9 +293,9 @@ mod tests {
     impl Shadow {
         /// The blocks no request holds, most recently freed first.
         fn free_order(&self) -> Vec<BlockHash> {
-            std::iter::successors(Some(self.newest).filter(|&i| i != NIL), |&i| Some(self.nodes[i as usize].older).filter(|&o| o != NIL))
-                .map(|i| join(self.nodes[i as usize].key))
-                .collect()
+            let mut order: Vec<BlockHash> = self.oldest_free().collect();
+            order.reverse();
+            order
         }
     }
 

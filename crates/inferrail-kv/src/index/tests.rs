@@ -13,7 +13,7 @@ impl KvIndex {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct Pool {
     cap: usize,
     /// Blocks no request holds, least recently freed first.
@@ -25,6 +25,8 @@ struct Pool {
     /// Requests in flight by id: running with (blocks, reused, generated blocks, ends partial), or waiting with (prompt, reusable, partial, output, ends partial).
     running: HashMap<u64, (Vec<BlockHash>, usize, Vec<BlockHash>, bool)>,
     waiting: Vec<(u64, Vec<BlockHash>, usize, usize, usize, bool)>,
+    /// A request takes every block it needs, growing the pool when none is free (blocks running requests will free).
+    grows: bool,
 }
 
 impl Pool {
@@ -58,7 +60,11 @@ impl Pool {
     /// A fresh placeholder block in use, reusing the least recently freed block when full.
     fn take(&mut self, next: &mut u128) -> BlockHash {
         if self.free.len() + self.in_use.len() == self.cap {
-            self.free.remove(0);
+            if self.free.is_empty() && self.grows {
+                self.cap += 1;
+            } else {
+                self.free.remove(0);
+            }
         }
         *next += 1;
         let p = (7u128 << 100) | *next;
@@ -84,7 +90,7 @@ impl Pool {
             self.hold(h);
         }
         let mut keys: Vec<BlockHash> = prompt[..reused].to_vec();
-        for _ in 0..need.min(self.cap - self.in_use.len()) {
+        for _ in 0..self.room(need) {
             keys.push(self.take(next));
         }
         for i in reused..prompt.len().min(keys.len()) {
@@ -99,7 +105,12 @@ impl Pool {
 
     /// Blocks for `output` generated tokens, as many as fit beside the running requests'.
     fn generate(&mut self, output: usize, next: &mut u128) -> Vec<BlockHash> {
-        (0..output.min(self.cap - self.in_use.len())).map(|_| self.take(next)).collect()
+        (0..self.room(output)).map(|_| self.take(next)).collect()
+    }
+
+    /// How many of `n` more blocks a request gets.
+    fn room(&self, n: usize) -> usize {
+        if self.grows { n } else { n.min(self.cap - self.in_use.len()) }
     }
 
     fn admit_waiting(&mut self, next: &mut u128) {
@@ -201,14 +212,26 @@ impl Naive {
         pool.admit_waiting(next);
     }
 
+    /// The pool as a request sent now finds it when it starts: every
+    /// waiting request admitted before it, in order and in full.
+    fn ahead(&self, slot: Slot) -> Option<Pool> {
+        let mut pool = Pool { grows: true, ..self.replicas.get(&slot)?.clone() };
+        let mut next = 1u128 << 90;
+        for (_, prompt, reusable, partial, output, _) in std::mem::take(&mut pool.waiting) {
+            pool.admit(&prompt, reusable, partial, true, &mut next);
+            pool.generate(output, &mut next);
+        }
+        Some(pool)
+    }
+
     fn matched(&self, hashes: &[BlockHash], slot: Slot) -> usize {
-        let Some(pool) = self.replicas.get(&slot) else { return 0 };
+        let Some(pool) = self.ahead(slot) else { return 0 };
         hashes.iter().take_while(|&&h| pool.contains(h)).count()
     }
 
     /// Of the first `depth` blocks, those a running request holds, wherever they are.
     fn held(&self, hashes: &[BlockHash], slot: Slot, depth: usize) -> usize {
-        let Some(pool) = self.replicas.get(&slot) else { return 0 };
+        let Some(pool) = self.ahead(slot) else { return 0 };
         hashes[..depth].iter().filter(|h| pool.in_use.contains_key(h)).count()
     }
 }
@@ -405,7 +428,7 @@ fn blocks_of_running_requests_are_not_evicted() {
     let second = index.record(0, &chain(1, 3), 3, 0, 0, false);
     assert!(index.added(&second).is_empty());
     assert_eq!(index.matched(&chain(0, 3), &[0]), [3], "the running request's blocks stay");
-    assert_eq!(index.matched(&chain(1, 3), &[0]), [0], "a queued request holds nothing");
+    assert_eq!(index.matched(&chain(1, 3), &[0]), [3], "a request sent now finds the queued one's blocks: it will have started");
     index.complete(&first);
     // The queued one ran after: it took the first request's blocks from the tail.
     index.complete(&second);
@@ -416,6 +439,29 @@ fn blocks_of_running_requests_are_not_evicted() {
     assert_eq!(index.matched(&chain(0, 3), &[0]), [0]);
     index.complete(&index.record(0, &chain(3, 1), 1, 0, 0, false));
     assert_eq!(index.matched(&chain(1, 3), &[0]), [2]);
+}
+
+#[test]
+fn a_request_sent_now_finds_what_the_queue_ahead_will_leave() {
+    let index = KvIndex::new();
+    index.add_replica(0, 6);
+    // A prefix of two blocks, free, and a running request that holds three.
+    index.complete(&index.record(0, &chain(0, 2), 2, 0, 0, false));
+    let running = index.record(0, &chain(1, 3), 3, 0, 0, false);
+    assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
+    // Four blocks do not fit in the one empty and two free: the request
+    // waits, and when it starts it takes the free ones.
+    let waiting = index.record(0, &chain(2, 4), 4, 0, 0, false);
+    assert!(index.added(&waiting).is_empty(), "it waits");
+    assert_eq!(index.matched(&chain(0, 2), &[0]), [0], "its start will evict the prefix");
+    assert_eq!(index.matched(&chain(2, 4), &[0]), [4], "and store its own blocks");
+    let (prompt, held) = (chain(2, 4), [(0, 4)]);
+    assert_eq!(index.held(&prompt, &held), [4], "which it will hold while it runs");
+    // Taken back, nothing will evict the prefix.
+    index.take_back(&waiting);
+    assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
+    assert_eq!(index.matched(&chain(2, 4), &[0]), [0]);
+    index.complete(&running);
 }
 
 #[test]
