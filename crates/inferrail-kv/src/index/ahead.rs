@@ -2,73 +2,80 @@
 //! will do to its cache before a request sent there now starts.
 //!
 //! The engine admits waiting requests first come first, so every one queued
-//! now starts before a request sent now. Each takes its reused blocks out of
-//! the free queue, takes fresh blocks from the empty room and then from the
-//! least recently freed blocks (evicting them), and stores its prompt's
-//! blocks under their names. A lookup must see the cache as the new request
-//! will find it: the blocks the queue will evict absent, the blocks it will
-//! store present (ADR 0050). The requests running now are taken to end
-//! after: the blocks they free go behind every block free now, so the
-//! queue's evictions come from those first.
+//! now starts before a request sent now. The head waits until running
+//! requests have ended and freed enough room; it then takes its reused
+//! blocks out of the free queue, takes fresh blocks from the empty room and
+//! then from the least recently freed blocks (evicting them), and stores
+//! its prompt's blocks under their names. A lookup must see the cache as
+//! the new request will find it: the blocks the queue will evict absent,
+//! the blocks it will store present (ADR 0050). Running requests are taken
+//! to end in the order they were recorded; each frees its blocks as
+//! `complete` does, behind every block free before.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use super::Request;
 use super::shadow::Shadow;
+use super::{Request, is_placeholder};
 use crate::hash::BlockHash;
 
-/// The blocks the waiting requests will evict, reuse and store.
+/// What the waiting requests will have done when a request sent now starts.
 #[derive(Debug, Default)]
 pub(super) struct Ahead {
-    /// Blocks held now that the queue's requests will evict (placeholders too).
+    /// Blocks held now that will be gone (placeholders too).
     evicted: HashSet<BlockHash>,
-    /// Blocks free now that they will reuse, and so hold.
-    reused: HashSet<BlockHash>,
-    /// Blocks not held now that they will store.
+    /// Blocks not held now that the queue will store.
     stored: HashSet<BlockHash>,
+    /// Blocks the queue's requests will hold (the ones they reuse).
+    held: HashSet<BlockHash>,
+    /// Blocks in use now that ended requests will have freed, still free.
+    released: HashSet<BlockHash>,
 }
 
 impl Ahead {
     /// Admits `queue`'s waiting requests in order against `shadow`, each
-    /// in full: the room it takes comes from the empty blocks, then from the
-    /// blocks free now, oldest first, then from blocks the running requests
-    /// will free, which are not followed.
+    /// once enough running requests have ended for it to fit (or none is
+    /// left), and in full.
     pub(super) fn foresee(shadow: &Shadow, requests: &HashMap<u64, Request>, queue: &VecDeque<u64>) -> Self {
-        let mut ahead = Ahead::default();
-        let mut empty = shadow.cap() - shadow.len();
-        let mut oldest = shadow.oldest_free();
+        let mut ending: Vec<u64> = requests.iter().filter(|(_, r)| matches!(r, Request::Running { .. })).map(|(&id, _)| id).collect();
+        ending.sort_unstable();
+        let mut run = Run {
+            shadow,
+            ahead: Ahead::default(),
+            empty: shadow.cap() - shadow.len(),
+            available: shadow.available(),
+            oldest: shadow.oldest_free(),
+            freed: VecDeque::new(),
+            ending: ending.into_iter().filter_map(|id| requests.get(&id)).collect(),
+            let_go: HashMap::new(),
+        };
         for id in queue {
             let Some(&Request::Waiting { ref prompt, reusable, partial, output, .. }) = requests.get(id) else { continue };
-            let hits = prompt[..reusable.min(prompt.len())].iter().take_while(|&&h| ahead.holds(shadow, h)).count();
+            let reusable = &prompt[..reusable.min(prompt.len())];
+            let hits = loop {
+                let hits = reusable.iter().take_while(|&&h| run.ahead.holds(shadow, h)).count();
+                let free_reused = prompt[..hits].iter().filter(|&&h| run.is_free(h)).count();
+                if prompt.len() - hits + partial + free_reused <= run.available || !run.end_one() {
+                    break hits;
+                }
+            };
             for &h in &prompt[..hits] {
-                if shadow.in_use(h) == Some(false) && !ahead.stored.contains(&h) {
-                    ahead.reused.insert(h);
+                if run.is_free(h) {
+                    run.available = run.available.saturating_sub(1);
+                }
+                run.ahead.released.remove(&h);
+                run.ahead.held.insert(h);
+            }
+            run.take(prompt.len() - hits + partial);
+            // A fresh block takes the prompt's name unless the replica holds that block elsewhere.
+            for &h in &prompt[hits..] {
+                if !run.ahead.holds(shadow, h) {
+                    run.ahead.stored.insert(h);
+                    run.ahead.evicted.remove(&h);
                 }
             }
-            // The prompt's fresh blocks (and its partial last one), then its output's.
-            for (i, need) in [prompt.len() - hits + partial, output].into_iter().enumerate() {
-                let from_empty = need.min(empty);
-                empty -= from_empty;
-                let mut evicting = need - from_empty;
-                while evicting > 0 {
-                    let Some(h) = oldest.next() else { break };
-                    if !ahead.reused.contains(&h) {
-                        ahead.evicted.insert(h);
-                        evicting -= 1;
-                    }
-                }
-                if i == 0 {
-                    // A fresh block takes the prompt's name unless the replica holds that block elsewhere.
-                    for &h in &prompt[hits..] {
-                        if !ahead.holds(shadow, h) {
-                            ahead.stored.insert(h);
-                            ahead.evicted.remove(&h);
-                        }
-                    }
-                }
-            }
+            run.take(output);
         }
-        ahead
+        run.ahead
     }
 
     /// Whether the replica will hold `h` when a request sent now starts.
@@ -78,7 +85,7 @@ impl Ahead {
 
     /// Whether a request in flight will hold `h` then.
     pub(super) fn in_use(&self, shadow: &Shadow, h: BlockHash) -> bool {
-        self.stored.contains(&h) || self.reused.contains(&h) || shadow.in_use(h) == Some(true)
+        self.stored.contains(&h) || self.held.contains(&h) || (shadow.in_use(h) == Some(true) && !self.released.contains(&h))
     }
 
     /// Every block whose presence the queue changes.
@@ -92,6 +99,81 @@ impl Ahead {
     }
 
     pub(super) fn is_empty(&self) -> bool {
-        self.evicted.is_empty() && self.stored.is_empty() && self.reused.is_empty()
+        self.evicted.is_empty() && self.stored.is_empty() && self.held.is_empty() && self.released.is_empty()
+    }
+}
+
+/// The replica's pool as the forecast runs it.
+struct Run<'a, I> {
+    shadow: &'a Shadow,
+    ahead: Ahead,
+    /// Blocks never used.
+    empty: usize,
+    /// Blocks neither in use nor about to be (the engine's free count).
+    available: usize,
+    /// The shadow's free blocks, oldest first.
+    oldest: I,
+    /// Blocks freed by the running requests ended so far, in freeing order.
+    freed: VecDeque<BlockHash>,
+    /// Running requests, in the order they will end.
+    ending: VecDeque<&'a Request>,
+    /// Holders each block has lost to ended requests.
+    let_go: HashMap<BlockHash, u32>,
+}
+
+impl<I: Iterator<Item = BlockHash>> Run<'_, I> {
+    /// Whether `h` sits in the free queue then.
+    fn is_free(&self, h: BlockHash) -> bool {
+        let free_now = self.shadow.in_use(h) == Some(false) && !self.ahead.evicted.contains(&h);
+        !self.ahead.held.contains(&h) && (free_now || self.ahead.released.contains(&h))
+    }
+
+    /// The next running request ends; false when none is left.
+    fn end_one(&mut self) -> bool {
+        let Some(Request::Running { keys, generated, ends_partial, .. }) = self.ending.pop_front() else { return false };
+        for (i, &h) in generated.iter().rev().chain(keys.iter().rev()).enumerate() {
+            let lost = self.let_go.entry(h).or_default();
+            *lost += 1;
+            if *lost < self.shadow.holders(h) || self.ahead.held.contains(&h) {
+                continue;
+            }
+            self.available += 1;
+            if i == 0 && *ends_partial && is_placeholder(h) {
+                // Its last block, not full, becomes room.
+                self.empty += 1;
+                self.ahead.evicted.insert(h);
+            } else {
+                self.freed.push_back(h);
+                self.ahead.released.insert(h);
+            }
+        }
+        true
+    }
+
+    /// The least recently freed block, to evict: one free now, else one an
+    /// ended request freed.
+    fn oldest(&mut self) -> Option<BlockHash> {
+        let held = &self.ahead.held;
+        if let Some(h) = self.oldest.by_ref().find(|h| !held.contains(h)) {
+            return Some(h);
+        }
+        while let Some(h) = self.freed.pop_front() {
+            if self.ahead.released.remove(&h) {
+                return Some(h);
+            }
+        }
+        None
+    }
+
+    /// Takes `n` fresh blocks: the empty ones, then the least recently
+    /// freed, then (when none is left) blocks not followed.
+    fn take(&mut self, n: usize) {
+        self.available = self.available.saturating_sub(n);
+        let from_empty = n.min(self.empty);
+        self.empty -= from_empty;
+        for _ in from_empty..n {
+            let Some(h) = self.oldest() else { break };
+            self.ahead.evicted.insert(h);
+        }
     }
 }

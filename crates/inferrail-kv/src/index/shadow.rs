@@ -199,6 +199,14 @@ impl Shadow {
         true
     }
 
+    /// How many running requests hold a block.
+    pub(super) fn holders(&self, h: BlockHash) -> u32 {
+        match self.find(h).map(|i| self.nodes[i as usize]) {
+            Some(node) if node.older == IN_USE => node.newer & !SHARED,
+            _ => 0,
+        }
+    }
+
     /// Whether a running request holds a block; `None` if the block is not held.
     pub(super) fn in_use(&self, h: BlockHash) -> Option<bool> {
         self.find(h).map(|i| self.nodes[i as usize].older == IN_USE)

@@ -113,6 +113,25 @@ impl Pool {
         if self.grows { n } else { n.min(self.cap - self.in_use.len()) }
     }
 
+    /// A running request ends; false if there is none by that id.
+    fn end(&mut self, id: u64) -> bool {
+        let Some((keys, _, generated, ends_partial)) = self.running.remove(&id) else { return false };
+        self.free(&keys, &generated, ends_partial);
+        true
+    }
+
+    /// Frees a request's blocks, last first. The last block, when not full (a placeholder), caches nothing: it goes, as room.
+    fn free(&mut self, keys: &[BlockHash], generated: &[BlockHash], ends_partial: bool) {
+        for (i, &h) in generated.iter().rev().chain(keys.iter().rev()).enumerate() {
+            if i == 0 && ends_partial && h >> 100 == 7 {
+                self.in_use.remove(&h);
+                self.free.retain(|&b| b != h);
+            } else {
+                self.release(h);
+            }
+        }
+    }
+
     fn admit_waiting(&mut self, next: &mut u128) {
         while let Some((id, prompt, reusable, partial, output, ends_partial)) = self.waiting.first().cloned() {
             let Some((keys, reused)) = self.admit(&prompt, reusable, partial, false, next) else { break };
@@ -168,23 +187,12 @@ impl Naive {
 
     fn complete(&mut self, flight: &Flight, next: &mut u128) {
         let Some(pool) = self.pool(flight) else { return };
-        let (keys, generated, ends_partial) = if let Some((keys, _, generated, ends_partial)) = pool.running.remove(&flight.2) {
-            (keys, generated, ends_partial)
-        } else if let Some(at) = pool.waiting.iter().position(|w| w.0 == flight.2) {
+        if !pool.end(flight.2) {
+            let Some(at) = pool.waiting.iter().position(|w| w.0 == flight.2) else { return };
             let (_, prompt, reusable, partial, output, ends_partial) = pool.waiting.remove(at);
             let keys = pool.admit(&prompt, reusable, partial, true, next).map(|(k, _)| k).unwrap_or_default();
-            (keys, pool.generate(output, next), ends_partial)
-        } else {
-            return;
-        };
-        // The last block, when not full (a placeholder), caches nothing: it goes, as room.
-        for (i, &h) in generated.iter().rev().chain(keys.iter().rev()).enumerate() {
-            if i == 0 && ends_partial && h >> 100 == 7 {
-                pool.in_use.remove(&h);
-                pool.free.retain(|&b| b != h);
-            } else {
-                pool.release(h);
-            }
+            let generated = pool.generate(output, next);
+            pool.free(&keys, &generated, ends_partial);
         }
         pool.admit_waiting(next);
     }
@@ -213,12 +221,27 @@ impl Naive {
     }
 
     /// The pool as a request sent now finds it when it starts: every
-    /// waiting request admitted before it, in order and in full.
+    /// waiting request admitted before it, in order and in full, each once
+    /// the running requests, ending in the order they came, leave it room
+    /// (or none is left).
     fn ahead(&self, slot: Slot) -> Option<Pool> {
         let mut pool = Pool { grows: true, ..self.replicas.get(&slot)?.clone() };
+        let mut ending: Vec<u64> = pool.running.keys().copied().collect();
+        ending.sort_unstable();
+        let mut ending = ending.into_iter();
         let mut next = 1u128 << 90;
         for (_, prompt, reusable, partial, output, _) in std::mem::take(&mut pool.waiting) {
-            pool.admit(&prompt, reusable, partial, true, &mut next);
+            while pool.admit(&prompt, reusable, partial, false, &mut next).is_none() {
+                match ending.next() {
+                    Some(id) => {
+                        pool.end(id);
+                    }
+                    None => {
+                        pool.admit(&prompt, reusable, partial, true, &mut next);
+                        break;
+                    }
+                }
+            }
             pool.generate(output, &mut next);
         }
         Some(pool)
@@ -427,8 +450,11 @@ fn blocks_of_running_requests_are_not_evicted() {
     // Three more blocks do not fit beside the running request's: the engine queues the second request.
     let second = index.record(0, &chain(1, 3), 3, 0, 0, false);
     assert!(index.added(&second).is_empty());
-    assert_eq!(index.matched(&chain(0, 3), &[0]), [3], "the running request's blocks stay");
-    assert_eq!(index.matched(&chain(1, 3), &[0]), [3], "a request sent now finds the queued one's blocks: it will have started");
+    assert!(chain(0, 3).iter().all(|&h| index.lock()[&0].shadow.contains(h)), "the running request's blocks stay");
+    // A request sent now starts after the queued one, which waits for the
+    // first to end and then takes its blocks from their tail.
+    assert_eq!(index.matched(&chain(0, 3), &[0]), [1]);
+    assert_eq!(index.matched(&chain(1, 3), &[0]), [3]);
     index.complete(&first);
     // The queued one ran after: it took the first request's blocks from the tail.
     index.complete(&second);
