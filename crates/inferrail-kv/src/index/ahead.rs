@@ -18,6 +18,13 @@ use super::shadow::Shadow;
 use super::{Request, is_placeholder};
 use crate::hash::BlockHash;
 
+/// Blocks the forecast takes for the queue at most, and at most twice the
+/// cache (half a million tokens in blocks of 16): it runs under the
+/// index's lock after every change on a replica with a queue, and a request
+/// sent behind more than this waits long enough that the rest of the queue
+/// is not followed.
+pub(super) const FORESIGHT: usize = 1 << 15;
+
 /// What the waiting requests will have done when a request sent now starts.
 #[derive(Debug, Default)]
 pub(super) struct Ahead {
@@ -47,8 +54,13 @@ impl Ahead {
             freed: VecDeque::new(),
             ending: ending.into_iter().filter_map(|id| requests.get(&id)).collect(),
             let_go: HashMap::new(),
+            taken: 0,
         };
+        let budget = FORESIGHT.min(2 * shadow.cap());
         for id in queue {
+            if run.taken > budget {
+                break;
+            }
             let Some(&Request::Waiting { ref prompt, reusable, partial, output, .. }) = requests.get(id) else { continue };
             let reusable = &prompt[..reusable.min(prompt.len())];
             let hits = loop {
@@ -119,6 +131,8 @@ struct Run<'a, I> {
     ending: VecDeque<&'a Request>,
     /// Holders each block has lost to ended requests.
     let_go: HashMap<BlockHash, u32>,
+    /// Fresh blocks taken so far.
+    taken: usize,
 }
 
 impl<I: Iterator<Item = BlockHash>> Run<'_, I> {
@@ -168,6 +182,7 @@ impl<I: Iterator<Item = BlockHash>> Run<'_, I> {
     /// Takes `n` fresh blocks: the empty ones, then the least recently
     /// freed, then (when none is left) blocks not followed.
     fn take(&mut self, n: usize) {
+        self.taken += n;
         self.available = self.available.saturating_sub(n);
         let from_empty = n.min(self.empty);
         self.empty -= from_empty;

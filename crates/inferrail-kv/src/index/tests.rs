@@ -27,6 +27,8 @@ struct Pool {
     waiting: Vec<(u64, Vec<BlockHash>, usize, usize, usize, bool)>,
     /// A request takes every block it needs, growing the pool when none is free (blocks running requests will free).
     grows: bool,
+    /// Fresh blocks taken.
+    taken: usize,
 }
 
 impl Pool {
@@ -67,6 +69,7 @@ impl Pool {
             }
         }
         *next += 1;
+        self.taken += 1;
         let p = (7u128 << 100) | *next;
         self.in_use.insert(p, (1, false));
         p
@@ -223,14 +226,18 @@ impl Naive {
     /// The pool as a request sent now finds it when it starts: every
     /// waiting request admitted before it, in order and in full, each once
     /// the running requests, ending in the order they came, leave it room
-    /// (or none is left).
+    /// (or none is left), until they have taken twice the cache.
     fn ahead(&self, slot: Slot) -> Option<Pool> {
-        let mut pool = Pool { grows: true, ..self.replicas.get(&slot)?.clone() };
+        let mut pool = Pool { grows: true, taken: 0, ..self.replicas.get(&slot)?.clone() };
+        let budget = ahead::FORESIGHT.min(2 * pool.cap);
         let mut ending: Vec<u64> = pool.running.keys().copied().collect();
         ending.sort_unstable();
         let mut ending = ending.into_iter();
         let mut next = 1u128 << 90;
         for (_, prompt, reusable, partial, output, _) in std::mem::take(&mut pool.waiting) {
+            if pool.taken > budget {
+                break;
+            }
             while pool.admit(&prompt, reusable, partial, false, &mut next).is_none() {
                 match ending.next() {
                     Some(id) => {
