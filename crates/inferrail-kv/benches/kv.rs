@@ -204,7 +204,38 @@ fn in_flight(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, hashing, lookup, events, in_flight, long_prompts);
+/// A request sent to an approximate replica with a queue (ADR 0050): a
+/// 4,096-block cache, a running request holding 3,584 blocks, 8 requests
+/// of 512 blocks waiting behind it, and 2,048 blocks of earlier prompts
+/// it evicted on paper. One iteration records a ninth request (it queues,
+/// and the forecast is redone) and takes it back (redone again); beside
+/// it, the same on a replica with no queue, where the forecast is skipped.
+fn queue(c: &mut Criterion) {
+    let index = KvIndex::new();
+    let blocks = |n: u128, len: u128| -> Vec<u128> { (0..len).map(|k| (n << 64) | k).collect() };
+    for s in 0..2 {
+        index.add_replica(s, 4096);
+        for p in 0..4 {
+            index.complete(&index.record(s, &blocks(100 + p, 512), 512, 0, 0, false));
+        }
+    }
+    let _running = index.record(0, &blocks(1, 3584), 3584, 0, 0, false);
+    for w in 0..8 {
+        index.record(0, &blocks(2 + w, 512), 512, 0, 0, false);
+    }
+    assert_eq!(index.matched(&blocks(100, 512), &[0, 1]), [0, 512], "the queue evicts the earlier prompts on paper");
+    let next = blocks(50, 512);
+    let mut g = c.benchmark_group("queue");
+    g.bench_function("record and take back 512 blocks behind 8 waiting", |b| {
+        b.iter(|| index.take_back(&index.record(0, std::hint::black_box(&next), 512, 0, 0, false)))
+    });
+    g.bench_function("record and take back 512 blocks, no queue", |b| {
+        b.iter(|| index.take_back(&index.record(1, std::hint::black_box(&next), 512, 0, 0, false)))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, hashing, lookup, events, in_flight, long_prompts, queue);
 
 fn main() {
     memory();

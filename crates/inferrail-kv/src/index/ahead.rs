@@ -15,7 +15,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::shadow::Shadow;
-use super::{Request, is_placeholder};
+use super::{FoldState, Request, is_placeholder};
 use crate::hash::BlockHash;
 
 /// Blocks the forecast takes for the queue at most, and at most twice the
@@ -25,17 +25,20 @@ use crate::hash::BlockHash;
 /// is not followed.
 pub(super) const FORESIGHT: usize = 1 << 15;
 
+/// A set of block hashes, hashed as the index hashes them.
+type Blocks = HashSet<BlockHash, FoldState>;
+
 /// What the waiting requests will have done when a request sent now starts.
 #[derive(Debug, Default)]
 pub(super) struct Ahead {
     /// Blocks held now that will be gone (placeholders too).
-    evicted: HashSet<BlockHash>,
+    evicted: Blocks,
     /// Blocks not held now that the queue will store.
-    stored: HashSet<BlockHash>,
+    stored: Blocks,
     /// Blocks the queue's requests will hold (the ones they reuse).
-    held: HashSet<BlockHash>,
+    held: Blocks,
     /// Blocks in use now that ended requests will have freed, still free.
-    released: HashSet<BlockHash>,
+    released: Blocks,
 }
 
 impl Ahead {
@@ -53,7 +56,7 @@ impl Ahead {
             oldest: shadow.oldest_free(),
             freed: VecDeque::new(),
             ending: ending.into_iter().filter_map(|id| requests.get(&id)).collect(),
-            let_go: HashMap::new(),
+            let_go: HashMap::default(),
             taken: 0,
         };
         let budget = FORESIGHT.min(2 * shadow.cap());
@@ -130,7 +133,7 @@ struct Run<'a, I> {
     /// Running requests, in the order they will end.
     ending: VecDeque<&'a Request>,
     /// Holders each block has lost to ended requests.
-    let_go: HashMap<BlockHash, u32>,
+    let_go: HashMap<BlockHash, u32, FoldState>,
     /// Fresh blocks taken so far.
     taken: usize,
 }
