@@ -311,11 +311,15 @@ impl KvIndex {
             return;
         }
         let old = std::mem::replace(&mut rep.ahead, Ahead::foresee(&rep.shadow, &rep.requests, &rep.queue));
+        // Read first: a write locks out the lookups reading that shard, and most bits are already right.
+        let (word, bit) = (slot as usize / 64, 1u64 << (slot % 64));
         for h in old.changed().chain(rep.ahead.changed()).filter(|&h| !is_placeholder(h)) {
-            if rep.ahead.holds(&rep.shadow, h) {
-                self.holders.add(h, slot);
-            } else {
-                self.holders.release(h, slot);
+            match (rep.ahead.holds(&rep.shadow, h), self.holders.word(h, word) & bit != 0) {
+                (true, false) => {
+                    self.holders.add(h, slot);
+                }
+                (false, true) => self.holders.release(h, slot),
+                _ => {}
             }
         }
     }

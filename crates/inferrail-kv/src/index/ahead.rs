@@ -66,13 +66,14 @@ impl Ahead {
             }
             let Some(&Request::Waiting { ref prompt, reusable, partial, output, .. }) = requests.get(id) else { continue };
             let reusable = &prompt[..reusable.min(prompt.len())];
-            let hits = loop {
-                let hits = reusable.iter().take_while(|&&h| run.ahead.holds(shadow, h)).count();
+            // Ending requests frees blocks but takes none away: the hits stay.
+            let hits = reusable.iter().take_while(|&&h| run.ahead.holds(shadow, h)).count();
+            loop {
                 let free_reused = prompt[..hits].iter().filter(|&&h| run.is_free(h)).count();
                 if prompt.len() - hits + partial + free_reused <= run.available || !run.end_one() {
-                    break hits;
+                    break;
                 }
-            };
+            }
             for &h in &prompt[..hits] {
                 if run.is_free(h) {
                     run.available = run.available.saturating_sub(1);
@@ -100,7 +101,9 @@ impl Ahead {
 
     /// Whether a request in flight will hold `h` then.
     pub(super) fn in_use(&self, shadow: &Shadow, h: BlockHash) -> bool {
-        self.stored.contains(&h) || self.held.contains(&h) || (shadow.in_use(h) == Some(true) && !self.released.contains(&h))
+        self.stored.contains(&h)
+            || self.held.contains(&h)
+            || (shadow.in_use(h) == Some(true) && !self.released.contains(&h) && !self.evicted.contains(&h))
     }
 
     /// Every block whose presence the queue changes.
@@ -141,7 +144,8 @@ struct Run<'a, I> {
 impl<I: Iterator<Item = BlockHash>> Run<'_, I> {
     /// Whether `h` sits in the free queue then.
     fn is_free(&self, h: BlockHash) -> bool {
-        let free_now = self.shadow.in_use(h) == Some(false) && !self.ahead.evicted.contains(&h);
+        // A block evicted on paper and stored again is the storing request's.
+        let free_now = self.shadow.in_use(h) == Some(false) && !self.ahead.evicted.contains(&h) && !self.ahead.stored.contains(&h);
         !self.ahead.held.contains(&h) && (free_now || self.ahead.released.contains(&h))
     }
 
