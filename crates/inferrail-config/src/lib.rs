@@ -179,8 +179,11 @@ pub struct Health {
     pub probe_interval_ms: u64,
     /// A probe that takes longer fails, milliseconds.
     pub probe_timeout_ms: u64,
-    /// Consecutive failed requests that eject a replica (a failed probe
-    /// marks it unhealthy at once, until a probe succeeds).
+    /// Probes in a row that time out or cannot connect before a replica is
+    /// marked unhealthy (an answer other than a success marks it at once);
+    /// it is healthy again at its first successful probe.
+    pub unhealthy_probes: u32,
+    /// Consecutive failed requests that eject a replica.
     pub consecutive_failures: u32,
     /// First ejection length; each further one doubles it, milliseconds.
     pub base_ejection_ms: u64,
@@ -195,6 +198,7 @@ impl Default for Health {
         Self {
             probe_interval_ms: 1_000,
             probe_timeout_ms: 500,
+            unhealthy_probes: 2,
             consecutive_failures: 3,
             base_ejection_ms: 1_000,
             max_ejection_ms: 30_000,

@@ -53,6 +53,9 @@ impl Config {
         if h.consecutive_failures == 0 {
             p.push("health.consecutive_failures: must be at least 1".into());
         }
+        if h.unhealthy_probes == 0 {
+            p.push("health.unhealthy_probes: must be at least 1".into());
+        }
         if !(0.0..=1.0).contains(&h.max_ejected_fraction) {
             p.push(format!("health.max_ejected_fraction: {} is not between 0 and 1", h.max_ejected_fraction));
         }

@@ -61,6 +61,8 @@ pub struct Replica {
     /// fresh engine report may predate it.
     sent: Mutex<VecDeque<(Duration, Arc<Sent>)>>,
     probe_ok: AtomicBool,
+    /// Probes in a row that got no answer.
+    probe_misses: AtomicU32,
     draining: AtomicBool,
     failures: AtomicU32,
     ejections: AtomicU32,
@@ -130,6 +132,7 @@ impl Replica {
             pending_prefill_us: AtomicU64::new(0),
             sent: Mutex::new(VecDeque::new()),
             probe_ok: AtomicBool::new(true),
+            probe_misses: AtomicU32::new(0),
             draining: AtomicBool::new(false),
             failures: AtomicU32::new(0),
             ejections: AtomicU32::new(0),
@@ -320,6 +323,17 @@ impl Replica {
     /// Records a probe result; returns whether the probe state changed.
     pub fn set_probe(&self, ok: bool) -> bool {
         self.probe_ok.swap(ok, Ordering::Relaxed) != ok
+    }
+
+    /// Counts a probe that got no answer (`true`) or one that did; returns
+    /// how many in a row got none.
+    pub fn probe_missed(&self, missed: bool) -> u32 {
+        if missed {
+            self.probe_misses.fetch_add(1, Ordering::Relaxed) + 1
+        } else {
+            self.probe_misses.store(0, Ordering::Relaxed);
+            0
+        }
     }
 
     /// A request succeeded: the failure streak ends.

@@ -1,5 +1,9 @@
 //! Active health checks: every replica's `/health`, probed on an interval
-//! with a timeout; a replica that fails its probe is not offered.
+//! with a timeout. A replica that answers with an error is not offered
+//! from then on; one whose probes time out or cannot connect, from the
+//! `health.unhealthy_probes`-th in a row (as Envoy's `unhealthy_threshold`:
+//! one slow probe on a busy host is not a dead engine). Its first
+//! successful probe offers it again.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,14 +33,44 @@ pub async fn probe_loop(router: Arc<Router>, http: reqwest::Client) {
         for r in router.fleet().replicas.iter().cloned() {
             let http = http.clone();
             probes.spawn(async move {
-                let ok = http.get(format!("http://{}/health", r.addr)).send().await.is_ok_and(|resp| resp.status().is_success());
-                (r, ok)
+                let answer = http.get(format!("http://{}/health", r.addr)).send().await.ok().map(|resp| resp.status().is_success());
+                (r, answer)
             });
         }
-        while let Some(Ok((r, ok))) = probes.join_next().await {
-            if r.set_probe(ok) {
-                tracing::info!(replica = %r.id, healthy = ok, "probe state changed");
+        while let Some(Ok((r, answer))) = probes.join_next().await {
+            let misses = r.probe_missed(answer.is_none());
+            if let Some(ok) = verdict(answer, misses, cfg.unhealthy_probes)
+                && r.set_probe(ok)
+            {
+                tracing::info!(replica = %r.id, healthy = ok, misses, "probe state changed");
             }
         }
+    }
+}
+
+/// A replica's probe state after a probe: its answer (whether it was a
+/// success) sets it; without one (a timeout, a refused connection) it turns
+/// unhealthy once `misses` in a row reach `unhealthy_probes`, and stays as
+/// it was before that.
+fn verdict(answer: Option<bool>, misses: u32, unhealthy_probes: u32) -> Option<bool> {
+    match answer {
+        Some(ok) => Some(ok),
+        None if misses >= unhealthy_probes => Some(false),
+        None => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::verdict;
+
+    #[test]
+    fn an_answer_decides_at_once_and_silence_only_after_enough_probes_in_a_row() {
+        assert_eq!(verdict(Some(true), 0, 2), Some(true));
+        assert_eq!(verdict(Some(false), 0, 2), Some(false), "an error status marks it unhealthy at once");
+        assert_eq!(verdict(None, 1, 2), None, "one probe without an answer changes nothing");
+        assert_eq!(verdict(None, 2, 2), Some(false));
+        assert_eq!(verdict(None, 5, 2), Some(false));
+        assert_eq!(verdict(None, 1, 1), Some(false), "a threshold of one marks it at the first");
     }
 }
