@@ -39,6 +39,9 @@ pub async fn probe_loop(router: Arc<Router>, http: reqwest::Client) {
         }
         while let Some(Ok((r, answer))) = probes.join_next().await {
             let misses = r.probe_missed(answer.is_none());
+            if answer.is_none() {
+                metrics::counter!("inferrail_probe_misses_total", "replica" => r.id.clone()).increment(1);
+            }
             if let Some(ok) = verdict(answer, misses, cfg.unhealthy_probes)
                 && r.set_probe(ok)
             {

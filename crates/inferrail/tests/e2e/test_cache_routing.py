@@ -118,7 +118,8 @@ def test_a_session_sticks_to_its_replica_until_it_is_overloaded_then_follows_the
     turns = [ask("chat-1", f"turn {t}", prompt=t % 3 + 1) for t in range(6)]
     # On a failure, say what the router set aside and which replicas were healthy (it failed once in CI and
     # did not again in 17 runs, some under a busy loop).
-    why = [line for line in fleet.metrics().splitlines() if line.startswith(("inferrail_set_aside_total", "inferrail_replica_healthy"))]
+    why = [line for line in fleet.metrics().splitlines()
+           if line.startswith(("inferrail_set_aside_total", "inferrail_replica_healthy", "inferrail_probe_misses_total"))]
     assert all(t == home for t in turns), (home, turns, why)
     assert fleet.metric("inferrail_steered_total", 'policy="cost_model",reason="session"') >= 6
 
