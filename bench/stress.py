@@ -275,7 +275,10 @@ def scenario_soak(fleet, n=35_000, clients=8):
         errors[0] == 0 and last - base < 10)
 
 
-def load_until(fleet, stop, results, seed):
+def load_until(fleet, stop, results, seed, seen=None):
+    """Sends completions on one connection until `stop`; appends (time sent,
+    status) to `results`, and (time sent, time answered, the replica the
+    router named) to `seen` when given."""
     rng = random.Random(seed)
     c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
     while not stop.is_set():
@@ -286,16 +289,19 @@ def load_until(fleet, stop, results, seed):
             c.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
             r = c.getresponse()
             r.read()
-            results.append((t, r.status if r.getheader("x-inferrail-replica") else f"{r.status} unrouted"))
+            replica = r.getheader("x-inferrail-replica")
+            results.append((t, r.status if replica else f"{r.status} unrouted"))
+            if seen is not None:
+                seen.append((t, time.monotonic(), replica))
         except (OSError, httpc.HTTPException) as e:
             results.append((t, repr(e)))
             c.close()
             c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
 
 
-def under_load(fleet, clients, during):
+def under_load(fleet, clients, during, seen=None):
     stop, results = threading.Event(), []
-    threads = [threading.Thread(target=load_until, args=(fleet, stop, results, k)) for k in range(clients)]
+    threads = [threading.Thread(target=load_until, args=(fleet, stop, results, k, seen)) for k in range(clients)]
     for t in threads:
         t.start()
     try:
@@ -707,6 +713,136 @@ def scenario_all_failing(fleet):
         fault=f"{answered_503} answers of 503 while failing")
 
 
+def scenario_dns_churn(_fleet, members=4, seconds=12, every=0.3):
+    """Replicas joining and leaving through DNS under load. Four more
+    simulators listen on 127.0.0.2-5 at one port; a DNS server (dnslib)
+    answers `churn.test.` with a random set of them, changed every 300 ms;
+    the router's group looks it up every 100 ms there (`nameserver`) and
+    hands the members to Envoy in its EDS file. No request sent after the
+    router dropped a member may be routed to it before DNS names it again,
+    and once the set settles no series of a departed member is left on the
+    router's page, nor a host of one in Envoy's cluster."""
+    from dnslib import A, QTYPE, RR
+    from dnslib.server import BaseResolver, DNSLogger, DNSServer
+    from test_drain import eds_cluster
+
+    dns_port, port = free_ports(2)
+    ips = [f"127.0.0.{k + 2}" for k in range(members)]
+    answer = {"ips": ips[:2], "asked": 0}
+
+    class Members(BaseResolver):
+        def resolve(self, request, handler):
+            reply = request.reply()
+            answer["asked"] += 1
+            if str(request.q.qname) == "churn.test." and request.q.qtype == QTYPE.A:
+                for ip in answer["ips"]:
+                    reply.add_answer(RR(request.q.qname, QTYPE.A, rdata=A(ip), ttl=0))
+            return reply
+
+    server = DNSServer(Members(), port=dns_port, address="127.0.0.1", logger=DNSLogger("-request,-reply,-truncated,-data"))
+    server.start_thread()
+    with tempfile.TemporaryDirectory(prefix="inferrail-stress-dns-") as tmp:
+        eds = Path(tmp) / "replicas.json"
+        fleet = Fleet(Path(tmp), policy="cost_model", sim_flags=["--zero-latency"],
+                      config_extra=f"eds: {{path: '{eds}'}}\n"
+                                   f"discovery: [{{group: pool, host: churn.test., port: {port}, interval_ms: 100, "
+                                   f"nameserver: '127.0.0.1:{dns_port}', models: [{MODEL}]}}]\n",
+                      envoy_edit=eds_cluster(eds))
+        try:
+            for k, ip in enumerate(ips):
+                fleet.procs[f"pool-{ip}"] = fleet._spawn(f"pool-{ip}", [
+                    TARGET / "inferrail-sim", "--host", ip, "--port", str(port), "--served-model-name", MODEL,
+                    "--zero-latency", "--seed", str(10 + k)])
+                wait_until(lambda ip=ip: http("GET", f"http://{ip}:{port}/health").status == 200, f"the simulator on {ip}")
+            fleet.start()
+            result = churn_under_load(fleet, answer, ips, port, seconds, every)
+        finally:
+            fleet.stop()
+            server.stop()
+    errors, wrong, departures, left_on_page, left_in_envoy, sent, to_members, served = result
+    row("churn: replicas joining and leaving through DNS under load (Envoy reaching them by the router's EDS file)",
+        "zero errors; every request routed to a DNS member served by it; no request sent after the router dropped a member is "
+        "routed to it unless DNS named it again before the answer; "
+        "once settled, no departed member on the router's metrics page or in Envoy's cluster",
+        f"{len(errors)} errors in {sent:,} requests; {to_members:,} routed to DNS members, which served {served:,}; "
+        f"{len(wrong)} to a departed member {wrong[:3]}; "
+        f"{departures} departures seen by the router; left on the page {left_on_page}, in Envoy {left_in_envoy}",
+        not errors and not wrong and not left_on_page and not left_in_envoy and departures >= 10 and served == to_members,
+        fault=f"{departures} departures, {answer['asked']} DNS questions")
+
+
+def churn_under_load(fleet, answer, ips, port, seconds, every):
+    """Drives scenario_dns_churn: returns (errors, requests routed to a
+    departed member, departures the router showed, members left on its page,
+    hosts left in Envoy's cluster, requests sent, requests routed to DNS
+    members, requests the members' simulators served)."""
+    ids = {ip: f"pool-{ip}-{port}" for ip in ips}
+    named = {ip: [] for ip in ips}  # when DNS began to name each member again (a rejoin may be routed from then)
+    unnamed = {ip: [] for ip in ips}  # when DNS stopped naming each member
+    dropped = {ip: [] for ip in ips}  # when the router's page first showed each member gone
+    rng = random.Random(54)
+    seen = []
+
+    def on_page():
+        page = fleet.metrics()
+        return {ip for ip in ips if f'inferrail_replica_healthy{{replica="{ids[ip]}"}}' in page}
+
+    def during(results):
+        now_on = on_page()
+        end = time.monotonic() + seconds
+        next_change = time.monotonic()
+        while time.monotonic() < end:
+            if time.monotonic() >= next_change:
+                new = rng.sample(ips, rng.randint(1, len(ips)))
+                for ip in set(new) - set(answer["ips"]):
+                    named[ip].append(time.monotonic())
+                for ip in set(answer["ips"]) - set(new):
+                    unnamed[ip].append(time.monotonic())
+                answer["ips"] = new
+                next_change += every
+            shown = on_page()
+            for ip in now_on - shown:
+                dropped[ip].append(time.monotonic())
+            now_on = shown
+            time.sleep(0.01)
+        answer["ips"] = ips[:1]
+        wait_until(lambda: on_page() == {ips[0]}, "the router to settle on one member", timeout=30)
+
+    results = under_load(fleet, 6, during, seen)
+    errors = [s for _, s in results if s != 200]
+    wrong = []
+    for t, done, replica in seen:
+        ip = next((ip for ip in ips if ids[ip] == replica), None)
+        if ip is None:
+            continue
+        gone = [d for d in dropped[ip] if d < t]
+        if not gone:
+            continue
+        # The drop the router showed last before the request was sent, and the DNS answer that caused it.
+        cause = max(u for u in unnamed[ip] if u <= gone[-1])
+        # Decided between sending and the answer: a member DNS named again by then may have rejoined.
+        if not any(cause < n <= done for n in named[ip]):
+            wrong.append(replica)
+    page = fleet.metrics()
+    left_on_page = [ids[ip] for ip in ips[1:] if f'replica="{ids[ip]}"' in page]
+
+    def in_envoy():
+        clusters = http("GET", f"http://127.0.0.1:{fleet.envoy_admin}/clusters").body.decode()
+        return [ip for ip in ips[1:] if f"replicas::{ip}:{port}::" in clusters]
+
+    try:
+        wait_until(lambda: not in_envoy(), "Envoy to drop the departed members", timeout=10)
+    except AssertionError:
+        print(http("GET", f"http://127.0.0.1:{fleet.envoy_admin}/clusters").body.decode()[-3000:])
+        print((fleet.tmp / "replicas.json").read_text()[:3000])
+    left_in_envoy = in_envoy()
+    departures = sum(len(d) for d in dropped.values())
+    to_members = sum(1 for _, _, replica in seen if replica in ids.values())
+    served = sum(float(line.split()[-1]) for ip in ips for line in http("GET", f"http://{ip}:{port}/metrics").body.decode().splitlines()
+                 if line.startswith("vllm:request_success_total"))
+    return errors, wrong, departures, left_on_page, left_in_envoy, len(results), to_members, int(served)
+
+
 def scenario_peer_killed(fleet):
     times = {}
 
@@ -864,6 +1000,7 @@ SCENARIOS = {
     "picker-restart": ("picker", scenario_picker_restart),
     "inference-perf": ("paced", scenario_inference_perf),
     "guidellm": ("paced", scenario_guidellm),
+    "dns-churn": ("none", scenario_dns_churn),
 }
 
 # The engines' flags, the router's limits for each replica and more of its

@@ -106,6 +106,9 @@ pub struct DnsGroup {
     pub port: u16,
     /// Time between lookups, milliseconds.
     pub interval_ms: u64,
+    /// The DNS server to ask (`ip:port`, over UDP, then TCP for a
+    /// truncated answer) instead of the system's (`/etc/resolv.conf`).
+    pub nameserver: Option<std::net::SocketAddr>,
     /// Every member's models, limits and cache shape.
     #[serde(flatten)]
     pub serving: Serving,
@@ -113,7 +116,7 @@ pub struct DnsGroup {
 
 impl Default for DnsGroup {
     fn default() -> Self {
-        Self { group: String::new(), host: String::new(), port: 8000, interval_ms: 5_000, serving: Serving::default() }
+        Self { group: String::new(), host: String::new(), port: 8000, interval_ms: 5_000, nameserver: None, serving: Serving::default() }
     }
 }
 

@@ -61,6 +61,9 @@ pub struct Replica {
     /// fresh engine report may predate it.
     sent: Mutex<VecDeque<(Duration, Arc<Sent>)>>,
     probe_ok: AtomicBool,
+    /// Whether Envoy has been told of it (the EDS file lists it); one that
+    /// is not is never probed, so never offered.
+    announced: AtomicBool,
     /// Probes in a row that got no answer.
     probe_misses: AtomicU32,
     draining: AtomicBool,
@@ -132,6 +135,7 @@ impl Replica {
             pending_prefill_us: AtomicU64::new(0),
             sent: Mutex::new(VecDeque::new()),
             probe_ok: AtomicBool::new(true),
+            announced: AtomicBool::new(true),
             probe_misses: AtomicU32::new(0),
             draining: AtomicBool::new(false),
             failures: AtomicU32::new(0),
@@ -318,6 +322,28 @@ impl Replica {
     /// Starts or ends its drain; returns whether that changed anything.
     pub fn set_draining(&self, draining: bool) -> bool {
         self.draining.swap(draining, Ordering::Relaxed) != draining
+    }
+
+    /// Holds a replica that joins a running fleet until its first
+    /// successful probe, as Envoy holds a new host of a health-checked
+    /// cluster; with `unannounced`, also until Envoy has been told of it
+    /// ([`Replica::announce`]), since before then Envoy could not send it
+    /// the requests the router names it for.
+    pub fn hold_until_probed(&self, unannounced: bool) {
+        self.probe_ok.store(false, Ordering::Relaxed);
+        if unannounced {
+            self.announced.store(false, Ordering::Relaxed);
+        }
+    }
+
+    /// Envoy has been told of it: it may be probed, and offered.
+    pub fn announce(&self) {
+        self.announced.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether Envoy knows it (always, without an EDS file).
+    pub fn announced(&self) -> bool {
+        self.announced.load(Ordering::Relaxed)
     }
 
     /// Records a probe result; returns whether the probe state changed.

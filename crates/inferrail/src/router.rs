@@ -74,6 +74,19 @@ pub struct Router {
     pub peers: Peers,
     /// Keys, bands, token limits and the wait queues.
     pub admission: Admission,
+    /// Whether replicas that join from now on wait for their first probe,
+    /// and for the EDS file to list them (both set as the service starts
+    /// its probes and its EDS writer).
+    pub hold_joiners: HoldJoiners,
+}
+
+/// What a replica joining the running fleet waits for before it is offered.
+#[derive(Debug, Default)]
+pub struct HoldJoiners {
+    /// Its first successful probe.
+    pub probe: std::sync::atomic::AtomicBool,
+    /// The EDS file listing it.
+    pub eds: std::sync::atomic::AtomicBool,
 }
 
 /// What a request's caller adds to it: what its headers ask of admission,
@@ -111,7 +124,8 @@ impl Router {
         let sources = Mutex::new(Vec::new());
         let peers = Peers::new(&config.server.listen);
         let admission = Admission::new(&config);
-        let router = Self { routing, sources, core, ledger, loads, clock, prompts, decision_log, traces, peers, admission };
+        let hold_joiners = HoldJoiners::default();
+        let router = Self { routing, sources, core, ledger, loads, clock, prompts, decision_log, traces, peers, admission, hold_joiners };
         let replicas = router.listed(&config.replicas, &names, &[])?.apply(&router);
         router.publish(STATIC, replicas);
         Ok(router)

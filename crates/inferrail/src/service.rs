@@ -120,6 +120,9 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
     let admin_grpc_server = tonic::transport::Server::builder()
         .add_routes(explain::services(router.clone())?)
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(admin_grpc_listener));
+    // From now on a replica that joins is offered once probed, and, with an EDS file, once that lists it.
+    router.hold_joiners.probe.store(true, std::sync::atomic::Ordering::Relaxed);
+    router.hold_joiners.eds.store(router.config().eds.path.is_some(), std::sync::atomic::Ordering::Relaxed);
     let background = vec![
         tokio::spawn(async move {
             if let Err(e) = admin_grpc_server.await {

@@ -70,25 +70,47 @@ impl Discovery {
     }
 }
 
-/// Resolves every group on its interval, forever.
-pub async fn run(router: Arc<Router>) {
-    if router.config().discovery.is_empty() {
-        return;
-    }
-    let resolver = match hickory_resolver::TokioResolver::builder_tokio().and_then(|b| b.build()) {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::error!(error = %e, "no DNS resolver; discovery groups stay empty");
-            return;
+/// A resolver asking `nameserver` (UDP, then TCP), or the system's configuration.
+fn resolver(nameserver: Option<SocketAddr>) -> Result<hickory_resolver::TokioResolver, String> {
+    use hickory_resolver::config::{NameServerConfig, ResolverConfig};
+    let builder = match nameserver {
+        None => hickory_resolver::TokioResolver::builder_tokio().map_err(|e| e.to_string())?,
+        Some(at) => {
+            let mut server = NameServerConfig::udp_and_tcp(at.ip());
+            for c in &mut server.connections {
+                c.port = at.port();
+            }
+            let config = ResolverConfig::from_name_servers(vec![server]);
+            hickory_resolver::TokioResolver::builder_with_config(config, Default::default())
         }
     };
+    builder.build().map_err(|e| e.to_string())
+}
+
+/// Resolves every group on its interval, forever.
+pub async fn run(router: Arc<Router>) {
+    let config = router.config();
+    let groups = &config.discovery;
+    if groups.is_empty() {
+        return;
+    }
+    let mut resolvers = Vec::with_capacity(groups.len());
+    for group in groups {
+        match resolver(group.nameserver) {
+            Ok(r) => resolvers.push(r),
+            Err(e) => {
+                tracing::error!(group = %group.group, error = %e, "no DNS resolver; discovery groups stay empty");
+                return;
+            }
+        }
+    }
     let mut discovery = Discovery::new(&router);
-    let mut next = vec![tokio::time::Instant::now(); router.config().discovery.len()];
+    let mut next = vec![tokio::time::Instant::now(); groups.len()];
     loop {
         let (g, at) = next.iter().enumerate().min_by_key(|(_, t)| **t).map(|(g, t)| (g, *t)).unwrap_or((0, tokio::time::Instant::now()));
         tokio::time::sleep_until(at).await;
-        let group = &router.config().discovery[g];
-        let lookup = resolver.lookup_ip(group.host.as_str()).await.map(|ips| ips.iter().collect()).map_err(|e| e.to_string());
+        let group = &groups[g];
+        let lookup = resolvers[g].lookup_ip(group.host.as_str()).await.map(|ips| ips.iter().collect()).map_err(|e| e.to_string());
         discovery.apply(&router, g, lookup);
         next[g] = tokio::time::Instant::now() + Duration::from_millis(group.interval_ms);
     }
@@ -144,6 +166,91 @@ discovery: [{group: pool, host: pool.internal, port: 8000, models: [m]}]
         assert_eq!(ids(&r), ["listed", "pool-10.0.0.1-8000"]);
         assert!(d.apply(&r, 0, Ok(vec![])), "an empty answer is an answer");
         assert_eq!(ids(&r), ["listed"]);
+    }
+
+    /// Once the service runs its probes and its EDS writer, a member that
+    /// joins is not offered until the EDS file has listed it and a probe
+    /// has found it healthy: before then Envoy could not send it what the
+    /// router names it for. Members that were there from the start are not held.
+    #[tokio::test]
+    async fn a_member_that_joins_is_offered_once_envoy_knows_it_and_a_probe_found_it_healthy() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let r = router();
+        let mut d = Discovery::new(&r);
+        d.apply(&r, 0, Ok(vec![ip(1)]));
+        r.hold_joiners.probe.store(true, Relaxed);
+        r.hold_joiners.eds.store(true, Relaxed);
+        d.apply(&r, 0, Ok(vec![ip(1), ip(2)]));
+        let fleet = r.fleet();
+        let member = |n: u8| fleet.replicas.iter().find(|x| x.id == format!("pool-10.0.0.{n}-8000")).unwrap().clone();
+        let (old, new) = (member(1), member(2));
+        assert!(old.healthy(r.now_ms()) && old.announced(), "a member from before the service started is not held");
+        assert!(!new.healthy(r.now_ms()) && !new.announced());
+        assert!(!routed(&r, 30).await.contains(&new.id), "held: not offered");
+        new.announce();
+        assert!(!routed(&r, 30).await.contains(&new.id), "announced, not yet probed: not offered");
+        new.set_probe(true);
+        assert!(routed(&r, 30).await.contains(&new.id), "announced and probed: offered");
+    }
+
+    /// The replicas `n` completions with distinct prompts were routed to.
+    async fn routed(r: &Router, n: usize) -> std::collections::HashSet<String> {
+        let mut ids = std::collections::HashSet::new();
+        for k in 0..n {
+            let id = format!("routed-{k}");
+            let body = format!(r#"{{"model": "m", "prompt": "{k}"}}"#);
+            let decided = r.decide(body.as_bytes(), inferrail_tokenize::chat::Endpoint::Completions, &id, None, None).await.unwrap();
+            ids.insert(decided.targets[0].id.clone());
+            r.hear(&id, inferrail_route::lifecycle::Event::End);
+        }
+        ids
+    }
+
+    /// A group's own `nameserver` is asked, not the system's: a DNS server
+    /// on a loopback port answers `pool.test` with the members it is
+    /// given, and each lookup through the group's resolver sees the set of
+    /// the moment (the answers' zero TTL is never cached).
+    #[tokio::test]
+    async fn a_groups_nameserver_answers_its_lookups() {
+        use hickory_resolver::proto::op::Message;
+        use hickory_resolver::proto::rr::{RData, Record, rdata::A};
+        let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let at = socket.local_addr().unwrap();
+        let (set, members) = tokio::sync::watch::channel(vec![std::net::Ipv4Addr::new(10, 0, 0, 1)]);
+        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = asked.clone();
+        tokio::spawn(async move {
+            let mut buf = [0u8; 512];
+            while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let query = Message::from_vec(&buf[..n]).unwrap();
+                let mut answer = Message::response(query.metadata.id, query.metadata.op_code);
+                answer.metadata.recursion_available = true;
+                answer.metadata.recursion_desired = query.metadata.recursion_desired;
+                for q in &query.queries {
+                    answer.queries.push(q.clone());
+                    if q.query_type() == hickory_resolver::proto::rr::RecordType::A {
+                        for ip in members.borrow().iter() {
+                            answer.answers.push(Record::from_rdata(q.name().clone(), 0, RData::A(A(*ip))));
+                        }
+                    }
+                }
+                socket.send_to(&answer.to_vec().unwrap(), from).await.unwrap();
+            }
+        });
+        let resolver = resolver(Some(at)).unwrap();
+        let lookup = |name: &'static str| {
+            let resolver = resolver.clone();
+            async move {
+                let mut ips: Vec<IpAddr> = resolver.lookup_ip(name).await.unwrap().iter().collect();
+                ips.sort();
+                ips
+            }
+        };
+        assert_eq!(lookup("pool.test.").await, [ip(1)]);
+        set.send(vec![std::net::Ipv4Addr::new(10, 0, 0, 2), std::net::Ipv4Addr::new(10, 0, 0, 3)]).unwrap();
+        assert_eq!(lookup("pool.test.").await, [ip(2), ip(3)]);
+        assert!(asked.load(std::sync::atomic::Ordering::Relaxed) >= 2, "the group's server was asked");
     }
 
     /// Members joining and leaving on every lookup (issue 54's churn), with

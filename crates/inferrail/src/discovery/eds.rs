@@ -63,7 +63,8 @@ pub async fn run(router: Arc<Router>) {
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
         tick.tick().await;
-        let now = assignment(&router.fleet(), &eds.cluster, router.now_ms(), 0);
+        let fleet = router.fleet();
+        let now = assignment(&fleet, &eds.cluster, router.now_ms(), 0);
         if said.as_ref() == Some(&now) {
             continue;
         }
@@ -73,6 +74,9 @@ pub async fn run(router: Arc<Router>) {
         let result = match replace(path, text.to_string().as_bytes()) {
             Ok(()) => {
                 tracing::info!(path = %path.display(), version, "EDS written");
+                for r in &fleet.replicas {
+                    r.announce();
+                }
                 said = Some(now);
                 "ok"
             }

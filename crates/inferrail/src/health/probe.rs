@@ -3,7 +3,9 @@
 //! from then on; one whose probes time out or cannot connect, from the
 //! `health.unhealthy_probes`-th in a row (as Envoy's `unhealthy_threshold`:
 //! one slow probe on a busy host is not a dead engine). Its first
-//! successful probe offers it again.
+//! successful probe offers it again. A replica that joins the running
+//! fleet is offered from its first successful probe, and one that Envoy has
+//! not been told of yet (the EDS file) is not probed.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,7 +32,7 @@ pub async fn probe_loop(router: Arc<Router>, http: reqwest::Client) {
     loop {
         tick.tick().await;
         let mut probes = tokio::task::JoinSet::new();
-        for r in router.fleet().replicas.iter().cloned() {
+        for r in router.fleet().replicas.iter().filter(|r| r.announced()).cloned() {
             let http = http.clone();
             probes.spawn(async move {
                 let answer = http.get(format!("http://{}/health", r.addr)).send().await.ok().map(|resp| resp.status().is_success());

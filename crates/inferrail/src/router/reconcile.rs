@@ -245,6 +245,9 @@ impl Router {
         let slot = self.core.kv.slot(&id);
         let r = Arc::new(Replica::new(id, addr, models, serving.limits(), serving.cache(), slot).with_kv_events(kv_events));
         r.set_prefill(serving.prefill);
+        if self.hold_joiners.probe.load(std::sync::atomic::Ordering::Relaxed) {
+            r.hold_until_probed(self.hold_joiners.eds.load(std::sync::atomic::Ordering::Relaxed));
+        }
         self.core.join(&r);
         r
     }
