@@ -24,6 +24,8 @@ pub struct Outcome {
     pub requests: usize,
     /// Requests the router refused (every replica full).
     pub rejected: usize,
+    /// Requests that generated their last token.
+    pub completed: usize,
     /// Cached prompt tokens over prompt tokens, every replica.
     pub hit_rate: f64,
     /// Lowest and highest hit rate of one replica (of those that served any).
@@ -41,6 +43,8 @@ pub struct Outcome {
     pub slowest: Phases,
     /// Share of requests whose predicted cached tokens were the engine's.
     pub prediction_exact: f64,
+    /// Times an engine preempted a decoding request for room (each to recompute).
+    pub preemptions: u64,
     /// Virtual seconds from the first arrival to the last completion.
     pub virtual_s: f64,
     /// Wall seconds the simulation took.
@@ -106,7 +110,7 @@ pub fn prefixes_served<'a>(engines: impl Iterator<Item = &'a HashMap<u128, u64>>
 /// One line per simulation, for the terminal.
 pub fn line(o: &Outcome) -> String {
     format!(
-        "{:<20} {:>4} replicas, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}%, {:.1} virtual s in {:.2} s",
+        "{:<20} {:>4} replicas, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}%, {} preemptions, {:.1} virtual s in {:.2} s",
         o.policy,
         o.replicas,
         o.routers.0,
@@ -125,6 +129,7 @@ pub fn line(o: &Outcome) -> String {
         o.slowest.prefill_ms,
         o.rejected,
         o.prediction_exact * 100.0,
+        o.preemptions,
         o.virtual_s,
         o.wall_s
     )

@@ -208,18 +208,20 @@ fn hot_traffic_still_spreads() {
     assert!(pinned.busiest_share > 0.5, "the traffic is hot: {:.3}", pinned.busiest_share);
 }
 
+/// `requests` of `spec` at 20/s, round robin over two replicas of `kv_blocks` blocks.
+fn round_robin_on_two(spec: &Spec, kv_blocks: usize, requests: usize) -> Outcome {
+    let s = Setup { kv_blocks, ..setup(spec, 2) };
+    let traffic = Traffic::new(spec, 20.0, requests, 1, TextKind::Contents).expect("traffic");
+    let o = sim::simulate(&s, PolicyKind::RoundRobin, traffic).expect("simulate");
+    eprintln!("{}", line(&o));
+    o
+}
+
 #[test]
 fn the_slowest_first_tokens_are_split_by_phase_and_wait_for_kv_room_only_in_a_short_cache() {
     let spec = small(Kind::W6);
-    let go = |kv_blocks| {
-        let s = Setup { kv_blocks, ..setup(&spec, 2) };
-        let o = sim::simulate(&s, PolicyKind::RoundRobin, Traffic::new(&spec, 20.0, 1_000, 1, TextKind::Contents).expect("traffic"))
-            .expect("simulate");
-        eprintln!("{}", line(&o));
-        o
-    };
     // Room for every request at once, and for about four (a request takes up to 57 blocks).
-    let (roomy, short) = (go(100_000), go(240));
+    let (roomy, short) = (round_robin_on_two(&spec, 100_000, 1_000), round_robin_on_two(&spec, 240, 1_000));
     for o in [&roomy, &short] {
         let s = &o.slowest;
         assert_eq!(s.requests, 10, "1% of 1,000");
@@ -230,6 +232,23 @@ fn the_slowest_first_tokens_are_split_by_phase_and_wait_for_kv_room_only_in_a_sh
     }
     assert_eq!(roomy.slowest.kv_wait_ms, 0.0, "nothing waits for room in a cache that holds everything");
     assert!(short.slowest.kv_wait_ms > 0.0, "{:?}", short.slowest);
+}
+
+/// Outputs that outgrow a short cache: decoding requests take a block as
+/// their tokens fill the last, the newest is preempted when none is free,
+/// and every preempted request recomputes and completes. A cache with room
+/// for everything preempts nothing.
+#[test]
+fn a_short_cache_preempts_the_newest_and_every_request_still_completes() {
+    let spec = Spec { output_tokens: Span { min: 200, max: 400 }, ..small(Kind::W6) };
+    let (roomy, short) = (round_robin_on_two(&spec, 100_000, 400), round_robin_on_two(&spec, 240, 400));
+    assert_eq!(roomy.preemptions, 0);
+    assert!(short.preemptions > 10, "{} preemptions", short.preemptions);
+    for o in [&roomy, &short] {
+        assert_eq!(o.rejected, 0);
+        assert_eq!(o.completed, o.requests, "every request completes");
+        assert_eq!(o.ttft.count, o.requests, "one first token each, preempted or not");
+    }
 }
 
 #[test]
