@@ -82,7 +82,7 @@ test-under-load N="10": setup
         fi
     done
 
-# The stress suite, not part of `test` (release builds; minutes): open-loop load at 1,000 req/s against plain Envoy, hostile input, an 8 MiB body a byte at a time, faults under load (a flapping, a hanging and a killed replica, every engine failing, the router killed in the BUFFERED and in the picker configuration, a peer router and the scraper sidecar killed), clients that stop reading 640 MiB of streams, a soak with the router's memory sampled, reload storms, admission bands under overload, streams cut at random and 2,000 concurrent streams, through a real Envoy. Prints the table and writes bench/results/stress/<commit>.md and .json; `--only hostile,soak` picks scenarios.
+# The stress suite, not part of `test` (release builds; minutes): open-loop load at 1,000 req/s against plain Envoy, hostile input, an 8 MiB body a byte at a time, faults under load (a flapping, a hanging and a killed replica, every engine failing, the router killed in the BUFFERED and in the picker configuration, a peer router and the scraper sidecar killed), replicas joining and leaving through DNS (a dnslib server, Envoy reaching them by the EDS file), clients that stop reading 640 MiB of streams, a soak with the router's memory sampled, reload storms, admission bands under overload, streams cut at random and 2,000 concurrent streams, through a real Envoy. Prints the table and writes bench/results/stress/<commit>.md and .json; `--only hostile,soak` picks scenarios.
 stress *args: setup setup-clients
     cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-scraper -p inferrail-bench
     INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/stress.py {{args}}
