@@ -713,6 +713,28 @@ def scenario_all_failing(fleet):
         fault=f"{answered_503} answers of 503 while failing")
 
 
+def churn_sims(fleet, ips, port):
+    """Starts a zero-latency simulator on each of `ips` at `port`, owned by `fleet`."""
+    for k, ip in enumerate(ips):
+        fleet.procs[f"member-{ip}"] = fleet._spawn(f"member-{ip}", [
+            TARGET / "inferrail-sim", "--host", ip, "--port", str(port), "--served-model-name", MODEL,
+            "--zero-latency", "--seed", str(10 + k)])
+        wait_until(lambda ip=ip: http("GET", f"http://{ip}:{port}/health").status == 200, f"the simulator on {ip}")
+
+
+def churn_row(source, result, fault):
+    errors, wrong, departures, left_on_page, left_in_envoy, sent, to_members, served = result
+    row(f"churn: replicas joining and leaving through {source} under load (Envoy reaching them by the router's EDS file)",
+        f"zero errors; every request routed to a {source} member served by it; no request sent after the router dropped a "
+        f"member is routed to it unless {source} named it again before the answer; once settled, no departed member on the "
+        "router's metrics page or in Envoy's cluster",
+        f"{len(errors)} errors in {sent:,} requests; {to_members:,} routed to {source} members, which served {served:,}; "
+        f"{len(wrong)} to a departed member {wrong[:3]}; "
+        f"{departures} departures seen by the router; left on the page {left_on_page}, in Envoy {left_in_envoy}",
+        not errors and not wrong and not left_on_page and not left_in_envoy and departures >= 10 and served == to_members,
+        fault=f"{departures} departures, {fault()}")
+
+
 def scenario_dns_churn(_fleet, members=4, seconds=12, every=0.3):
     """Replicas joining and leaving through DNS under load. Four more
     simulators listen on 127.0.0.2-5 at one port; a DNS server (dnslib)
@@ -749,39 +771,80 @@ def scenario_dns_churn(_fleet, members=4, seconds=12, every=0.3):
                                    f"nameserver: '127.0.0.1:{dns_port}', models: [{MODEL}]}}]\n",
                       envoy_edit=eds_cluster(eds))
         try:
-            for k, ip in enumerate(ips):
-                fleet.procs[f"pool-{ip}"] = fleet._spawn(f"pool-{ip}", [
-                    TARGET / "inferrail-sim", "--host", ip, "--port", str(port), "--served-model-name", MODEL,
-                    "--zero-latency", "--seed", str(10 + k)])
-                wait_until(lambda ip=ip: http("GET", f"http://{ip}:{port}/health").status == 200, f"the simulator on {ip}")
+            churn_sims(fleet, ips, port)
             fleet.start()
-            result = churn_under_load(fleet, answer, ips, port, seconds, every)
+
+            def name(members):
+                answer["ips"] = members
+
+            ids = {ip: f"pool-{ip}-{port}" for ip in ips}
+            result = churn_under_load(fleet, ids, name, port, seconds, every)
         finally:
             fleet.stop()
             server.stop()
-    errors, wrong, departures, left_on_page, left_in_envoy, sent, to_members, served = result
-    row("churn: replicas joining and leaving through DNS under load (Envoy reaching them by the router's EDS file)",
-        "zero errors; every request routed to a DNS member served by it; no request sent after the router dropped a member is "
-        "routed to it unless DNS named it again before the answer; "
-        "once settled, no departed member on the router's metrics page or in Envoy's cluster",
-        f"{len(errors)} errors in {sent:,} requests; {to_members:,} routed to DNS members, which served {served:,}; "
-        f"{len(wrong)} to a departed member {wrong[:3]}; "
-        f"{departures} departures seen by the router; left on the page {left_on_page}, in Envoy {left_in_envoy}",
-        not errors and not wrong and not left_on_page and not left_in_envoy and departures >= 10 and served == to_members,
-        fault=f"{departures} departures, {answer['asked']} DNS questions")
+    churn_row("DNS", result, lambda: f"{answer['asked']} DNS questions")
 
 
-def churn_under_load(fleet, answer, ips, port, seconds, every):
-    """Drives scenario_dns_churn: returns (errors, requests routed to a
+def scenario_k8s_churn(_fleet, members=4, seconds=12, every=0.3):
+    """Replicas joining and leaving through Kubernetes discovery under load:
+    the router follows an InferencePool through a kubeconfig naming a fake
+    API server (bench/kube_fake.py) whose four pods, on 127.0.0.2-5 at one
+    port, turn ready and not ready at random every 300 ms, and are now and
+    then deleted and created again under a new uid (a new replica, cold).
+    The same checks as the DNS churn."""
+    from kube_fake import KubeFake
+    from test_drain import eds_cluster
+
+    port = free_ports(1)[0]
+    ips = [f"127.0.0.{k + 2}" for k in range(members)]
+    names = {ip: f"engine-{k}" for k, ip in enumerate(ips)}
+    api = KubeFake("llm", "churn", port, {names[ip]: ip for ip in ips})
+    api.set_ready({names[ip] for ip in ips[:2]})
+    rng = random.Random(55)
+    recreated = [0]
+    with tempfile.TemporaryDirectory(prefix="inferrail-stress-k8s-") as tmp:
+        eds = Path(tmp) / "replicas.json"
+        os.environ["KUBECONFIG"] = str(api.kubeconfig(Path(tmp) / "kubeconfig"))
+        fleet = Fleet(Path(tmp), policy="cost_model", sim_flags=["--zero-latency"],
+                      config_extra=f"eds: {{path: '{eds}'}}\nkubernetes: {{pool: llm, namespace: churn, models: [{MODEL}]}}\n",
+                      envoy_edit=eds_cluster(eds))
+        try:
+            churn_sims(fleet, ips, port)
+            fleet.start()
+
+            def ready(members):
+                renewed = []
+                if rng.random() < 0.2:
+                    renewed.append(rng.choice(members))
+                    api.recreate(names[renewed[0]])
+                    recreated[0] += 1
+                api.set_ready({names[ip] for ip in members})
+                return renewed
+
+            result = churn_under_load(fleet, names, ready, port, seconds, every)
+        finally:
+            fleet.stop()
+            api.stop()
+            os.environ.pop("KUBECONFIG", None)
+    churn_row("Kubernetes", result, lambda: f"{api.version} pod versions, {recreated[0]} pods recreated")
+
+
+def churn_under_load(fleet, ids, set_members, port, seconds, every):
+    """Drives a churn scenario: `ids` names each member's replica by its IP;
+    `set_members` makes the source name a set of IPs. Six clients send
+    completions while the set changes at random every `every` seconds for
+    `seconds`, then settles on the first; `set_members` returns the IPs it
+    took away and named again at once, if any. Returns (errors, requests routed to a
     departed member, departures the router showed, members left on its page,
-    hosts left in Envoy's cluster, requests sent, requests routed to DNS
+    hosts left in Envoy's cluster, requests sent, requests routed to the
     members, requests the members' simulators served)."""
-    ids = {ip: f"pool-{ip}-{port}" for ip in ips}
-    named = {ip: [] for ip in ips}  # when DNS began to name each member again (a rejoin may be routed from then)
-    unnamed = {ip: [] for ip in ips}  # when DNS stopped naming each member
+    ips = list(ids)
+    named = {ip: [] for ip in ips}  # when the source began to name each member again (a rejoin may be routed from then)
+    unnamed = {ip: [] for ip in ips}  # when the source stopped naming each member
     dropped = {ip: [] for ip in ips}  # when the router's page first showed each member gone
     rng = random.Random(54)
     seen = []
+    current = [ips[:2]]
 
     def on_page():
         page = fleet.metrics()
@@ -794,20 +857,30 @@ def churn_under_load(fleet, answer, ips, port, seconds, every):
         while time.monotonic() < end:
             if time.monotonic() >= next_change:
                 new = rng.sample(ips, rng.randint(1, len(ips)))
-                for ip in set(new) - set(answer["ips"]):
+                for ip in set(new) - set(current[0]):
                     named[ip].append(time.monotonic())
-                for ip in set(answer["ips"]) - set(new):
+                for ip in set(current[0]) - set(new):
                     unnamed[ip].append(time.monotonic())
-                answer["ips"] = new
+                # A member the source took away and named again at once (a pod recreated) may leave and rejoin.
+                for ip in set_members(new) or ():
+                    unnamed[ip].append(time.monotonic())
+                    named[ip].append(time.monotonic() + 1e-6)
+                current[0] = new
                 next_change += every
             shown = on_page()
             for ip in now_on - shown:
                 dropped[ip].append(time.monotonic())
             now_on = shown
             time.sleep(0.01)
-        answer["ips"] = ips[:1]
+        set_members(ips[:1])
         wait_until(lambda: on_page() == {ips[0]}, "the router to settle on one member", timeout=30)
 
+    def served():
+        pages = [http("GET", f"http://{ip}:{port}/metrics").body.decode() for ip in ips]
+        return sum(float(line.split()[-1]) for page in pages for line in page.splitlines() if line.startswith("vllm:request_success_total"))
+
+    # The fleet's own first requests (it waits for one to be served) are not the load's.
+    before = served()
     results = under_load(fleet, 6, during, seen)
     errors = [s for _, s in results if s != 200]
     wrong = []
@@ -818,9 +891,9 @@ def churn_under_load(fleet, answer, ips, port, seconds, every):
         gone = [d for d in dropped[ip] if d < t]
         if not gone:
             continue
-        # The drop the router showed last before the request was sent, and the DNS answer that caused it.
+        # The drop the router showed last before the request was sent, and the change of the source that caused it.
         cause = max(u for u in unnamed[ip] if u <= gone[-1])
-        # Decided between sending and the answer: a member DNS named again by then may have rejoined.
+        # Decided between sending and the answer: a member named again by then may have rejoined.
         if not any(cause < n <= done for n in named[ip]):
             wrong.append(replica)
     page = fleet.metrics()
@@ -833,14 +906,11 @@ def churn_under_load(fleet, answer, ips, port, seconds, every):
     try:
         wait_until(lambda: not in_envoy(), "Envoy to drop the departed members", timeout=10)
     except AssertionError:
-        print(http("GET", f"http://127.0.0.1:{fleet.envoy_admin}/clusters").body.decode()[-3000:])
-        print((fleet.tmp / "replicas.json").read_text()[:3000])
+        pass  # reported below
     left_in_envoy = in_envoy()
     departures = sum(len(d) for d in dropped.values())
     to_members = sum(1 for _, _, replica in seen if replica in ids.values())
-    served = sum(float(line.split()[-1]) for ip in ips for line in http("GET", f"http://{ip}:{port}/metrics").body.decode().splitlines()
-                 if line.startswith("vllm:request_success_total"))
-    return errors, wrong, departures, left_on_page, left_in_envoy, len(results), to_members, int(served)
+    return errors, wrong, departures, left_on_page, left_in_envoy, len(results), to_members, int(served() - before)
 
 
 def scenario_peer_killed(fleet):
@@ -1001,6 +1071,7 @@ SCENARIOS = {
     "inference-perf": ("paced", scenario_inference_perf),
     "guidellm": ("paced", scenario_guidellm),
     "dns-churn": ("none", scenario_dns_churn),
+    "k8s-churn": ("none", scenario_k8s_churn),
 }
 
 # The engines' flags, the router's limits for each replica and more of its
