@@ -805,10 +805,11 @@ def scenario_k8s_churn(_fleet, members=4, seconds=12, every=0.3):
     with tempfile.TemporaryDirectory(prefix="inferrail-stress-k8s-") as tmp:
         eds = Path(tmp) / "replicas.json"
         os.environ["KUBECONFIG"] = str(api.kubeconfig(Path(tmp) / "kubeconfig"))
-        fleet = Fleet(Path(tmp), policy="cost_model", sim_flags=["--zero-latency"],
-                      config_extra=f"eds: {{path: '{eds}'}}\nkubernetes: {{pool: llm, namespace: churn, models: [{MODEL}]}}\n",
-                      envoy_edit=eds_cluster(eds))
+        fleet = None
         try:
+            fleet = Fleet(Path(tmp), policy="cost_model", sim_flags=["--zero-latency"],
+                          config_extra=f"eds: {{path: '{eds}'}}\nkubernetes: {{pool: llm, namespace: churn, models: [{MODEL}]}}\n",
+                          envoy_edit=eds_cluster(eds))
             churn_sims(fleet, ips, port)
             fleet.start()
 
@@ -823,7 +824,8 @@ def scenario_k8s_churn(_fleet, members=4, seconds=12, every=0.3):
 
             result = churn_under_load(fleet, names, ready, port, seconds, every)
         finally:
-            fleet.stop()
+            if fleet is not None:
+                fleet.stop()
             api.stop()
             os.environ.pop("KUBECONFIG", None)
     churn_row("Kubernetes", result, lambda: f"{api.version} pod versions, {recreated[0]} pods recreated")
@@ -872,6 +874,8 @@ def churn_under_load(fleet, ids, set_members, port, seconds, every):
                 dropped[ip].append(time.monotonic())
             now_on = shown
             time.sleep(0.01)
+        for ip in set(current[0]) - {ips[0]}:
+            unnamed[ip].append(time.monotonic())
         set_members(ips[:1])
         wait_until(lambda: on_page() == {ips[0]}, "the router to settle on one member", timeout=30)
 
@@ -892,7 +896,7 @@ def churn_under_load(fleet, ids, set_members, port, seconds, every):
         if not gone:
             continue
         # The drop the router showed last before the request was sent, and the change of the source that caused it.
-        cause = max(u for u in unnamed[ip] if u <= gone[-1])
+        cause = max((u for u in unnamed[ip] if u <= gone[-1]), default=gone[-1])
         # Decided between sending and the answer: a member named again by then may have rejoined.
         if not any(cause < n <= done for n in named[ip]):
             wrong.append(replica)

@@ -220,7 +220,7 @@ fn round_robin_on_two(spec: &Spec, kv_blocks: usize, requests: usize) -> Outcome
 #[test]
 fn the_slowest_first_tokens_are_split_by_phase_and_wait_for_kv_room_only_in_a_short_cache() {
     let spec = small(Kind::W6);
-    // Room for every request at once, and for about four (a request takes up to 57 blocks).
+    // Room for every request at once, and for about four (a request's prompt and output take up to 57 blocks).
     let (roomy, short) = (round_robin_on_two(&spec, 100_000, 1_000), round_robin_on_two(&spec, 240, 1_000));
     for o in [&roomy, &short] {
         let s = &o.slowest;

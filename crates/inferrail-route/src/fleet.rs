@@ -62,7 +62,8 @@ pub struct Replica {
     sent: Mutex<VecDeque<(Duration, Arc<Sent>)>>,
     probe_ok: AtomicBool,
     /// Whether Envoy has been told of it (the EDS file lists it); one that
-    /// is not is never probed, so never offered.
+    /// is not is never probed, so it stays unhealthy (offered only when the
+    /// whole fleet is, in panic).
     announced: AtomicBool,
     /// Probes in a row that got no answer.
     probe_misses: AtomicU32,

@@ -94,23 +94,23 @@ pub async fn run(router: Arc<Router>) {
     if groups.is_empty() {
         return;
     }
-    let mut resolvers = Vec::with_capacity(groups.len());
-    for group in groups {
-        match resolver(group.nameserver) {
-            Ok(r) => resolvers.push(r),
-            Err(e) => {
-                tracing::error!(group = %group.group, error = %e, "no DNS resolver; discovery groups stay empty");
-                return;
-            }
-        }
-    }
+    let resolvers: Vec<_> = groups
+        .iter()
+        .map(|group| {
+            resolver(group.nameserver)
+                .inspect_err(|e| tracing::error!(group = %group.group, error = %e, "no DNS resolver; the group stays empty"))
+                .ok()
+        })
+        .collect();
     let mut discovery = Discovery::new(&router);
     let mut next = vec![tokio::time::Instant::now(); groups.len()];
     loop {
-        let (g, at) = next.iter().enumerate().min_by_key(|(_, t)| **t).map(|(g, t)| (g, *t)).unwrap_or((0, tokio::time::Instant::now()));
+        // The next group due among those with a resolver.
+        let due = next.iter().zip(&resolvers).enumerate().filter_map(|(g, (t, r))| Some((g, *t, r.as_ref()?))).min_by_key(|(_, t, _)| *t);
+        let Some((g, at, resolver)) = due else { return };
         tokio::time::sleep_until(at).await;
         let group = &groups[g];
-        let lookup = resolvers[g].lookup_ip(group.host.as_str()).await.map(|ips| ips.iter().collect()).map_err(|e| e.to_string());
+        let lookup = resolver.lookup_ip(group.host.as_str()).await.map(|ips| ips.iter().collect()).map_err(|e| e.to_string());
         discovery.apply(&router, g, lookup);
         next[g] = tokio::time::Instant::now() + Duration::from_millis(group.interval_ms);
     }

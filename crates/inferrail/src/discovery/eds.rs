@@ -52,6 +52,13 @@ fn replace(path: &Path, text: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&staged, path)
 }
 
+/// Envoy has been told of every replica of `fleet`: the file it reads lists them.
+fn announce(fleet: &Fleet) {
+    for r in &fleet.replicas {
+        r.announce();
+    }
+}
+
 /// Keeps the configured file saying what the fleet is, checking every 100 ms.
 pub async fn run(router: Arc<Router>) {
     let eds = router.config().eds.clone();
@@ -66,6 +73,8 @@ pub async fn run(router: Arc<Router>) {
         let fleet = router.fleet();
         let now = assignment(&fleet, &eds.cluster, router.now_ms(), 0);
         if said.as_ref() == Some(&now) {
+            // The file already lists them (a replica that replaced one of the same address and status, say).
+            announce(&fleet);
             continue;
         }
         version += 1;
@@ -74,9 +83,7 @@ pub async fn run(router: Arc<Router>) {
         let result = match replace(path, text.to_string().as_bytes()) {
             Ok(()) => {
                 tracing::info!(path = %path.display(), version, "EDS written");
-                for r in &fleet.replicas {
-                    r.announce();
-                }
+                announce(&fleet);
                 said = Some(now);
                 "ok"
             }

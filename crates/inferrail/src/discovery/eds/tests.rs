@@ -69,3 +69,37 @@ async fn the_file_says_which_replicas_drain_or_are_unhealthy_and_follows_each_ch
     assert_ne!(first["version_info"], second["version_info"]);
     assert!(!dir.join("replicas.json.next").exists(), "written beside, then renamed");
 }
+
+/// A replica held until Envoy knows it is announced once the file lists it,
+/// even when the file need not change: here a reload replaces an unhealthy
+/// replica (a new cache shape) by a held one at the same address, which the
+/// file says the same of.
+#[tokio::test]
+async fn a_held_replica_is_announced_though_the_file_already_says_the_same() {
+    let dir = std::env::temp_dir().join(format!("inferrail-eds-held-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("replicas.json");
+    let yaml = |blocks: u32| {
+        format!(
+            "models: [{{name: m}}]\neds: {{path: {path:?}}}\nreplicas: [{{id: r1, address: 10.0.0.1:8000, models: [m], kv_blocks: {blocks}}}]\n"
+        )
+    };
+    let router = Arc::new(Router::new(Config::parse(&yaml(100)).unwrap()).unwrap());
+    router.fleet().replicas[0].set_probe(false);
+    tokio::spawn(run(router.clone()));
+    until(&path, "the unhealthy replica", |f| f["resources"][0]["endpoints"][0]["lb_endpoints"][0]["health_status"] == "UNHEALTHY").await;
+    let written = read(&path).unwrap()["version_info"].clone();
+    router.hold_joiners.probe.store(true, std::sync::atomic::Ordering::Relaxed);
+    router.hold_joiners.eds.store(true, std::sync::atomic::Ordering::Relaxed);
+    router.reload(Config::parse(&yaml(200)).unwrap()).unwrap();
+    let held = router.fleet().replicas[0].clone();
+    assert!(!held.announced(), "the replacement starts held");
+    for _ in 0..300 {
+        if held.announced() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(held.announced(), "announced by the file that already lists it");
+    assert_eq!(read(&path).unwrap()["version_info"], written, "with nothing to rewrite");
+}
