@@ -43,6 +43,10 @@ pub struct Outcome {
     pub slowest: Phases,
     /// Share of requests whose predicted cached tokens were the engine's.
     pub prediction_exact: f64,
+    /// Requests whose prediction was above the engine's cached tokens, and below.
+    pub predicted_over_under: (usize, usize),
+    /// Mean of |predicted - cached| tokens over the requests mispredicted.
+    pub misprediction_tokens: f64,
     /// Times an engine preempted a decoding request for room (each to recompute).
     pub preemptions: u64,
     /// Virtual seconds from the first arrival to the last completion.
@@ -110,7 +114,7 @@ pub fn prefixes_served<'a>(engines: impl Iterator<Item = &'a HashMap<u128, u64>>
 /// One line per simulation, for the terminal.
 pub fn line(o: &Outcome) -> String {
     format!(
-        "{:<20} {:>4} replicas, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}%, {} preemptions, {:.1} virtual s in {:.2} s",
+        "{:<20} {:>4} replicas, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}% ({} over, {} under, off by {:.0} tokens on average), {} preemptions, {:.1} virtual s in {:.2} s",
         o.policy,
         o.replicas,
         o.routers.0,
@@ -129,6 +133,9 @@ pub fn line(o: &Outcome) -> String {
         o.slowest.prefill_ms,
         o.rejected,
         o.prediction_exact * 100.0,
+        o.predicted_over_under.0,
+        o.predicted_over_under.1,
+        o.misprediction_tokens,
         o.preemptions,
         o.virtual_s,
         o.wall_s

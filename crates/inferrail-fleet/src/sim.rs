@@ -192,6 +192,9 @@ struct World<'a> {
     phases: Vec<[u64; 3]>,
     exact: usize,
     measured: usize,
+    /// Predictions above and below the engine's cached tokens, and the tokens they were off by in all.
+    over_under: (usize, usize),
+    missed_by: u64,
     /// Each engine's last read load.
     reports: Vec<Report>,
     /// Leading blocks that name a prompt's root prefix, as `cost_model`
@@ -244,6 +247,8 @@ pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item 
         ttft: latency::latency(std::mem::take(&mut world.ttft)),
         slowest: slowest(std::mem::take(&mut world.phases), 0.01),
         prediction_exact: if world.measured == 0 { 0.0 } else { world.exact as f64 / world.measured as f64 },
+        predicted_over_under: world.over_under,
+        misprediction_tokens: world.missed_by as f64 / (world.measured - world.exact).max(1) as f64,
         preemptions: world.engines.iter().map(|e| e.preemptions).sum(),
         virtual_s: end.saturating_sub(first_ns.unwrap_or(0)) as f64 * 1e-9,
         wall_s: wall.elapsed().as_secs_f64(),
@@ -320,6 +325,8 @@ impl<'a> World<'a> {
             ttft: Vec::new(),
             phases: Vec::new(),
             exact: 0,
+            over_under: (0, 0),
+            missed_by: 0,
             measured: 0,
             reports: vec![Report { at: Duration::ZERO, load: EngineReport { running: 0, waiting: 0, kv_usage: 0.0 } }; setup.replicas],
             root_blocks: inferrail_policy::cost_model::HotPrefix::default().blocks,
@@ -506,6 +513,9 @@ impl<'a> World<'a> {
             engine.cached_tokens += cached as u64;
             self.measured += 1;
             self.exact += usize::from(job.predicted == cached);
+            self.over_under.0 += usize::from(job.predicted > cached);
+            self.over_under.1 += usize::from(job.predicted < cached);
+            self.missed_by += job.predicted.abs_diff(cached) as u64;
         }
         let secs = engine.latency.prefill_secs(len - cached, cached);
         self.at(now + (secs * 1e9) as u64, Event::PrefillDone(r));

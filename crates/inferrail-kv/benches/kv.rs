@@ -3,6 +3,8 @@
 // A bench whose events do not apply measures nothing: it stops.
 #![allow(clippy::expect_used)]
 
+use std::time::Duration;
+
 use criterion::{Criterion, Throughput, criterion_group};
 use inferrail_kv::hash::block_hashes;
 use inferrail_kv::index::{Event, KvIndex, Stored, Tier};
@@ -23,7 +25,7 @@ fn lookup(c: &mut Criterion) {
         index.add_replica(s, 4096);
         // Every replica holds a different share of the prompt's prefix.
         let held = &prompt[..(s as usize * 8).min(512)];
-        index.complete(&index.record(s, held, held.len(), 0, 0, false));
+        index.complete(&index.record(s, held, held.len(), 0, 0, false), Duration::ZERO);
     }
     percentiles("lookup 512 blocks over 64 replicas", || index.matched(std::hint::black_box(&prompt), &slots));
     c.bench_function("lookup 512 blocks over 64 replicas", |b| b.iter(|| index.matched(std::hint::black_box(&prompt), &slots)));
@@ -32,7 +34,7 @@ fn lookup(c: &mut Criterion) {
     for &s in &slots {
         shared.add_replica(s, 4096);
         let held = &prompt[..[0, 128, 128, 128, 128, 128, 300, 512][s as usize % 8]];
-        shared.complete(&shared.record(s, held, held.len(), 0, 0, false));
+        shared.complete(&shared.record(s, held, held.len(), 0, 0, false), Duration::ZERO);
     }
     percentiles("lookup 512 blocks over 64 replicas at 4 depths", || shared.matched(std::hint::black_box(&prompt), &slots));
     c.bench_function("lookup 512 blocks over 64 replicas at 4 depths", |b| {
@@ -43,7 +45,7 @@ fn lookup(c: &mut Criterion) {
         b.iter(|| {
             n += 1;
             let fresh: Vec<u128> = (0..512u128).map(|k| (n << 64) | k).collect();
-            index.complete(&index.record(3, &fresh, fresh.len(), 0, 0, false))
+            index.complete(&index.record(3, &fresh, fresh.len(), 0, 0, false), Duration::ZERO)
         })
     });
 }
@@ -64,7 +66,7 @@ fn long_prompts(c: &mut Criterion) {
         let prompt: Vec<u128> = (0..BLOCKS).map(|k| (n << 64) | k).collect();
         let slot = (n % 3) as u32;
         std::hint::black_box(index.matched(&prompt, &[0, 1, 2]));
-        index.complete(&index.record(slot, &prompt, prompt.len(), 0, 1, false));
+        index.complete(&index.record(slot, &prompt, prompt.len(), 0, 1, false), Duration::ZERO);
     };
     // Enough to fill every replica.
     for _ in 0..3 * (1 << 20) / BLOCKS + 3 {
@@ -110,7 +112,7 @@ fn memory() {
         index.add_replica(s, capacity);
         for p in 0..16u128 {
             let prompt: Vec<u128> = (0..1024u128).map(|k| if k < 256 { k } else { ((u128::from(s) * 16 + p + 1) << 64) | k }).collect();
-            index.complete(&index.record(s, &prompt, prompt.len(), 0, 0, false));
+            index.complete(&index.record(s, &prompt, prompt.len(), 0, 0, false), Duration::ZERO);
         }
     }
     let held = index.entries();
@@ -216,7 +218,7 @@ fn queue(c: &mut Criterion) {
     for s in 0..2 {
         index.add_replica(s, 4096);
         for p in 0..4 {
-            index.complete(&index.record(s, &blocks(100 + p, 512), 512, 0, 0, false));
+            index.complete(&index.record(s, &blocks(100 + p, 512), 512, 0, 0, false), Duration::ZERO);
         }
     }
     let _running = index.record(0, &blocks(1, 3584), 3584, 0, 0, false);

@@ -10,6 +10,11 @@
 //! What an attempt recorded can be taken back (the engine refused it), a
 //! replica can be cleared (its engine restarted) or forgotten (it left).
 //!
+//! A running request's output takes blocks as its engine fills them: from
+//! its first token, one every block time (the replica's, learned from the
+//! requests that completed), the rest when it completes; lookups first
+//! bring the replicas to the decision's time (`advance`, ADR 0053).
+//!
 //! While requests wait on an approximate replica, lookups see its cache as
 //! a request sent now will find it, once the requests ahead have started
 //! (`ahead`, ADR 0050).
@@ -22,9 +27,10 @@
 //! way the holder map is the one lookup reads, so a lookup costs the same in
 //! both modes.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use crate::hash::BlockHash;
 use ahead::Ahead;
@@ -100,12 +106,54 @@ struct Replica {
     replies: HashMap<BlockHash, Replied>,
     /// When `replies` holds more, the ones evicted from the shadow go.
     prune_at: usize,
+    /// Running requests still to fill blocks as they decode, oldest first.
+    growing: BTreeSet<u64>,
+    /// Seconds a request's decoding takes per block of output tokens here,
+    /// learned from the requests that completed (none yet: output is taken
+    /// whole at the first token).
+    block_time: Option<f64>,
 }
 
 impl Replica {
     /// Blocks held for it: its shadow's, and in exact mode the engine's in every tier.
     fn entries(&self) -> usize {
         self.shadow.len() + self.exact.as_ref().map_or(0, Exact::len)
+    }
+}
+
+/// When a decoding request needs its output blocks, in blocks of its
+/// replica's size: the engine takes a block when a token no longer fits
+/// in the last, one block's worth of tokens apart.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Pace {
+    /// The room left in the prompt's last block, in blocks (0 to 1): the
+    /// first output block is needed once the tokens have filled it.
+    pub lead: f64,
+    /// The output tokens asked for, in blocks: the time from the first
+    /// token to the end spans this many block times.
+    pub span: f64,
+}
+
+impl Pace {
+    /// Output blocks a request needs `elapsed` after its first token, at
+    /// `block_time` seconds a block: the first token's block at once
+    /// unless the prompt's last block has room, then one a block time.
+    pub fn filled(self, elapsed: Duration, block_time: f64) -> usize {
+        (elapsed.as_secs_f64() / block_time + 1.0 - self.lead).floor().max(0.0) as usize
+    }
+
+    /// A replica's block time after a request at this pace decoded for
+    /// `took` (from its first token to its end as the router heard them):
+    /// a moving average, each request weighing a fifth. Only a request
+    /// that asked for a block of output or more counts: the router hears
+    /// an end a little after the engine's, and over a few tokens that
+    /// delay would make a block time many times the engine's.
+    pub fn learn(self, old: Option<f64>, took: Duration) -> Option<f64> {
+        if self.span < 1.0 {
+            return old;
+        }
+        let sample = took.as_secs_f64() / self.span;
+        Some(old.map_or(sample, |old| 0.8 * old + 0.2 * sample))
     }
 }
 
@@ -117,9 +165,18 @@ enum Request {
     /// In the engine's queue: holds nothing yet.
     Waiting { prompt: Vec<BlockHash>, reusable: usize, partial: usize, output: usize, ends_partial: bool },
     /// Running: holds its prompt's blocks, the reused ones first, and
-    /// those its generated tokens will fill; `ends_partial`: its last block
-    /// will not be full, and the engine frees it as room.
-    Running { keys: Vec<BlockHash>, reused: usize, generated: Vec<BlockHash>, ends_partial: bool },
+    /// those its generated tokens filled so far; `owed` more are to come,
+    /// at its pace from its first token (`since`, once heard);
+    /// `ends_partial`: its last block will not be full, and the engine
+    /// frees it as room.
+    Running {
+        keys: Vec<BlockHash>,
+        reused: usize,
+        generated: Vec<BlockHash>,
+        owed: usize,
+        since: Option<(Duration, Pace)>,
+        ends_partial: bool,
+    },
     /// Sent to a replica in exact mode: claims its prompt blocks.
     Claiming { keys: Vec<BlockHash> },
 }
@@ -205,6 +262,8 @@ impl KvIndex {
             coming: HashMap::new(),
             replies: HashMap::new(),
             prune_at: REPLIES_KEPT,
+            growing: BTreeSet::new(),
+            block_time: None,
         }
     }
 
@@ -246,10 +305,9 @@ impl KvIndex {
     /// but the last when the prompt ends on a block boundary: it always
     /// computes the last prompt token); `partial` more blocks (the prompt's
     /// partial last block) take room but can never be matched, and `output`
-    /// blocks of generated tokens are taken when it starts (the engine
-    /// fills them as it decodes, evicting as it goes: taken at the end,
-    /// the shadow kept blocks the engine had already evicted, and on a
-    /// thrashing cache one prediction in seven was too high); `ends_partial`:
+    /// blocks of generated tokens are taken as the engine fills them: one
+    /// every block time from its first token (`decoding`, `advance`), the
+    /// rest when it completes; `ends_partial`:
     /// its last block (prompt and output) is not full, so the engine caches
     /// nothing in it and frees it to be reused first, as room. As in the
     /// engine, a request that fits beside the running ones holds its blocks
@@ -274,8 +332,8 @@ impl KvIndex {
         let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };
         match admitted {
             Some((keys, reused)) => {
-                let generated = self.take_fresh(&mut rep.shadow, slot, output, &[]);
-                rep.requests.insert(request, Request::Running { keys, reused, generated, ends_partial });
+                rep.requests
+                    .insert(request, Request::Running { keys, reused, generated: Vec::new(), owed: output, since: None, ends_partial });
             }
             None => {
                 rep.requests.insert(request, Request::Waiting { prompt: prompt.to_vec(), reusable, partial, output, ends_partial });
@@ -296,8 +354,7 @@ impl KvIndex {
                 continue;
             };
             let Some((keys, reused)) = self.admit(shadow, slot, prompt, reusable, partial, false) else { break };
-            let generated = self.take_fresh(shadow, slot, output, &[]);
-            requests.insert(head, Request::Running { keys, reused, generated, ends_partial });
+            requests.insert(head, Request::Running { keys, reused, generated: Vec::new(), owed: output, since: None, ends_partial });
             queue.pop_front();
         }
         self.foresee(slot, rep);
@@ -387,14 +444,22 @@ impl KvIndex {
         PLACEHOLDER | BlockHash::from(self.placeholders.fetch_add(1, Ordering::Relaxed))
     }
 
-    /// The request completed: its blocks are freed as the engine frees them,
-    /// last block first, so a long prefix is later evicted from its tail.
-    /// Only the first call for a record counts.
-    pub fn complete(&self, recorded: &Recorded) {
+    /// The request completed at `at`: the blocks its output had still to
+    /// fill are taken, then all its blocks are freed as the engine frees
+    /// them, last block first, so a long prefix is later evicted from its
+    /// tail. Only the first call for a record counts.
+    pub fn complete(&self, recorded: &Recorded, at: Duration) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        rep.growing.remove(&recorded.request);
         let (keys, generated, ends_partial) = match rep.requests.remove(&recorded.request) {
-            Some(Request::Running { keys, generated, ends_partial, .. }) => (keys, generated, ends_partial),
+            Some(Request::Running { keys, mut generated, owed, since, ends_partial, .. }) => {
+                if let Some((since, pace)) = since {
+                    rep.block_time = pace.learn(rep.block_time, at.saturating_sub(since));
+                }
+                generated.extend(self.take_fresh(&mut rep.shadow, recorded.slot, owed, &[]));
+                (keys, generated, ends_partial)
+            }
             // It ran, though the index did not see room for it: it took what it could.
             Some(Request::Waiting { prompt, reusable, partial, output, ends_partial }) => {
                 rep.queue.retain(|&r| r != recorded.request);
@@ -423,6 +488,65 @@ impl KvIndex {
             }
         }
         self.admit_waiting(recorded.slot, rep);
+    }
+
+    /// The request's first token came at `at`: from then on its output
+    /// fills blocks at `pace` (taken by `advance`), or, before the
+    /// replica's block time is known (or where it is nil), all at once now. A request the index
+    /// still had waiting has started (the engine found room the index did
+    /// not see): it takes its blocks now.
+    pub fn decoding(&self, recorded: &Recorded, at: Duration, pace: Pace) {
+        let mut replicas = self.lock();
+        let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        if matches!(rep.requests.get(&recorded.request), Some(Request::Waiting { .. }))
+            && let Some(Request::Waiting { prompt, reusable, partial, output, ends_partial }) = rep.requests.remove(&recorded.request)
+        {
+            rep.queue.retain(|&r| r != recorded.request);
+            let (keys, reused) = self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).unwrap_or_default();
+            rep.requests.insert(
+                recorded.request,
+                Request::Running { keys, reused, generated: Vec::new(), owed: output, since: None, ends_partial },
+            );
+        }
+        let Some(Request::Running { generated, owed, since, .. }) = rep.requests.get_mut(&recorded.request) else { return };
+        if since.is_some() {
+            return;
+        }
+        *since = Some((at, pace));
+        if rep.block_time.is_none_or(|t| t <= 0.0) {
+            generated.extend(self.take_fresh(&mut rep.shadow, recorded.slot, std::mem::take(owed), &[]));
+        } else if *owed > 0 {
+            rep.growing.insert(recorded.request);
+        }
+        self.foresee(recorded.slot, rep);
+    }
+
+    /// Brings `slots` to `now`: each running request takes the blocks its
+    /// output has filled since its first token, at its pace and the
+    /// replica's block time, oldest request first. Lookups made at `now` see the caches as
+    /// they are then.
+    pub fn advance(&self, slots: &[Slot], now: Duration) {
+        let mut replicas = self.lock();
+        for &slot in slots {
+            let Some(rep) = replicas.get_mut(&slot) else { continue };
+            let Some(per_block) = rep.block_time.filter(|&t| t > 0.0) else { continue };
+            let mut changed = false;
+            let Replica { shadow, requests, growing, .. } = rep;
+            growing.retain(|id| {
+                let Some(Request::Running { generated, owed, since: Some((since, pace)), .. }) = requests.get_mut(id) else { return false };
+                let filled = pace.filled(now.saturating_sub(*since), per_block);
+                let due = filled.saturating_sub(generated.len()).min(*owed);
+                if due > 0 {
+                    generated.extend(self.take_fresh(shadow, slot, due, &[]));
+                    *owed -= due;
+                    changed = true;
+                }
+                *owed > 0
+            });
+            if changed {
+                self.foresee(slot, rep);
+            }
+        }
     }
 
     /// A recorded request on an approximate replica keeps, when it
@@ -475,6 +599,7 @@ impl KvIndex {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
         rep.coming.remove(&recorded.request);
+        rep.growing.remove(&recorded.request);
         let shadow = &mut rep.shadow;
         // Last block first, as every release goes, so a prefix stays newer than what follows it.
         match rep.requests.remove(&recorded.request) {

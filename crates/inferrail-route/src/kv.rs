@@ -7,14 +7,17 @@
 //! this module knows nothing of replicas. A prompt is cut into the
 //! candidates' blocks and hashed once per block size; the index says how
 //! many leading blocks each holds. The winner records the prompt (taken back
-//! if the engine refuses it).
+//! if the engine refuses it); its first token and its end tell the index
+//! when its output fills blocks, and lookups first bring the candidates'
+//! caches to the time of the decision.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use inferrail_config::Kv as KvConfig;
 use inferrail_kv::hash::{BlockHash, block_hashes, salt};
-use inferrail_kv::index::{KvIndex, Recorded, Reply, Slot, predicted_cached_tokens};
+use inferrail_kv::index::{KvIndex, Pace, Recorded, Reply, Slot, predicted_cached_tokens};
 
 /// A prompt as the engine will see it, and what the KV index needs besides.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -97,7 +100,7 @@ pub fn seed(model: &str, cache_salt: Option<&str>) -> BlockHash {
 /// What a decision recorded on a replica: its blocks are freed when the
 /// request completes, or taken back if the engine refused it first.
 #[derive(Debug)]
-pub struct Record(Recorded);
+pub struct Record(Recorded, Pace);
 
 impl Kv {
     /// An empty index with the configured defaults.
@@ -229,7 +232,9 @@ impl Kv {
             let full = hashes.len();
             self.index.expect_reply(&recorded, Reply { prompt_tokens: n, asked: p.asked, tail: p.ids[full * bs..].to_vec() }, full);
         }
-        Record(recorded)
+        // The prompt's last block has room for this many tokens before the output needs a block.
+        let room = (prompt_blocks * bs - n) as f64 / bs as f64;
+        Record(recorded, Pace { lead: room, span: p.output_tokens as f64 / bs as f64 })
     }
 
     /// The engine refused or failed the request: forget what it recorded.
@@ -243,9 +248,20 @@ impl Kv {
         self.index.end_claim(&rec.0)
     }
 
-    /// The request completed: the engine freed its blocks (once per record).
-    pub fn complete(&self, rec: &Record) {
-        self.index.complete(&rec.0);
+    /// The request completed at `at`: the engine freed its blocks (once per record).
+    pub fn complete(&self, rec: &Record, at: Duration) {
+        self.index.complete(&rec.0, at);
+    }
+
+    /// The request's first token came at `at`: its output fills blocks from then on.
+    pub fn decoding(&self, rec: &Record, at: Duration) {
+        self.index.decoding(&rec.0, at, rec.1);
+    }
+
+    /// Brings the caches at `places` to `now`: the blocks requests running there have filled since their first token.
+    pub fn advance(&self, places: &[Place], now: Duration) {
+        let slots: Vec<Slot> = places.iter().map(|pl| pl.slot).collect();
+        self.index.advance(&slots, now);
     }
 
     /// Entries in the index (blocks held, over all replicas).
@@ -312,11 +328,11 @@ mod tests {
         let (kv, pa, pb) = two_replicas(KvConfig::default(), [16, 16]);
         // 40 prompt tokens, a reply cut at its 20 max_tokens: the engine computed 59 tokens, 3 full blocks.
         let first = Prompt { max_tokens: Some(20), ..prompt(40) };
-        kv.complete(&kv.record(&kv.prepare("m", &first, [16]), pa));
+        kv.complete(&kv.record(&kv.prepare("m", &first, [16]), pa), Duration::ZERO);
         let second = next_turn(&first, 1_000..1_020, 2_000..2_030, Some(10));
         let p = kv.prepare("m", &second, [16]);
         assert_eq!(kv.cached(&p, &[pa, pb]), [(48, 0), (0, 0)], "the prompt's 2 full blocks and the one its reply filled");
-        kv.complete(&kv.record(&p, pa));
+        kv.complete(&kv.record(&p, pa), Duration::ZERO);
         // The reply's blocks were named by the second turn: a copy of it finds them by hash.
         assert_eq!(kv.cached(&kv.prepare("m", &second, [16]), &[pa]), [(80, 0)], "91 tokens: 5 full blocks");
         // A reply that ended at a stop token (5 of 10): all its tokens were computed, 96 tokens in all.
@@ -332,7 +348,7 @@ mod tests {
     fn replies_are_not_predicted_when_clients_do_not_resend_them() {
         let (kv, pa, _) = two_replicas(KvConfig { resent_replies: false, ..KvConfig::default() }, [16, 16]);
         let first = Prompt { max_tokens: Some(20), ..prompt(40) };
-        kv.complete(&kv.record(&kv.prepare("m", &first, [16]), pa));
+        kv.complete(&kv.record(&kv.prepare("m", &first, [16]), pa), Duration::ZERO);
         let second = next_turn(&first, 1_000..1_020, 2_000..2_030, None);
         assert_eq!(kv.cached(&kv.prepare("m", &second, [16]), &[pa]), [(32, 0)]);
     }

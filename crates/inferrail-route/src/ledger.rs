@@ -149,7 +149,7 @@ impl Ledger {
         }
         let lease = &held.lease;
         if effects.complete {
-            core.complete(lease);
+            core.complete(lease, at);
         }
         let took_back = effects.take_back && core.take_back(lease);
         if effects.end_claim {
@@ -157,6 +157,7 @@ impl Ledger {
         }
         if effects.first_byte.is_some() {
             lease.first_byte();
+            core.decoding(lease, at);
         }
         // A lease moved after its request ended holds no slot either.
         if held.life.released() {

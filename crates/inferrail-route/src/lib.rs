@@ -300,6 +300,7 @@ impl Core {
     ) -> Plan {
         let replicas = fleet.serving(view.model);
         let places: Vec<Place> = replicas.iter().map(|r| self.place(r)).collect();
+        self.kv.advance(&places, now);
         let cached = match &view.prediction {
             Some(p) => self.kv.cached(p, &places),
             None => vec![(0, 0); replicas.len()],
@@ -463,11 +464,19 @@ impl Core {
         moved
     }
 
-    /// The request is over and the engine answered it (status below 400):
-    /// it freed its blocks. Only the first call for a lease does anything.
-    pub fn complete(&self, lease: &Lease) {
+    /// The request is over (at `at`) and the engine answered it (status
+    /// below 400): it freed its blocks. Only the first call for a lease
+    /// does anything.
+    pub fn complete(&self, lease: &Lease, at: Duration) {
         if let Some((_, record)) = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            self.kv.complete(&record);
+            self.kv.complete(&record, at);
+        }
+    }
+
+    /// The request's first token came at `at`: its output fills blocks in the engine's cache from then on.
+    pub fn decoding(&self, lease: &Lease, at: Duration) {
+        if let Some((_, record)) = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            self.kv.decoding(record, at);
         }
     }
 

@@ -4,7 +4,8 @@
 //! closing, the observe stream's response headers and first body chunk, an
 //! Inference Extension gateway's full-duplex stream, an access-log entry,
 //! another router forwarding what it heard. [`Life::on`] says what follows
-//! as [`Effects`]: the lease's first byte and release, the KV record
+//! as [`Effects`]: the lease's first byte (from which the KV record's output
+//! fills blocks) and release, the KV record
 //! completed, taken back or its exact claim ended, a move to the replica
 //! that really served, health, and at the end one [`Outcome`]. Nothing here
 //! touches the lease or the index; [`crate::ledger`] applies the effects.

@@ -15,7 +15,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 
 use super::shadow::Shadow;
-use super::{FoldState, Request, is_placeholder};
+use super::{FoldState, PLACEHOLDER, Request, is_placeholder};
 use crate::hash::BlockHash;
 
 /// Blocks the forecast takes for the queue at most, and at most twice the
@@ -58,6 +58,7 @@ impl Ahead {
             ending: ending.into_iter().filter_map(|id| requests.get(&id)).collect(),
             let_go: HashMap::default(),
             taken: 0,
+            unnamed: 0,
         };
         let budget = FORESIGHT.min(2 * shadow.cap());
         for id in queue {
@@ -66,9 +67,10 @@ impl Ahead {
             }
             let Some(&Request::Waiting { ref prompt, reusable, partial, output, .. }) = requests.get(id) else { continue };
             let reusable = &prompt[..reusable.min(prompt.len())];
-            // Ending requests frees blocks but takes none away: the hits stay.
-            let hits = reusable.iter().take_while(|&&h| run.ahead.holds(shadow, h)).count();
+            // An ending request may evict one first (with the blocks its output still owes).
+            let mut hits;
             loop {
+                hits = reusable.iter().take_while(|&&h| run.ahead.holds(shadow, h)).count();
                 let free_reused = prompt[..hits].iter().filter(|&&h| run.is_free(h)).count();
                 if prompt.len() - hits + partial + free_reused <= run.available || !run.end_one() {
                     break;
@@ -139,6 +141,8 @@ struct Run<'a, I> {
     let_go: HashMap<BlockHash, u32, FoldState>,
     /// Fresh blocks taken so far.
     taken: usize,
+    /// Placeholders made so far.
+    unnamed: u64,
 }
 
 impl<I: Iterator<Item = BlockHash>> Run<'_, I> {
@@ -151,8 +155,11 @@ impl<I: Iterator<Item = BlockHash>> Run<'_, I> {
 
     /// The next running request ends; false when none is left.
     fn end_one(&mut self) -> bool {
-        let Some(Request::Running { keys, generated, ends_partial, .. }) = self.ending.pop_front() else { return false };
-        for (i, &h) in generated.iter().rev().chain(keys.iter().rev()).enumerate() {
+        let Some(Request::Running { keys, generated, owed, ends_partial, .. }) = self.ending.pop_front() else { return false };
+        // The blocks its output has still to fill are taken before it ends (unnamed), and freed first.
+        self.take(*owed);
+        let owed: Vec<BlockHash> = (0..*owed).map(|_| self.unnamed()).collect();
+        for (i, &h) in owed.iter().rev().chain(generated.iter().rev()).chain(keys.iter().rev()).enumerate() {
             let lost = self.let_go.entry(h).or_default();
             *lost += 1;
             if *lost < self.shadow.holders(h) || self.ahead.held.contains(&h) {
@@ -169,6 +176,13 @@ impl<I: Iterator<Item = BlockHash>> Run<'_, I> {
             }
         }
         true
+    }
+
+    /// A placeholder for a block a running request will fill before it
+    /// ends: counted down from the top, apart from the index's own.
+    fn unnamed(&mut self) -> BlockHash {
+        self.unnamed += 1;
+        PLACEHOLDER | BlockHash::from(u64::MAX - self.unnamed)
     }
 
     /// The least recently freed block, to evict: one free now, else one an

@@ -13,6 +13,25 @@ impl KvIndex {
     }
 }
 
+/// A running request in the model.
+#[derive(Debug, Clone)]
+struct Running {
+    keys: Vec<BlockHash>,
+    reused: usize,
+    /// Blocks its output filled so far, and how many more it will fill.
+    generated: Vec<BlockHash>,
+    owed: usize,
+    /// When its first token came, and its pace.
+    since: Option<(Duration, Pace)>,
+    ends_partial: bool,
+}
+
+impl Running {
+    fn new((keys, reused): (Vec<BlockHash>, usize), owed: usize, ends_partial: bool) -> Self {
+        Self { keys, reused, generated: Vec::new(), owed, since: None, ends_partial }
+    }
+}
+
 #[derive(Debug, Default, Clone)]
 struct Pool {
     cap: usize,
@@ -22,9 +41,11 @@ struct Pool {
     in_use: HashMap<BlockHash, (u32, bool)>,
     /// Which incarnation: records of an older one are ignored.
     generation: u32,
-    /// Requests in flight by id: running with (blocks, reused, generated blocks, ends partial), or waiting with (prompt, reusable, partial, output, ends partial).
-    running: HashMap<u64, (Vec<BlockHash>, usize, Vec<BlockHash>, bool)>,
+    /// Requests in flight by id: running, or waiting with (prompt, reusable, partial, output, ends partial).
+    running: HashMap<u64, Running>,
     waiting: Vec<(u64, Vec<BlockHash>, usize, usize, usize, bool)>,
+    /// Seconds a request's output takes per block here, once one completed after its first token.
+    block_time: Option<f64>,
     /// A request takes every block it needs, growing the pool when none is free (blocks running requests will free).
     grows: bool,
     /// Fresh blocks taken.
@@ -118,9 +139,19 @@ impl Pool {
 
     /// A running request ends; false if there is none by that id.
     fn end(&mut self, id: u64) -> bool {
-        let Some((keys, _, generated, ends_partial)) = self.running.remove(&id) else { return false };
-        self.free(&keys, &generated, ends_partial);
+        let Some(r) = self.running.remove(&id) else { return false };
+        self.free(&r.keys, &r.generated, r.ends_partial);
         true
+    }
+
+    /// A running request fills the `n` blocks its output owes (as many as fit).
+    fn fill(&mut self, id: u64, n: usize, next: &mut u128) {
+        let n = n.min(self.running.get(&id).map_or(0, |r| r.owed));
+        let blocks = self.generate(n, next);
+        if let Some(r) = self.running.get_mut(&id) {
+            r.generated.extend(blocks);
+            r.owed -= n;
+        }
     }
 
     /// Frees a request's blocks, last first. The last block, when not full (a placeholder), caches nothing: it goes, as room.
@@ -137,10 +168,9 @@ impl Pool {
 
     fn admit_waiting(&mut self, next: &mut u128) {
         while let Some((id, prompt, reusable, partial, output, ends_partial)) = self.waiting.first().cloned() {
-            let Some((keys, reused)) = self.admit(&prompt, reusable, partial, false, next) else { break };
+            let Some(admitted) = self.admit(&prompt, reusable, partial, false, next) else { break };
             self.waiting.remove(0);
-            let generated = self.generate(output, next);
-            self.running.insert(id, (keys, reused, generated, ends_partial));
+            self.running.insert(id, Running::new(admitted, output, ends_partial));
         }
     }
 }
@@ -172,8 +202,7 @@ impl Naive {
         let added = match admitted {
             Some((keys, reused)) => {
                 let added = keys[reused..].to_vec();
-                let generated = pool.generate(output, next);
-                pool.running.insert(id, (keys, reused, generated, ends_partial));
+                pool.running.insert(id, Running::new((keys, reused), output, ends_partial));
                 added
             }
             None => {
@@ -188,8 +217,47 @@ impl Naive {
         self.replicas.get_mut(&flight.0).filter(|p| p.generation == flight.1)
     }
 
-    fn complete(&mut self, flight: &Flight, next: &mut u128) {
+    /// Its first token came at `at`: its output fills a block each block
+    /// time from then on, or all at once while the block time is unknown.
+    /// A request still waiting has started: it takes its blocks now.
+    fn first_token(&mut self, flight: &Flight, at: Duration, pace: Pace, next: &mut u128) {
         let Some(pool) = self.pool(flight) else { return };
+        if let Some(w) = pool.waiting.iter().position(|w| w.0 == flight.2) {
+            let (id, prompt, reusable, partial, output, ends_partial) = pool.waiting.remove(w);
+            let admitted = pool.admit(&prompt, reusable, partial, true, next).unwrap_or_default();
+            pool.running.insert(id, Running::new(admitted, output, ends_partial));
+        }
+        let Some(r) = pool.running.get_mut(&flight.2).filter(|r| r.since.is_none()) else { return };
+        r.since = Some((at, pace));
+        if pool.block_time.is_none_or(|t| t <= 0.0) {
+            pool.fill(flight.2, usize::MAX, next);
+        }
+    }
+
+    /// Every running request fills the blocks its output filled by `now`, oldest first.
+    fn advance(&mut self, now: Duration, next: &mut u128) {
+        for pool in self.replicas.values_mut() {
+            let Some(per_block) = pool.block_time.filter(|&t| t > 0.0) else { continue };
+            let mut ids: Vec<u64> = pool.running.keys().copied().collect();
+            ids.sort_unstable();
+            for id in ids {
+                let Some(r) = pool.running.get(&id) else { continue };
+                let Some((since, pace)) = r.since else { continue };
+                let filled = pace.filled(now.saturating_sub(since), per_block);
+                let due = filled.saturating_sub(r.generated.len());
+                pool.fill(id, due, next);
+            }
+        }
+    }
+
+    fn complete(&mut self, flight: &Flight, at: Duration, next: &mut u128) {
+        let Some(pool) = self.pool(flight) else { return };
+        if let Some(r) = pool.running.get(&flight.2) {
+            if let Some((since, pace)) = r.since {
+                pool.block_time = pace.learn(pool.block_time, at.saturating_sub(since));
+            }
+            pool.fill(flight.2, usize::MAX, next);
+        }
         if !pool.end(flight.2) {
             let Some(at) = pool.waiting.iter().position(|w| w.0 == flight.2) else { return };
             let (_, prompt, reusable, partial, output, ends_partial) = pool.waiting.remove(at);
@@ -202,7 +270,7 @@ impl Naive {
 
     fn take_back(&mut self, flight: &Flight, next: &mut u128) {
         let Some(pool) = self.pool(flight) else { return };
-        if let Some((keys, reused, generated, _)) = pool.running.remove(&flight.2) {
+        if let Some(Running { keys, reused, generated, .. }) = pool.running.remove(&flight.2) {
             for &h in generated.iter().rev().chain(keys[reused..].iter().rev()) {
                 match pool.in_use.get(&h) {
                     Some((_, true)) => pool.release(h),
@@ -225,8 +293,9 @@ impl Naive {
 
     /// The pool as a request sent now finds it when it starts: every
     /// waiting request admitted before it, in order and in full, each once
-    /// the running requests, ending in the order they came, leave it room
-    /// (or none is left), until they have taken twice the cache.
+    /// the running requests, ending in the order they came (each first
+    /// filling the blocks its output still owes), leave it room (or none is
+    /// left), until they have taken twice the cache.
     fn ahead(&self, slot: Slot) -> Option<Pool> {
         let mut pool = Pool { grows: true, taken: 0, ..self.replicas.get(&slot)?.clone() };
         let budget = ahead::FORESIGHT.min(2 * pool.cap);
@@ -241,6 +310,7 @@ impl Naive {
             while pool.admit(&prompt, reusable, partial, false, &mut next).is_none() {
                 match ending.next() {
                     Some(id) => {
+                        pool.fill(id, usize::MAX, &mut next);
                         pool.end(id);
                     }
                     None => {
@@ -282,6 +352,10 @@ enum Op {
         which: usize,
         take_back: bool,
     },
+    /// The in-flight request at this index has its first token, at a pace (room in its last prompt block, output in blocks), in quarters.
+    FirstToken(usize, u8, u8),
+    /// Time passes, in milliseconds.
+    Wait(u64),
     Clear(Slot),
     Remove(Slot),
     Add(Slot),
@@ -302,6 +376,8 @@ fn op() -> impl Strategy<Value = Op> {
             }
         ),
         6 => (0usize..4, prop::bool::weighted(0.2)).prop_map(|(which, take_back)| Op::Finish { which, take_back }),
+        4 => (0usize..4, 0u8..4, 0u8..12).prop_map(|(which, lead, span)| Op::FirstToken(which, lead, span)),
+        3 => (1u64..40).prop_map(Op::Wait),
         1 => (0u32..4).prop_map(Op::Clear),
         1 => (0u32..4).prop_map(Op::Remove),
         1 => (0u32..4).prop_map(Op::Add),
@@ -319,6 +395,7 @@ proptest! {
         let mut naive = Naive::default();
         let mut next = 0u128;
         let mut generation = 0;
+        let mut now = Duration::ZERO;
         // Requests in flight: the index's record and the model's.
         let mut flights: Vec<(Recorded, Option<Flight>)> = Vec::new();
         let mut add = |naive: &mut Naive, s: Slot| {
@@ -350,8 +427,8 @@ proptest! {
                         index.take_back(&recorded);
                         if let Some(f) = &flight { naive.take_back(f, &mut next); }
                     } else {
-                        index.complete(&recorded);
-                        if let Some(f) = &flight { naive.complete(f, &mut next); }
+                        index.complete(&recorded, now);
+                        if let Some(f) = &flight { naive.complete(f, now, &mut next); }
                         if which % 2 == 1 {
                             // A refusal whose status came after the request ended changes nothing.
                             index.take_back(&recorded);
@@ -359,6 +436,18 @@ proptest! {
                     }
                 }
                 Op::Finish { .. } => {}
+                Op::FirstToken(which, lead, span) => {
+                    let pace = Pace { lead: f64::from(lead) / 4.0, span: f64::from(span) / 4.0 };
+                    if let Some((recorded, flight)) = flights.get(which) {
+                        index.decoding(recorded, now, pace);
+                        if let Some(f) = flight { naive.first_token(f, now, pace, &mut next); }
+                    }
+                }
+                Op::Wait(ms) => {
+                    now += Duration::from_millis(ms);
+                    index.advance(&[0, 1, 2, 3], now);
+                    naive.advance(now, &mut next);
+                }
                 Op::Clear(s) => {
                     index.clear_replica(s);
                     if naive.replicas.contains_key(&s) { add(&mut naive, s); }
@@ -387,8 +476,8 @@ proptest! {
 fn a_long_prefix_is_evicted_from_its_tail() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
-    index.complete(&index.record(0, &chain(0, 4), 4, 0, 0, false));
-    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0, false));
+    index.complete(&index.record(0, &chain(0, 4), 4, 0, 0, false), Duration::ZERO);
+    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0, false), Duration::ZERO);
     assert_eq!(index.matched(&chain(0, 4), &[0]), [3]);
 }
 
@@ -397,12 +486,12 @@ fn partial_and_generated_blocks_take_room() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
     // Two full blocks and two more the index cannot name: the shadow is full.
-    index.complete(&index.record(0, &chain(0, 2), 2, 0, 2, false));
+    index.complete(&index.record(0, &chain(0, 2), 2, 0, 2, false), Duration::ZERO);
     assert_eq!(index.entries(), 4);
     // One fresh block evicts the least recent: the first request's last (unnamed) block.
-    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0, false));
+    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0, false), Duration::ZERO);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
-    index.complete(&index.record(0, &chain(2, 2), 2, 0, 0, false));
+    index.complete(&index.record(0, &chain(2, 2), 2, 0, 0, false), Duration::ZERO);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [1], "then its tail");
 }
 
@@ -410,7 +499,7 @@ fn partial_and_generated_blocks_take_room() {
 fn a_fully_cached_prompt_recomputes_its_last_block_without_moving_it() {
     let index = KvIndex::new();
     index.add_replica(0, 8);
-    index.complete(&index.record(0, &chain(0, 2), 1, 0, 0, false));
+    index.complete(&index.record(0, &chain(0, 2), 1, 0, 0, false), Duration::ZERO);
     // The same prompt again, its last block not reusable: the engine fills a
     // fresh block that caches nothing, and the old one keeps its place.
     let r = index.record(0, &chain(0, 2), 1, 0, 0, false);
@@ -436,7 +525,7 @@ fn slots_past_the_first_64_are_searched_too() {
     for (i, &s) in slots.iter().enumerate() {
         index.add_replica(s, 100);
         let held = &prompt[..i * 9];
-        index.complete(&index.record(s, held, held.len(), 0, 0, false));
+        index.complete(&index.record(s, held, held.len(), 0, 0, false), Duration::ZERO);
     }
     assert_eq!(index.matched(&prompt, &slots), vec![0, 9, 18, 27, 36]);
     assert_eq!(index.matched(&prompt, &[200, 64]), vec![36, 18], "any subset, in the order asked");
@@ -444,7 +533,7 @@ fn slots_past_the_first_64_are_searched_too() {
     index.clear_replica(200);
     assert_eq!(index.matched(&prompt, &slots), vec![0, 9, 0, 27, 0]);
     // Blocks shared by slots in different words keep the other holders when one lets go.
-    index.complete(&index.record(130, &prompt[..5], 5, 0, 0, false));
+    index.complete(&index.record(130, &prompt[..5], 5, 0, 0, false), Duration::ZERO);
     index.remove_replica(63);
     assert_eq!(index.matched(&prompt, &[63, 130]), vec![0, 27]);
 }
@@ -462,15 +551,15 @@ fn blocks_of_running_requests_are_not_evicted() {
     // first to end and then takes its blocks from their tail.
     assert_eq!(index.matched(&chain(0, 3), &[0]), [1]);
     assert_eq!(index.matched(&chain(1, 3), &[0]), [3]);
-    index.complete(&first);
+    index.complete(&first, Duration::ZERO);
     // The queued one ran after: it took the first request's blocks from the tail.
-    index.complete(&second);
+    index.complete(&second, Duration::ZERO);
     assert_eq!(index.matched(&chain(0, 3), &[0]), [1]);
     assert_eq!(index.matched(&chain(1, 3), &[0]), [3]);
     // Freed last block first: the second request's tail goes before its head.
-    index.complete(&index.record(0, &chain(2, 1), 1, 0, 0, false));
+    index.complete(&index.record(0, &chain(2, 1), 1, 0, 0, false), Duration::ZERO);
     assert_eq!(index.matched(&chain(0, 3), &[0]), [0]);
-    index.complete(&index.record(0, &chain(3, 1), 1, 0, 0, false));
+    index.complete(&index.record(0, &chain(3, 1), 1, 0, 0, false), Duration::ZERO);
     assert_eq!(index.matched(&chain(1, 3), &[0]), [2]);
 }
 
@@ -479,7 +568,7 @@ fn a_request_sent_now_finds_what_the_queue_ahead_will_leave() {
     let index = KvIndex::new();
     index.add_replica(0, 6);
     // A prefix of two blocks, free, and a running request that holds three.
-    index.complete(&index.record(0, &chain(0, 2), 2, 0, 0, false));
+    index.complete(&index.record(0, &chain(0, 2), 2, 0, 0, false), Duration::ZERO);
     let running = index.record(0, &chain(1, 3), 3, 0, 0, false);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
     // Four blocks do not fit in the one empty and two free: the request
@@ -494,7 +583,7 @@ fn a_request_sent_now_finds_what_the_queue_ahead_will_leave() {
     index.take_back(&waiting);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
     assert_eq!(index.matched(&chain(2, 4), &[0]), [0]);
-    index.complete(&running);
+    index.complete(&running, Duration::ZERO);
 }
 
 #[test]
@@ -518,7 +607,63 @@ fn an_absurd_reported_capacity_takes_no_absurd_room() {
     let index = KvIndex::new();
     index.add_replica(0, usize::MAX / 2);
     index.add_replica(1, usize::MAX / 2);
-    index.complete(&index.record(0, &chain(0, 8), 8, 0, 1, false));
+    index.complete(&index.record(0, &chain(0, 8), 8, 0, 1, false), Duration::ZERO);
     assert_eq!(index.matched(&chain(0, 8), &[0, 1]), [8, 0]);
     assert!(index.bytes() < 1 << 30, "{} bytes", index.bytes());
+}
+
+#[test]
+fn a_decoding_request_takes_its_output_blocks_as_the_engine_fills_them() {
+    let ms = Duration::from_millis;
+    let index = KvIndex::new();
+    index.add_replica(0, 8);
+    // Before any request completed, the block time is unknown: the output is taken whole at the first token.
+    let first = index.record(0, &chain(0, 2), 2, 0, 2, false);
+    index.decoding(&first, ms(0), Pace { lead: 0.0, span: 2.0 });
+    assert_eq!(index.entries_of(0), 4);
+    // Two blocks' worth of tokens in 200 ms: 100 ms a block.
+    index.complete(&first, ms(200));
+    assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
+    // Four fresh blocks fill the cache; the first request's blocks are free, the next to go.
+    let second = index.record(0, &chain(1, 4), 4, 0, 3, false);
+    assert_eq!(index.entries_of(0), 8);
+    // Half its prompt's last block is room: its first output block is needed 50 ms after its first token, then one every 100 ms.
+    index.decoding(&second, ms(1_000), Pace { lead: 0.5, span: 2.5 });
+    let held_after = |at: u64| {
+        index.advance(&[0], ms(at));
+        index.matched(&chain(0, 2), &[0])[0]
+    };
+    // Its first two output blocks (at 1,050 and 1,150 ms) evict the first request's output, freed first; its third
+    // (at 1,250 ms) that request's prompt, from the tail.
+    assert_eq!(held_after(1_040), 2);
+    assert_eq!(held_after(1_160), 2);
+    assert_eq!(held_after(1_240), 2, "two output blocks so far");
+    assert_eq!(held_after(1_260), 1, "the third evicts the first prompt's last block");
+    assert_eq!(held_after(5_000), 1, "and it owed no more");
+    // It owed three blocks and took three: the cache holds its prompt and its output.
+    index.complete(&second, ms(1_260));
+    assert_eq!(index.matched(&chain(1, 4), &[0]), [4]);
+    assert_eq!(index.entries_of(0), 8);
+}
+
+#[test]
+fn a_pace_says_when_the_engine_needs_each_output_block() {
+    // An engine takes a block when a token no longer fits in the last: a
+    // prompt of 40 tokens in blocks of 16 leaves room for 8, so the first
+    // output block is needed at the 9th token after the first, then every 16.
+    let pace = Pace { lead: 8.0 / 16.0, span: 64.0 / 16.0 };
+    let token = 0.01;
+    let block = 16.0 * token;
+    let at = |tokens: f64| Duration::from_secs_f64(tokens * token + 1e-9);
+    assert_eq!(pace.filled(at(7.0), block), 0);
+    assert_eq!(pace.filled(at(8.0), block), 1);
+    assert_eq!(pace.filled(at(23.0), block), 1);
+    assert_eq!(pace.filled(at(24.0), block), 2);
+    // A prompt ending on a block boundary needs a block for its first token's KV at once.
+    assert_eq!(Pace { lead: 0.0, span: 1.0 }.filled(Duration::ZERO, block), 1);
+    // The block time is learned from requests with a block of output or more, a fifth at a time.
+    assert_eq!(pace.learn(None, Duration::from_secs_f64(0.64)), Some(0.16));
+    assert_eq!(Pace { lead: 0.0, span: 0.5 }.learn(Some(0.16), Duration::from_secs(9)), Some(0.16));
+    let learned = pace.learn(Some(0.16), Duration::from_secs_f64(1.28)).unwrap_or_default();
+    assert!((learned - (0.8 * 0.16 + 0.2 * 0.32)).abs() < 1e-12, "{learned}");
 }

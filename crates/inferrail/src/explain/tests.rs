@@ -46,7 +46,7 @@ replicas:
 
     // Once it is over and answered nothing holds them, though they stay cached.
     let lease = r.forget("1").unwrap();
-    r.core.complete(&lease);
+    r.core.complete(&lease, std::time::Duration::ZERO);
     let out = explanation(&r, &r.explain(BODY, Endpoint::Completions, None, &Default::default()).await.unwrap());
     let t = candidate(&out, &took);
     assert_eq!((t.predicted_cached_tokens, t.held_cached_tokens, t.free_kv_tokens), (cached, 0, Some(128)));

@@ -4,6 +4,7 @@ use super::super::{Event, EventError, KvIndex, Slot, Stored, Tier};
 use crate::hash::{BlockHash, block_hashes, salt};
 use proptest::prelude::*;
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
 const BS: usize = 4;
 
@@ -38,7 +39,7 @@ fn sized(blocks: usize) -> KvIndex {
 fn ran(index: &KvIndex, seed: BlockHash, variant: u32, blocks: usize) {
     let rec = index.record(0, &block_hashes(seed, &tokens(blocks, variant), BS), blocks, 0, 1, false);
     store(index, seed, variant, 0, blocks, Tier::ROUTING).unwrap();
-    index.complete(&rec);
+    index.complete(&rec, Duration::ZERO);
 }
 
 /// Stores `blocks` blocks of `variant`'s tokens at slot 0, starting after `from` blocks already stored.
@@ -136,7 +137,7 @@ fn a_request_sent_claims_its_blocks_until_it_completes() {
     index.apply(0, &Event::Cleared).unwrap();
     assert_eq!(matched(&index, seed, 0, 4), 4, "still claimed while the request runs");
     store(&index, seed, 0, 0, 3, Tier::ROUTING).unwrap();
-    index.complete(&rec);
+    index.complete(&rec, Duration::ZERO);
     assert_eq!(matched(&index, seed, 0, 4), 3, "once it completes, only what the engine holds");
     assert_eq!(index.held(&prompt, &[(0, 3)]), [0], "held by no request in flight");
     let refused = index.record(0, &prompt, 4, 0, 1, false);
@@ -144,7 +145,7 @@ fn a_request_sent_claims_its_blocks_until_it_completes() {
     assert_eq!(matched(&index, seed, 0, 4), 3);
     let shorter = index.record(0, &prompt[..2], 2, 0, 1, false);
     assert_eq!(index.held(&prompt, &[(0, 3)]), [2], "the claimed prefix is held, the block after it is not");
-    index.complete(&shorter);
+    index.complete(&shorter, Duration::ZERO);
     assert_eq!(index.held(&prompt, &[(0, 3)]), [0]);
 }
 
@@ -164,7 +165,7 @@ fn a_claim_ends_with_the_request_even_when_its_status_never_comes() {
     assert!(index.end_claim(&rec));
     assert_eq!(matched(&index, seed, 0, 4), 2, "over: what the engine holds");
     assert!(!index.end_claim(&rec), "once");
-    index.complete(&rec);
+    index.complete(&rec, Duration::ZERO);
     assert_eq!(matched(&index, seed, 0, 4), 2);
     // An approximate replica's record waits for its status.
     let prompt1 = block_hashes(seed, &tokens(3, 1), BS);
@@ -190,7 +191,7 @@ fn requests_sent_make_the_least_recently_freed_blocks_absent() {
     let d = index.record(0, &block_hashes(seed, &tokens(3, a), BS), 3, 0, 1, false);
     assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (3, 1));
     index.take_back(&d);
-    index.complete(&c);
+    index.complete(&c, Duration::ZERO);
     assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (4, 4), "nothing is coming: everything held is there");
 }
 
@@ -202,7 +203,7 @@ fn what_a_request_generated_is_evicted_with_it_just_before_its_prompt() {
     let r = index.record(0, &block_hashes(seed, &tokens(3, 0), BS), 3, 0, 1, false);
     store(&index, seed, 0, 0, 5, Tier::ROUTING).unwrap();
     ran(&index, seed, 1, 3);
-    index.complete(&r);
+    index.complete(&r, Duration::ZERO);
     // 8 held, 4 empty; S needs 6 + 1: 3 evicted, all of Q, freed before R ended.
     let s = index.record(0, &block_hashes(seed, &tokens(6, 2), BS), 6, 0, 1, false);
     assert_eq!((matched(&index, seed, 1, 3), matched(&index, seed, 0, 5)), (0, 5));
@@ -229,7 +230,7 @@ fn a_partial_last_block_is_freed_as_room_reused_before_any_cached_block() {
     for v in [a, b] {
         let rec = index.record(0, &block_hashes(seed, &tokens(4, v), BS), 4, 0, 1, true);
         store(&index, seed, v, 0, 4, Tier::ROUTING).unwrap();
-        index.complete(&rec);
+        index.complete(&rec, Duration::ZERO);
     }
     // C needs one block and one to generate into: the room holds both.
     let c = index.record(0, &block_hashes(seed, &tokens(1, 2), BS), 1, 0, 1, true);
@@ -239,7 +240,7 @@ fn a_partial_last_block_is_freed_as_room_reused_before_any_cached_block() {
     // C ends inside its second block, freed as room: 9 named blocks and 1
     // block of room. D needs two: the room, then A's last block, the least
     // recently freed.
-    index.complete(&c);
+    index.complete(&c, Duration::ZERO);
     let d = index.record(0, &block_hashes(seed, &tokens(1, 4), BS), 1, 0, 1, false);
     assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (3, 4));
     index.take_back(&d);
@@ -256,7 +257,7 @@ fn leaving_exact_mode_keeps_what_was_known_or_nothing() {
     assert!(!index.is_exact(0));
     assert_eq!(matched(&index, seed, 0, 5), 5, "the shadow starts from the engine's blocks");
     assert_eq!(matched(&index, seed, 1, 6), 0, "claims end with exact mode");
-    index.complete(&rec);
+    index.complete(&rec, Duration::ZERO);
     assert_eq!(index.entries(), 5);
     assert!(index.enter_exact(0, BS));
     assert_eq!(matched(&index, seed, 0, 5), 0, "exact mode starts from an empty cache");
@@ -339,7 +340,7 @@ proptest! {
                     held.clear();
                 }
                 Op::Send(p, n) => sent.push((index.record(0, &hashes[p][..n], n, 0, 1, false), hashes[p][..n].to_vec())),
-                Op::Complete => if !sent.is_empty() { index.complete(&sent.remove(0).0) },
+                Op::Complete => if !sent.is_empty() { index.complete(&sent.remove(0).0, Duration::ZERO) },
             }
             let claimed: HashSet<BlockHash> = sent.iter().flat_map(|(_, k)| k.iter().copied()).collect();
             let present = |h: &BlockHash| index.holders.word(*h, 0) & 1 != 0;
