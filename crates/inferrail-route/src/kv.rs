@@ -193,15 +193,22 @@ impl Kv {
     }
 
     /// Predicted cached tokens of the prompt at each place, and of those the
-    /// ones a request in flight there holds; one index pass per block size.
-    pub fn cached(&self, p: &Prediction, places: &[Place]) -> Vec<(usize, usize)> {
+    /// ones a request in flight there holds, for a request sent at `now`;
+    /// one index pass per block size.
+    pub fn cached(&self, p: &Prediction, places: &[Place], now: Duration) -> Vec<(usize, usize)> {
         let mut cached = vec![(0, 0); places.len()];
         let mut slots: Vec<Slot> = Vec::with_capacity(places.len());
         for (bs, hashes) in &p.hashes {
             slots.clear();
             slots.extend(places.iter().filter(|pl| pl.block_size == *bs).map(|pl| pl.slot));
             let at = places.iter().enumerate().filter(|(_, pl)| pl.block_size == *bs).map(|(i, _)| i);
-            let depths: Vec<(Slot, usize)> = slots.iter().copied().zip(self.index.matched(hashes, &slots)).collect();
+            // Where the prompt must wait for room, what the running requests grow into meanwhile is gone.
+            let prompt_blocks = p.prompt_tokens.div_ceil(*bs);
+            let depths: Vec<(Slot, usize)> = slots
+                .iter()
+                .zip(self.index.matched(hashes, &slots))
+                .map(|(&slot, m)| (slot, self.index.kept_through_wait(slot, hashes, m, prompt_blocks.saturating_sub(m), now)))
+                .collect();
             for ((i, &(slot, matched)), held) in at.zip(&depths).zip(self.index.held(hashes, &depths)) {
                 let matched = matched + self.reply_blocks(p, slot, *bs, matched);
                 let tokens = predicted_cached_tokens(matched, p.prompt_tokens, *bs);
@@ -303,12 +310,16 @@ mod tests {
         let p = kv.prepare("m", &prompt(100), [16, 32, 16]);
         assert_eq!(p.hashes.len(), 2, "hashed once per block size");
         kv.record(&p, pa);
-        assert_eq!(kv.cached(&p, &[pa, pb]), [(96, 96), (0, 0)], "the request recorded holds its blocks until it completes");
+        assert_eq!(
+            kv.cached(&p, &[pa, pb], Duration::ZERO),
+            [(96, 96), (0, 0)],
+            "the request recorded holds its blocks until it completes"
+        );
         kv.clear(pa.slot);
-        assert_eq!(kv.cached(&p, &[pa, pb]), [(0, 0), (0, 0)]);
+        assert_eq!(kv.cached(&p, &[pa, pb], Duration::ZERO), [(0, 0), (0, 0)]);
         let salted = kv.prepare("m", &Prompt { cache_salt: Some("s".into()), ..prompt(100) }, [16]);
         kv.record(&p, pa);
-        assert_eq!(kv.cached(&salted, &[pa]), [(0, 0)], "a cache salt keeps blocks apart");
+        assert_eq!(kv.cached(&salted, &[pa], Duration::ZERO), [(0, 0)], "a cache salt keeps blocks apart");
     }
 
     /// `prompt` then `reply`, the end of the turn (a special token), and `more`.
@@ -331,17 +342,17 @@ mod tests {
         kv.complete(&kv.record(&kv.prepare("m", &first, [16]), pa), Duration::ZERO);
         let second = next_turn(&first, 1_000..1_020, 2_000..2_030, Some(10));
         let p = kv.prepare("m", &second, [16]);
-        assert_eq!(kv.cached(&p, &[pa, pb]), [(48, 0), (0, 0)], "the prompt's 2 full blocks and the one its reply filled");
+        assert_eq!(kv.cached(&p, &[pa, pb], Duration::ZERO), [(48, 0), (0, 0)], "the prompt's 2 full blocks and the one its reply filled");
         kv.complete(&kv.record(&p, pa), Duration::ZERO);
         // The reply's blocks were named by the second turn: a copy of it finds them by hash.
-        assert_eq!(kv.cached(&kv.prepare("m", &second, [16]), &[pa]), [(80, 0)], "91 tokens: 5 full blocks");
+        assert_eq!(kv.cached(&kv.prepare("m", &second, [16]), &[pa], Duration::ZERO), [(80, 0)], "91 tokens: 5 full blocks");
         // A reply that ended at a stop token (5 of 10): all its tokens were computed, 96 tokens in all.
         let third = next_turn(&second, 3_000..3_005, 4_000..4_020, Some(10));
-        assert_eq!(kv.cached(&kv.prepare("m", &third, [16]), &[pa, pb]), [(96, 0), (0, 0)]);
+        assert_eq!(kv.cached(&kv.prepare("m", &third, [16]), &[pa, pb], Duration::ZERO), [(96, 0), (0, 0)]);
         // A turn that changed the earlier prompt's last tokens resends no reply of this replica's.
         let mut edited = second.clone();
         edited.ids[35] = 999;
-        assert_eq!(kv.cached(&kv.prepare("m", &edited, [16]), &[pa]), [(32, 0)]);
+        assert_eq!(kv.cached(&kv.prepare("m", &edited, [16]), &[pa], Duration::ZERO), [(32, 0)]);
     }
 
     #[test]
@@ -350,7 +361,7 @@ mod tests {
         let first = Prompt { max_tokens: Some(20), ..prompt(40) };
         kv.complete(&kv.record(&kv.prepare("m", &first, [16]), pa), Duration::ZERO);
         let second = next_turn(&first, 1_000..1_020, 2_000..2_030, None);
-        assert_eq!(kv.cached(&kv.prepare("m", &second, [16]), &[pa]), [(32, 0)]);
+        assert_eq!(kv.cached(&kv.prepare("m", &second, [16]), &[pa], Duration::ZERO), [(32, 0)]);
     }
 
     #[test]

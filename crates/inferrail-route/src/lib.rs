@@ -302,7 +302,7 @@ impl Core {
         let places: Vec<Place> = replicas.iter().map(|r| self.place(r)).collect();
         self.kv.advance(&places, now);
         let cached = match &view.prediction {
-            Some(p) => self.kv.cached(p, &places),
+            Some(p) => self.kv.cached(p, &places, now),
             None => vec![(0, 0); replicas.len()],
         };
         let reports: Vec<Option<(Report, Duration)>> =

@@ -1,7 +1,10 @@
-//! Lookups: how many leading blocks of a prompt each replica holds, and
-//! how many of those a request in flight there holds.
+//! Lookups: how many leading blocks of a prompt each replica holds, how
+//! many of those a request in flight there holds, and how many it would
+//! still hold once a prompt that must wait for room there starts.
 
-use super::{KvIndex, Slot};
+use std::time::Duration;
+
+use super::{KvIndex, Request, Slot};
 use crate::hash::BlockHash;
 
 impl KvIndex {
@@ -73,6 +76,69 @@ impl KvIndex {
                 }
             })
             .collect()
+    }
+}
+
+impl KvIndex {
+    /// Of the `matched` leading blocks of `hashes` on `slot`, how many a
+    /// request sent at `now` still finds when it starts, needing `need`
+    /// fresh blocks. Where they do not fit beside the running requests
+    /// (with the matched blocks it takes out of the free pool), it waits
+    /// until enough of those have ended (each at its first token plus its
+    /// span of block times), and meanwhile the others' outputs grow into
+    /// the least recently freed blocks, which take a prefix from its tail.
+    /// Unchanged behind a queue (its forecast stands), where the request
+    /// fits, and where the replica's block time is not known.
+    pub fn kept_through_wait(&self, slot: Slot, hashes: &[BlockHash], matched: usize, need: usize, now: Duration) -> usize {
+        let replicas = self.lock();
+        let Some(rep) = replicas.get(&slot).filter(|r| r.exact.is_none() && r.queue.is_empty()) else { return matched };
+        let Some(per_block) = rep.block_time.filter(|&t| t > 0.0) else { return matched };
+        let shadow = &rep.shadow;
+        let prefix = &hashes[..matched.min(hashes.len())];
+        let demand = need + prefix.iter().filter(|&&h| shadow.in_use(h) == Some(false)).count();
+        let available = shadow.available();
+        if demand <= available {
+            return matched;
+        }
+        // Each running request: when it ends, what it holds, what its output has filled and what it owes, and its pace.
+        let mut running: Vec<_> = rep
+            .requests
+            .values()
+            .filter_map(|r| match r {
+                Request::Running { keys, generated, owed, since, .. } => {
+                    let end = match since {
+                        Some((at, pace)) => *at + Duration::from_secs_f64(pace.span * per_block),
+                        None => now + Duration::from_secs_f64(*owed as f64 * per_block),
+                    };
+                    Some((end, keys.len() + generated.len(), generated.len(), *owed, *since))
+                }
+                _ => None,
+            })
+            .collect();
+        running.sort_by_key(|r| r.0);
+        // By `t`: blocks the ended requests freed, and blocks the outputs took (the ended ones' in full).
+        let by = |t: Duration| {
+            let (mut freed, mut grown) = (0, 0);
+            for &(end, holds, generated, owed, since) in &running {
+                if end <= t {
+                    freed += holds;
+                    grown += owed;
+                } else if let Some((at, pace)) = since {
+                    grown += pace.filled(t.saturating_sub(at), per_block).saturating_sub(generated).min(owed);
+                }
+            }
+            (freed, grown)
+        };
+        let Some(start) = running.iter().map(|r| r.0.max(now)).find(|&t| {
+            let (freed, grown) = by(t);
+            (available + freed).saturating_sub(grown) >= demand
+        }) else {
+            return matched;
+        };
+        // The outputs' growth first fills the never-used room, then evicts the least recently freed blocks.
+        let evictions = by(start).1.saturating_sub(shadow.cap() - shadow.len());
+        let evicted: std::collections::HashSet<BlockHash> = shadow.oldest_free().take(evictions).collect();
+        prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
     }
 }
 

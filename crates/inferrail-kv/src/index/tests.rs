@@ -667,3 +667,26 @@ fn a_pace_says_when_the_engine_needs_each_output_block() {
     let learned = pace.learn(Some(0.16), Duration::from_secs_f64(1.28)).unwrap_or_default();
     assert!((learned - (0.8 * 0.16 + 0.2 * 0.32)).abs() < 1e-12, "{learned}");
 }
+
+#[test]
+fn a_prompt_that_waits_for_room_loses_what_running_outputs_grow_into() {
+    let ms = Duration::from_millis;
+    let index = KvIndex::new();
+    index.add_replica(0, 8);
+    let first = index.record(0, &chain(0, 2), 2, 0, 2, false);
+    index.decoding(&first, ms(0), Pace { lead: 0.0, span: 2.0 });
+    let prompt: Vec<BlockHash> = chain(0, 2).into_iter().chain(chain(5, 4)).collect();
+    assert_eq!(index.kept_through_wait(0, &prompt, 2, 4, ms(100)), 2, "no block time yet: nothing foreseen");
+    index.complete(&first, ms(200));
+    // Free, least recent first: the first request's two output blocks, then its prompt from the tail.
+    let second = index.record(0, &chain(1, 4), 4, 0, 3, false);
+    index.decoding(&second, ms(1_000), Pace { lead: 0.0, span: 3.0 });
+    index.advance(&[0], ms(1_000));
+    // Five blocks in use, three free. A prompt reusing the first two needs
+    // four fresh ones and takes its two hits out of the free pool: it waits
+    // for the second request to end (at 1,300 ms), whose output takes two
+    // more blocks first: the other output block and the first prompt's last.
+    assert_eq!(index.matched(&prompt, &[0]), [2]);
+    assert_eq!(index.kept_through_wait(0, &prompt, 2, 4, ms(1_000)), 1);
+    assert_eq!(index.kept_through_wait(0, &prompt, 2, 1, ms(1_000)), 2, "one fresh block fits now: nothing to wait for");
+}
