@@ -321,6 +321,8 @@ impl KvIndex {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&slot) else { return Recorded { slot, ..Recorded::default() } };
         let request = self.ids.fetch_add(1, Ordering::Relaxed);
+        // What a request asks for is input: no sequence outgrows the cache.
+        let output = output.min(rep.shadow.cap());
         if let Some(exact) = &mut rep.exact {
             let mut changes = Vec::new();
             exact.claim(prompt, &mut changes);

@@ -225,9 +225,11 @@ impl Kv {
         let n = p.prompt_tokens;
         // The engine holds every token it computed: the prompt, then all but the last generated one.
         let prompt_blocks = n.div_ceil(bs);
-        let output_blocks = (n + p.output_tokens).saturating_sub(1).div_ceil(bs).saturating_sub(prompt_blocks);
+        // `max_tokens` is the client's: any number, summed without overflow.
+        let tokens = n.saturating_add(p.output_tokens);
+        let output_blocks = tokens.saturating_sub(1).div_ceil(bs).saturating_sub(prompt_blocks);
         let partial = prompt_blocks.saturating_sub(hashes.len());
-        let ends_partial = !(n + p.output_tokens).saturating_sub(1).is_multiple_of(bs);
+        let ends_partial = !tokens.saturating_sub(1).is_multiple_of(bs);
         // A resent reply's blocks take their names first, so the request reuses them.
         let depth = self.index.matched(hashes, &[at.slot])[0];
         let named = self.reply_blocks(p, at.slot, bs, depth);
@@ -302,6 +304,18 @@ mod tests {
         kv.reset(a, 100);
         kv.reset(b, 100);
         (kv, Place { slot: a, block_size: sizes[0] }, Place { slot: b, block_size: sizes[1] })
+    }
+
+    #[test]
+    fn any_max_tokens_is_recorded_paced_and_completed() {
+        let (kv, pa, _) = two_replicas(KvConfig::default(), [16, 16]);
+        let huge = Prompt { max_tokens: Some(usize::MAX), ..prompt(40) };
+        let rec = kv.record(&kv.prepare("m", &huge, [16]), pa);
+        kv.decoding(&rec, Duration::from_secs(1));
+        kv.advance(&[pa], Duration::from_secs(2));
+        kv.complete(&rec, Duration::from_secs(3));
+        assert!(kv.entries_of(pa.slot) <= 100, "no more than the cache: {}", kv.entries_of(pa.slot));
+        assert_eq!(kv.cached(&kv.prepare("m", &prompt(40), [16]), &[pa], Duration::from_secs(3)), [(32, 0)]);
     }
 
     #[test]

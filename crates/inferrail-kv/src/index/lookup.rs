@@ -106,9 +106,11 @@ impl KvIndex {
             .values()
             .filter_map(|r| match r {
                 Request::Running { keys, generated, owed, since, .. } => {
+                    // Spans come from what requests asked for: an absurd one ends never, not in a panic.
+                    let after = |secs: f64| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX);
                     let end = match since {
-                        Some((at, pace)) => *at + Duration::from_secs_f64(pace.span * per_block),
-                        None => now + Duration::from_secs_f64(*owed as f64 * per_block),
+                        Some((at, pace)) => at.saturating_add(after(pace.span * per_block)),
+                        None => now.saturating_add(after(*owed as f64 * per_block)),
                     };
                     Some((end, keys.len() + generated.len(), generated.len(), *owed, *since))
                 }

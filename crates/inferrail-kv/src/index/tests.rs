@@ -198,6 +198,8 @@ impl Naive {
         self.ids += 1;
         let id = self.ids;
         let pool = self.replicas.get_mut(&slot)?;
+        // No sequence outgrows the cache.
+        let output = output.min(pool.cap);
         let admitted = if pool.waiting.is_empty() { pool.admit(prompt, reusable, partial, false, next) } else { None };
         let added = match admitted {
             Some((keys, reused)) => {
@@ -689,4 +691,24 @@ fn a_prompt_that_waits_for_room_loses_what_running_outputs_grow_into() {
     assert_eq!(index.matched(&prompt, &[0]), [2]);
     assert_eq!(index.kept_through_wait(0, &prompt, 2, 4, ms(1_000)), 1);
     assert_eq!(index.kept_through_wait(0, &prompt, 2, 1, ms(1_000)), 2, "one fresh block fits now: nothing to wait for");
+}
+
+#[test]
+fn an_absurd_output_is_bounded_by_the_cache() {
+    let index = KvIndex::new();
+    index.add_replica(0, 8);
+    // Running, owing at most the cache, with a learned block time.
+    let first = index.record(0, &chain(0, 2), 2, 0, 0, false);
+    index.decoding(&first, Duration::ZERO, Pace { lead: 0.0, span: 1.0 });
+    index.complete(&first, Duration::from_millis(100));
+    let huge = index.record(0, &chain(1, 2), 2, 0, usize::MAX, false);
+    index.decoding(&huge, Duration::from_secs(1), Pace { lead: 0.0, span: 1e30 });
+    // A queued request makes the forecast run through the huge one's end.
+    let queued = index.record(0, &chain(2, 7), 7, 0, 0, false);
+    assert!(index.added(&queued).is_empty(), "it waits");
+    index.advance(&[0], Duration::from_secs(2));
+    let prompt = chain(0, 8);
+    let matched = index.matched(&prompt, &[0])[0];
+    assert!(index.kept_through_wait(0, &prompt, matched, 8, Duration::from_secs(2)) <= matched);
+    assert!(index.entries_of(0) <= 8);
 }
