@@ -84,6 +84,8 @@ def hostile_requests(n, rng):
         lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "model": 5}).encode(), {}),
         lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "messages": "hi"}).encode(), {}),
         lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "max_tokens": "many"}).encode(), {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "max_tokens": 2**64 - 1}).encode(), {}),
+        lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "max_completion_tokens": 10**30}).encode(), {}),
         lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "temperature": [1]}).encode(), {}),
         lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "model": "nobody-serves-this"}).encode(), {}),
         lambda: ("POST", "/v1/chat/completions", json.dumps({**ok, "messages": [{"role": "wizard", "content": 7}]}).encode(), {}),
