@@ -493,10 +493,10 @@ impl KvIndex {
     }
 
     /// The request's first token came at `at`: from then on its output
-    /// fills blocks at `pace` (taken by `advance`), or, before the
-    /// replica's block time is known (or where it is nil), all at once now. A request the index
-    /// still had waiting has started (the engine found room the index did
-    /// not see): it takes its blocks now.
+    /// fills blocks at `pace` (taken by `advance`), or all at once now
+    /// while the replica's block time is unknown (or nil). A request the
+    /// index still had waiting has started (the engine found room the
+    /// index did not see): it takes its blocks now.
     pub fn decoding(&self, recorded: &Recorded, at: Duration, pace: Pace) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
@@ -525,8 +525,8 @@ impl KvIndex {
 
     /// Brings `slots` to `now`: each running request takes the blocks its
     /// output has filled since its first token, at its pace and the
-    /// replica's block time, oldest request first. Lookups made at `now` see the caches as
-    /// they are then.
+    /// replica's block time, oldest request first. Lookups made at `now`
+    /// see the caches as they are then.
     pub fn advance(&self, slots: &[Slot], now: Duration) {
         let mut replicas = self.lock();
         for &slot in slots {
