@@ -13,7 +13,9 @@
 //! A running request's output takes blocks as its engine fills them: from
 //! its first token, one every block time (the replica's, learned from the
 //! requests that completed), the rest when it completes; lookups first
-//! bring the replicas to the decision's time (`advance`, ADR 0053).
+//! bring the replicas to the decision's time (`advance`, ADR 0053). A
+//! request that finds no free block preempts the newest decoding one, which
+//! waits first in line and resumes where it stopped (ADR 0054).
 //!
 //! While requests wait on an approximate replica, lookups see its cache as
 //! a request sent now will find it, once the requests ahead have started
@@ -112,6 +114,8 @@ struct Replica {
     /// learned from the requests that completed (none yet: output is taken
     /// whole at the first token).
     block_time: Option<f64>,
+    /// The latest time the replica was brought to.
+    clock: Duration,
 }
 
 impl Replica {
@@ -142,6 +146,13 @@ impl Pace {
         (elapsed.as_secs_f64() / block_time + 1.0 - self.lead).floor().max(0.0) as usize
     }
 
+    /// How long after its first token a request at this pace needs its
+    /// output block after the first `filled`, at `block_time` seconds a
+    /// block (`filled` counts it from then on).
+    pub fn due(self, filled: usize, block_time: f64) -> Duration {
+        Duration::try_from_secs_f64((filled as f64 + self.lead) * block_time).unwrap_or(Duration::MAX)
+    }
+
     /// A replica's block time after a request at this pace decoded for
     /// `took` (from its first token to its end as the router heard them):
     /// a moving average, each request weighing a fifth. Only a request
@@ -160,15 +171,27 @@ impl Pace {
 /// Replies kept before the first prune.
 const REPLIES_KEPT: usize = 1024;
 
+/// Where a preempted request takes up its decoding again once readmitted.
+#[derive(Debug, Clone, Copy)]
+struct Resume {
+    /// Its prompt's blocks: the ones after them are its output's.
+    prompt_blocks: usize,
+    /// How long it had decoded, and at what pace.
+    decoded: Duration,
+    pace: Pace,
+}
+
 #[derive(Debug)]
 enum Request {
-    /// In the engine's queue: holds nothing yet.
-    Waiting { prompt: Vec<BlockHash>, reusable: usize, partial: usize, output: usize, ends_partial: bool },
+    /// In the engine's queue: holds nothing yet. A preempted request
+    /// waits to compute its prompt and output again (`resume`).
+    Waiting { prompt: Vec<BlockHash>, reusable: usize, partial: usize, output: usize, ends_partial: bool, resume: Option<Resume> },
     /// Running: holds its prompt's blocks, the reused ones first, and
     /// those its generated tokens filled so far; `owed` more are to come,
     /// at its pace from its first token (`since`, once heard);
     /// `ends_partial`: its last block will not be full, and the engine
-    /// frees it as room.
+    /// frees it as room; `order`: when it began decoding, against the
+    /// others (the newest is preempted first).
     Running {
         keys: Vec<BlockHash>,
         reused: usize,
@@ -176,6 +199,7 @@ enum Request {
         owed: usize,
         since: Option<(Duration, Pace)>,
         ends_partial: bool,
+        order: u64,
     },
     /// Sent to a replica in exact mode: claims its prompt blocks.
     Claiming { keys: Vec<BlockHash> },
@@ -264,6 +288,7 @@ impl KvIndex {
             prune_at: REPLIES_KEPT,
             growing: BTreeSet::new(),
             block_time: None,
+            clock: Duration::ZERO,
         }
     }
 
@@ -333,12 +358,12 @@ impl KvIndex {
         // Behind a queue it waits its turn; before one, it runs if it fits.
         let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };
         match admitted {
-            Some((keys, reused)) => {
-                rep.requests
-                    .insert(request, Request::Running { keys, reused, generated: Vec::new(), owed: output, since: None, ends_partial });
+            Some(admitted) => {
+                rep.requests.insert(request, self.started(rep, admitted, output, ends_partial, None));
             }
             None => {
-                rep.requests.insert(request, Request::Waiting { prompt: prompt.to_vec(), reusable, partial, output, ends_partial });
+                rep.requests
+                    .insert(request, Request::Waiting { prompt: prompt.to_vec(), reusable, partial, output, ends_partial, resume: None });
                 rep.queue.push_back(request);
                 self.foresee(slot, rep);
             }
@@ -349,17 +374,106 @@ impl KvIndex {
     /// Starts waiting requests, first come first, while the first fits,
     /// and foresees what the rest will do.
     fn admit_waiting(&self, slot: Slot, rep: &mut Replica) {
-        let Replica { shadow, requests, queue, .. } = rep;
-        while let Some(&head) = queue.front() {
-            let Some(&Request::Waiting { ref prompt, reusable, partial, output, ends_partial }) = requests.get(&head) else {
-                queue.pop_front();
+        while let Some(&head) = rep.queue.front() {
+            let Some(&Request::Waiting { ref prompt, reusable, partial, output, ends_partial, resume }) = rep.requests.get(&head) else {
+                rep.queue.pop_front();
                 continue;
             };
-            let Some((keys, reused)) = self.admit(shadow, slot, prompt, reusable, partial, false) else { break };
-            requests.insert(head, Request::Running { keys, reused, generated: Vec::new(), owed: output, since: None, ends_partial });
-            queue.pop_front();
+            let Some(admitted) = self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) else { break };
+            let running = self.started(rep, admitted, output, ends_partial, resume);
+            if matches!(running, Request::Running { since: Some(_), owed: 1.., .. }) {
+                rep.growing.insert(head);
+            }
+            rep.requests.insert(head, running);
+            rep.queue.pop_front();
         }
         self.foresee(slot, rep);
+    }
+
+    /// A request admitted with `admitted` (its blocks, and how many it
+    /// reused), owing `output` blocks. A preempted one goes on decoding
+    /// where it stopped: its output's blocks are the ones after its
+    /// prompt's, and its pace goes on from the replica's clock.
+    fn started(
+        &self,
+        rep: &Replica,
+        (mut keys, reused): (Vec<BlockHash>, usize),
+        output: usize,
+        ends_partial: bool,
+        resume: Option<Resume>,
+    ) -> Request {
+        let Some(Resume { prompt_blocks, decoded, pace }) = resume else {
+            return Request::Running { keys, reused, generated: Vec::new(), owed: output, since: None, ends_partial, order: 0 };
+        };
+        let generated = keys.split_off(prompt_blocks.min(keys.len()));
+        let since = Some((rep.clock.saturating_sub(decoded), pace));
+        let order = self.ids.fetch_add(1, Ordering::Relaxed);
+        Request::Running { keys, reused: reused.min(prompt_blocks), generated, owed: output, since, ends_partial, order }
+    }
+
+    /// Running request `id` fills its next output block: it takes one
+    /// while some block is free; when none is, the engine preempts the
+    /// newest decoding request and tries again (rule 6 of
+    /// `docs/engine-rules.md`), and a request decoding alone goes on short
+    /// of blocks and takes no more.
+    fn fill(&self, slot: Slot, rep: &mut Replica, id: u64) {
+        loop {
+            if !matches!(rep.requests.get(&id), Some(Request::Running { .. })) {
+                return;
+            }
+            if let Some(h) = self.take_fresh(&mut rep.shadow, slot, 1, &[]).pop() {
+                if let Some(Request::Running { generated, owed, .. }) = rep.requests.get_mut(&id) {
+                    generated.push(h);
+                    *owed -= 1;
+                }
+                return;
+            }
+            let mut decoding = rep.requests.iter().filter_map(|(&r, req)| match req {
+                Request::Running { since: Some(_), order, .. } => Some((*order, r)),
+                _ => None,
+            });
+            let newest = decoding.clone().max().map(|(_, r)| r);
+            if newest.is_none_or(|r| r == id && decoding.nth(1).is_none()) {
+                if let Some(Request::Running { owed, .. }) = rep.requests.get_mut(&id) {
+                    *owed = 0;
+                }
+                return;
+            }
+            let victim = newest.unwrap_or(id);
+            self.preempt(rep, victim);
+            if victim == id {
+                return;
+            }
+        }
+    }
+
+    /// The engine preempts running request `id`: its blocks are freed,
+    /// last first (its last, not full, as room), and it waits at the head
+    /// of the queue to compute them again, reusing those that survive.
+    fn preempt(&self, rep: &mut Replica, id: u64) {
+        let Some(Request::Running { mut keys, generated, owed, since, ends_partial, .. }) = rep.requests.remove(&id) else { return };
+        rep.growing.remove(&id);
+        let prompt_blocks = keys.len();
+        keys.extend(generated);
+        let last = keys.last().copied().filter(|&h| is_placeholder(h));
+        if let Some(h) = last {
+            keys.pop();
+            rep.shadow.withdraw(h);
+        }
+        for &h in keys.iter().rev() {
+            rep.shadow.release(h);
+        }
+        let resume = since.map(|(at, pace)| Resume { prompt_blocks, decoded: rep.clock.saturating_sub(at), pace });
+        let waiting = Request::Waiting {
+            reusable: keys.len(),
+            prompt: keys,
+            partial: usize::from(last.is_some()),
+            output: owed,
+            ends_partial,
+            resume,
+        };
+        rep.requests.insert(id, waiting);
+        rep.queue.push_front(id);
     }
 
     /// Presents an approximate replica's cache as a request sent now will
@@ -429,7 +543,9 @@ impl KvIndex {
         for i in 0..room {
             let key = match names.get(i) {
                 Some(&h) if !shadow.contains(h) => {
-                    self.holders.add(h, slot);
+                    if !is_placeholder(h) {
+                        self.holders.add(h, slot);
+                    }
                     h
                 }
                 _ => self.placeholder(),
@@ -453,6 +569,9 @@ impl KvIndex {
     pub fn complete(&self, recorded: &Recorded, at: Duration) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        // The engine took the blocks the running requests filled before this one ended, then freed its.
+        self.grow(recorded.slot, rep, at);
+        rep.clock = rep.clock.max(at);
         rep.growing.remove(&recorded.request);
         let (keys, generated, ends_partial) = match rep.requests.remove(&recorded.request) {
             Some(Request::Running { keys, mut generated, owed, since, ends_partial, .. }) => {
@@ -463,7 +582,7 @@ impl KvIndex {
                 (keys, generated, ends_partial)
             }
             // It ran, though the index did not see room for it: it took what it could.
-            Some(Request::Waiting { prompt, reusable, partial, output, ends_partial }) => {
+            Some(Request::Waiting { prompt, reusable, partial, output, ends_partial, .. }) => {
                 rep.queue.retain(|&r| r != recorded.request);
                 let keys = self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).map(|(k, _)| k).unwrap_or_default();
                 (keys, self.take_fresh(&mut rep.shadow, recorded.slot, output, &[]), ends_partial)
@@ -500,24 +619,27 @@ impl KvIndex {
     pub fn decoding(&self, recorded: &Recorded, at: Duration, pace: Pace) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        rep.clock = rep.clock.max(at);
         if matches!(rep.requests.get(&recorded.request), Some(Request::Waiting { .. }))
-            && let Some(Request::Waiting { prompt, reusable, partial, output, ends_partial }) = rep.requests.remove(&recorded.request)
+            && let Some(Request::Waiting { prompt, reusable, partial, output, ends_partial, resume }) =
+                rep.requests.remove(&recorded.request)
         {
             rep.queue.retain(|&r| r != recorded.request);
-            let (keys, reused) = self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).unwrap_or_default();
-            rep.requests.insert(
-                recorded.request,
-                Request::Running { keys, reused, generated: Vec::new(), owed: output, since: None, ends_partial },
-            );
+            let admitted = self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).unwrap_or_default();
+            let running = self.started(rep, admitted, output, ends_partial, resume);
+            rep.requests.insert(recorded.request, running);
         }
-        let Some(Request::Running { generated, owed, since, .. }) = rep.requests.get_mut(&recorded.request) else { return };
-        if since.is_some() {
-            return;
+        let order = self.ids.fetch_add(1, Ordering::Relaxed);
+        let Some(Request::Running { generated, owed, since, order: began, .. }) = rep.requests.get_mut(&recorded.request) else { return };
+        if since.is_none() {
+            *since = Some((at, pace));
+            *began = order;
+            if rep.block_time.is_none_or(|t| t <= 0.0) {
+                generated.extend(self.take_fresh(&mut rep.shadow, recorded.slot, std::mem::take(owed), &[]));
+            }
         }
-        *since = Some((at, pace));
-        if rep.block_time.is_none_or(|t| t <= 0.0) {
-            generated.extend(self.take_fresh(&mut rep.shadow, recorded.slot, std::mem::take(owed), &[]));
-        } else if *owed > 0 {
+        // A preempted request readmitted here goes on where it stopped.
+        if *owed > 0 {
             rep.growing.insert(recorded.request);
         }
         self.foresee(recorded.slot, rep);
@@ -530,24 +652,38 @@ impl KvIndex {
     pub fn advance(&self, slots: &[Slot], now: Duration) {
         let mut replicas = self.lock();
         for &slot in slots {
-            let Some(rep) = replicas.get_mut(&slot) else { continue };
-            let Some(per_block) = rep.block_time.filter(|&t| t > 0.0) else { continue };
-            let mut changed = false;
-            let Replica { shadow, requests, growing, .. } = rep;
-            growing.retain(|id| {
-                let Some(Request::Running { generated, owed, since: Some((since, pace)), .. }) = requests.get_mut(id) else { return false };
-                let filled = pace.filled(now.saturating_sub(*since), per_block);
-                let due = filled.saturating_sub(generated.len()).min(*owed);
-                if due > 0 {
-                    generated.extend(self.take_fresh(shadow, slot, due, &[]));
-                    *owed -= due;
-                    changed = true;
-                }
-                *owed > 0
-            });
-            if changed {
-                self.foresee(slot, rep);
+            if let Some(rep) = replicas.get_mut(&slot) {
+                self.grow(slot, rep, now);
             }
+        }
+    }
+
+    /// Brings one replica to `now` (see `advance`): the output blocks due
+    /// are taken in the order they fall due, each at its time, so that a
+    /// preemption happens when the engine's would.
+    fn grow(&self, slot: Slot, rep: &mut Replica, now: Duration) {
+        let Some(per_block) = rep.block_time.filter(|&t| t > 0.0) else {
+            rep.clock = rep.clock.max(now);
+            return;
+        };
+        let mut changed = false;
+        loop {
+            let due = rep.growing.iter().filter_map(|&id| match rep.requests.get(&id) {
+                Some(Request::Running { generated, owed: 1.., since: Some((since, pace)), .. }) => {
+                    Some((since.saturating_add(pace.due(generated.len(), per_block)), id))
+                }
+                _ => None,
+            });
+            let Some((at, id)) = due.min().filter(|&(at, _)| at <= now) else { break };
+            rep.clock = rep.clock.max(at);
+            self.fill(slot, rep, id);
+            changed = true;
+        }
+        let requests = &rep.requests;
+        rep.growing.retain(|id| matches!(requests.get(id), Some(Request::Running { owed: 1.., .. })));
+        rep.clock = rep.clock.max(now);
+        if changed {
+            self.foresee(slot, rep);
         }
     }
 

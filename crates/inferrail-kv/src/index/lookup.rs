@@ -2,6 +2,7 @@
 //! many of those a request in flight there holds, and how many it would
 //! still hold once a prompt that must wait for room there starts.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use super::{KvIndex, Request, Slot};
@@ -100,24 +101,40 @@ impl KvIndex {
         if demand <= available {
             return matched;
         }
-        // Each running request: when it ends, what it holds, what its output has filled and what it owes, and its pace.
+        // Each running request: when it ends, the blocks it frees then (those
+        // no request still running holds), what its output has filled and
+        // what it owes, and its pace.
+        let after = |secs: f64| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX);
         let mut running: Vec<_> = rep
             .requests
             .values()
             .filter_map(|r| match r {
                 Request::Running { keys, generated, owed, since, .. } => {
                     // Spans come from what requests asked for: an absurd one ends never, not in a panic.
-                    let after = |secs: f64| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX);
                     let end = match since {
                         Some((at, pace)) => at.saturating_add(after(pace.span * per_block)),
                         None => now.saturating_add(after(*owed as f64 * per_block)),
                     };
-                    Some((end, keys.len() + generated.len(), generated.len(), *owed, *since))
+                    Some((end, keys.iter().chain(generated), generated.len(), *owed, *since))
                 }
                 _ => None,
             })
             .collect();
         running.sort_by_key(|r| r.0);
+        let mut holders: HashMap<BlockHash, u32> = HashMap::new();
+        let running: Vec<_> = running
+            .into_iter()
+            .map(|(end, blocks, generated, owed, since)| {
+                let freed = blocks
+                    .filter(|&&h| {
+                        let left = holders.entry(h).or_insert_with(|| shadow.holders(h));
+                        *left = left.saturating_sub(1);
+                        *left == 0
+                    })
+                    .count();
+                (end, freed, generated, owed, since)
+            })
+            .collect();
         // By `t`: blocks the ended requests freed, and blocks the outputs took (the ended ones' in full).
         let by = |t: Duration| {
             let (mut freed, mut grown) = (0, 0);

@@ -24,12 +24,21 @@ struct Running {
     /// When its first token came, and its pace.
     since: Option<(Duration, Pace)>,
     ends_partial: bool,
+    /// When it began decoding, against the others.
+    order: u64,
 }
 
-impl Running {
-    fn new((keys, reused): (Vec<BlockHash>, usize), owed: usize, ends_partial: bool) -> Self {
-        Self { keys, reused, generated: Vec::new(), owed, since: None, ends_partial }
-    }
+/// A waiting request in the model; `resume`: a preempted one's prompt
+/// blocks (its output's follow), how long it had decoded, and its pace.
+#[derive(Debug, Clone)]
+struct Waiting {
+    id: u64,
+    prompt: Vec<BlockHash>,
+    reusable: usize,
+    partial: usize,
+    output: usize,
+    ends_partial: bool,
+    resume: Option<(usize, Duration, Pace)>,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -41,15 +50,18 @@ struct Pool {
     in_use: HashMap<BlockHash, (u32, bool)>,
     /// Which incarnation: records of an older one are ignored.
     generation: u32,
-    /// Requests in flight by id: running, or waiting with (prompt, reusable, partial, output, ends partial).
+    /// Requests in flight by id: running, or waiting in order.
     running: HashMap<u64, Running>,
-    waiting: Vec<(u64, Vec<BlockHash>, usize, usize, usize, bool)>,
+    waiting: Vec<Waiting>,
     /// Seconds a request's output takes per block here, once one completed after its first token.
     block_time: Option<f64>,
     /// A request takes every block it needs, growing the pool when none is free (blocks running requests will free).
     grows: bool,
     /// Fresh blocks taken.
     taken: usize,
+    /// The latest time the pool was brought to, and a counter ordering decoding requests.
+    clock: Duration,
+    orders: u64,
 }
 
 impl Pool {
@@ -167,11 +179,93 @@ impl Pool {
     }
 
     fn admit_waiting(&mut self, next: &mut u128) {
-        while let Some((id, prompt, reusable, partial, output, ends_partial)) = self.waiting.first().cloned() {
-            let Some(admitted) = self.admit(&prompt, reusable, partial, false, next) else { break };
+        while let Some(w) = self.waiting.first().cloned() {
+            let Some(admitted) = self.admit(&w.prompt, w.reusable, w.partial, false, next) else { break };
             self.waiting.remove(0);
-            self.running.insert(id, Running::new(admitted, output, ends_partial));
+            let running = self.started(admitted, &w);
+            self.running.insert(w.id, running);
         }
+    }
+
+    /// A waiting request starts with the blocks it was admitted with; a
+    /// preempted one goes on decoding where it stopped, from the clock.
+    fn started(&mut self, (mut keys, reused): (Vec<BlockHash>, usize), w: &Waiting) -> Running {
+        let mut running =
+            Running { keys, reused, generated: Vec::new(), owed: w.output, since: None, ends_partial: w.ends_partial, order: 0 };
+        if let Some((prompt_blocks, decoded, pace)) = w.resume {
+            keys = std::mem::take(&mut running.keys);
+            running.generated = keys.split_off(prompt_blocks.min(keys.len()));
+            running.keys = keys;
+            running.reused = reused.min(prompt_blocks);
+            running.since = Some((self.clock.saturating_sub(decoded), pace));
+            self.orders += 1;
+            running.order = self.orders;
+        }
+        running
+    }
+
+    /// A running request's next output block: taken if there is room;
+    /// if not, the newest decoding request is preempted and it tries
+    /// again; alone, it goes on short and takes no more.
+    fn fill_one(&mut self, id: u64, next: &mut u128) {
+        while self.running.contains_key(&id) {
+            if self.room(1) == 1 {
+                let block = self.take(next);
+                let r = self.running.get_mut(&id).expect("running");
+                r.generated.push(block);
+                r.owed -= 1;
+                return;
+            }
+            let decoding: Vec<(u64, u64)> = self.running.iter().filter(|(_, r)| r.since.is_some()).map(|(&i, r)| (r.order, i)).collect();
+            let newest = decoding.iter().max().map(|&(_, i)| i);
+            if newest.is_none_or(|v| v == id && decoding.len() == 1) {
+                self.running.get_mut(&id).expect("running").owed = 0;
+                return;
+            }
+            let victim = newest.unwrap_or(id);
+            self.preempt(victim);
+            if victim == id {
+                return;
+            }
+        }
+    }
+
+    /// The engine preempts a running request: its blocks are freed last
+    /// first (its last, a placeholder, as room) and it waits first in line.
+    fn preempt(&mut self, id: u64) {
+        let Some(r) = self.running.remove(&id) else { return };
+        let prompt_blocks = r.keys.len();
+        let mut blocks: Vec<BlockHash> = r.keys.iter().chain(&r.generated).copied().collect();
+        let last = blocks.last().copied().filter(|&h| h >> 100 == 7);
+        if let Some(h) = last {
+            blocks.pop();
+            self.in_use.remove(&h);
+        }
+        for &h in blocks.iter().rev() {
+            self.release(h);
+        }
+        let resume = r.since.map(|(at, pace)| (prompt_blocks, self.clock.saturating_sub(at), pace));
+        let partial = usize::from(last.is_some());
+        let waiting = Waiting { id, reusable: blocks.len(), prompt: blocks, partial, output: r.owed, ends_partial: r.ends_partial, resume };
+        self.waiting.insert(0, waiting);
+    }
+
+    /// Every output block due by `now`, in the order they fall due.
+    fn grow(&mut self, now: Duration, next: &mut u128) {
+        if let Some(per_block) = self.block_time.filter(|&t| t > 0.0) {
+            loop {
+                let due = self
+                    .running
+                    .iter()
+                    .filter(|(_, r)| r.owed > 0)
+                    .filter_map(|(&id, r)| r.since.map(|(since, pace)| (since.saturating_add(pace.due(r.generated.len(), per_block)), id)))
+                    .min();
+                let Some((at, id)) = due.filter(|&(at, _)| at <= now) else { break };
+                self.clock = self.clock.max(at);
+                self.fill_one(id, next);
+            }
+        }
+        self.clock = self.clock.max(now);
     }
 }
 
@@ -204,11 +298,12 @@ impl Naive {
         let added = match admitted {
             Some((keys, reused)) => {
                 let added = keys[reused..].to_vec();
-                pool.running.insert(id, Running::new((keys, reused), output, ends_partial));
+                let running = Running { keys, reused, generated: Vec::new(), owed: output, since: None, ends_partial, order: 0 };
+                pool.running.insert(id, running);
                 added
             }
             None => {
-                pool.waiting.push((id, prompt.to_vec(), reusable, partial, output, ends_partial));
+                pool.waiting.push(Waiting { id, prompt: prompt.to_vec(), reusable, partial, output, ends_partial, resume: None });
                 Vec::new()
             }
         };
@@ -224,36 +319,33 @@ impl Naive {
     /// A request still waiting has started: it takes its blocks now.
     fn first_token(&mut self, flight: &Flight, at: Duration, pace: Pace, next: &mut u128) {
         let Some(pool) = self.pool(flight) else { return };
-        if let Some(w) = pool.waiting.iter().position(|w| w.0 == flight.2) {
-            let (id, prompt, reusable, partial, output, ends_partial) = pool.waiting.remove(w);
-            let admitted = pool.admit(&prompt, reusable, partial, true, next).unwrap_or_default();
-            pool.running.insert(id, Running::new(admitted, output, ends_partial));
+        pool.clock = pool.clock.max(at);
+        if let Some(w) = pool.waiting.iter().position(|w| w.id == flight.2) {
+            let w = pool.waiting.remove(w);
+            let admitted = pool.admit(&w.prompt, w.reusable, w.partial, true, next).unwrap_or_default();
+            let running = pool.started(admitted, &w);
+            pool.running.insert(w.id, running);
         }
+        pool.orders += 1;
+        let order = pool.orders;
         let Some(r) = pool.running.get_mut(&flight.2).filter(|r| r.since.is_none()) else { return };
         r.since = Some((at, pace));
+        r.order = order;
         if pool.block_time.is_none_or(|t| t <= 0.0) {
             pool.fill(flight.2, usize::MAX, next);
         }
     }
 
-    /// Every running request fills the blocks its output filled by `now`, oldest first.
+    /// Every running request fills the blocks its output filled by `now`, in the order they fall due.
     fn advance(&mut self, now: Duration, next: &mut u128) {
         for pool in self.replicas.values_mut() {
-            let Some(per_block) = pool.block_time.filter(|&t| t > 0.0) else { continue };
-            let mut ids: Vec<u64> = pool.running.keys().copied().collect();
-            ids.sort_unstable();
-            for id in ids {
-                let Some(r) = pool.running.get(&id) else { continue };
-                let Some((since, pace)) = r.since else { continue };
-                let filled = pace.filled(now.saturating_sub(since), per_block);
-                let due = filled.saturating_sub(r.generated.len());
-                pool.fill(id, due, next);
-            }
+            pool.grow(now, next);
         }
     }
 
     fn complete(&mut self, flight: &Flight, at: Duration, next: &mut u128) {
         let Some(pool) = self.pool(flight) else { return };
+        pool.grow(at, next);
         if let Some(r) = pool.running.get(&flight.2) {
             if let Some((since, pace)) = r.since {
                 pool.block_time = pace.learn(pool.block_time, at.saturating_sub(since));
@@ -261,11 +353,11 @@ impl Naive {
             pool.fill(flight.2, usize::MAX, next);
         }
         if !pool.end(flight.2) {
-            let Some(at) = pool.waiting.iter().position(|w| w.0 == flight.2) else { return };
-            let (_, prompt, reusable, partial, output, ends_partial) = pool.waiting.remove(at);
-            let keys = pool.admit(&prompt, reusable, partial, true, next).map(|(k, _)| k).unwrap_or_default();
-            let generated = pool.generate(output, next);
-            pool.free(&keys, &generated, ends_partial);
+            let Some(at) = pool.waiting.iter().position(|w| w.id == flight.2) else { return };
+            let w = pool.waiting.remove(at);
+            let keys = pool.admit(&w.prompt, w.reusable, w.partial, true, next).map(|(k, _)| k).unwrap_or_default();
+            let generated = pool.generate(w.output, next);
+            pool.free(&keys, &generated, w.ends_partial);
         }
         pool.admit_waiting(next);
     }
@@ -285,7 +377,7 @@ impl Naive {
             for &h in keys[..reused].iter().rev() {
                 pool.release(h);
             }
-        } else if let Some(at) = pool.waiting.iter().position(|w| w.0 == flight.2) {
+        } else if let Some(at) = pool.waiting.iter().position(|w| w.id == flight.2) {
             pool.waiting.remove(at);
         } else {
             return;
@@ -305,7 +397,7 @@ impl Naive {
         ending.sort_unstable();
         let mut ending = ending.into_iter();
         let mut next = 1u128 << 90;
-        for (_, prompt, reusable, partial, output, _) in std::mem::take(&mut pool.waiting) {
+        for Waiting { prompt, reusable, partial, output, .. } in std::mem::take(&mut pool.waiting) {
             if pool.taken > budget {
                 break;
             }
@@ -693,14 +785,81 @@ fn a_prompt_that_waits_for_room_loses_what_running_outputs_grow_into() {
     assert_eq!(index.kept_through_wait(0, &prompt, 2, 1, ms(1_000)), 2, "one fresh block fits now: nothing to wait for");
 }
 
-#[test]
-fn an_absurd_output_is_bounded_by_the_cache() {
+/// An index with one replica of `cap` blocks whose block time is learned
+/// (100 ms): a request of one prompt block and one output block decoded for
+/// 100 ms, and left both blocks free, its output's least recently freed.
+fn paced(cap: usize) -> KvIndex {
     let index = KvIndex::new();
-    index.add_replica(0, 8);
-    // Running, owing at most the cache, with a learned block time.
-    let first = index.record(0, &chain(0, 2), 2, 0, 0, false);
+    index.add_replica(0, cap);
+    let first = index.record(0, &chain(9, 1), 1, 0, 1, false);
     index.decoding(&first, Duration::ZERO, Pace { lead: 0.0, span: 1.0 });
     index.complete(&first, Duration::from_millis(100));
+    index
+}
+
+#[test]
+fn a_request_that_finds_no_block_to_grow_into_preempts_the_newest_decoding_one() {
+    let ms = Duration::from_millis;
+    let index = paced(8);
+    let decoding = |family: u8| {
+        let r = index.record(0, &chain(family, 2), 2, 0, 4, false);
+        index.decoding(&r, ms(1_000), Pace { lead: 0.0, span: 4.0 });
+        r
+    };
+    let (a, b) = (decoding(1), decoding(2));
+    // Each takes an output block at 1,000 and 1,100 ms: the cache is full of them.
+    index.advance(&[0], ms(1_100));
+    assert_eq!(index.held(&chain(2, 2), &[(0, 2)]), [2], "the second's prompt is in use");
+    // At 1,200 ms the first needs a block and none is free: the second, the
+    // newer, is preempted. Its blocks are free (its prompt still cached) and
+    // its last, not full, is the room the first grows into.
+    index.advance(&[0], ms(1_200));
+    assert_eq!(index.matched(&chain(2, 2), &[0]), [2]);
+    // It waits first in line: a request that would fit waits behind it.
+    let behind = index.record(0, &chain(3, 1), 1, 0, 0, false);
+    assert!(index.added(&behind).is_empty());
+    // The first takes its last block at 1,300 ms and ends at 1,400: the
+    // second is readmitted, reusing its prompt, and goes on decoding where
+    // it stopped (two blocks in, 200 ms after its first token), one block
+    // at 1,400 ms and one at 1,500, each evicting the least recently freed:
+    // the first's output, then its prompt from the tail.
+    index.advance(&[0], ms(1_300));
+    index.complete(&a, ms(1_400));
+    assert_eq!(index.held(&chain(2, 2), &[(0, 2)]), [2]);
+    assert_eq!(index.added(&behind).len(), 1);
+    index.advance(&[0], ms(1_450));
+    assert_eq!(index.matched(&chain(1, 2), &[0]), [2]);
+    index.advance(&[0], ms(1_500));
+    assert_eq!(index.matched(&chain(1, 2), &[0]), [1], "its fourth block evicts the first's prompt's last");
+    index.complete(&b, ms(1_600));
+}
+
+#[test]
+fn a_prompt_waiting_for_room_counts_a_shared_block_freed_only_when_its_last_holder_ends() {
+    let ms = Duration::from_millis;
+    let index = paced(8);
+    // Two requests share a three-block prefix; the first ends at 1,100 ms, the second at 1,300.
+    let first = index.record(0, &chain(1, 3), 3, 0, 1, false);
+    let second = index.record(0, &chain(1, 4), 4, 0, 3, false);
+    index.decoding(&first, ms(1_000), Pace { lead: 0.0, span: 1.0 });
+    index.decoding(&second, ms(1_000), Pace { lead: 0.0, span: 3.0 });
+    index.advance(&[0], ms(1_000));
+    // Two blocks free, the learning request's: its output, then its prompt.
+    // A prompt reusing that prompt and needing four fresh blocks waits: the
+    // first's end frees only its output block (the prefix is still the
+    // second's), so it waits for the second, whose output meanwhile takes
+    // both free blocks.
+    let prompt: Vec<BlockHash> = chain(9, 1).into_iter().chain(chain(5, 4)).collect();
+    assert_eq!(index.matched(&prompt, &[0]), [1]);
+    assert_eq!(index.kept_through_wait(0, &prompt, 1, 4, ms(1_000)), 0);
+    index.complete(&first, ms(1_100));
+    index.complete(&second, ms(1_300));
+}
+
+#[test]
+fn an_absurd_output_is_bounded_by_the_cache() {
+    let index = paced(8);
+    // Running, owing at most the cache, with a learned block time.
     let huge = index.record(0, &chain(1, 2), 2, 0, usize::MAX, false);
     index.decoding(&huge, Duration::from_secs(1), Pace { lead: 0.0, span: 1e30 });
     // A queued request makes the forecast run through the huge one's end.
