@@ -483,7 +483,8 @@ impl KvIndex {
         if rep.queue.is_empty() && rep.ahead.is_empty() {
             return;
         }
-        let old = std::mem::replace(&mut rep.ahead, Ahead::foresee(&rep.shadow, &rep.requests, &rep.queue));
+        let old =
+            std::mem::replace(&mut rep.ahead, Ahead::foresee(&rep.shadow, &rep.requests, &rep.queue, rep.block_time.filter(|&t| t > 0.0)));
         // Read first: a write locks out the lookups reading that shard, and most bits are already right.
         let (word, bit) = (slot as usize / 64, 1u64 << (slot % 64));
         for h in old.changed().chain(rep.ahead.changed()).filter(|&h| !is_placeholder(h)) {

@@ -9,13 +9,17 @@
 //! its prompt's blocks under their names. A lookup must see the cache as
 //! the new request will find it: the blocks the queue will evict absent,
 //! the blocks it will store present (ADR 0050). Running requests are taken
-//! to end in the order they were recorded; each frees its blocks as
+//! to end in the order they were recorded, each at its first token plus
+//! its span of block times (never, while it has not begun decoding).
+//! Before each ends, the others' outputs take the blocks they fill by then
+//! (ADR 0054); it takes what it still owes and frees its blocks as
 //! `complete` does, behind every block free before.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Duration;
 
 use super::shadow::Shadow;
-use super::{FoldState, PLACEHOLDER, Request, is_placeholder};
+use super::{FoldState, PLACEHOLDER, Pace, Request, is_placeholder};
 use crate::hash::BlockHash;
 
 /// Blocks the forecast takes for the queue at most, and at most twice the
@@ -24,6 +28,15 @@ use crate::hash::BlockHash;
 /// sent behind more than this waits long enough that the rest of the queue
 /// is not followed.
 pub(super) const FORESIGHT: usize = 1 << 15;
+
+/// When a running request ends at `per_block` seconds a block: its first
+/// token plus its span of block times; never, while it has not begun
+/// decoding.
+pub(super) fn ends(since: Option<(Duration, Pace)>, per_block: f64) -> Duration {
+    let Some((at, pace)) = since else { return Duration::MAX };
+    // Spans come from what requests asked for: an absurd one ends never, not in a panic.
+    at.saturating_add(Duration::try_from_secs_f64(pace.span * per_block).unwrap_or(Duration::MAX))
+}
 
 /// A set of block hashes, hashed as the index hashes them.
 type Blocks = HashSet<BlockHash, FoldState>;
@@ -45,9 +58,15 @@ impl Ahead {
     /// Admits `queue`'s waiting requests in order against `shadow`, each
     /// once enough running requests have ended for it to fit (or none is
     /// left), and in full.
-    pub(super) fn foresee(shadow: &Shadow, requests: &HashMap<u64, Request>, queue: &VecDeque<u64>) -> Self {
-        let mut ending: Vec<u64> = requests.iter().filter(|(_, r)| matches!(r, Request::Running { .. })).map(|(&id, _)| id).collect();
-        ending.sort_unstable();
+    pub(super) fn foresee(shadow: &Shadow, requests: &HashMap<u64, Request>, queue: &VecDeque<u64>, per_block: Option<f64>) -> Self {
+        let mut ending: Vec<(u64, Duration, &Request)> = requests
+            .iter()
+            .filter_map(|(&id, r)| match r {
+                Request::Running { since, .. } => Some((id, per_block.map_or(Duration::MAX, |t| ends(*since, t)), r)),
+                _ => None,
+            })
+            .collect();
+        ending.sort_unstable_by_key(|&(id, ..)| id);
         let mut run = Run {
             shadow,
             ahead: Ahead::default(),
@@ -55,7 +74,8 @@ impl Ahead {
             available: shadow.available(),
             oldest: shadow.oldest_free(),
             freed: VecDeque::new(),
-            ending: ending.into_iter().filter_map(|id| requests.get(&id)).collect(),
+            ending: ending.into_iter().map(|(_, end, r)| (end, r, 0)).collect(),
+            per_block,
             let_go: HashMap::default(),
             taken: 0,
             unnamed: 0,
@@ -135,8 +155,11 @@ struct Run<'a, I> {
     oldest: I,
     /// Blocks freed by the running requests ended so far, in freeing order.
     freed: VecDeque<BlockHash>,
-    /// Running requests, in the order they will end.
-    ending: VecDeque<&'a Request>,
+    /// Running requests in the order they will end: when, and the output
+    /// blocks each has taken so far in the forecast.
+    ending: VecDeque<(Duration, &'a Request, usize)>,
+    /// The replica's block time, if known.
+    per_block: Option<f64>,
     /// Holders each block has lost to ended requests.
     let_go: HashMap<BlockHash, u32, FoldState>,
     /// Fresh blocks taken so far.
@@ -155,9 +178,23 @@ impl<I: Iterator<Item = BlockHash>> Run<'_, I> {
 
     /// The next running request ends; false when none is left.
     fn end_one(&mut self) -> bool {
-        let Some(Request::Running { keys, generated, owed, ends_partial, .. }) = self.ending.pop_front() else { return false };
+        let Some((end, Request::Running { keys, generated, owed, ends_partial, .. }, grown)) = self.ending.pop_front() else {
+            return false;
+        };
+        // Until then the others' outputs take the blocks they fill.
+        if let Some(per_block) = self.per_block {
+            let mut due = 0;
+            for (_, other, taken) in &mut self.ending {
+                if let Request::Running { generated, owed, since: Some((at, pace)), .. } = other {
+                    let filled = pace.filled(end.saturating_sub(*at), per_block).saturating_sub(generated.len()).min(*owed);
+                    due += filled.saturating_sub(*taken);
+                    *taken = (*taken).max(filled);
+                }
+            }
+            self.take(due);
+        }
         // The blocks its output has still to fill are taken before it ends (unnamed), and freed first.
-        self.take(*owed);
+        self.take(owed.saturating_sub(grown));
         let owed: Vec<BlockHash> = (0..*owed).map(|_| self.unnamed()).collect();
         for (i, &h) in owed.iter().rev().chain(generated.iter().rev()).chain(keys.iter().rev()).enumerate() {
             let lost = self.let_go.entry(h).or_default();

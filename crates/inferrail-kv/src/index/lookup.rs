@@ -103,19 +103,19 @@ impl KvIndex {
         }
         // Each running request: when it ends, the blocks it frees then (those
         // no request still running holds), what its output has filled and
-        // what it owes, and its pace.
+        // what it owes, its pace, and whether its last block is not full.
         let after = |secs: f64| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX);
         let mut running: Vec<_> = rep
             .requests
             .values()
             .filter_map(|r| match r {
-                Request::Running { keys, generated, owed, since, .. } => {
+                Request::Running { keys, generated, owed, since, ends_partial, .. } => {
                     // Spans come from what requests asked for: an absurd one ends never, not in a panic.
                     let end = match since {
                         Some((at, pace)) => at.saturating_add(after(pace.span * per_block)),
                         None => now.saturating_add(after(*owed as f64 * per_block)),
                     };
-                    Some((end, keys.iter().chain(generated), generated.len(), *owed, *since))
+                    Some((end, keys.iter().chain(generated), generated.len(), *owed, *since, *ends_partial))
                 }
                 _ => None,
             })
@@ -124,7 +124,7 @@ impl KvIndex {
         let mut holders: HashMap<BlockHash, u32> = HashMap::new();
         let running: Vec<_> = running
             .into_iter()
-            .map(|(end, blocks, generated, owed, since)| {
+            .map(|(end, blocks, generated, owed, since, ends_partial)| {
                 let freed = blocks
                     .filter(|&&h| {
                         let left = holders.entry(h).or_insert_with(|| shadow.holders(h));
@@ -132,13 +132,13 @@ impl KvIndex {
                         *left == 0
                     })
                     .count();
-                (end, freed, generated, owed, since)
+                (end, freed, generated, owed, since, ends_partial)
             })
             .collect();
         // By `t`: blocks the ended requests freed, and blocks the outputs took (the ended ones' in full).
         let by = |t: Duration| {
             let (mut freed, mut grown) = (0, 0);
-            for &(end, holds, generated, owed, since) in &running {
+            for &(end, holds, generated, owed, since, _) in &running {
                 if end <= t {
                     freed += holds;
                     grown += owed;
@@ -154,8 +154,21 @@ impl KvIndex {
         }) else {
             return matched;
         };
-        // The outputs' growth first fills the never-used room, then evicts the least recently freed blocks.
-        let evictions = by(start).1.saturating_sub(shadow.cap() - shadow.len());
+        // The outputs' growth first fills the room never used, and the room
+        // each request that ended leaves in its last block when not full
+        // (it caches nothing), then evicts the least recently freed blocks.
+        let (mut room, mut taken, mut evictions) = (shadow.cap() - shadow.len(), 0, 0);
+        let mut grow_to = |grown: usize, room: &mut usize| {
+            let more = grown.saturating_sub(taken);
+            evictions += more.saturating_sub(*room);
+            *room = room.saturating_sub(more);
+            taken = taken.max(grown);
+        };
+        for r in running.iter().take_while(|r| r.0 <= start) {
+            grow_to(by(r.0).1, &mut room);
+            room += usize::from(r.5);
+        }
+        grow_to(by(start).1, &mut room);
         let evicted: std::collections::HashSet<BlockHash> = shadow.oldest_free().take(evictions).collect();
         prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
     }

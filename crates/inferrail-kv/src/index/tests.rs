@@ -387,9 +387,10 @@ impl Naive {
 
     /// The pool as a request sent now finds it when it starts: every
     /// waiting request admitted before it, in order and in full, each once
-    /// the running requests, ending in the order they came (each first
-    /// filling the blocks its output still owes), leave it room (or none is
-    /// left), until they have taken twice the cache.
+    /// the running requests, ending in the order they came (the others
+    /// first filling what their outputs fill by then, and it what its
+    /// output still owes), leave it room (or none is left), until they have
+    /// taken twice the cache.
     fn ahead(&self, slot: Slot) -> Option<Pool> {
         let mut pool = Pool { grows: true, taken: 0, ..self.replicas.get(&slot)?.clone() };
         let budget = ahead::FORESIGHT.min(2 * pool.cap);
@@ -404,6 +405,17 @@ impl Naive {
             while pool.admit(&prompt, reusable, partial, false, &mut next).is_none() {
                 match ending.next() {
                     Some(id) => {
+                        // Until it ends, the others' outputs fill what they fill by then.
+                        if let Some(per_block) = pool.block_time.filter(|&t| t > 0.0) {
+                            let end = ahead::ends(pool.running.get(&id).and_then(|r| r.since), per_block);
+                            let mut others: Vec<u64> = pool.running.keys().copied().filter(|&o| o != id).collect();
+                            others.sort_unstable();
+                            for o in others {
+                                let Some((at, pace)) = pool.running.get(&o).and_then(|r| r.since) else { continue };
+                                let due = pace.filled(end.saturating_sub(at), per_block).saturating_sub(pool.running[&o].generated.len());
+                                pool.fill(o, due, &mut next);
+                            }
+                        }
                         pool.fill(id, usize::MAX, &mut next);
                         pool.end(id);
                     }
@@ -797,16 +809,21 @@ fn paced(cap: usize) -> KvIndex {
     index
 }
 
+/// Records `prompt` on replica 0, every block reusable, owing `output`
+/// blocks; its first token comes at 1,000 ms and its output spans `output`
+/// block times, the first block needed at once.
+fn decoding_from_1s(index: &KvIndex, prompt: &[BlockHash], output: usize, ends_partial: bool) -> Recorded {
+    let recorded = index.record(0, prompt, prompt.len(), 0, output, ends_partial);
+    index.decoding(&recorded, Duration::from_secs(1), Pace { lead: 0.0, span: output as f64 });
+    recorded
+}
+
 #[test]
 fn a_request_that_finds_no_block_to_grow_into_preempts_the_newest_decoding_one() {
     let ms = Duration::from_millis;
     let index = paced(8);
-    let decoding = |family: u8| {
-        let r = index.record(0, &chain(family, 2), 2, 0, 4, false);
-        index.decoding(&r, ms(1_000), Pace { lead: 0.0, span: 4.0 });
-        r
-    };
-    let (a, b) = (decoding(1), decoding(2));
+    let a = decoding_from_1s(&index, &chain(1, 2), 4, false);
+    let b = decoding_from_1s(&index, &chain(2, 2), 4, false);
     // Each takes an output block at 1,000 and 1,100 ms: the cache is full of them.
     index.advance(&[0], ms(1_100));
     assert_eq!(index.held(&chain(2, 2), &[(0, 2)]), [2], "the second's prompt is in use");
@@ -835,25 +852,31 @@ fn a_request_that_finds_no_block_to_grow_into_preempts_the_newest_decoding_one()
 }
 
 #[test]
-fn a_prompt_waiting_for_room_counts_a_shared_block_freed_only_when_its_last_holder_ends() {
+fn a_prompt_waiting_for_room_sees_ended_requests_free_only_their_own_blocks_and_leave_room() {
     let ms = Duration::from_millis;
-    let index = paced(8);
-    // Two requests share a three-block prefix; the first ends at 1,100 ms, the second at 1,300.
-    let first = index.record(0, &chain(1, 3), 3, 0, 1, false);
-    let second = index.record(0, &chain(1, 4), 4, 0, 3, false);
-    index.decoding(&first, ms(1_000), Pace { lead: 0.0, span: 1.0 });
-    index.decoding(&second, ms(1_000), Pace { lead: 0.0, span: 3.0 });
-    index.advance(&[0], ms(1_000));
-    // Two blocks free, the learning request's: its output, then its prompt.
-    // A prompt reusing that prompt and needing four fresh blocks waits: the
-    // first's end frees only its output block (the prefix is still the
-    // second's), so it waits for the second, whose output meanwhile takes
-    // both free blocks.
-    let prompt: Vec<BlockHash> = chain(9, 1).into_iter().chain(chain(5, 4)).collect();
-    assert_eq!(index.matched(&prompt, &[0]), [1]);
-    assert_eq!(index.kept_through_wait(0, &prompt, 1, 4, ms(1_000)), 0);
-    index.complete(&first, ms(1_100));
-    index.complete(&second, ms(1_300));
+    // Two requests decode from 1,000 ms: the first owes one block and ends
+    // at 1,100 ms, the second owes three (taken at 1,000, 1,100 and 1,200
+    // ms) and ends at 1,300. Two blocks are free: the learning request's
+    // output, then its prompt. A prompt reusing that prompt and needing four
+    // fresh blocks waits for both.
+    let kept = |first: &[BlockHash], second: &[BlockHash], first_ends_partial: bool| {
+        let index = paced(8);
+        let a = decoding_from_1s(&index, first, 1, first_ends_partial);
+        let b = decoding_from_1s(&index, second, 3, false);
+        index.advance(&[0], ms(1_000));
+        let prompt: Vec<BlockHash> = chain(9, 1).into_iter().chain(chain(5, 4)).collect();
+        assert_eq!(index.matched(&prompt, &[0]), [1]);
+        let kept = index.kept_through_wait(0, &prompt, 1, 4, ms(1_000));
+        index.complete(&a, ms(1_100));
+        index.complete(&b, ms(1_300));
+        kept
+    };
+    // The first shares its three blocks with the second: its end frees only
+    // its output block, and the second's output takes both free blocks.
+    assert_eq!(kept(&chain(1, 3), &chain(1, 4), false), 0);
+    // The first's last block is not full: the second's block at 1,200 ms
+    // takes the room it leaves, and the prompt keeps its block.
+    assert_eq!(kept(&chain(1, 2), &chain(2, 2), true), 1);
 }
 
 #[test]
