@@ -204,11 +204,9 @@ impl Kv {
             let at = places.iter().enumerate().filter(|(_, pl)| pl.block_size == *bs).map(|(i, _)| i);
             // Where the prompt must wait for room, what the running requests grow into meanwhile is gone.
             let prompt_blocks = p.prompt_tokens.div_ceil(*bs);
-            let depths: Vec<(Slot, usize)> = slots
-                .iter()
-                .zip(self.index.matched(hashes, &slots))
-                .map(|(&slot, m)| (slot, self.index.kept_through_wait(slot, hashes, m, prompt_blocks.saturating_sub(m), now)))
-                .collect();
+            let waits: Vec<(Slot, usize, usize)> =
+                slots.iter().zip(self.index.matched(hashes, &slots)).map(|(&slot, m)| (slot, m, prompt_blocks.saturating_sub(m))).collect();
+            let depths: Vec<(Slot, usize)> = slots.iter().copied().zip(self.index.kept_through_wait(hashes, &waits, now)).collect();
             for ((i, &(slot, matched)), held) in at.zip(&depths).zip(self.index.held(hashes, &depths)) {
                 let matched = matched + self.reply_blocks(p, slot, *bs, matched);
                 let tokens = predicted_cached_tokens(matched, p.prompt_tokens, *bs);

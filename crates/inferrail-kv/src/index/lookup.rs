@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::{KvIndex, Request, Slot};
+use super::{KvIndex, Replica, Request, Slot};
 use crate::hash::BlockHash;
 
 impl KvIndex {
@@ -81,97 +81,105 @@ impl KvIndex {
 }
 
 impl KvIndex {
-    /// Of the `matched` leading blocks of `hashes` on `slot`, how many a
-    /// request sent at `now` still finds when it starts, needing `need`
-    /// fresh blocks. Where they do not fit beside the running requests
-    /// (with the matched blocks it takes out of the free pool), it waits
-    /// until enough of those have ended (each at its first token plus its
-    /// span of block times), and meanwhile the others' outputs grow into
-    /// the least recently freed blocks, which take a prefix from its tail.
-    /// Unchanged behind a queue (its forecast stands), where the request
-    /// fits, and where the replica's block time is not known.
-    pub fn kept_through_wait(&self, slot: Slot, hashes: &[BlockHash], matched: usize, need: usize, now: Duration) -> usize {
+    /// For each `(slot, matched, need)`: of the `matched` leading blocks of
+    /// `hashes` on `slot`, how many a request sent at `now` still finds
+    /// when it starts, needing `need` fresh blocks; under one lock. Where
+    /// they do not fit beside the running requests (with the matched blocks
+    /// it takes out of the free pool), it waits until enough of those have
+    /// ended (each at its first token plus its span of block times), and
+    /// meanwhile the others' outputs grow into the least recently freed
+    /// blocks, which take a prefix from its tail. Unchanged behind a queue
+    /// (its forecast stands), where the request fits, and where the
+    /// replica's block time is not known.
+    pub fn kept_through_wait(&self, hashes: &[BlockHash], at: &[(Slot, usize, usize)], now: Duration) -> Vec<usize> {
         let replicas = self.lock();
-        let Some(rep) = replicas.get(&slot).filter(|r| r.exact.is_none() && r.queue.is_empty()) else { return matched };
-        let Some(per_block) = rep.block_time.filter(|&t| t > 0.0) else { return matched };
-        let shadow = &rep.shadow;
-        let prefix = &hashes[..matched.min(hashes.len())];
-        let demand = need + prefix.iter().filter(|&&h| shadow.in_use(h) == Some(false)).count();
-        let available = shadow.available();
-        if demand <= available {
-            return matched;
-        }
-        // Each running request: when it ends, the blocks it frees then (those
-        // no request still running holds), what its output has filled and
-        // what it owes, its pace, and whether its last block is not full.
-        let after = |secs: f64| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX);
-        let mut running: Vec<_> = rep
-            .requests
-            .values()
-            .filter_map(|r| match r {
-                Request::Running { keys, generated, owed, since, ends_partial, .. } => {
-                    // Spans come from what requests asked for: an absurd one ends never, not in a panic.
-                    let end = match since {
-                        Some((at, pace)) => at.saturating_add(after(pace.span * per_block)),
-                        None => now.saturating_add(after(*owed as f64 * per_block)),
-                    };
-                    Some((end, keys.iter().chain(generated), generated.len(), *owed, *since, *ends_partial))
-                }
-                _ => None,
-            })
-            .collect();
-        running.sort_by_key(|r| r.0);
-        let mut holders: HashMap<BlockHash, u32> = HashMap::new();
-        let running: Vec<_> = running
-            .into_iter()
-            .map(|(end, blocks, generated, owed, since, ends_partial)| {
-                let freed = blocks
-                    .filter(|&&h| {
-                        let left = holders.entry(h).or_insert_with(|| shadow.holders(h));
-                        *left = left.saturating_sub(1);
-                        *left == 0
-                    })
-                    .count();
-                (end, freed, generated, owed, since, ends_partial)
-            })
-            .collect();
-        // By `t`: blocks the ended requests freed, and blocks the outputs took (the ended ones' in full).
-        let by = |t: Duration| {
-            let (mut freed, mut grown) = (0, 0);
-            for &(end, holds, generated, owed, since, _) in &running {
-                if end <= t {
-                    freed += holds;
-                    grown += owed;
-                } else if let Some((at, pace)) = since {
-                    grown += pace.filled(t.saturating_sub(at), per_block).saturating_sub(generated).min(owed);
-                }
-            }
-            (freed, grown)
-        };
-        let Some(start) = running.iter().map(|r| r.0.max(now)).find(|&t| {
-            let (freed, grown) = by(t);
-            (available + freed).saturating_sub(grown) >= demand
-        }) else {
-            return matched;
-        };
-        // The outputs' growth first fills the room never used, and the room
-        // each request that ended leaves in its last block when not full
-        // (it caches nothing), then evicts the least recently freed blocks.
-        let (mut room, mut taken, mut evictions) = (shadow.cap() - shadow.len(), 0, 0);
-        let mut grow_to = |grown: usize, room: &mut usize| {
-            let more = grown.saturating_sub(taken);
-            evictions += more.saturating_sub(*room);
-            *room = room.saturating_sub(more);
-            taken = taken.max(grown);
-        };
-        for r in running.iter().take_while(|r| r.0 <= start) {
-            grow_to(by(r.0).1, &mut room);
-            room += usize::from(r.5);
-        }
-        grow_to(by(start).1, &mut room);
-        let evicted: std::collections::HashSet<BlockHash> = shadow.oldest_free().take(evictions).collect();
-        prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
+        at.iter().map(|&(slot, matched, need)| replicas.get(&slot).map_or(matched, |rep| kept(rep, hashes, matched, need, now))).collect()
     }
+}
+
+/// `KvIndex::kept_through_wait` on one replica.
+fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: Duration) -> usize {
+    if rep.exact.is_some() || !rep.queue.is_empty() {
+        return matched;
+    }
+    let Some(per_block) = rep.block_time.filter(|&t| t > 0.0) else { return matched };
+    let shadow = &rep.shadow;
+    let prefix = &hashes[..matched.min(hashes.len())];
+    let demand = need + prefix.iter().filter(|&&h| shadow.in_use(h) == Some(false)).count();
+    let available = shadow.available();
+    if demand <= available {
+        return matched;
+    }
+    // Each running request: when it ends, the blocks it frees then (those
+    // no request still running holds), what its output has filled and
+    // what it owes, its pace, and whether its last block is not full.
+    let after = |secs: f64| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX);
+    let mut running: Vec<_> = rep
+        .requests
+        .values()
+        .filter_map(|r| match r {
+            Request::Running { keys, generated, owed, since, ends_partial, .. } => {
+                // Spans come from what requests asked for: an absurd one ends never, not in a panic.
+                let end = match since {
+                    Some((at, pace)) => at.saturating_add(after(pace.span * per_block)),
+                    None => now.saturating_add(after(*owed as f64 * per_block)),
+                };
+                Some((end, keys.iter().chain(generated), generated.len(), *owed, *since, *ends_partial))
+            }
+            _ => None,
+        })
+        .collect();
+    running.sort_by_key(|r| r.0);
+    let mut holders: HashMap<BlockHash, u32> = HashMap::new();
+    let running: Vec<_> = running
+        .into_iter()
+        .map(|(end, blocks, generated, owed, since, ends_partial)| {
+            let freed = blocks
+                .filter(|&&h| {
+                    let left = holders.entry(h).or_insert_with(|| shadow.holders(h));
+                    *left = left.saturating_sub(1);
+                    *left == 0
+                })
+                .count();
+            (end, freed, generated, owed, since, ends_partial)
+        })
+        .collect();
+    // By `t`: blocks the ended requests freed, and blocks the outputs took (the ended ones' in full).
+    let by = |t: Duration| {
+        let (mut freed, mut grown) = (0, 0);
+        for &(end, holds, generated, owed, since, _) in &running {
+            if end <= t {
+                freed += holds;
+                grown += owed;
+            } else if let Some((at, pace)) = since {
+                grown += pace.filled(t.saturating_sub(at), per_block).saturating_sub(generated).min(owed);
+            }
+        }
+        (freed, grown)
+    };
+    let Some(start) = running.iter().map(|r| r.0.max(now)).find(|&t| {
+        let (freed, grown) = by(t);
+        (available + freed).saturating_sub(grown) >= demand
+    }) else {
+        return matched;
+    };
+    // The outputs' growth first fills the room never used, and the room
+    // each request that ended leaves in its last block when not full
+    // (it caches nothing), then evicts the least recently freed blocks.
+    let (mut room, mut taken, mut evictions) = (shadow.cap() - shadow.len(), 0, 0);
+    let mut grow_to = |grown: usize, room: &mut usize| {
+        let more = grown.saturating_sub(taken);
+        evictions += more.saturating_sub(*room);
+        *room = room.saturating_sub(more);
+        taken = taken.max(grown);
+    };
+    for r in running.iter().take_while(|r| r.0 <= start) {
+        grow_to(by(r.0).1, &mut room);
+        room += usize::from(r.5);
+    }
+    grow_to(by(start).1, &mut room);
+    let evicted: std::collections::HashSet<BlockHash> = shadow.oldest_free().take(evictions).collect();
+    prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
 }
 
 fn set_bit(bits: &mut Vec<u64>, slot: Slot) {

@@ -782,7 +782,7 @@ fn a_prompt_that_waits_for_room_loses_what_running_outputs_grow_into() {
     let first = index.record(0, &chain(0, 2), 2, 0, 2, false);
     index.decoding(&first, ms(0), Pace { lead: 0.0, span: 2.0 });
     let prompt: Vec<BlockHash> = chain(0, 2).into_iter().chain(chain(5, 4)).collect();
-    assert_eq!(index.kept_through_wait(0, &prompt, 2, 4, ms(100)), 2, "no block time yet: nothing foreseen");
+    assert_eq!(index.kept_through_wait(&prompt, &[(0, 2, 4)], ms(100))[0], 2, "no block time yet: nothing foreseen");
     index.complete(&first, ms(200));
     // Free, least recent first: the first request's two output blocks, then its prompt from the tail.
     let second = index.record(0, &chain(1, 4), 4, 0, 3, false);
@@ -793,8 +793,8 @@ fn a_prompt_that_waits_for_room_loses_what_running_outputs_grow_into() {
     // for the second request to end (at 1,300 ms), whose output takes two
     // more blocks first: the other output block and the first prompt's last.
     assert_eq!(index.matched(&prompt, &[0]), [2]);
-    assert_eq!(index.kept_through_wait(0, &prompt, 2, 4, ms(1_000)), 1);
-    assert_eq!(index.kept_through_wait(0, &prompt, 2, 1, ms(1_000)), 2, "one fresh block fits now: nothing to wait for");
+    assert_eq!(index.kept_through_wait(&prompt, &[(0, 2, 4)], ms(1_000))[0], 1);
+    assert_eq!(index.kept_through_wait(&prompt, &[(0, 2, 1)], ms(1_000))[0], 2, "one fresh block fits now: nothing to wait for");
 }
 
 /// An index with one replica of `cap` blocks whose block time is learned
@@ -866,7 +866,7 @@ fn a_prompt_waiting_for_room_sees_ended_requests_free_only_their_own_blocks_and_
         index.advance(&[0], ms(1_000));
         let prompt: Vec<BlockHash> = chain(9, 1).into_iter().chain(chain(5, 4)).collect();
         assert_eq!(index.matched(&prompt, &[0]), [1]);
-        let kept = index.kept_through_wait(0, &prompt, 1, 4, ms(1_000));
+        let kept = index.kept_through_wait(&prompt, &[(0, 1, 4)], ms(1_000))[0];
         index.complete(&a, ms(1_100));
         index.complete(&b, ms(1_300));
         kept
@@ -891,6 +891,6 @@ fn an_absurd_output_is_bounded_by_the_cache() {
     index.advance(&[0], Duration::from_secs(2));
     let prompt = chain(0, 8);
     let matched = index.matched(&prompt, &[0])[0];
-    assert!(index.kept_through_wait(0, &prompt, matched, 8, Duration::from_secs(2)) <= matched);
+    assert!(index.kept_through_wait(&prompt, &[(0, matched, 8)], Duration::from_secs(2))[0] <= matched);
     assert!(index.entries_of(0) <= 8);
 }
