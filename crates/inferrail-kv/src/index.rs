@@ -108,7 +108,7 @@ struct Replica {
     replies: HashMap<BlockHash, Replied>,
     /// When `replies` holds more, the ones evicted from the shadow go.
     prune_at: usize,
-    /// Running requests still to fill blocks as they decode, oldest first.
+    /// Running requests still to fill blocks as they decode.
     growing: BTreeSet<u64>,
     /// Seconds a request's decoding takes per block of output tokens here,
     /// learned from the requests that completed (none yet: output is taken
@@ -411,16 +411,14 @@ impl KvIndex {
         Request::Running { keys, reused: reused.min(prompt_blocks), generated, owed: output, since, ends_partial, order }
     }
 
-    /// Running request `id` fills its next output block: it takes one
-    /// while some block is free; when none is, the engine preempts the
-    /// newest decoding request and tries again (rule 6 of
+    /// Running request `id` fills its next output block, due at `at`: it
+    /// takes one while some block is free; when none is, the engine
+    /// preempts the newest request still decoding (its paced end, at
+    /// `per_block` seconds a block, not passed) and tries again (rule 6 of
     /// `docs/engine-rules.md`), and a request decoding alone goes on short
     /// of blocks and takes no more.
-    fn fill(&self, slot: Slot, rep: &mut Replica, id: u64) {
-        loop {
-            if !matches!(rep.requests.get(&id), Some(Request::Running { .. })) {
-                return;
-            }
+    fn fill(&self, slot: Slot, rep: &mut Replica, id: u64, at: Duration, per_block: f64) {
+        while matches!(rep.requests.get(&id), Some(Request::Running { .. })) {
             if let Some(h) = self.take_fresh(&mut rep.shadow, slot, 1, &[]).pop() {
                 if let Some(Request::Running { generated, owed, .. }) = rep.requests.get_mut(&id) {
                     generated.push(h);
@@ -429,28 +427,32 @@ impl KvIndex {
                 return;
             }
             let mut decoding = rep.requests.iter().filter_map(|(&r, req)| match req {
-                Request::Running { since: Some(_), order, .. } => Some((*order, r)),
+                Request::Running { since: Some(since), order, .. } if r == id || ahead::ends(Some(*since), per_block) > at => {
+                    Some((*order, r))
+                }
                 _ => None,
             });
             let newest = decoding.clone().max().map(|(_, r)| r);
-            if newest.is_none_or(|r| r == id && decoding.nth(1).is_none()) {
+            let Some(victim) = newest.filter(|&r| r != id || decoding.nth(1).is_some()) else {
                 if let Some(Request::Running { owed, .. }) = rep.requests.get_mut(&id) {
                     *owed = 0;
                 }
                 return;
-            }
-            let victim = newest.unwrap_or(id);
-            self.preempt(rep, victim);
+            };
+            self.preempt(rep, victim, at);
             if victim == id {
                 return;
             }
         }
     }
 
-    /// The engine preempts running request `id`: its blocks are freed,
-    /// last first (its last, not full, as room), and it waits at the head
-    /// of the queue to compute them again, reusing those that survive.
-    fn preempt(&self, rep: &mut Replica, id: u64) {
+    /// The engine preempts running request `id` at `at`: its blocks are
+    /// freed, last first (its last, not full, as room), and it waits at the
+    /// head of the queue to compute them again, reusing those that survive.
+    fn preempt(&self, rep: &mut Replica, id: u64, at: Duration) {
+        if !matches!(rep.requests.get(&id), Some(Request::Running { .. })) {
+            return;
+        }
         let Some(Request::Running { mut keys, generated, owed, since, ends_partial, .. }) = rep.requests.remove(&id) else { return };
         rep.growing.remove(&id);
         let prompt_blocks = keys.len();
@@ -463,7 +465,7 @@ impl KvIndex {
         for &h in keys.iter().rev() {
             rep.shadow.release(h);
         }
-        let resume = since.map(|(at, pace)| Resume { prompt_blocks, decoded: rep.clock.saturating_sub(at), pace });
+        let resume = since.map(|(first, pace)| Resume { prompt_blocks, decoded: at.saturating_sub(first), pace });
         let waiting = Request::Waiting {
             reusable: keys.len(),
             prompt: keys,
@@ -566,15 +568,16 @@ impl KvIndex {
     /// The request completed at `at`: the blocks its output had still to
     /// fill are taken, then all its blocks are freed as the engine frees
     /// them, last block first, so a long prefix is later evicted from its
-    /// tail. Only the first call for a record counts.
+    /// tail. Only the first call for a record changes what it holds.
     pub fn complete(&self, recorded: &Recorded, at: Duration) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
-        // The engine took the blocks the running requests filled before this one ended, then freed its.
-        self.grow(recorded.slot, rep, at);
-        rep.clock = rep.clock.max(at);
+        // The engine took the blocks the others' outputs filled before this
+        // one ended (this one, done, is no victim), then freed its own.
+        let request = rep.requests.remove(&recorded.request);
         rep.growing.remove(&recorded.request);
-        let (keys, generated, ends_partial) = match rep.requests.remove(&recorded.request) {
+        self.grow(recorded.slot, rep, at);
+        let (keys, generated, ends_partial) = match request {
             Some(Request::Running { keys, mut generated, owed, since, ends_partial, .. }) => {
                 if let Some((since, pace)) = since {
                     rep.block_time = pace.learn(rep.block_time, at.saturating_sub(since));
@@ -648,8 +651,9 @@ impl KvIndex {
 
     /// Brings `slots` to `now`: each running request takes the blocks its
     /// output has filled since its first token, at its pace and the
-    /// replica's block time, oldest request first. Lookups made at `now`
-    /// see the caches as they are then.
+    /// replica's block time, in the order they fell due (preempting as
+    /// the engine does). Lookups made at `now` see the caches as they are
+    /// then.
     pub fn advance(&self, slots: &[Slot], now: Duration) {
         let mut replicas = self.lock();
         for &slot in slots {
@@ -677,7 +681,7 @@ impl KvIndex {
             });
             let Some((at, id)) = due.min().filter(|&(at, _)| at <= now) else { break };
             rep.clock = rep.clock.max(at);
-            self.fill(slot, rep, id);
+            self.fill(slot, rep, id, at, per_block);
             changed = true;
         }
         let requests = &rep.requests;

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::{KvIndex, Replica, Request, Slot};
+use super::{KvIndex, Replica, Request, Slot, is_placeholder};
 use crate::hash::BlockHash;
 
 impl KvIndex {
@@ -112,7 +112,8 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
     }
     // Each running request: when it ends, the blocks it frees then (those
     // no request still running holds), what its output has filled and
-    // what it owes, its pace, and whether its last block is not full.
+    // what it owes, its pace, and whether its last block will be room
+    // (not full, and unnamed).
     let after = |secs: f64| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX);
     let mut running: Vec<_> = rep
         .requests
@@ -124,7 +125,8 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
                     Some((at, pace)) => at.saturating_add(after(pace.span * per_block)),
                     None => now.saturating_add(after(*owed as f64 * per_block)),
                 };
-                Some((end, keys.iter().chain(generated), generated.len(), *owed, *since, *ends_partial))
+                let room = *ends_partial && (*owed > 0 || keys.iter().chain(generated).last().is_some_and(|&h| is_placeholder(h)));
+                Some((end, keys.iter().chain(generated), generated.len(), *owed, *since, room))
             }
             _ => None,
         })
@@ -133,7 +135,7 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
     let mut holders: HashMap<BlockHash, u32> = HashMap::new();
     let running: Vec<_> = running
         .into_iter()
-        .map(|(end, blocks, generated, owed, since, ends_partial)| {
+        .map(|(end, blocks, generated, owed, since, room)| {
             let freed = blocks
                 .filter(|&&h| {
                     let left = holders.entry(h).or_insert_with(|| shadow.holders(h));
@@ -141,15 +143,16 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
                     *left == 0
                 })
                 .count();
-            (end, freed, generated, owed, since, ends_partial)
+            (end, freed, generated, owed, since, room)
         })
         .collect();
-    // By `t`: blocks the ended requests freed, and blocks the outputs took (the ended ones' in full).
+    // By `t`: blocks the ended requests freed (with the output blocks they
+    // took first), and blocks the outputs took (the ended ones' in full).
     let by = |t: Duration| {
         let (mut freed, mut grown) = (0, 0);
         for &(end, holds, generated, owed, since, _) in &running {
             if end <= t {
-                freed += holds;
+                freed += holds + owed;
                 grown += owed;
             } else if let Some((at, pace)) = since {
                 grown += pace.filled(t.saturating_sub(at), per_block).saturating_sub(generated).min(owed);

@@ -204,10 +204,11 @@ impl Pool {
         running
     }
 
-    /// A running request's next output block: taken if there is room;
-    /// if not, the newest decoding request is preempted and it tries
-    /// again; alone, it goes on short and takes no more.
-    fn fill_one(&mut self, id: u64, next: &mut u128) {
+    /// A running request's next output block, due at `at`: taken if
+    /// there is room; if not, the newest request still decoding (by its
+    /// pace) is preempted and it tries again; alone, it goes on short and
+    /// takes no more.
+    fn fill_one(&mut self, id: u64, at: Duration, per_block: f64, next: &mut u128) {
         while self.running.contains_key(&id) {
             if self.room(1) == 1 {
                 let block = self.take(next);
@@ -216,14 +217,19 @@ impl Pool {
                 r.owed -= 1;
                 return;
             }
-            let decoding: Vec<(u64, u64)> = self.running.iter().filter(|(_, r)| r.since.is_some()).map(|(&i, r)| (r.order, i)).collect();
+            let decoding: Vec<(u64, u64)> = self
+                .running
+                .iter()
+                .filter(|&(&i, r)| r.since.is_some() && (i == id || ahead::ends(r.since, per_block) > at))
+                .map(|(&i, r)| (r.order, i))
+                .collect();
             let newest = decoding.iter().max().map(|&(_, i)| i);
             if newest.is_none_or(|v| v == id && decoding.len() == 1) {
                 self.running.get_mut(&id).expect("running").owed = 0;
                 return;
             }
             let victim = newest.unwrap_or(id);
-            self.preempt(victim);
+            self.preempt(victim, at);
             if victim == id {
                 return;
             }
@@ -232,7 +238,7 @@ impl Pool {
 
     /// The engine preempts a running request: its blocks are freed last
     /// first (its last, a placeholder, as room) and it waits first in line.
-    fn preempt(&mut self, id: u64) {
+    fn preempt(&mut self, id: u64, at: Duration) {
         let Some(r) = self.running.remove(&id) else { return };
         let prompt_blocks = r.keys.len();
         let mut blocks: Vec<BlockHash> = r.keys.iter().chain(&r.generated).copied().collect();
@@ -244,7 +250,7 @@ impl Pool {
         for &h in blocks.iter().rev() {
             self.release(h);
         }
-        let resume = r.since.map(|(at, pace)| (prompt_blocks, self.clock.saturating_sub(at), pace));
+        let resume = r.since.map(|(first, pace)| (prompt_blocks, at.saturating_sub(first), pace));
         let partial = usize::from(last.is_some());
         let waiting = Waiting { id, reusable: blocks.len(), prompt: blocks, partial, output: r.owed, ends_partial: r.ends_partial, resume };
         self.waiting.insert(0, waiting);
@@ -262,7 +268,7 @@ impl Pool {
                     .min();
                 let Some((at, id)) = due.filter(|&(at, _)| at <= now) else { break };
                 self.clock = self.clock.max(at);
-                self.fill_one(id, next);
+                self.fill_one(id, at, per_block, next);
             }
         }
         self.clock = self.clock.max(now);
@@ -345,14 +351,17 @@ impl Naive {
 
     fn complete(&mut self, flight: &Flight, at: Duration, next: &mut u128) {
         let Some(pool) = self.pool(flight) else { return };
+        // The others catch up first; this one, done, is no victim.
+        let running = pool.running.remove(&flight.2);
         pool.grow(at, next);
-        if let Some(r) = pool.running.get(&flight.2) {
+        if let Some(mut r) = running {
             if let Some((since, pace)) = r.since {
                 pool.block_time = pace.learn(pool.block_time, at.saturating_sub(since));
             }
-            pool.fill(flight.2, usize::MAX, next);
-        }
-        if !pool.end(flight.2) {
+            let owed = pool.generate(r.owed, next);
+            r.generated.extend(owed);
+            pool.free(&r.keys, &r.generated, r.ends_partial);
+        } else {
             let Some(at) = pool.waiting.iter().position(|w| w.id == flight.2) else { return };
             let w = pool.waiting.remove(at);
             let keys = pool.admit(&w.prompt, w.reusable, w.partial, true, next).map(|(k, _)| k).unwrap_or_default();
