@@ -46,6 +46,15 @@ impl Holders {
         self.shard(h).write().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Every block some replica holds, with the slots holding it (among the first 64).
+    #[cfg(test)]
+    pub(super) fn entries(&self) -> Vec<(BlockHash, u64)> {
+        self.shards
+            .iter()
+            .flat_map(|s| s.read().unwrap_or_else(|p| p.into_inner()).iter().map(|(&h, b)| (h, b.word(0))).collect::<Vec<_>>())
+            .collect()
+    }
+
     /// `slot` holds `h` from now on; false if it did already.
     pub(super) fn add(&self, h: BlockHash, slot: Slot) -> bool {
         let mut shard = self.write(h);

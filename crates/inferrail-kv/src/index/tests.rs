@@ -583,6 +583,18 @@ proptest! {
                 prop_assert_eq!(index.held(&hashes, &at), held);
             }
             prop_assert_eq!(index.entries(), naive.replicas.values().map(|p| p.free.len() + p.in_use.len()).sum::<usize>());
+            // The holder map names exactly the prompt blocks the model's replicas hold (as a request sent now finds them): no placeholder, none left behind.
+            let mut want: Vec<(BlockHash, Slot)> = Vec::new();
+            for &s in naive.replicas.keys() {
+                let pool = naive.ahead(s).unwrap_or_default();
+                want.extend(pool.free.iter().chain(pool.in_use.keys()).filter(|&&h| h >> 100 != 7).map(|&h| (h, s)));
+            }
+            want.sort_unstable();
+            want.dedup();
+            let mut got: Vec<(BlockHash, Slot)> =
+                index.holders.entries().into_iter().flat_map(|(h, bits)| (0..4).filter(move |&s| bits & (1 << s) != 0).map(move |s| (h, s))).collect();
+            got.sort_unstable();
+            prop_assert_eq!(got, want);
         }
     }
 }
