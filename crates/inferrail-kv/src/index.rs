@@ -116,6 +116,15 @@ struct Replica {
     block_time: Option<f64>,
     /// The latest time the replica was brought to.
     clock: Duration,
+    /// Requests admitted and not yet decoding, in the order admitted: the
+    /// request, when (the clock then), the blocks it computes, and whether
+    /// no other was prefilling then.
+    prefilling: VecDeque<(u64, Duration, usize, bool)>,
+    /// Seconds a computed prompt block takes here, learned from requests
+    /// admitted alone (from admission to first token, a moving average,
+    /// each weighing a fifth): a request sent now starts after the
+    /// prefills admitted before it.
+    prefill_time: Option<f64>,
 }
 
 impl Replica {
@@ -289,6 +298,8 @@ impl KvIndex {
             growing: BTreeSet::new(),
             block_time: None,
             clock: Duration::ZERO,
+            prefilling: VecDeque::new(),
+            prefill_time: None,
         }
     }
 
@@ -359,6 +370,7 @@ impl KvIndex {
         let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };
         match admitted {
             Some(admitted) => {
+                prefills(rep, request, &admitted);
                 rep.requests.insert(request, self.started(rep, admitted, output, ends_partial, None));
             }
             None => {
@@ -380,6 +392,9 @@ impl KvIndex {
                 continue;
             };
             let Some(admitted) = self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) else { break };
+            if resume.is_none() {
+                prefills(rep, head, &admitted);
+            }
             let running = self.started(rep, admitted, output, ends_partial, resume);
             if matches!(running, Request::Running { since: Some(_), owed: 1.., .. }) {
                 rep.growing.insert(head);
@@ -576,6 +591,7 @@ impl KvIndex {
         // one ended (this one, done, is no victim), then freed its own.
         let request = rep.requests.remove(&recorded.request);
         rep.growing.remove(&recorded.request);
+        rep.prefilling.retain(|p| p.0 != recorded.request);
         self.grow(recorded.slot, rep, at);
         let (keys, generated, ends_partial) = match request {
             Some(Request::Running { keys, mut generated, owed, since, ends_partial, .. }) => {
@@ -633,6 +649,15 @@ impl KvIndex {
             let running = self.started(rep, admitted, output, ends_partial, resume);
             rep.requests.insert(recorded.request, running);
         }
+        if let Some((_, admitted, fresh, true)) =
+            rep.prefilling.iter().position(|p| p.0 == recorded.request).and_then(|i| rep.prefilling.remove(i))
+            && fresh > 0
+            && at > admitted
+        {
+            let sample = (at - admitted).as_secs_f64() / fresh as f64;
+            rep.prefill_time = Some(rep.prefill_time.map_or(sample, |old| 0.8 * old + 0.2 * sample));
+        }
+        rep.prefilling.retain(|p| p.0 != recorded.request);
         let order = self.ids.fetch_add(1, Ordering::Relaxed);
         let Some(Request::Running { generated, owed, since, order: began, .. }) = rep.requests.get_mut(&recorded.request) else { return };
         if since.is_none() {
@@ -743,6 +768,7 @@ impl KvIndex {
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
         rep.coming.remove(&recorded.request);
         rep.growing.remove(&recorded.request);
+        rep.prefilling.retain(|p| p.0 != recorded.request);
         let shadow = &mut rep.shadow;
         // Last block first, as every release goes, so a prefix stays newer than what follows it.
         match rep.requests.remove(&recorded.request) {
@@ -819,6 +845,13 @@ impl KvIndex {
             self.holders.release(h, slot);
         }
     }
+}
+
+/// Request `id`, admitted with `admitted` (its blocks, and how many it
+/// reused), starts its prefill after those admitted before it.
+fn prefills(rep: &mut Replica, id: u64, admitted: &(Vec<BlockHash>, usize)) {
+    let alone = rep.prefilling.is_empty();
+    rep.prefilling.push_back((id, rep.clock, admitted.0.len() - admitted.1, alone));
 }
 
 /// Keeps a completed request's reply; past `prune_at` replies, those whose

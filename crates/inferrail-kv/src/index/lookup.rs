@@ -88,9 +88,11 @@ impl KvIndex {
     /// it takes out of the free pool), it waits until enough of those have
     /// ended (each at its first token plus its span of block times), and
     /// meanwhile the others' outputs grow into the least recently freed
-    /// blocks, which take a prefix from its tail. Unchanged behind a queue
-    /// (its forecast stands), where the request fits, and where the
-    /// replica's block time is not known.
+    /// blocks, which take a prefix from its tail. It starts no sooner than
+    /// the prefills admitted before it have ended, one after another, at
+    /// the replica's learned time a block. Unchanged behind a queue (its
+    /// forecast stands), where the request fits with no prefill ahead, and
+    /// where the replica's block time is not known.
     pub fn kept_through_wait(&self, hashes: &[BlockHash], at: &[(Slot, usize, usize)], now: Duration) -> Vec<usize> {
         let replicas = self.lock();
         at.iter().map(|&(slot, matched, need)| replicas.get(&slot).map_or(matched, |rep| kept(rep, hashes, matched, need, now))).collect()
@@ -107,7 +109,16 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
     let prefix = &hashes[..matched.min(hashes.len())];
     let demand = need + prefix.iter().filter(|&&h| shadow.in_use(h) == Some(false)).count();
     let available = shadow.available();
-    if demand <= available {
+    // It starts no sooner than the prefills admitted before it end, one after another.
+    let prefilled = rep
+        .prefill_time
+        .map_or(now, |per| {
+            rep.prefilling.iter().fold(Duration::ZERO, |t, &(_, admitted, fresh, _)| {
+                t.max(admitted).saturating_add(Duration::try_from_secs_f64(fresh as f64 * per).unwrap_or(Duration::MAX))
+            })
+        })
+        .max(now);
+    if demand <= available && prefilled <= now {
         return matched;
     }
     // Each running request: when it ends, the blocks it frees then (those
@@ -160,7 +171,7 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
         }
         (freed, grown)
     };
-    let Some(start) = running.iter().map(|r| r.0.max(now)).find(|&t| {
+    let Some(start) = std::iter::once(prefilled).chain(running.iter().map(|r| r.0.max(prefilled))).find(|&t| {
         let (freed, grown) = by(t);
         (available + freed).saturating_sub(grown) >= demand
     }) else {

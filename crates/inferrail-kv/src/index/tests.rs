@@ -901,6 +901,33 @@ fn a_prompt_waiting_for_room_sees_ended_requests_free_only_their_own_blocks_and_
 }
 
 #[test]
+fn a_prompt_that_fits_still_waits_for_the_prefills_admitted_before_it() {
+    let ms = Duration::from_millis;
+    let index = paced(9);
+    // Admitted alone at 1,000 ms, two fresh blocks, first token at 1,200:
+    // 100 ms a computed block. Its output takes a block every 100 ms from
+    // 1,200 to 1,600 ms.
+    index.advance(&[0], ms(1_000));
+    let first = index.record(0, &chain(1, 2), 2, 0, 5, false);
+    index.decoding(&first, ms(1_200), Pace { lead: 0.0, span: 5.0 });
+    index.advance(&[0], ms(1_400));
+    // A second prompt of two fresh blocks is admitted at 1,400 ms: its prefill ends at 1,600.
+    let second = index.record(0, &chain(2, 2), 2, 0, 0, false);
+    assert_eq!(index.added(&second).len(), 2);
+    // A prompt reusing the learning request's prompt (free, behind its
+    // output) and needing one fresh block fits now, but starts after the
+    // second's prefill: by then the first's blocks at 1,500 and 1,600 ms
+    // have evicted both free blocks.
+    let prompt: Vec<BlockHash> = chain(9, 1).into_iter().chain(chain(5, 1)).collect();
+    assert_eq!(index.matched(&prompt, &[0]), [1]);
+    assert_eq!(index.kept_through_wait(&prompt, &[(0, 1, 1)], ms(1_400)), [0]);
+    index.decoding(&second, ms(1_600), Pace::default());
+    assert_eq!(index.kept_through_wait(&prompt, &[(0, 1, 1)], ms(1_600)), [1], "no prefill ahead any more: it fits");
+    index.complete(&first, ms(1_700));
+    index.complete(&second, ms(1_700));
+}
+
+#[test]
 fn an_absurd_output_is_bounded_by_the_cache() {
     let index = paced(8);
     // Running, owing at most the cache, with a learned block time.
