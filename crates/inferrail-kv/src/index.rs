@@ -132,6 +132,50 @@ impl Replica {
     fn entries(&self) -> usize {
         self.shadow.len() + self.exact.as_ref().map_or(0, Exact::len)
     }
+
+    /// Its block time, once learned and not nil.
+    fn per_block(&self) -> Option<f64> {
+        self.block_time.filter(|&t| t > 0.0)
+    }
+
+    /// Request `id`, admitted with `admitted` (its blocks, and how many it
+    /// reused), starts its prefill after those admitted before it.
+    fn prefills(&mut self, id: u64, admitted: &(Vec<BlockHash>, usize)) {
+        let alone = self.prefilling.is_empty();
+        self.prefilling.push_back((id, self.clock, admitted.0.len() - admitted.1, alone));
+    }
+
+    /// The engine preempts running request `id` at `at`: its blocks are
+    /// freed, last first (its last, not full, as room), and it waits at the
+    /// head of the queue to compute them again, reusing those that survive.
+    fn preempt(&mut self, id: u64, at: Duration) {
+        if !matches!(self.requests.get(&id), Some(Request::Running { .. })) {
+            return;
+        }
+        let Some(Request::Running { mut keys, generated, owed, since, ends_partial, .. }) = self.requests.remove(&id) else { return };
+        self.growing.remove(&id);
+        let prompt_blocks = keys.len();
+        keys.extend(generated);
+        let last = keys.last().copied().filter(|&h| is_placeholder(h));
+        if let Some(h) = last {
+            keys.pop();
+            self.shadow.withdraw(h);
+        }
+        for &h in keys.iter().rev() {
+            self.shadow.release(h);
+        }
+        let resume = since.map(|(first, pace)| Resume { prompt_blocks, decoded: at.saturating_sub(first), pace });
+        let waiting = Request::Waiting {
+            reusable: keys.len(),
+            prompt: keys,
+            partial: usize::from(last.is_some()),
+            output: owed,
+            ends_partial,
+            resume,
+        };
+        self.requests.insert(id, waiting);
+        self.queue.push_front(id);
+    }
 }
 
 /// When a decoding request needs its output blocks, in blocks of its
@@ -370,7 +414,7 @@ impl KvIndex {
         let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };
         match admitted {
             Some(admitted) => {
-                prefills(rep, request, &admitted);
+                rep.prefills(request, &admitted);
                 rep.requests.insert(request, self.started(rep, admitted, output, ends_partial, None));
             }
             None => {
@@ -393,7 +437,7 @@ impl KvIndex {
             };
             let Some(admitted) = self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) else { break };
             if resume.is_none() {
-                prefills(rep, head, &admitted);
+                rep.prefills(head, &admitted);
             }
             let running = self.started(rep, admitted, output, ends_partial, resume);
             if matches!(running, Request::Running { since: Some(_), owed: 1.., .. }) {
@@ -454,43 +498,11 @@ impl KvIndex {
                 }
                 return;
             };
-            self.preempt(rep, victim, at);
+            rep.preempt(victim, at);
             if victim == id {
                 return;
             }
         }
-    }
-
-    /// The engine preempts running request `id` at `at`: its blocks are
-    /// freed, last first (its last, not full, as room), and it waits at the
-    /// head of the queue to compute them again, reusing those that survive.
-    fn preempt(&self, rep: &mut Replica, id: u64, at: Duration) {
-        if !matches!(rep.requests.get(&id), Some(Request::Running { .. })) {
-            return;
-        }
-        let Some(Request::Running { mut keys, generated, owed, since, ends_partial, .. }) = rep.requests.remove(&id) else { return };
-        rep.growing.remove(&id);
-        let prompt_blocks = keys.len();
-        keys.extend(generated);
-        let last = keys.last().copied().filter(|&h| is_placeholder(h));
-        if let Some(h) = last {
-            keys.pop();
-            rep.shadow.withdraw(h);
-        }
-        for &h in keys.iter().rev() {
-            rep.shadow.release(h);
-        }
-        let resume = since.map(|(first, pace)| Resume { prompt_blocks, decoded: at.saturating_sub(first), pace });
-        let waiting = Request::Waiting {
-            reusable: keys.len(),
-            prompt: keys,
-            partial: usize::from(last.is_some()),
-            output: owed,
-            ends_partial,
-            resume,
-        };
-        rep.requests.insert(id, waiting);
-        rep.queue.push_front(id);
     }
 
     /// Presents an approximate replica's cache as a request sent now will
@@ -500,8 +512,8 @@ impl KvIndex {
         if rep.queue.is_empty() && rep.ahead.is_empty() {
             return;
         }
-        let old =
-            std::mem::replace(&mut rep.ahead, Ahead::foresee(&rep.shadow, &rep.requests, &rep.queue, rep.block_time.filter(|&t| t > 0.0)));
+        let ahead = Ahead::foresee(&rep.shadow, &rep.requests, &rep.queue, rep.per_block());
+        let old = std::mem::replace(&mut rep.ahead, ahead);
         // Read first: a write locks out the lookups reading that shard, and most bits are already right.
         let (word, bit) = (slot as usize / 64, 1u64 << (slot % 64));
         for h in old.changed().chain(rep.ahead.changed()).filter(|&h| !is_placeholder(h)) {
@@ -649,21 +661,22 @@ impl KvIndex {
             let running = self.started(rep, admitted, output, ends_partial, resume);
             rep.requests.insert(recorded.request, running);
         }
-        if let Some((_, admitted, fresh, true)) =
-            rep.prefilling.iter().position(|p| p.0 == recorded.request).and_then(|i| rep.prefilling.remove(i))
+        // Its prefill is over: one admitted alone tells the replica's time a block.
+        if let Some(i) = rep.prefilling.iter().position(|p| p.0 == recorded.request)
+            && let Some((_, admitted, fresh, alone)) = rep.prefilling.remove(i)
+            && alone
             && fresh > 0
             && at > admitted
         {
             let sample = (at - admitted).as_secs_f64() / fresh as f64;
             rep.prefill_time = Some(rep.prefill_time.map_or(sample, |old| 0.8 * old + 0.2 * sample));
         }
-        rep.prefilling.retain(|p| p.0 != recorded.request);
-        let order = self.ids.fetch_add(1, Ordering::Relaxed);
-        let Some(Request::Running { generated, owed, since, order: began, .. }) = rep.requests.get_mut(&recorded.request) else { return };
+        let untimed = rep.per_block().is_none();
+        let Some(Request::Running { generated, owed, since, order, .. }) = rep.requests.get_mut(&recorded.request) else { return };
         if since.is_none() {
             *since = Some((at, pace));
-            *began = order;
-            if rep.block_time.is_none_or(|t| t <= 0.0) {
+            *order = self.ids.fetch_add(1, Ordering::Relaxed);
+            if untimed {
                 generated.extend(self.take_fresh(&mut rep.shadow, recorded.slot, std::mem::take(owed), &[]));
             }
         }
@@ -692,7 +705,7 @@ impl KvIndex {
     /// are taken in the order they fall due, each at its time, so that a
     /// preemption happens when the engine's would.
     fn grow(&self, slot: Slot, rep: &mut Replica, now: Duration) {
-        let Some(per_block) = rep.block_time.filter(|&t| t > 0.0) else {
+        let Some(per_block) = rep.per_block() else {
             rep.clock = rep.clock.max(now);
             return;
         };
@@ -845,13 +858,6 @@ impl KvIndex {
             self.holders.release(h, slot);
         }
     }
-}
-
-/// Request `id`, admitted with `admitted` (its blocks, and how many it
-/// reused), starts its prefill after those admitted before it.
-fn prefills(rep: &mut Replica, id: u64, admitted: &(Vec<BlockHash>, usize)) {
-    let alone = rep.prefilling.is_empty();
-    rep.prefilling.push_back((id, rep.clock, admitted.0.len() - admitted.1, alone));
 }
 
 /// Keeps a completed request's reply; past `prune_at` replies, those whose

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::{KvIndex, Replica, Request, Slot, is_placeholder};
+use super::{KvIndex, Replica, Request, Slot, ahead, is_placeholder};
 use crate::hash::BlockHash;
 
 impl KvIndex {
@@ -104,7 +104,7 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
     if rep.exact.is_some() || !rep.queue.is_empty() {
         return matched;
     }
-    let Some(per_block) = rep.block_time.filter(|&t| t > 0.0) else { return matched };
+    let Some(per_block) = rep.per_block() else { return matched };
     let shadow = &rep.shadow;
     let prefix = &hashes[..matched.min(hashes.len())];
     let demand = need + prefix.iter().filter(|&&h| shadow.in_use(h) == Some(false)).count();
@@ -125,16 +125,15 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
     // no request still running holds), what its output has filled and
     // what it owes, its pace, and whether its last block will be room
     // (not full, and unnamed).
-    let after = |secs: f64| Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX);
     let mut running: Vec<_> = rep
         .requests
         .values()
         .filter_map(|r| match r {
             Request::Running { keys, generated, owed, since, ends_partial, .. } => {
-                // Spans come from what requests asked for: an absurd one ends never, not in a panic.
+                // One not yet decoding is taken to start now.
                 let end = match since {
-                    Some((at, pace)) => at.saturating_add(after(pace.span * per_block)),
-                    None => now.saturating_add(after(*owed as f64 * per_block)),
+                    Some(_) => ahead::ends(*since, per_block),
+                    None => now.saturating_add(Duration::try_from_secs_f64(*owed as f64 * per_block).unwrap_or(Duration::MAX)),
                 };
                 let room = *ends_partial && (*owed > 0 || keys.iter().chain(generated).last().is_some_and(|&h| is_placeholder(h)));
                 Some((end, keys.iter().chain(generated), generated.len(), *owed, *since, room))
