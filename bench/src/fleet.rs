@@ -94,10 +94,28 @@ pub struct FleetArgs {
     /// How long a router's word takes to reach its peers, microseconds.
     #[arg(long, default_value_t = 500)]
     pub peer_delay_us: u64,
+    /// How the routers hear each response's first byte: `log`, from the
+    /// access log after the response's end, 50 ms later (the shipped
+    /// layout, ADR 0035); `observe`, as it comes (the observe filter's).
+    #[arg(long, value_enum, default_value_t = FirstByte::Log)]
+    pub first_byte: FirstByte,
     /// Where to write the JSON result.
     #[arg(long)]
     pub out: Option<PathBuf>,
 }
+
+/// How a router hears a response's first byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FirstByte {
+    /// From the access log, after the end.
+    Log,
+    /// As it comes.
+    Observe,
+}
+
+/// The access log's batch interval (`envoy/filters/access-log.yaml`): a
+/// record comes at most this long after its request's end.
+const LOG_DELAY: std::time::Duration = std::time::Duration::from_millis(50);
 
 fn policy_kind(s: &str) -> Result<PolicyKind, String> {
     serde_json::from_value(serde_json::Value::String(s.to_owned())).map_err(|e| format!("{s:?}: {e}"))
@@ -132,6 +150,7 @@ pub(crate) fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> 
         peer_delay: std::time::Duration::from_micros(args.peer_delay_us),
         timing: inferrail_route::lifecycle::Timing::ROUTER,
         status_after_end: None,
+        first_byte_after_end: (args.first_byte == FirstByte::Log).then_some(LOG_DELAY),
     };
     // The router checks them as it checks a model's own `policies`: unknown keys and ranges.
     let params = sim::config(&setup, PolicyKind::RoundRobin).params(0).map_err(|p| anyhow::anyhow!("--policy-params: {}", p.join("; ")))?;

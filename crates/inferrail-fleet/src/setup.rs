@@ -48,6 +48,10 @@ pub struct Setup {
     /// When set, a request's status is heard only this long after its end
     /// (as an access log tells it), not with its first token.
     pub status_after_end: Option<Duration>,
+    /// When set, a request's first byte is heard only this long after its
+    /// end, as the shipped layout's access log tells it (ADR 0035); unset,
+    /// as it comes (the observe filter's layout).
+    pub first_byte_after_end: Option<Duration>,
 }
 
 impl Setup {

@@ -26,7 +26,9 @@
 //! heard when its prefill ends, its end when it completes, and the ledger
 //! completes the KV record and releases the lease as the lifecycle says.
 //! `Setup::status_after_end` tells the status only after the end, as an
-//! access log would, so that the grace period decides. Each engine's load (running, waiting, KV usage)
+//! access log would, so that the grace period decides;
+//! `Setup::first_byte_after_end` tells the first byte (when it came) only
+//! after the end, as the shipped layout's access log does. Each engine's load (running, waiting, KV usage)
 //! is read as the scraper reads it, every scrape interval of virtual time
 //! (the scraper's default at the time scale, [`timescale::scrape_interval`]),
 //! and the decisions see those reports with their age, as the router's do.
@@ -95,6 +97,8 @@ struct Job {
     step_ns: u64,
     /// Counts its preemptions: its events from before the last one are stale.
     epoch: u32,
+    /// When its first token came, for a router that hears it only after the end.
+    first_ns: u64,
     /// A closed-loop agent's step: the rest of the agent, and the prompt's ids.
     agent: Option<(Box<Agent>, Vec<u32>)>,
 }
@@ -144,6 +148,8 @@ enum Event {
     Peer(usize, usize, Heard),
     /// The status of job `.0` from replica `.1`, told after its end (`Setup::status_after_end`).
     LateStatus(usize, usize),
+    /// The first byte of job `.0`, at `.1`, told after its end (`Setup::first_byte_after_end`).
+    LateFirstByte(usize, u64),
     /// Router `.0`'s ledger delivers the deadlines due.
     Tick(usize),
 }
@@ -154,8 +160,19 @@ enum Heard {
     Decided,
     /// Replica `.0` answered 200.
     Status(usize),
-    FirstByte,
+    /// The first byte, which came at `.0`.
+    FirstByte(u64),
     End,
+}
+
+impl Heard {
+    /// When what is heard happened, told at `now`: a first byte says when it came.
+    fn moment(self, now: u64) -> Duration {
+        Duration::from_nanos(match self {
+            Heard::FirstByte(at) => at,
+            _ => now,
+        })
+    }
 }
 
 /// One router: its decision core, its ledger, its view of the replicas and its place among the routers.
@@ -367,6 +384,7 @@ impl<'a> World<'a> {
                 }
                 Event::Peer(j, k, heard) => self.peer_heard(j, k, heard, ns),
                 Event::LateStatus(j, r) => self.hear(j, Heard::Status(r), ns),
+                Event::LateFirstByte(j, first) => self.hear(j, Heard::FirstByte(first), ns),
                 Event::Tick(k) => {
                     let router = &self.routers[k];
                     router.ledger.tick(Duration::from_nanos(ns), &router.core, &router.fleet);
@@ -432,6 +450,7 @@ impl<'a> World<'a> {
             decode_from_ns: 0,
             step_ns: 0,
             epoch: 0,
+            first_ns: 0,
             agent,
         };
         self.jobs.insert(id, job);
@@ -531,6 +550,7 @@ impl<'a> World<'a> {
             cache_blocks(&mut engine.pool, &job.blocks, &hashes, job.hit);
             let first = job.generated == 0;
             if first {
+                job.first_ns = now;
                 self.ttft.push(Duration::from_nanos(now - job.arrival_ns));
                 let kv_wait = job.blocked_ns.map_or(0, |b| job.started_ns - b);
                 self.phases.push([job.started_ns - job.arrival_ns - kv_wait, kv_wait, now - job.started_ns]);
@@ -545,7 +565,9 @@ impl<'a> World<'a> {
                 if self.setup.status_after_end.is_none() {
                     self.hear(j, Heard::Status(r), now);
                 }
-                self.hear(j, Heard::FirstByte, now);
+                if self.setup.first_byte_after_end.is_none() {
+                    self.hear(j, Heard::FirstByte(now), now);
+                }
             }
         }
         self.start_prefill(r, now);
@@ -651,6 +673,9 @@ impl<'a> World<'a> {
         engine.decoding.retain(|&d| d != j);
         let replica = job.replica;
         self.hear(j, Heard::End, now);
+        if let Some(after) = self.setup.first_byte_after_end {
+            self.at(now + after.as_nanos() as u64, Event::LateFirstByte(j, job.first_ns));
+        }
         if let Some(after) = self.setup.status_after_end {
             self.at(now + after.as_nanos() as u64, Event::LateStatus(j, replica));
             // Every router's ledger ends what it holds of the job once its grace is over.
@@ -672,7 +697,7 @@ impl<'a> World<'a> {
         let decider = j % self.routers.len();
         let Some(event) = self.event(heard) else { return };
         let router = &self.routers[decider];
-        router.ledger.hear(&j.to_string(), Duration::from_nanos(now), event, &router.core, &router.fleet);
+        router.ledger.hear(&j.to_string(), heard.moment(now), event, &router.core, &router.fleet);
         self.tell_peers(j, decider, heard, now);
     }
 
@@ -682,7 +707,7 @@ impl<'a> World<'a> {
             Heard::Decided => return None,
             // Every router names a replica by the same key (its id's hash).
             Heard::Status(r) => lifecycle::Event::Status { code: 200, served_by: Some(self.routers[0].fleet.replicas[r].key) },
-            Heard::FirstByte => lifecycle::Event::FirstByte,
+            Heard::FirstByte(_) => lifecycle::Event::FirstByte,
             Heard::End => lifecycle::Event::End,
         })
     }
@@ -703,7 +728,7 @@ impl<'a> World<'a> {
     /// ledger runs the mirror's life on what the decider heard.
     fn peer_heard(&mut self, j: usize, k: usize, heard: Heard, now: u64) {
         let decider = j % self.routers.len();
-        let at = Duration::from_nanos(now);
+        let at = heard.moment(now);
         let router = &self.routers[k];
         match self.event(heard) {
             None => {

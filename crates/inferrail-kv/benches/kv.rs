@@ -25,7 +25,7 @@ fn lookup(c: &mut Criterion) {
         index.add_replica(s, 4096);
         // Every replica holds a different share of the prompt's prefix.
         let held = &prompt[..(s as usize * 8).min(512)];
-        index.complete(&index.record(s, held, held.len(), 0, 0, false), Duration::ZERO);
+        index.complete(&index.record(s, held, held.len(), 0, 0, false, None), Duration::ZERO);
     }
     percentiles("lookup 512 blocks over 64 replicas", || index.matched(std::hint::black_box(&prompt), &slots));
     c.bench_function("lookup 512 blocks over 64 replicas", |b| b.iter(|| index.matched(std::hint::black_box(&prompt), &slots)));
@@ -34,7 +34,7 @@ fn lookup(c: &mut Criterion) {
     for &s in &slots {
         shared.add_replica(s, 4096);
         let held = &prompt[..[0, 128, 128, 128, 128, 128, 300, 512][s as usize % 8]];
-        shared.complete(&shared.record(s, held, held.len(), 0, 0, false), Duration::ZERO);
+        shared.complete(&shared.record(s, held, held.len(), 0, 0, false, None), Duration::ZERO);
     }
     percentiles("lookup 512 blocks over 64 replicas at 4 depths", || shared.matched(std::hint::black_box(&prompt), &slots));
     c.bench_function("lookup 512 blocks over 64 replicas at 4 depths", |b| {
@@ -45,7 +45,7 @@ fn lookup(c: &mut Criterion) {
         b.iter(|| {
             n += 1;
             let fresh: Vec<u128> = (0..512u128).map(|k| (n << 64) | k).collect();
-            index.complete(&index.record(3, &fresh, fresh.len(), 0, 0, false), Duration::ZERO)
+            index.complete(&index.record(3, &fresh, fresh.len(), 0, 0, false, None), Duration::ZERO)
         })
     });
 }
@@ -66,7 +66,7 @@ fn long_prompts(c: &mut Criterion) {
         let prompt: Vec<u128> = (0..BLOCKS).map(|k| (n << 64) | k).collect();
         let slot = (n % 3) as u32;
         std::hint::black_box(index.matched(&prompt, &[0, 1, 2]));
-        index.complete(&index.record(slot, &prompt, prompt.len(), 0, 1, false), Duration::ZERO);
+        index.complete(&index.record(slot, &prompt, prompt.len(), 0, 1, false, None), Duration::ZERO);
     };
     // Enough to fill every replica.
     for _ in 0..3 * (1 << 20) / BLOCKS + 3 {
@@ -112,7 +112,7 @@ fn memory() {
         index.add_replica(s, capacity);
         for p in 0..16u128 {
             let prompt: Vec<u128> = (0..1024u128).map(|k| if k < 256 { k } else { ((u128::from(s) * 16 + p + 1) << 64) | k }).collect();
-            index.complete(&index.record(s, &prompt, prompt.len(), 0, 0, false), Duration::ZERO);
+            index.complete(&index.record(s, &prompt, prompt.len(), 0, 0, false, None), Duration::ZERO);
         }
     }
     let held = index.entries();
@@ -180,7 +180,7 @@ fn in_flight(c: &mut Criterion) {
         let tokens = prompt(p);
         let router = block_hashes(7, &tokens, BS);
         let hashes: Vec<u64> = router.iter().map(|&h| h as u64).collect();
-        let rec = index.record(0, &router, router.len(), 0, 1, false);
+        let rec = index.record(0, &router, router.len(), 0, 1, false, None);
         index
             .apply(
                 0,
@@ -193,13 +193,13 @@ fn in_flight(c: &mut Criterion) {
     let fresh = block_hashes(7, &fresh, BS);
     let held = block_hashes(7, &prompt(0), BS);
     assert_eq!(index.matched(&held, &[0]), [256], "the first prompt is held");
-    let rec = index.record(0, &fresh, fresh.len(), 0, 1, false);
+    let rec = index.record(0, &fresh, fresh.len(), 0, 1, false, None);
     assert_eq!(index.matched(&held, &[0]), [0], "the first prompt, freed first, would be evicted");
     index.end_claim(&rec);
     let mut g = c.benchmark_group("events");
     g.bench_function("claim and end 512 blocks on a full 16,384-block cache", |b| {
         b.iter(|| {
-            let rec = index.record(0, std::hint::black_box(&fresh), fresh.len(), 0, 1, false);
+            let rec = index.record(0, std::hint::black_box(&fresh), fresh.len(), 0, 1, false, None);
             index.end_claim(&rec);
         })
     });
@@ -218,21 +218,21 @@ fn queue(c: &mut Criterion) {
     for s in 0..2 {
         index.add_replica(s, 4096);
         for p in 0..4 {
-            index.complete(&index.record(s, &blocks(100 + p, 512), 512, 0, 0, false), Duration::ZERO);
+            index.complete(&index.record(s, &blocks(100 + p, 512), 512, 0, 0, false, None), Duration::ZERO);
         }
     }
-    let _running = index.record(0, &blocks(1, 3584), 3584, 0, 0, false);
+    let _running = index.record(0, &blocks(1, 3584), 3584, 0, 0, false, None);
     for w in 0..8 {
-        index.record(0, &blocks(2 + w, 512), 512, 0, 0, false);
+        index.record(0, &blocks(2 + w, 512), 512, 0, 0, false, None);
     }
     assert_eq!(index.matched(&blocks(100, 512), &[0, 1]), [0, 512], "the queue evicts the earlier prompts on paper");
     let next = blocks(50, 512);
     let mut g = c.benchmark_group("queue");
     g.bench_function("record and take back 512 blocks behind 8 waiting", |b| {
-        b.iter(|| index.take_back(&index.record(0, std::hint::black_box(&next), 512, 0, 0, false)))
+        b.iter(|| index.take_back(&index.record(0, std::hint::black_box(&next), 512, 0, 0, false, None)))
     });
     g.bench_function("record and take back 512 blocks, no queue", |b| {
-        b.iter(|| index.take_back(&index.record(1, std::hint::black_box(&next), 512, 0, 0, false)))
+        b.iter(|| index.take_back(&index.record(1, std::hint::black_box(&next), 512, 0, 0, false, None)))
     });
     g.finish();
 }

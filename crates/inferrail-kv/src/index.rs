@@ -15,7 +15,11 @@
 //! requests that completed), the rest when it completes; lookups first
 //! bring the replicas to the decision's time (`advance`, ADR 0053). A
 //! request that finds no free block preempts the newest decoding one, which
-//! waits first in line and resumes where it stopped (ADR 0054).
+//! waits first in line and resumes where it stopped (ADR 0054). Where the
+//! first token is heard only after the end (the shipped layout's access
+//! log), a request begins decoding when the prefills admitted up to it
+//! end, at the replica's prefill time a block, and the first token heard
+//! late teaches the prefill and block times (ADR 0055).
 //!
 //! While requests wait on an approximate replica, lookups see its cache as
 //! a request sent now will find it, once the requests ahead have started
@@ -125,7 +129,22 @@ struct Replica {
     /// each weighing a fifth): a request sent now starts after the
     /// prefills admitted before it.
     prefill_time: Option<f64>,
+    /// Requests that completed before their first token was heard (the
+    /// shipped layout hears it from the access log, after the end), newest
+    /// last: when it is, they teach the block and prefill times.
+    ended: VecDeque<(u64, Ended)>,
 }
+
+/// A request that completed before its first token was heard.
+#[derive(Debug, Clone, Copy)]
+struct Ended {
+    /// Its entry among the prefills: when it was admitted, the blocks it computed, and whether alone.
+    prefill: Option<(Duration, usize, bool)>,
+    end: Duration,
+}
+
+/// Completed requests kept for their first token to come.
+const ENDED_KEPT: usize = 1024;
 
 impl Replica {
     /// Blocks held for it: its shadow's, and in exact mode the engine's in every tier.
@@ -140,9 +159,48 @@ impl Replica {
 
     /// Request `id`, admitted with `admitted` (its blocks, and how many it
     /// reused), starts its prefill after those admitted before it.
+    /// It is alone when no prefill admitted before is still under way: none
+    /// is left, or (once the prefill time is known) all have ended by it,
+    /// their first tokens unheard.
     fn prefills(&mut self, id: u64, admitted: &(Vec<BlockHash>, usize)) {
-        let alone = self.prefilling.is_empty();
+        let alone = self.prefills_end().map_or(self.prefilling.is_empty(), |end| end <= self.clock);
         self.prefilling.push_back((id, self.clock, admitted.0.len() - admitted.1, alone));
+    }
+
+    /// When the prefills admitted and not yet heard decoding end, one after
+    /// another at the replica's prefill time a block; `None` while that is
+    /// not known.
+    fn prefills_end(&self) -> Option<Duration> {
+        let per = self.prefill_time?;
+        Some(self.prefilling.iter().fold(Duration::ZERO, |t, &(_, admitted, fresh, _)| {
+            t.max(admitted).saturating_add(Duration::try_from_secs_f64(fresh as f64 * per).unwrap_or(Duration::MAX))
+        }))
+    }
+
+    /// Request `id`, just admitted, begins decoding when the prefills
+    /// admitted up to it end (an estimate, until its first token is heard):
+    /// its output grows at `pace` from then on. Nothing while the prefill
+    /// time is not known.
+    fn foretell(&mut self, id: u64, pace: Option<Pace>, next_order: u64) {
+        let (Some(pace), Some(first)) = (pace, self.prefills_end()) else { return };
+        let Some(Request::Running { since: since @ None, owed, order, .. }) = self.requests.get_mut(&id) else { return };
+        *since = Some((first, pace));
+        *order = next_order;
+        if *owed > 0 {
+            self.growing.insert(id);
+        }
+    }
+
+    /// Learns the prefill time from a request admitted alone, `prefill` its
+    /// entry among the prefills, whose first token came at `at`: from
+    /// admission to first token over the blocks it computed, a moving
+    /// average, each weighing a fifth.
+    fn learn_prefill(&mut self, prefill: (Duration, usize, bool), at: Duration) {
+        let (admitted, fresh, alone) = prefill;
+        if alone && fresh > 0 && at > admitted {
+            let sample = (at - admitted).as_secs_f64() / fresh as f64;
+            self.prefill_time = Some(self.prefill_time.map_or(sample, |old| 0.8 * old + 0.2 * sample));
+        }
     }
 
     /// The engine preempts running request `id` at `at`: its blocks are
@@ -152,7 +210,9 @@ impl Replica {
         if !matches!(self.requests.get(&id), Some(Request::Running { .. })) {
             return;
         }
-        let Some(Request::Running { mut keys, generated, owed, since, ends_partial, .. }) = self.requests.remove(&id) else { return };
+        let Some(Request::Running { mut keys, generated, owed, since, heard, ends_partial, .. }) = self.requests.remove(&id) else {
+            return;
+        };
         self.growing.remove(&id);
         let prompt_blocks = keys.len();
         keys.extend(generated);
@@ -164,13 +224,14 @@ impl Replica {
         for &h in keys.iter().rev() {
             self.shadow.release(h);
         }
-        let resume = since.map(|(first, pace)| Resume { prompt_blocks, decoded: at.saturating_sub(first), pace });
+        let resume = since.map(|(first, pace)| Resume { prompt_blocks, decoded: at.saturating_sub(first), pace, heard });
         let waiting = Request::Waiting {
             reusable: keys.len(),
             prompt: keys,
             partial: usize::from(last.is_some()),
             output: owed,
             ends_partial,
+            pace: since.map(|(_, pace)| pace),
             resume,
         };
         self.requests.insert(id, waiting);
@@ -232,17 +293,29 @@ struct Resume {
     /// How long it had decoded, and at what pace.
     decoded: Duration,
     pace: Pace,
+    /// Whether its first token was heard (else its decoding is estimated).
+    heard: bool,
 }
 
 #[derive(Debug)]
 enum Request {
-    /// In the engine's queue: holds nothing yet. A preempted request
-    /// waits to compute its prompt and output again (`resume`).
-    Waiting { prompt: Vec<BlockHash>, reusable: usize, partial: usize, output: usize, ends_partial: bool, resume: Option<Resume> },
+    /// In the engine's queue: holds nothing yet; `pace`: its output's, if
+    /// known. A preempted request waits to compute its prompt and output
+    /// again (`resume`).
+    Waiting {
+        prompt: Vec<BlockHash>,
+        reusable: usize,
+        partial: usize,
+        output: usize,
+        ends_partial: bool,
+        pace: Option<Pace>,
+        resume: Option<Resume>,
+    },
     /// Running: holds its prompt's blocks, the reused ones first, and
     /// those its generated tokens filled so far; `owed` more are to come,
-    /// at its pace from its first token (`since`, once heard);
-    /// `ends_partial`: its last block will not be full, and the engine
+    /// at its pace from its first token (`since`: as heard, `heard`, or
+    /// estimated from the prefills ahead); `ends_partial`: its last block
+    /// will not be full, and the engine
     /// frees it as room; `order`: when it began decoding, against the
     /// others (the newest is preempted first).
     Running {
@@ -251,6 +324,7 @@ enum Request {
         generated: Vec<BlockHash>,
         owed: usize,
         since: Option<(Duration, Pace)>,
+        heard: bool,
         ends_partial: bool,
         order: u64,
     },
@@ -344,6 +418,7 @@ impl KvIndex {
             clock: Duration::ZERO,
             prefilling: VecDeque::new(),
             prefill_time: None,
+            ended: VecDeque::new(),
         }
     }
 
@@ -387,7 +462,9 @@ impl KvIndex {
     /// partial last block) take room but can never be matched, and `output`
     /// blocks of generated tokens are taken as the engine fills them: one
     /// every block time from its first token (`decoding`, `advance`), the
-    /// rest when it completes; `ends_partial`:
+    /// rest when it completes (from its first token as estimated, when its
+    /// output's `pace` is given and the replica's prefill time known, until
+    /// it is heard); `ends_partial`:
     /// its last block (prompt and output) is not full, so the engine caches
     /// nothing in it and frees it to be reused first, as room. As in the
     /// engine, a request that fits beside the running ones holds its blocks
@@ -397,7 +474,17 @@ impl KvIndex {
     /// comes behind one waiting, waits its turn in a queue, first come
     /// first, and starts when completions make room for it (at the latest
     /// when it completes).
-    pub fn record(&self, slot: Slot, prompt: &[BlockHash], reusable: usize, partial: usize, output: usize, ends_partial: bool) -> Recorded {
+    #[allow(clippy::too_many_arguments)]
+    pub fn record(
+        &self,
+        slot: Slot,
+        prompt: &[BlockHash],
+        reusable: usize,
+        partial: usize,
+        output: usize,
+        ends_partial: bool,
+        pace: Option<Pace>,
+    ) -> Recorded {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&slot) else { return Recorded { slot, ..Recorded::default() } };
         let request = self.ids.fetch_add(1, Ordering::Relaxed);
@@ -416,10 +503,11 @@ impl KvIndex {
             Some(admitted) => {
                 rep.prefills(request, &admitted);
                 rep.requests.insert(request, self.started(rep, admitted, output, ends_partial, None));
+                rep.foretell(request, pace, self.ids.fetch_add(1, Ordering::Relaxed));
             }
             None => {
-                rep.requests
-                    .insert(request, Request::Waiting { prompt: prompt.to_vec(), reusable, partial, output, ends_partial, resume: None });
+                let waiting = Request::Waiting { prompt: prompt.to_vec(), reusable, partial, output, ends_partial, pace, resume: None };
+                rep.requests.insert(request, waiting);
                 rep.queue.push_back(request);
                 self.foresee(slot, rep);
             }
@@ -431,7 +519,8 @@ impl KvIndex {
     /// and foresees what the rest will do.
     fn admit_waiting(&self, slot: Slot, rep: &mut Replica) {
         while let Some(&head) = rep.queue.front() {
-            let Some(&Request::Waiting { ref prompt, reusable, partial, output, ends_partial, resume }) = rep.requests.get(&head) else {
+            let Some(&Request::Waiting { ref prompt, reusable, partial, output, ends_partial, pace, resume }) = rep.requests.get(&head)
+            else {
                 rep.queue.pop_front();
                 continue;
             };
@@ -445,6 +534,9 @@ impl KvIndex {
             }
             rep.requests.insert(head, running);
             rep.queue.pop_front();
+            if resume.is_none() {
+                rep.foretell(head, pace, self.ids.fetch_add(1, Ordering::Relaxed));
+            }
         }
         self.foresee(slot, rep);
     }
@@ -461,13 +553,22 @@ impl KvIndex {
         ends_partial: bool,
         resume: Option<Resume>,
     ) -> Request {
-        let Some(Resume { prompt_blocks, decoded, pace }) = resume else {
-            return Request::Running { keys, reused, generated: Vec::new(), owed: output, since: None, ends_partial, order: 0 };
+        let Some(Resume { prompt_blocks, decoded, pace, heard }) = resume else {
+            return Request::Running {
+                keys,
+                reused,
+                generated: Vec::new(),
+                owed: output,
+                since: None,
+                heard: false,
+                ends_partial,
+                order: 0,
+            };
         };
         let generated = keys.split_off(prompt_blocks.min(keys.len()));
         let since = Some((rep.clock.saturating_sub(decoded), pace));
         let order = self.ids.fetch_add(1, Ordering::Relaxed);
-        Request::Running { keys, reused: reused.min(prompt_blocks), generated, owed: output, since, ends_partial, order }
+        Request::Running { keys, reused: reused.min(prompt_blocks), generated, owed: output, since, heard, ends_partial, order }
     }
 
     /// Running request `id` fills its next output block, due at `at`: it
@@ -603,12 +704,20 @@ impl KvIndex {
         // one ended (this one, done, is no victim), then freed its own.
         let request = rep.requests.remove(&recorded.request);
         rep.growing.remove(&recorded.request);
-        rep.prefilling.retain(|p| p.0 != recorded.request);
+        let prefill = rep.prefilling.iter().position(|p| p.0 == recorded.request).and_then(|i| rep.prefilling.remove(i));
         self.grow(recorded.slot, rep, at);
         let (keys, generated, ends_partial) = match request {
-            Some(Request::Running { keys, mut generated, owed, since, ends_partial, .. }) => {
-                if let Some((since, pace)) = since {
-                    rep.block_time = pace.learn(rep.block_time, at.saturating_sub(since));
+            Some(Request::Running { keys, mut generated, owed, since, heard, ends_partial, .. }) => {
+                match since {
+                    Some((since, pace)) if heard => rep.block_time = pace.learn(rep.block_time, at.saturating_sub(since)),
+                    // Its first token is still to be heard: it teaches the times then.
+                    _ => {
+                        if rep.ended.len() >= ENDED_KEPT {
+                            rep.ended.pop_front();
+                        }
+                        let prefill = prefill.map(|(_, admitted, fresh, alone)| (admitted, fresh, alone));
+                        rep.ended.push_back((recorded.request, Ended { prefill, end: at }));
+                    }
                 }
                 generated.extend(self.take_fresh(&mut rep.shadow, recorded.slot, owed, &[]));
                 (keys, generated, ends_partial)
@@ -647,13 +756,25 @@ impl KvIndex {
     /// fills blocks at `pace` (taken by `advance`), or all at once now
     /// while the replica's block time is unknown (or nil). A request the
     /// index still had waiting has started (the engine found room the
-    /// index did not see): it takes its blocks now.
+    /// index did not see): it takes its blocks now. One heard after its
+    /// request completed (the shipped layout's access log tells first
+    /// tokens after the end; until then the index estimates them) teaches
+    /// the replica its prefill and block times, and changes nothing else.
     pub fn decoding(&self, recorded: &Recorded, at: Duration, pace: Pace) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        // Heard after its end (from the access log): it teaches the times now.
+        if let Some(i) = rep.ended.iter().rposition(|e| e.0 == recorded.request) {
+            let Some((_, Ended { prefill, end })) = rep.ended.remove(i) else { return };
+            if let Some(prefill) = prefill {
+                rep.learn_prefill(prefill, at);
+            }
+            rep.block_time = pace.learn(rep.block_time, end.saturating_sub(at));
+            return;
+        }
         rep.clock = rep.clock.max(at);
         if matches!(rep.requests.get(&recorded.request), Some(Request::Waiting { .. }))
-            && let Some(Request::Waiting { prompt, reusable, partial, output, ends_partial, resume }) =
+            && let Some(Request::Waiting { prompt, reusable, partial, output, ends_partial, resume, .. }) =
                 rep.requests.remove(&recorded.request)
         {
             rep.queue.retain(|&r| r != recorded.request);
@@ -664,21 +785,20 @@ impl KvIndex {
         // Its prefill is over: one admitted alone tells the replica's time a block.
         if let Some(i) = rep.prefilling.iter().position(|p| p.0 == recorded.request)
             && let Some((_, admitted, fresh, alone)) = rep.prefilling.remove(i)
-            && alone
-            && fresh > 0
-            && at > admitted
         {
-            let sample = (at - admitted).as_secs_f64() / fresh as f64;
-            rep.prefill_time = Some(rep.prefill_time.map_or(sample, |old| 0.8 * old + 0.2 * sample));
+            rep.learn_prefill((admitted, fresh, alone), at);
         }
         let untimed = rep.per_block().is_none();
-        let Some(Request::Running { generated, owed, since, order, .. }) = rep.requests.get_mut(&recorded.request) else { return };
-        if since.is_none() {
-            *since = Some((at, pace));
-            *order = self.ids.fetch_add(1, Ordering::Relaxed);
-            if untimed {
-                generated.extend(self.take_fresh(&mut rep.shadow, recorded.slot, std::mem::take(owed), &[]));
+        let Some(Request::Running { generated, owed, since, heard, order, .. }) = rep.requests.get_mut(&recorded.request) else { return };
+        if !*heard {
+            if since.is_none() {
+                *order = self.ids.fetch_add(1, Ordering::Relaxed);
+                if untimed {
+                    generated.extend(self.take_fresh(&mut rep.shadow, recorded.slot, std::mem::take(owed), &[]));
+                }
             }
+            *since = Some((at, pace));
+            *heard = true;
         }
         // A preempted request readmitted here goes on where it stopped.
         if *owed > 0 {

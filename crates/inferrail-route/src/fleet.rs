@@ -431,6 +431,9 @@ pub struct Lease {
     sent: OnceLock<Arc<Sent>>,
     /// What the decision recorded in the KV index, to take back if the engine refuses the request.
     pub kv: Mutex<Option<(Arc<Prediction>, Record)>>,
+    /// The record once the request completed, for a first byte heard after
+    /// the end (from the access log) to teach the index.
+    pub completed: OnceLock<Record>,
 }
 
 impl Lease {
@@ -456,7 +459,7 @@ impl Lease {
         let (state, kv) = (AtomicU8::new(PENDING), Mutex::new(None));
         let (estimate_us, prefill_us) = (AtomicU64::new(0), AtomicU64::new(0));
         let sent = OnceLock::new();
-        Self { replica, model, prompt_tokens, mine, estimate_us, state, prefill_us, sent, kv }
+        Self { replica, model, prompt_tokens, mine, estimate_us, state, prefill_us, sent, kv, completed: OnceLock::new() }
     }
 
     /// What it holds now, as a peer is told to hold it: its prompt, the

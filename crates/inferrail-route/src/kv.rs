@@ -234,14 +234,15 @@ impl Kv {
         if named > 0 {
             self.index.adopt(at.slot, hashes[depth - 1], &hashes[depth..depth + named]);
         }
-        let recorded = self.index.record(at.slot, hashes, n.saturating_sub(1) / bs, partial, output_blocks, ends_partial);
+        // The prompt's last block has room for this many tokens before the output needs a block.
+        let room = (prompt_blocks * bs - n) as f64 / bs as f64;
+        let pace = Pace { lead: room, span: p.output_tokens as f64 / bs as f64 };
+        let recorded = self.index.record(at.slot, hashes, n.saturating_sub(1) / bs, partial, output_blocks, ends_partial, Some(pace));
         if !p.ids.is_empty() {
             let full = hashes.len();
             self.index.expect_reply(&recorded, Reply { prompt_tokens: n, asked: p.asked, tail: p.ids[full * bs..].to_vec() }, full);
         }
-        // The prompt's last block has room for this many tokens before the output needs a block.
-        let room = (prompt_blocks * bs - n) as f64 / bs as f64;
-        Record(recorded, Pace { lead: room, span: p.output_tokens as f64 / bs as f64 })
+        Record(recorded, pace)
     }
 
     /// The engine refused or failed the request: forget what it recorded.

@@ -470,12 +470,17 @@ impl Core {
     pub fn complete(&self, lease: &Lease, at: Duration) {
         if let Some((_, record)) = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).take() {
             self.kv.complete(&record, at);
+            let _ = lease.completed.set(record);
         }
     }
 
-    /// The request's first token came at `at`: its output fills blocks in the engine's cache from then on.
+    /// The request's first token came at `at`: its output fills blocks in
+    /// the engine's cache from then on; heard after its end, it teaches the
+    /// index its replica's times.
     pub fn decoding(&self, lease: &Lease, at: Duration) {
         if let Some((_, record)) = lease.kv.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+            self.kv.decoding(record, at);
+        } else if let Some(record) = lease.completed.get() {
             self.kv.decoding(record, at);
         }
     }

@@ -110,14 +110,7 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
     let demand = need + prefix.iter().filter(|&&h| shadow.in_use(h) == Some(false)).count();
     let available = shadow.available();
     // It starts no sooner than the prefills admitted before it end, one after another.
-    let prefilled = rep
-        .prefill_time
-        .map_or(now, |per| {
-            rep.prefilling.iter().fold(Duration::ZERO, |t, &(_, admitted, fresh, _)| {
-                t.max(admitted).saturating_add(Duration::try_from_secs_f64(fresh as f64 * per).unwrap_or(Duration::MAX))
-            })
-        })
-        .max(now);
+    let prefilled = rep.prefills_end().unwrap_or(now).max(now);
     if demand <= available && prefilled <= now {
         return matched;
     }

@@ -525,7 +525,7 @@ proptest! {
             match op {
                 Op::Record { slot, family, len, reusable, partial, output, ends_partial } => {
                     let hashes = chain(family, len);
-                    let recorded = index.record(slot, &hashes, reusable, partial, output, ends_partial);
+                    let recorded = index.record(slot, &hashes, reusable, partial, output, ends_partial, None);
                     let flight = naive.record(slot, &hashes, reusable, partial, (output, ends_partial), &mut next);
                     let real = |v: &[BlockHash]| -> (Vec<BlockHash>, usize) {
                         let mut r: Vec<BlockHash> = v.iter().copied().filter(|h| hashes.contains(h)).collect();
@@ -603,8 +603,8 @@ proptest! {
 fn a_long_prefix_is_evicted_from_its_tail() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
-    index.complete(&index.record(0, &chain(0, 4), 4, 0, 0, false), Duration::ZERO);
-    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0, false), Duration::ZERO);
+    index.complete(&index.record(0, &chain(0, 4), 4, 0, 0, false, None), Duration::ZERO);
+    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0, false, None), Duration::ZERO);
     assert_eq!(index.matched(&chain(0, 4), &[0]), [3]);
 }
 
@@ -613,12 +613,12 @@ fn partial_and_generated_blocks_take_room() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
     // Two full blocks and two more the index cannot name: the shadow is full.
-    index.complete(&index.record(0, &chain(0, 2), 2, 0, 2, false), Duration::ZERO);
+    index.complete(&index.record(0, &chain(0, 2), 2, 0, 2, false, None), Duration::ZERO);
     assert_eq!(index.entries(), 4);
     // One fresh block evicts the least recent: the first request's last (unnamed) block.
-    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0, false), Duration::ZERO);
+    index.complete(&index.record(0, &chain(1, 1), 1, 0, 0, false, None), Duration::ZERO);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
-    index.complete(&index.record(0, &chain(2, 2), 2, 0, 0, false), Duration::ZERO);
+    index.complete(&index.record(0, &chain(2, 2), 2, 0, 0, false, None), Duration::ZERO);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [1], "then its tail");
 }
 
@@ -626,10 +626,10 @@ fn partial_and_generated_blocks_take_room() {
 fn a_fully_cached_prompt_recomputes_its_last_block_without_moving_it() {
     let index = KvIndex::new();
     index.add_replica(0, 8);
-    index.complete(&index.record(0, &chain(0, 2), 1, 0, 0, false), Duration::ZERO);
+    index.complete(&index.record(0, &chain(0, 2), 1, 0, 0, false, None), Duration::ZERO);
     // The same prompt again, its last block not reusable: the engine fills a
     // fresh block that caches nothing, and the old one keeps its place.
-    let r = index.record(0, &chain(0, 2), 1, 0, 0, false);
+    let r = index.record(0, &chain(0, 2), 1, 0, 0, false, None);
     let added = index.added(&r);
     assert_eq!(added.len(), 1);
     assert!(!chain(0, 2).contains(&added[0]));
@@ -652,7 +652,7 @@ fn slots_past_the_first_64_are_searched_too() {
     for (i, &s) in slots.iter().enumerate() {
         index.add_replica(s, 100);
         let held = &prompt[..i * 9];
-        index.complete(&index.record(s, held, held.len(), 0, 0, false), Duration::ZERO);
+        index.complete(&index.record(s, held, held.len(), 0, 0, false, None), Duration::ZERO);
     }
     assert_eq!(index.matched(&prompt, &slots), vec![0, 9, 18, 27, 36]);
     assert_eq!(index.matched(&prompt, &[200, 64]), vec![36, 18], "any subset, in the order asked");
@@ -660,7 +660,7 @@ fn slots_past_the_first_64_are_searched_too() {
     index.clear_replica(200);
     assert_eq!(index.matched(&prompt, &slots), vec![0, 9, 0, 27, 0]);
     // Blocks shared by slots in different words keep the other holders when one lets go.
-    index.complete(&index.record(130, &prompt[..5], 5, 0, 0, false), Duration::ZERO);
+    index.complete(&index.record(130, &prompt[..5], 5, 0, 0, false, None), Duration::ZERO);
     index.remove_replica(63);
     assert_eq!(index.matched(&prompt, &[63, 130]), vec![0, 27]);
 }
@@ -669,9 +669,9 @@ fn slots_past_the_first_64_are_searched_too() {
 fn blocks_of_running_requests_are_not_evicted() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
-    let first = index.record(0, &chain(0, 3), 3, 0, 0, false);
+    let first = index.record(0, &chain(0, 3), 3, 0, 0, false, None);
     // Three more blocks do not fit beside the running request's: the engine queues the second request.
-    let second = index.record(0, &chain(1, 3), 3, 0, 0, false);
+    let second = index.record(0, &chain(1, 3), 3, 0, 0, false, None);
     assert!(index.added(&second).is_empty());
     assert!(chain(0, 3).iter().all(|&h| index.lock()[&0].shadow.contains(h)), "the running request's blocks stay");
     // A request sent now starts after the queued one, which waits for the
@@ -684,9 +684,9 @@ fn blocks_of_running_requests_are_not_evicted() {
     assert_eq!(index.matched(&chain(0, 3), &[0]), [1]);
     assert_eq!(index.matched(&chain(1, 3), &[0]), [3]);
     // Freed last block first: the second request's tail goes before its head.
-    index.complete(&index.record(0, &chain(2, 1), 1, 0, 0, false), Duration::ZERO);
+    index.complete(&index.record(0, &chain(2, 1), 1, 0, 0, false, None), Duration::ZERO);
     assert_eq!(index.matched(&chain(0, 3), &[0]), [0]);
-    index.complete(&index.record(0, &chain(3, 1), 1, 0, 0, false), Duration::ZERO);
+    index.complete(&index.record(0, &chain(3, 1), 1, 0, 0, false, None), Duration::ZERO);
     assert_eq!(index.matched(&chain(1, 3), &[0]), [2]);
 }
 
@@ -695,12 +695,12 @@ fn a_request_sent_now_finds_what_the_queue_ahead_will_leave() {
     let index = KvIndex::new();
     index.add_replica(0, 6);
     // A prefix of two blocks, free, and a running request that holds three.
-    index.complete(&index.record(0, &chain(0, 2), 2, 0, 0, false), Duration::ZERO);
-    let running = index.record(0, &chain(1, 3), 3, 0, 0, false);
+    index.complete(&index.record(0, &chain(0, 2), 2, 0, 0, false, None), Duration::ZERO);
+    let running = index.record(0, &chain(1, 3), 3, 0, 0, false, None);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
     // Four blocks do not fit in the one empty and two free: the request
     // waits, and when it starts it takes the free ones.
-    let waiting = index.record(0, &chain(2, 4), 4, 0, 0, false);
+    let waiting = index.record(0, &chain(2, 4), 4, 0, 0, false, None);
     assert!(index.added(&waiting).is_empty(), "it waits");
     assert_eq!(index.matched(&chain(0, 2), &[0]), [0], "its start will evict the prefix");
     assert_eq!(index.matched(&chain(2, 4), &[0]), [4], "and store its own blocks");
@@ -717,9 +717,9 @@ fn a_request_sent_now_finds_what_the_queue_ahead_will_leave() {
 fn a_record_from_before_a_restart_changes_nothing() {
     let index = KvIndex::new();
     index.add_replica(0, 4);
-    let old = index.record(0, &chain(0, 2), 2, 0, 0, false);
+    let old = index.record(0, &chain(0, 2), 2, 0, 0, false, None);
     index.clear_replica(0);
-    let new = index.record(0, &chain(0, 2), 2, 0, 0, false);
+    let new = index.record(0, &chain(0, 2), 2, 0, 0, false, None);
     index.take_back(&old);
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2], "the old record does not touch the new shadow");
     index.take_back(&new);
@@ -734,7 +734,7 @@ fn an_absurd_reported_capacity_takes_no_absurd_room() {
     let index = KvIndex::new();
     index.add_replica(0, usize::MAX / 2);
     index.add_replica(1, usize::MAX / 2);
-    index.complete(&index.record(0, &chain(0, 8), 8, 0, 1, false), Duration::ZERO);
+    index.complete(&index.record(0, &chain(0, 8), 8, 0, 1, false, None), Duration::ZERO);
     assert_eq!(index.matched(&chain(0, 8), &[0, 1]), [8, 0]);
     assert!(index.bytes() < 1 << 30, "{} bytes", index.bytes());
 }
@@ -745,14 +745,14 @@ fn a_decoding_request_takes_its_output_blocks_as_the_engine_fills_them() {
     let index = KvIndex::new();
     index.add_replica(0, 8);
     // Before any request completed, the block time is unknown: the output is taken whole at the first token.
-    let first = index.record(0, &chain(0, 2), 2, 0, 2, false);
+    let first = index.record(0, &chain(0, 2), 2, 0, 2, false, None);
     index.decoding(&first, ms(0), Pace { lead: 0.0, span: 2.0 });
     assert_eq!(index.entries_of(0), 4);
     // Two blocks' worth of tokens in 200 ms: 100 ms a block.
     index.complete(&first, ms(200));
     assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
     // Four fresh blocks fill the cache; the first request's blocks are free, the next to go.
-    let second = index.record(0, &chain(1, 4), 4, 0, 3, false);
+    let second = index.record(0, &chain(1, 4), 4, 0, 3, false, None);
     assert_eq!(index.entries_of(0), 8);
     // Half its prompt's last block is room: its first output block is needed 50 ms after its first token, then one every 100 ms.
     index.decoding(&second, ms(1_000), Pace { lead: 0.5, span: 2.5 });
@@ -800,13 +800,13 @@ fn a_prompt_that_waits_for_room_loses_what_running_outputs_grow_into() {
     let ms = Duration::from_millis;
     let index = KvIndex::new();
     index.add_replica(0, 8);
-    let first = index.record(0, &chain(0, 2), 2, 0, 2, false);
+    let first = index.record(0, &chain(0, 2), 2, 0, 2, false, None);
     index.decoding(&first, ms(0), Pace { lead: 0.0, span: 2.0 });
     let prompt: Vec<BlockHash> = chain(0, 2).into_iter().chain(chain(5, 4)).collect();
     assert_eq!(index.kept_through_wait(&prompt, &[(0, 2, 4)], ms(100))[0], 2, "no block time yet: nothing foreseen");
     index.complete(&first, ms(200));
     // Free, least recent first: the first request's two output blocks, then its prompt from the tail.
-    let second = index.record(0, &chain(1, 4), 4, 0, 3, false);
+    let second = index.record(0, &chain(1, 4), 4, 0, 3, false, None);
     index.decoding(&second, ms(1_000), Pace { lead: 0.0, span: 3.0 });
     index.advance(&[0], ms(1_000));
     // Five blocks in use, three free. A prompt reusing the first two needs
@@ -824,7 +824,7 @@ fn a_prompt_that_waits_for_room_loses_what_running_outputs_grow_into() {
 fn paced(cap: usize) -> KvIndex {
     let index = KvIndex::new();
     index.add_replica(0, cap);
-    let first = index.record(0, &chain(9, 1), 1, 0, 1, false);
+    let first = index.record(0, &chain(9, 1), 1, 0, 1, false, None);
     index.decoding(&first, Duration::ZERO, Pace { lead: 0.0, span: 1.0 });
     index.complete(&first, Duration::from_millis(100));
     index
@@ -834,7 +834,7 @@ fn paced(cap: usize) -> KvIndex {
 /// blocks; its first token comes at 1,000 ms and its output spans `output`
 /// block times, the first block needed at once.
 fn decoding_from_1s(index: &KvIndex, prompt: &[BlockHash], output: usize, ends_partial: bool) -> Recorded {
-    let recorded = index.record(0, prompt, prompt.len(), 0, output, ends_partial);
+    let recorded = index.record(0, prompt, prompt.len(), 0, output, ends_partial, None);
     index.decoding(&recorded, Duration::from_secs(1), Pace { lead: 0.0, span: output as f64 });
     recorded
 }
@@ -854,7 +854,7 @@ fn a_request_that_finds_no_block_to_grow_into_preempts_the_newest_decoding_one()
     index.advance(&[0], ms(1_200));
     assert_eq!(index.matched(&chain(2, 2), &[0]), [2]);
     // It waits first in line: a request that would fit waits behind it.
-    let behind = index.record(0, &chain(3, 1), 1, 0, 0, false);
+    let behind = index.record(0, &chain(3, 1), 1, 0, 0, false, None);
     assert!(index.added(&behind).is_empty());
     // The first takes its last block at 1,300 ms and ends at 1,400: the
     // second is readmitted, reusing its prompt, and goes on decoding where
@@ -908,11 +908,11 @@ fn a_prompt_that_fits_still_waits_for_the_prefills_admitted_before_it() {
     // 100 ms a computed block. Its output takes a block every 100 ms from
     // 1,200 to 1,600 ms.
     index.advance(&[0], ms(1_000));
-    let first = index.record(0, &chain(1, 2), 2, 0, 5, false);
+    let first = index.record(0, &chain(1, 2), 2, 0, 5, false, None);
     index.decoding(&first, ms(1_200), Pace { lead: 0.0, span: 5.0 });
     index.advance(&[0], ms(1_400));
     // A second prompt of two fresh blocks is admitted at 1,400 ms: its prefill ends at 1,600.
-    let second = index.record(0, &chain(2, 2), 2, 0, 0, false);
+    let second = index.record(0, &chain(2, 2), 2, 0, 0, false, None);
     assert_eq!(index.added(&second).len(), 2);
     // A prompt reusing the learning request's prompt (free, behind its
     // output) and needing one fresh block fits now, but starts after the
@@ -931,14 +931,50 @@ fn a_prompt_that_fits_still_waits_for_the_prefills_admitted_before_it() {
 fn an_absurd_output_is_bounded_by_the_cache() {
     let index = paced(8);
     // Running, owing at most the cache, with a learned block time.
-    let huge = index.record(0, &chain(1, 2), 2, 0, usize::MAX, false);
+    let huge = index.record(0, &chain(1, 2), 2, 0, usize::MAX, false, None);
     index.decoding(&huge, Duration::from_secs(1), Pace { lead: 0.0, span: 1e30 });
     // A queued request makes the forecast run through the huge one's end.
-    let queued = index.record(0, &chain(2, 7), 7, 0, 0, false);
+    let queued = index.record(0, &chain(2, 7), 7, 0, 0, false, None);
     assert!(index.added(&queued).is_empty(), "it waits");
     index.advance(&[0], Duration::from_secs(2));
     let prompt = chain(0, 8);
     let matched = index.matched(&prompt, &[0])[0];
     assert!(index.kept_through_wait(&prompt, &[(0, matched, 8)], Duration::from_secs(2))[0] <= matched);
     assert!(index.entries_of(0) <= 8);
+}
+
+/// The shipped layout hears a first token only after its request ended
+/// (from the access log). Heard then, it teaches the replica its prefill
+/// time (admission to first token, a request admitted alone) and its block
+/// time (first token to end); a request admitted later begins decoding, as
+/// far as the index knows, when the prefills up to it end, and its output
+/// grows into the cache from then on, unheard.
+#[test]
+fn a_first_token_heard_after_the_end_teaches_the_times_and_later_outputs_grow_unheard() {
+    let ms = Duration::from_millis;
+    let index = KvIndex::new();
+    index.add_replica(0, 6);
+    let pace = |span: f64| Some(Pace { lead: 0.0, span });
+    // Admitted alone at 0 with two fresh blocks, ended at 400 ms; its first token, at 200 ms, heard after.
+    let first = index.record(0, &chain(0, 2), 2, 0, 2, false, pace(2.0));
+    index.complete(&first, ms(400));
+    let cached = index.entries_of(0);
+    index.decoding(&first, ms(200), Pace { lead: 0.0, span: 2.0 });
+    assert_eq!(index.entries_of(0), cached, "a first token heard late changes no block");
+    // 100 ms a computed block and 100 ms an output block. A request
+    // admitted at 1,000 ms with two fresh blocks begins decoding at 1,200:
+    // its output takes a block at 1,200, 1,300, 1,400 and 1,500 ms, each
+    // evicting the least recently freed (the first's output, then its
+    // prompt from the tail).
+    index.advance(&[0], ms(1_000));
+    let second = index.record(0, &chain(1, 2), 2, 0, 4, false, pace(4.0));
+    let held_at = |at: u64| {
+        index.advance(&[0], ms(at));
+        index.matched(&chain(0, 2), &[0])[0]
+    };
+    assert_eq!(held_at(1_350), 2);
+    assert_eq!(held_at(1_450), 1);
+    assert_eq!(held_at(1_550), 0);
+    index.complete(&second, ms(1_600));
+    assert_eq!(index.matched(&chain(1, 2), &[0]), [2]);
 }

@@ -37,7 +37,7 @@ fn sized(blocks: usize) -> KvIndex {
 
 /// A request for `blocks` blocks of `variant` that the engine ran and stored, now over.
 fn ran(index: &KvIndex, seed: BlockHash, variant: u32, blocks: usize) {
-    let rec = index.record(0, &block_hashes(seed, &tokens(blocks, variant), BS), blocks, 0, 1, false);
+    let rec = index.record(0, &block_hashes(seed, &tokens(blocks, variant), BS), blocks, 0, 1, false, None);
     store(index, seed, variant, 0, blocks, Tier::ROUTING).unwrap();
     index.complete(&rec, Duration::ZERO);
 }
@@ -130,7 +130,7 @@ fn a_request_sent_claims_its_blocks_until_it_completes() {
     let index = index();
     let seed = salt(&["m", ""]);
     let prompt = block_hashes(seed, &tokens(4, 0), BS);
-    let rec = index.record(0, &prompt, 4, 0, 1, false);
+    let rec = index.record(0, &prompt, 4, 0, 1, false, None);
     assert_eq!(matched(&index, seed, 0, 4), 4, "predicted before the engine says anything");
     assert_eq!(index.held(&prompt, &[(0, 4), (1, 0)]), [4, 0], "and held by the request");
     store(&index, seed, 0, 0, 2, Tier::ROUTING).unwrap();
@@ -140,10 +140,10 @@ fn a_request_sent_claims_its_blocks_until_it_completes() {
     index.complete(&rec, Duration::ZERO);
     assert_eq!(matched(&index, seed, 0, 4), 3, "once it completes, only what the engine holds");
     assert_eq!(index.held(&prompt, &[(0, 3)]), [0], "held by no request in flight");
-    let refused = index.record(0, &prompt, 4, 0, 1, false);
+    let refused = index.record(0, &prompt, 4, 0, 1, false, None);
     index.take_back(&refused);
     assert_eq!(matched(&index, seed, 0, 4), 3);
-    let shorter = index.record(0, &prompt[..2], 2, 0, 1, false);
+    let shorter = index.record(0, &prompt[..2], 2, 0, 1, false, None);
     assert_eq!(index.held(&prompt, &[(0, 3)]), [2], "the claimed prefix is held, the block after it is not");
     index.complete(&shorter, Duration::ZERO);
     assert_eq!(index.held(&prompt, &[(0, 3)]), [0]);
@@ -157,7 +157,7 @@ fn a_claim_ends_with_the_request_even_when_its_status_never_comes() {
     let index = index();
     let seed = salt(&["m", ""]);
     let prompt = block_hashes(seed, &tokens(4, 0), BS);
-    let rec = index.record(0, &prompt, 4, 0, 1, false);
+    let rec = index.record(0, &prompt, 4, 0, 1, false, None);
     store(&index, seed, 0, 0, 4, Tier::ROUTING).unwrap();
     let tail: Vec<u64> = prompt[2..].iter().rev().map(|&h| engine(h)).collect();
     index.apply(0, &Event::Removed { hashes: &tail, tier: Tier::ROUTING }).unwrap();
@@ -169,7 +169,7 @@ fn a_claim_ends_with_the_request_even_when_its_status_never_comes() {
     assert_eq!(matched(&index, seed, 0, 4), 2);
     // An approximate replica's record waits for its status.
     let prompt1 = block_hashes(seed, &tokens(3, 1), BS);
-    let approximate = index.record(1, &prompt1, 3, 0, 1, false);
+    let approximate = index.record(1, &prompt1, 3, 0, 1, false, None);
     assert!(!index.end_claim(&approximate));
     assert_eq!(index.matched(&prompt1, &[1]), [3]);
 }
@@ -184,11 +184,11 @@ fn requests_sent_make_the_least_recently_freed_blocks_absent() {
     ran(&index, seed, b, 4);
     assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (4, 4), "room for what nobody sent yet");
     // C needs its 4 blocks and one to generate into: 3 past the empty ones, taken from A's tail.
-    let c = index.record(0, &block_hashes(seed, &tokens(4, 2), BS), 4, 0, 1, false);
+    let c = index.record(0, &block_hashes(seed, &tokens(4, 2), BS), 4, 0, 1, false, None);
     assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (1, 4), "A was freed first, its last block first");
     assert_eq!(matched(&index, seed, 2, 4), 4, "C's own blocks are claimed");
     // D reuses A's first three blocks: they are in use again, and B's tail goes instead.
-    let d = index.record(0, &block_hashes(seed, &tokens(3, a), BS), 3, 0, 1, false);
+    let d = index.record(0, &block_hashes(seed, &tokens(3, a), BS), 3, 0, 1, false, None);
     assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (3, 1));
     index.take_back(&d);
     index.complete(&c, Duration::ZERO);
@@ -200,16 +200,16 @@ fn what_a_request_generated_is_evicted_with_it_just_before_its_prompt() {
     let index = sized(12);
     let seed = salt(&["m", ""]);
     // R's prompt is 3 blocks; the engine stores 2 more it generated while Q runs and ends.
-    let r = index.record(0, &block_hashes(seed, &tokens(3, 0), BS), 3, 0, 1, false);
+    let r = index.record(0, &block_hashes(seed, &tokens(3, 0), BS), 3, 0, 1, false, None);
     store(&index, seed, 0, 0, 5, Tier::ROUTING).unwrap();
     ran(&index, seed, 1, 3);
     index.complete(&r, Duration::ZERO);
     // 8 held, 4 empty; S needs 6 + 1: 3 evicted, all of Q, freed before R ended.
-    let s = index.record(0, &block_hashes(seed, &tokens(6, 2), BS), 6, 0, 1, false);
+    let s = index.record(0, &block_hashes(seed, &tokens(6, 2), BS), 6, 0, 1, false, None);
     assert_eq!((matched(&index, seed, 1, 3), matched(&index, seed, 0, 5)), (0, 5));
     index.take_back(&s);
     // S needs 8 + 1: 5 evicted, Q's and then what R generated.
-    let s = index.record(0, &block_hashes(seed, &tokens(8, 2), BS), 8, 0, 1, false);
+    let s = index.record(0, &block_hashes(seed, &tokens(8, 2), BS), 8, 0, 1, false, None);
     assert_eq!((matched(&index, seed, 1, 3), matched(&index, seed, 0, 5)), (0, 3));
     // The engine evicts Q and stores S's blocks: what it will still evict is 2 of R's.
     let q: Vec<u64> = block_hashes(seed, &tokens(3, 1), BS).iter().rev().map(|&h| engine(h)).collect();
@@ -228,12 +228,12 @@ fn a_partial_last_block_is_freed_as_room_reused_before_any_cached_block() {
     let seed = salt(&["m", ""]);
     let (a, b) = (0, 1);
     for v in [a, b] {
-        let rec = index.record(0, &block_hashes(seed, &tokens(4, v), BS), 4, 0, 1, true);
+        let rec = index.record(0, &block_hashes(seed, &tokens(4, v), BS), 4, 0, 1, true, None);
         store(&index, seed, v, 0, 4, Tier::ROUTING).unwrap();
         index.complete(&rec, Duration::ZERO);
     }
     // C needs one block and one to generate into: the room holds both.
-    let c = index.record(0, &block_hashes(seed, &tokens(1, 2), BS), 1, 0, 1, true);
+    let c = index.record(0, &block_hashes(seed, &tokens(1, 2), BS), 1, 0, 1, true, None);
     assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (4, 4));
     store(&index, seed, 2, 0, 1, Tier::ROUTING).unwrap();
     assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (4, 4));
@@ -241,7 +241,7 @@ fn a_partial_last_block_is_freed_as_room_reused_before_any_cached_block() {
     // block of room. D needs two: the room, then A's last block, the least
     // recently freed.
     index.complete(&c, Duration::ZERO);
-    let d = index.record(0, &block_hashes(seed, &tokens(1, 4), BS), 1, 0, 1, false);
+    let d = index.record(0, &block_hashes(seed, &tokens(1, 4), BS), 1, 0, 1, false, None);
     assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (3, 4));
     index.take_back(&d);
     assert_eq!((matched(&index, seed, a, 4), matched(&index, seed, b, 4)), (4, 4));
@@ -252,7 +252,7 @@ fn leaving_exact_mode_keeps_what_was_known_or_nothing() {
     let index = index();
     let seed = salt(&["m", ""]);
     store(&index, seed, 0, 0, 5, Tier::ROUTING).unwrap();
-    let rec = index.record(0, &block_hashes(seed, &tokens(6, 1), BS), 6, 0, 1, false);
+    let rec = index.record(0, &block_hashes(seed, &tokens(6, 1), BS), 6, 0, 1, false, None);
     index.leave_exact(0, true);
     assert!(!index.is_exact(0));
     assert_eq!(matched(&index, seed, 0, 5), 5, "the shadow starts from the engine's blocks");
@@ -339,7 +339,7 @@ proptest! {
                     index.apply(0, &Event::Cleared).unwrap();
                     held.clear();
                 }
-                Op::Send(p, n) => sent.push((index.record(0, &hashes[p][..n], n, 0, 1, false), hashes[p][..n].to_vec())),
+                Op::Send(p, n) => sent.push((index.record(0, &hashes[p][..n], n, 0, 1, false, None), hashes[p][..n].to_vec())),
                 Op::Complete => if !sent.is_empty() { index.complete(&sent.remove(0).0, Duration::ZERO) },
             }
             let claimed: HashSet<BlockHash> = sent.iter().flat_map(|(_, k)| k.iter().copied()).collect();
