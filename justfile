@@ -337,6 +337,31 @@ bench-reuse which="rag burst long agent" *args: setup setup-sglang setup-peers
         esac
     done
 
+# Issue 55's pressure workloads against every peer router on the same requests: three simulators at time scale 0.1 whose caches the working set outgrows (the engines preempt), two repetitions each, Inferrail in approximate mode; then cost_model in exact mode (KV events) on the same requests. `w1`: 16 system prompts of 5,000-6,400 tokens over 1,500-block caches at 12 req/s; `agent`: closed-loop agents of 10 steps resending tool outputs of 200-600 tokens over 800-block caches, 25 steps/s; `agent-wide`: another shape, three frameworks' prompts, 6 steps, tool outputs of 400-1,200 tokens, longer think times, 20 steps/s. Pick some with `which`; flags go to `inferrail-bench compare`. Results: bench/results/pressure/<workload>/ (`table.md`, `paired.md`) and <workload>-exact/.
+bench-pressure which="w1 agent agent-wide" *args: setup setup-sglang setup-peers
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
+    peers=round_robin,least_request,cost_model,sglang:cache_aware,smg:cache_aware,vllm-router:cache_aware
+    for w in {{which}}; do
+        case $w in
+            w1) shape=(--sim-flags "--block-size 16 --num-gpu-blocks-override 1500 --max-model-len 10240" --workloads w1
+                       --system-prompts 16 --system-tokens 5000-6400 --rate 12) ;;
+            agent) shape=(--sim-flags "--block-size 16 --num-gpu-blocks-override 800 --max-model-len 12800" --workloads agent
+                          --system-prompts 1 --system-tokens 400 --question-tokens 20-60 --output-tokens 50-200 --turns 10
+                          --tool-tokens 200-600 --agent-think-ms 20-100 --rate 25) ;;
+            agent-wide) shape=(--sim-flags "--block-size 16 --num-gpu-blocks-override 800 --max-model-len 12800" --workloads agent
+                               --system-prompts 3 --system-tokens 300-1200 --question-tokens 20-200 --output-tokens 30-150 --turns 6
+                               --tool-tokens 400-1200 --agent-think-ms 100-500 --rate 20) ;;
+            *) echo "unknown pressure workload $w (w1, agent, agent-wide)" >&2; exit 2 ;;
+        esac
+        out=bench/results/pressure/$w
+        target/release/inferrail-bench compare --time-scale 0.1 --warmup-s 5 --duration-s 20 --reps 2 "${shape[@]}" \
+            --contenders "$peers" --out-dir "$out" {{args}}
+        target/release/inferrail-bench compare --time-scale 0.1 --warmup-s 5 --duration-s 20 --reps 2 "${shape[@]}" \
+            --contenders cost_model --kv-events --out-dir "$out-exact" {{args}}
+    done
+
 # Every policy and SGLang's router on the same requests, each on a cold fleet of three simulators whose caches hold a third of W1's shared prompts and room for the requests running: first the rate round robin sustains on each workload (and cost_model's on W1 and mix), then every contender at 70% of it, three repetitions on W1 and mix and two on W6 and hot, and the fleet simulation on the same requests; then the report. `--quick` gives a first answer in minutes (W1 and mix, a few contenders). Other flags go to `inferrail-bench compare`. Results: bench/results/routing/.
 bench-routing *args: setup setup-sglang
     #!/usr/bin/env bash

@@ -352,8 +352,44 @@ pub async fn compare(args: CompareArgs) -> anyhow::Result<()> {
             }
         }
     }
-    write_table(&args.out_dir.join("table.md"), HEADER, runs.iter().map(|r| row(&r.contender, r.workload, &r.measured)))
+    write_table(&args.out_dir.join("table.md"), HEADER, runs.iter().map(|r| row(&r.contender, r.workload, &r.measured)))?;
+    let paired = paired_rows(&args.out_dir)?;
+    if !paired.is_empty() {
+        write_table(&args.out_dir.join("paired.md"), PAIRED_HEADER, paired.into_iter())?;
+    }
+    Ok(())
 }
+
+/// Each Inferrail policy's p99 TTFT against every other contender's on
+/// the same requests (ADR 0027), from every run in `dir`: the difference,
+/// its 95% bootstrap interval and the median per-request difference.
+/// Contenders whose runs do not pair (a request lost, or closed loops that
+/// sent other requests) have no row.
+fn paired_rows(dir: &Path) -> anyhow::Result<Vec<String>> {
+    let files = crate::writeup::inputs::load_dir::<crate::writeup::inputs::CompareRun>(dir, "routing-compare")?;
+    let mut groups: Vec<((String, String), Vec<crate::writeup::inputs::CompareRun>)> = Vec::new();
+    for f in files {
+        let key = (f.value.workload.clone(), f.value.contender.clone());
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, runs)) => runs.push(f.value),
+            None => groups.push((key, vec![f.value])),
+        }
+    }
+    let mut rows = Vec::new();
+    for ((workload, a), runs_a) in groups.iter().filter(|((_, c), _)| !c.contains(':')) {
+        for ((_, b), runs_b) in groups.iter().filter(|((w, b), _)| w == workload && b != a) {
+            let Some(pairs) = crate::writeup::paired_ttfts(runs_a, runs_b) else { continue };
+            let p = crate::writeup::paired_p99(&pairs);
+            rows.push(format!(
+                "| {workload} | {a} | {b} | {} | {:+.0} | {:+.0} to {:+.0} | {:+.1} |",
+                p.requests, p.difference, p.low, p.high, p.median_request
+            ));
+        }
+    }
+    Ok(rows)
+}
+
+const PAIRED_HEADER: &str = "| workload | policy | against | requests | p99 TTFT difference ms | 95% interval | median per-request difference ms |\n|---|---|---|---|---|---|---|";
 
 /// What every run of one `compare` shares.
 struct Bench {
@@ -477,17 +513,23 @@ fn write_table(path: &Path, header: &str, rows: impl Iterator<Item = String>) ->
 }
 
 /// The engines' columns count the warmup too; the others only the measured requests.
-const HEADER: &str = "| contender | workload | ok / measured | TTFT p50 ms | TTFT p99 ms | cached (usage) | cached (engines, with warmup) | busiest share (engines, with warmup) | goodput |\n|---|---|---|---|---|---|---|---|---|";
+const HEADER: &str = "| contender | workload | ok / measured | completed/s | TTFT p50 ms | TTFT p99 ms | cached (usage) | cached (engines, with warmup) | busiest share (engines, with warmup) | goodput | predicted exactly (over / under) |\n|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// One run as a Markdown table row.
 fn row(contender: &str, kind: Kind, m: &Measured) -> String {
     let pct = |x: Option<f64>| x.map_or("n/a".into(), |v| format!("{:.1}%", v * 100.0));
     let s = &m.summary;
+    let p = &s.prediction;
+    let predicted = match p.compared {
+        0 => "n/a".to_string(),
+        n => format!("{:.1}% ({} / {})", p.exact as f64 * 100.0 / n as f64, p.over, p.under),
+    };
     format!(
-        "| {contender} | {} | {} / {} | {:.0} | {:.0} | {} | {} | {} | {} |",
+        "| {contender} | {} | {} / {} | {:.2} | {:.0} | {:.0} | {} | {} | {} | {} | {predicted} |",
         format!("{kind:?}").to_lowercase(),
         s.ok,
         s.requests,
+        s.requests_per_s,
         s.ttft.p50_ms,
         s.ttft.p99_ms,
         pct(s.prefix.hit_rate),
