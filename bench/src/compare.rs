@@ -376,8 +376,14 @@ fn paired_rows(dir: &Path) -> anyhow::Result<Vec<String>> {
         }
     }
     let mut rows = Vec::new();
+    let mut done: Vec<(&str, &str, &str)> = Vec::new();
     for ((workload, a), runs_a) in groups.iter().filter(|((_, c), _)| !c.contains(':')) {
         for ((_, b), runs_b) in groups.iter().filter(|((w, b), _)| w == workload && b != a) {
+            // Each pair once: two Inferrail policies are compared one way.
+            if done.contains(&(workload.as_str(), b.as_str(), a.as_str())) {
+                continue;
+            }
+            done.push((workload, a, b));
             let Some(pairs) = crate::writeup::paired_ttfts(runs_a, runs_b) else { continue };
             let p = crate::writeup::paired_p99(&pairs);
             rows.push(format!(

@@ -133,6 +133,9 @@ struct Replica {
     /// shipped layout hears it from the access log, after the end), newest
     /// last: when it is, they teach the block and prefill times.
     ended: VecDeque<(u64, Ended)>,
+    /// A first token was heard while its request ran: this replica's come
+    /// as they happen (the observe filter), and none is estimated.
+    on_time: bool,
 }
 
 /// A request that completed before its first token was heard.
@@ -160,10 +163,11 @@ impl Replica {
     /// Request `id`, admitted with `admitted` (its blocks, and how many it
     /// reused), starts its prefill after those admitted before it.
     /// It is alone when no prefill admitted before is still under way: none
-    /// is left, or (once the prefill time is known) all have ended by it,
-    /// their first tokens unheard.
+    /// is left, or, where first tokens are heard only after the end and the
+    /// prefill time is known, all have ended by it as estimated.
     fn prefills(&mut self, id: u64, admitted: &(Vec<BlockHash>, usize)) {
-        let alone = self.prefills_end().map_or(self.prefilling.is_empty(), |end| end <= self.clock);
+        let estimated = self.prefills_end().filter(|_| !self.on_time);
+        let alone = estimated.map_or(self.prefilling.is_empty(), |end| end <= self.clock);
         self.prefilling.push_back((id, self.clock, admitted.0.len() - admitted.1, alone));
     }
 
@@ -180,9 +184,10 @@ impl Replica {
     /// Request `id`, just admitted, begins decoding when the prefills
     /// admitted up to it end (an estimate, until its first token is heard):
     /// its output grows at `pace` from then on. Nothing while the prefill
-    /// time is not known.
+    /// time is not known, or once first tokens are heard as they come (an
+    /// estimate earlier than the engine would take blocks too soon).
     fn foretell(&mut self, id: u64, pace: Option<Pace>, next_order: u64) {
-        let (Some(pace), Some(first)) = (pace, self.prefills_end()) else { return };
+        let (Some(pace), Some(first), false) = (pace, self.prefills_end(), self.on_time) else { return };
         let Some(Request::Running { since: since @ None, owed, order, .. }) = self.requests.get_mut(&id) else { return };
         *since = Some((first, pace));
         *order = next_order;
@@ -419,6 +424,7 @@ impl KvIndex {
             prefilling: VecDeque::new(),
             prefill_time: None,
             ended: VecDeque::new(),
+            on_time: false,
         }
     }
 
@@ -789,6 +795,7 @@ impl KvIndex {
             rep.learn_prefill((admitted, fresh, alone), at);
         }
         let untimed = rep.per_block().is_none();
+        rep.on_time |= matches!(rep.requests.get(&recorded.request), Some(Request::Running { .. }));
         let Some(Request::Running { generated, owed, since, heard, order, .. }) = rep.requests.get_mut(&recorded.request) else { return };
         if !*heard {
             if since.is_none() {

@@ -977,4 +977,19 @@ fn a_first_token_heard_after_the_end_teaches_the_times_and_later_outputs_grow_un
     assert_eq!(held_at(1_550), 0);
     index.complete(&second, ms(1_600));
     assert_eq!(index.matched(&chain(1, 2), &[0]), [2]);
+    // Once a first token is heard while its request runs, first tokens
+    // come as they happen there: none is estimated any more, and a
+    // request's output waits for its own.
+    index.advance(&[0], ms(2_000));
+    let third = index.record(0, &chain(2, 2), 2, 0, 4, false, pace(4.0));
+    index.decoding(&third, ms(2_200), Pace { lead: 0.0, span: 4.0 });
+    index.complete(&third, ms(2_600));
+    index.advance(&[0], ms(3_000));
+    let fourth = index.record(0, &chain(3, 2), 2, 0, 4, false, pace(4.0));
+    index.advance(&[0], ms(3_500));
+    assert_eq!(index.matched(&chain(2, 2), &[0]), [2], "no output taken before its first token is heard");
+    index.decoding(&fourth, ms(3_200), Pace { lead: 0.0, span: 4.0 });
+    index.advance(&[0], ms(3_450));
+    assert_eq!(index.matched(&chain(2, 2), &[0]), [1], "heard, it grows from its first token");
+    index.complete(&fourth, ms(3_600));
 }
