@@ -160,15 +160,15 @@ impl Replica {
         self.block_time.filter(|&t| t > 0.0)
     }
 
-    /// Request `id`, admitted with `admitted` (its blocks, and how many it
-    /// reused), starts its prefill after those admitted before it.
+    /// Request `id`, admitted to compute `fresh` blocks, starts its prefill
+    /// after those admitted before it.
     /// It is alone when no prefill admitted before is still under way: none
     /// is left, or, where first tokens are heard only after the end and the
     /// prefill time is known, all have ended by it as estimated.
-    fn prefills(&mut self, id: u64, admitted: &(Vec<BlockHash>, usize)) {
+    fn prefills(&mut self, id: u64, fresh: usize) {
         let estimated = self.prefills_end().filter(|_| !self.on_time);
         let alone = estimated.map_or(self.prefilling.is_empty(), |end| end <= self.clock);
-        self.prefilling.push_back((id, self.clock, admitted.0.len() - admitted.1, alone));
+        self.prefilling.push_back((id, self.clock, fresh, alone));
     }
 
     /// When the prefills admitted and not yet heard decoding end, one after
@@ -188,11 +188,39 @@ impl Replica {
     /// estimate earlier than the engine would take blocks too soon).
     fn foretell(&mut self, id: u64, pace: Option<Pace>, next_order: u64) {
         let (Some(pace), Some(first), false) = (pace, self.prefills_end(), self.on_time) else { return };
-        let Some(Request::Running { since: since @ None, owed, order, .. }) = self.requests.get_mut(&id) else { return };
-        *since = Some((first, pace));
-        *order = next_order;
-        if *owed > 0 {
-            self.growing.insert(id);
+        match self.requests.get_mut(&id) {
+            Some(Request::Running { since: since @ None, owed, order, .. }) => {
+                *since = Some((first, pace));
+                *order = next_order;
+                if *owed > 0 {
+                    self.growing.insert(id);
+                }
+            }
+            Some(Request::Claiming { since: since @ None, .. }) => *since = Some((first, pace)),
+            _ => {}
+        }
+    }
+
+    /// Request `id` ended at `at`: one whose first token was heard teaches
+    /// the block time now; any other is kept, with its entry among the
+    /// prefills, for its first token to teach it when heard.
+    fn learn_end(
+        &mut self,
+        id: u64,
+        since: Option<(Duration, Pace)>,
+        heard: bool,
+        prefill: Option<(u64, Duration, usize, bool)>,
+        at: Duration,
+    ) {
+        match since {
+            Some((since, pace)) if heard => self.block_time = pace.learn(self.block_time, at.saturating_sub(since)),
+            _ => {
+                if self.ended.len() >= ENDED_KEPT {
+                    self.ended.pop_front();
+                }
+                let prefill = prefill.map(|(_, admitted, fresh, alone)| (admitted, fresh, alone));
+                self.ended.push_back((id, Ended { prefill, end: at }));
+            }
         }
     }
 
@@ -333,8 +361,10 @@ enum Request {
         ends_partial: bool,
         order: u64,
     },
-    /// Sent to a replica in exact mode: claims its prompt blocks.
-    Claiming { keys: Vec<BlockHash> },
+    /// Sent to a replica in exact mode: claims its prompt blocks; its
+    /// `output` blocks grow from its first token (`since`, `heard` as for
+    /// `Running`), which the wait forecast follows.
+    Claiming { keys: Vec<BlockHash>, output: usize, since: Option<(Duration, Pace)>, heard: bool },
 }
 
 /// Hashes a block hash with two multiplies: a block hash is uniform already
@@ -498,16 +528,19 @@ impl KvIndex {
         let output = output.min(rep.shadow.cap());
         if let Some(exact) = &mut rep.exact {
             let mut changes = Vec::new();
+            let fresh = prompt.len() - exact.held_prefix(prompt) + partial;
             exact.claim(prompt, &mut changes);
-            rep.requests.insert(request, Request::Claiming { keys: prompt.to_vec() });
+            rep.requests.insert(request, Request::Claiming { keys: prompt.to_vec(), output, since: None, heard: false });
             self.present(slot, &changes);
+            rep.prefills(request, fresh);
+            rep.foretell(request, pace, 0);
             return Recorded { slot, replica: rep.id, request };
         }
         // Behind a queue it waits its turn; before one, it runs if it fits.
         let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };
         match admitted {
             Some(admitted) => {
-                rep.prefills(request, &admitted);
+                rep.prefills(request, admitted.0.len() - admitted.1);
                 rep.requests.insert(request, self.started(rep, admitted, output, ends_partial, None));
                 rep.foretell(request, pace, self.ids.fetch_add(1, Ordering::Relaxed));
             }
@@ -532,7 +565,7 @@ impl KvIndex {
             };
             let Some(admitted) = self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) else { break };
             if resume.is_none() {
-                rep.prefills(head, &admitted);
+                rep.prefills(head, admitted.0.len() - admitted.1);
             }
             let running = self.started(rep, admitted, output, ends_partial, resume);
             if matches!(running, Request::Running { since: Some(_), owed: 1.., .. }) {
@@ -714,17 +747,7 @@ impl KvIndex {
         self.grow(recorded.slot, rep, at);
         let (keys, generated, ends_partial) = match request {
             Some(Request::Running { keys, mut generated, owed, since, heard, ends_partial, .. }) => {
-                match since {
-                    Some((since, pace)) if heard => rep.block_time = pace.learn(rep.block_time, at.saturating_sub(since)),
-                    // Its first token is still to be heard: it teaches the times then.
-                    _ => {
-                        if rep.ended.len() >= ENDED_KEPT {
-                            rep.ended.pop_front();
-                        }
-                        let prefill = prefill.map(|(_, admitted, fresh, alone)| (admitted, fresh, alone));
-                        rep.ended.push_back((recorded.request, Ended { prefill, end: at }));
-                    }
-                }
+                rep.learn_end(recorded.request, since, heard, prefill, at);
                 generated.extend(self.take_fresh(&mut rep.shadow, recorded.slot, owed, &[]));
                 (keys, generated, ends_partial)
             }
@@ -734,7 +757,10 @@ impl KvIndex {
                 let keys = self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).map(|(k, _)| k).unwrap_or_default();
                 (keys, self.take_fresh(&mut rep.shadow, recorded.slot, output, &[]), ends_partial)
             }
-            Some(Request::Claiming { keys }) => return self.unclaim(recorded.slot, rep, &keys),
+            Some(Request::Claiming { keys, since, heard, .. }) => {
+                rep.learn_end(recorded.request, since, heard, prefill, at);
+                return self.unclaim(recorded.slot, rep, &keys);
+            }
             None => return,
         };
         // Generated tokens' blocks, the request's last, are freed first; a
@@ -795,7 +821,12 @@ impl KvIndex {
             rep.learn_prefill((admitted, fresh, alone), at);
         }
         let untimed = rep.per_block().is_none();
-        rep.on_time |= matches!(rep.requests.get(&recorded.request), Some(Request::Running { .. }));
+        rep.on_time |= matches!(rep.requests.get(&recorded.request), Some(Request::Running { .. } | Request::Claiming { .. }));
+        if let Some(Request::Claiming { since, heard, .. }) = rep.requests.get_mut(&recorded.request) {
+            *since = Some((at, pace));
+            *heard = true;
+            return;
+        }
         let Some(Request::Running { generated, owed, since, heard, order, .. }) = rep.requests.get_mut(&recorded.request) else { return };
         if !*heard {
             if since.is_none() {
@@ -923,7 +954,7 @@ impl KvIndex {
                 }
             }
             Some(Request::Waiting { .. }) => rep.queue.retain(|&r| r != recorded.request),
-            Some(Request::Claiming { keys }) => return self.unclaim(recorded.slot, rep, &keys),
+            Some(Request::Claiming { keys, .. }) => return self.unclaim(recorded.slot, rep, &keys),
             None => return,
         }
         self.admit_waiting(recorded.slot, rep);
@@ -941,7 +972,8 @@ impl KvIndex {
         if !matches!(rep.requests.get(&recorded.request), Some(Request::Claiming { .. })) {
             return false;
         }
-        let Some(Request::Claiming { keys }) = rep.requests.remove(&recorded.request) else { return false };
+        let Some(Request::Claiming { keys, .. }) = rep.requests.remove(&recorded.request) else { return false };
+        rep.prefilling.retain(|p| p.0 != recorded.request);
         self.unclaim(recorded.slot, rep, &keys);
         true
     }

@@ -476,6 +476,35 @@ impl Exact {
         self.claims.contains_key(&h)
     }
 
+    /// Requests in flight claiming a block.
+    pub(super) fn claims_of(&self, h: BlockHash) -> u32 {
+        self.claims.get(&h).copied().unwrap_or(0)
+    }
+
+    /// How many leading blocks of `keys` the routing tier holds.
+    pub(super) fn held_prefix(&self, keys: &[BlockHash]) -> usize {
+        keys.iter().take_while(|h| self.tiers[0].routed.contains_key(h)).count()
+    }
+
+    /// Blocks a request could take now without waiting: the cache's empty
+    /// room and the held blocks no request claims, less what the requests
+    /// sent will allocate (their claimed blocks not held, and one block
+    /// each in flight).
+    pub(super) fn available(&self) -> usize {
+        (self.capacity + self.free.len()).saturating_sub(self.tiers[0].engine.len() + self.unheld + self.live)
+    }
+
+    /// The cache's empty room left after the requests sent allocate.
+    pub(super) fn room(&self) -> usize {
+        self.capacity.saturating_sub(self.tiers[0].engine.len() + self.unheld + self.live)
+    }
+
+    /// The free blocks in the order the engine evicts them, after those the
+    /// requests sent will evict.
+    pub(super) fn evictable(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.free.iter().map(|&(_, h)| h).filter(|h| !self.doomed.contains(h))
+    }
+
     /// The request completed or was taken back: its claims end. The engine
     /// frees a request's blocks last first, so its held blocks enter the
     /// eviction order at a new tick, deepest first (a partial last block it

@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::{KvIndex, Replica, Request, Slot, ahead, is_placeholder};
+use super::exact::Exact;
+use super::{KvIndex, Pace, Replica, Request, Slot, ahead, is_placeholder};
 use crate::hash::BlockHash;
 
 impl KvIndex {
@@ -101,7 +102,10 @@ impl KvIndex {
 
 /// `KvIndex::kept_through_wait` on one replica.
 fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: Duration) -> usize {
-    if rep.exact.is_some() || !rep.queue.is_empty() {
+    if let Some(exact) = &rep.exact {
+        return kept_exact(rep, exact, hashes, matched, need, now);
+    }
+    if !rep.queue.is_empty() {
         return matched;
     }
     let Some(per_block) = rep.per_block() else { return matched };
@@ -163,12 +167,7 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
         }
         (freed, grown)
     };
-    let Some(start) = std::iter::once(prefilled).chain(running.iter().map(|r| r.0.max(prefilled))).find(|&t| {
-        let (freed, grown) = by(t);
-        (available + freed).saturating_sub(grown) >= demand
-    }) else {
-        return matched;
-    };
+    let Some(start) = starts(prefilled, running.iter().map(|r| r.0), &by, available, demand) else { return matched };
     // The outputs' growth first fills the room never used, and the room
     // each request that ended leaves in its last block when not full
     // (it caches nothing), then evicts the least recently freed blocks.
@@ -185,6 +184,86 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
     }
     grow_to(by(start).1, &mut room);
     let evicted: std::collections::HashSet<BlockHash> = shadow.oldest_free().take(evictions).collect();
+    prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
+}
+
+/// When a request waiting for `demand` blocks starts: once the prefills
+/// ahead have ended (`prefilled`) and, at one of the running requests'
+/// `ends`, the blocks `available` now and those freed by then (`by`:
+/// freed, and taken by the outputs meanwhile) leave it room.
+fn starts(
+    prefilled: Duration,
+    ends: impl Iterator<Item = Duration>,
+    by: &impl Fn(Duration) -> (usize, usize),
+    available: usize,
+    demand: usize,
+) -> Option<Duration> {
+    std::iter::once(prefilled).chain(ends.map(|end| end.max(prefilled))).find(|&t| {
+        let (freed, grown) = by(t);
+        (available + freed).saturating_sub(grown) >= demand
+    })
+}
+
+/// A request in flight on an exact replica, for the wait forecast: when it
+/// ends, the blocks only it claims, its output in blocks, and its first
+/// token and pace.
+type InFlight = (Duration, usize, usize, Option<(Duration, Pace)>);
+
+/// `kept` on a replica in exact mode (ADR 0055): the engine's events say
+/// what it holds now and the claims what the requests sent will allocate;
+/// where a request sent now must wait for room (or for the prefills ahead),
+/// the requests in flight end in turn, each at its first token plus its
+/// span of block times, freeing the blocks only it claims and its output,
+/// and meanwhile their outputs grow from their first tokens: past the
+/// empty room each block they take evicts the next free one.
+fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], matched: usize, need: usize, now: Duration) -> usize {
+    let Some(per_block) = rep.per_block() else { return matched };
+    let prefix = &hashes[..matched.min(hashes.len())];
+    let demand = need + prefix.iter().filter(|&&h| !exact.claimed(h)).count();
+    let available = exact.available();
+    let prefilled = rep.prefills_end().unwrap_or(now).max(now);
+    if demand <= available && prefilled <= now {
+        return matched;
+    }
+    // Each request in flight: when it ends, the blocks it frees then, its
+    // output, and the output blocks it has filled by a time.
+    let mut running: Vec<InFlight> = rep
+        .requests
+        .values()
+        .filter_map(|r| match r {
+            Request::Claiming { keys, output, since, .. } => {
+                let end = match since {
+                    Some(_) => ahead::ends(*since, per_block),
+                    None => now.saturating_add(Duration::try_from_secs_f64(*output as f64 * per_block).unwrap_or(Duration::MAX)),
+                };
+                let own = keys.iter().filter(|&&h| exact.claims_of(h) == 1).count();
+                Some((end, own, *output, *since))
+            }
+            _ => None,
+        })
+        .collect();
+    running.sort_by_key(|r| r.0);
+    let filled = |since: Option<(Duration, Pace)>, t: Duration, output: usize| match since {
+        Some((at, pace)) => pace.filled(t.saturating_sub(at), per_block).min(output),
+        None => 0,
+    };
+    // By `t`: blocks freed by the requests ended, and output blocks taken since now.
+    let by = |t: Duration| {
+        let (mut freed, mut grown) = (0, 0);
+        for &(end, own, output, since) in &running {
+            let before = filled(since, now, output);
+            if end <= t {
+                freed += own + output;
+                grown += output - before;
+            } else {
+                grown += filled(since, t, output) - before;
+            }
+        }
+        (freed, grown)
+    };
+    let Some(start) = starts(prefilled, running.iter().map(|r| r.0), &by, available, demand) else { return matched };
+    let evictions = by(start).1.saturating_sub(exact.room());
+    let evicted: std::collections::HashSet<BlockHash> = exact.evictable().take(evictions).collect();
     prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
 }
 

@@ -1,6 +1,6 @@
 //! Exact mode: the index fed by engine events, against the router's own hashes of the same tokens and a naive model.
 
-use super::super::{Event, EventError, KvIndex, Slot, Stored, Tier};
+use super::super::{Event, EventError, KvIndex, Pace, Slot, Stored, Tier};
 use crate::hash::{BlockHash, block_hashes, salt};
 use proptest::prelude::*;
 use std::collections::{HashMap, HashSet};
@@ -360,4 +360,37 @@ proptest! {
             prop_assert_eq!(absent, evicted);
         }
     }
+}
+
+/// Exact mode forecasts a wait as approximate mode does (ADR 0055): a
+/// request sent now that does not fit waits for a request in flight to
+/// end, and meanwhile that request's output takes blocks, evicting the
+/// least recently freed: here the tail of the prefix the new prompt would
+/// reuse.
+#[test]
+fn a_prompt_that_must_wait_loses_what_the_outputs_in_flight_grow_into() {
+    let ms = Duration::from_millis;
+    let index = sized(10);
+    let seed = salt(&["m", ""]);
+    // A prefix of 4 blocks, free; then a request that teaches the block
+    // time (one block of output in 100 ms), free after it.
+    ran(&index, seed, 0, 4);
+    let learn = index.record(0, &block_hashes(seed, &tokens(1, 9), BS), 1, 0, 1, false, None);
+    store(&index, seed, 9, 0, 1, Tier::ROUTING).unwrap();
+    index.decoding(&learn, ms(0), Pace { lead: 0.0, span: 1.0 });
+    index.complete(&learn, ms(100));
+    // A request running 4 prompt blocks, its first token at 1,000 ms,
+    // owing 4 output blocks (1,000 to 1,300 ms), ending at 1,400.
+    let running = index.record(0, &block_hashes(seed, &tokens(4, 1), BS), 4, 0, 4, false, None);
+    store(&index, seed, 1, 0, 4, Tier::ROUTING).unwrap();
+    index.decoding(&running, ms(1_000), Pace { lead: 0.0, span: 4.0 });
+    // The prefix and 4 fresh blocks need 8 of the 5 free: the prompt waits
+    // until 1,400 ms, and the 3 output blocks taken meanwhile evict the
+    // prefix from its tail.
+    let prompt = block_hashes(seed, &tokens(8, 0), BS);
+    assert_eq!(matched(&index, seed, 0, 8), 4);
+    assert_eq!(index.kept_through_wait(&prompt, &[(0, 4, 4)], ms(1_000)), [1]);
+    // The prefix alone fits at once and keeps it all.
+    assert_eq!(index.kept_through_wait(&prompt[..4], &[(0, 4, 0)], ms(1_000)), [4]);
+    index.complete(&running, ms(1_400));
 }
