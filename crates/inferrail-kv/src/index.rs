@@ -18,7 +18,7 @@
 //! waits first in line and resumes where it stopped (ADR 0054). Where the
 //! first token is heard only after the end (the shipped layout's access
 //! log), a request begins decoding when the prefills admitted up to it
-//! end, at the replica's prefill time a block, and the first token heard
+//! end, at the replica's learned prefill time, and the first token heard
 //! late teaches the prefill and block times (ADR 0055).
 //!
 //! While requests wait on an approximate replica, lookups see its cache as
@@ -124,11 +124,10 @@ struct Replica {
     /// request, when (the clock then), the blocks it computes, and whether
     /// no other was prefilling then.
     prefilling: VecDeque<(u64, Duration, usize, bool)>,
-    /// Seconds a computed prompt block takes here, learned from requests
-    /// admitted alone (from admission to first token, a moving average,
-    /// each weighing a fifth): a request sent now starts after the
-    /// prefills admitted before it.
-    prefill_time: Option<f64>,
+    /// How long a prefill takes here by the blocks it computes, learned
+    /// from requests admitted alone (admission to first token): a request
+    /// sent now starts after the prefills admitted before it.
+    prefill: PrefillFit,
     /// Requests that completed before their first token was heard (the
     /// shipped layout hears it from the access log, after the end), newest
     /// last: when it is, they teach the block and prefill times.
@@ -172,12 +171,13 @@ impl Replica {
     }
 
     /// When the prefills admitted and not yet heard decoding end, one after
-    /// another at the replica's prefill time a block; `None` while that is
+    /// another at the replica's learned prefill time; `None` while that is
     /// not known.
     fn prefills_end(&self) -> Option<Duration> {
-        let per = self.prefill_time?;
+        self.prefill.secs(0)?;
         Some(self.prefilling.iter().fold(Duration::ZERO, |t, &(_, admitted, fresh, _)| {
-            t.max(admitted).saturating_add(Duration::try_from_secs_f64(fresh as f64 * per).unwrap_or(Duration::MAX))
+            let took = self.prefill.secs(fresh).and_then(|s| Duration::try_from_secs_f64(s).ok()).unwrap_or(Duration::MAX);
+            t.max(admitted).saturating_add(took)
         }))
     }
 
@@ -226,13 +226,11 @@ impl Replica {
 
     /// Learns the prefill time from a request admitted alone, `prefill` its
     /// entry among the prefills, whose first token came at `at`: from
-    /// admission to first token over the blocks it computed, a moving
-    /// average, each weighing a fifth.
+    /// admission to first token, by the blocks it computed.
     fn learn_prefill(&mut self, prefill: (Duration, usize, bool), at: Duration) {
         let (admitted, fresh, alone) = prefill;
         if alone && fresh > 0 && at > admitted {
-            let sample = (at - admitted).as_secs_f64() / fresh as f64;
-            self.prefill_time = Some(self.prefill_time.map_or(sample, |old| 0.8 * old + 0.2 * sample));
+            self.prefill.add(fresh as f64, (at - admitted).as_secs_f64());
         }
     }
 
@@ -312,6 +310,49 @@ impl Pace {
         }
         let sample = took.as_secs_f64() / self.span;
         Some(old.map_or(sample, |old| 0.8 * old + 0.2 * sample))
+    }
+}
+
+/// A prefill's time as a fixed part (the engine step it waits for, the
+/// decode step after it) plus a part per block computed, fitted by least
+/// squares over the requests admitted alone, each sample weighing a tenth
+/// less than the next. A per-block time alone spread the fixed part over
+/// the blocks: on W1's prompts it took a cold prompt (356 blocks) for
+/// nearly twice its time, and every first token estimated behind it late.
+#[derive(Debug, Clone, Copy, Default)]
+struct PrefillFit {
+    n: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl PrefillFit {
+    /// A prefill of `blocks` blocks took `secs`.
+    fn add(&mut self, blocks: f64, secs: f64) {
+        for v in [&mut self.n, &mut self.x, &mut self.y, &mut self.xx, &mut self.xy] {
+            *v *= 0.9;
+        }
+        self.n += 1.0;
+        self.x += blocks;
+        self.y += secs;
+        self.xx += blocks * blocks;
+        self.xy += blocks * secs;
+    }
+
+    /// Seconds a prefill of `blocks` blocks takes; `None` before any
+    /// sample. Until the samples differ in size (or where the fit says a
+    /// negative part), the time is per block alone.
+    fn secs(&self, blocks: usize) -> Option<f64> {
+        if self.n == 0.0 || self.x <= 0.0 {
+            return None;
+        }
+        let b = blocks as f64;
+        let det = self.n * self.xx - self.x * self.x;
+        let per = (self.n * self.xy - self.x * self.y) / det;
+        let fixed = (self.y - per * self.x) / self.n;
+        if det > 1e-9 * self.n * self.xx && per >= 0.0 && fixed >= 0.0 { Some(fixed + per * b) } else { Some(b * self.y / self.x) }
     }
 }
 
@@ -452,7 +493,7 @@ impl KvIndex {
             block_time: None,
             clock: Duration::ZERO,
             prefilling: VecDeque::new(),
-            prefill_time: None,
+            prefill: PrefillFit::default(),
             ended: VecDeque::new(),
             on_time: false,
         }

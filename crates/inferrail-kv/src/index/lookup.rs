@@ -91,7 +91,7 @@ impl KvIndex {
     /// meanwhile the others' outputs grow into the least recently freed
     /// blocks, which take a prefix from its tail. It starts no sooner than
     /// the prefills admitted before it have ended, one after another, at
-    /// the replica's learned time a block. Unchanged behind a queue (its
+    /// the replica's learned prefill time. Unchanged behind a queue (its
     /// forecast stands), where the request fits with no prefill ahead, and
     /// where the replica's block time is not known.
     pub fn kept_through_wait(&self, hashes: &[BlockHash], at: &[(Slot, usize, usize)], now: Duration) -> Vec<usize> {

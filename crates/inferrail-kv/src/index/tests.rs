@@ -993,3 +993,17 @@ fn a_first_token_heard_after_the_end_teaches_the_times_and_later_outputs_grow_un
     assert_eq!(index.matched(&chain(2, 2), &[0]), [1], "heard, it grows from its first token");
     index.complete(&fourth, ms(3_600));
 }
+
+#[test]
+fn a_prefill_takes_a_fixed_part_and_a_part_per_block() {
+    let mut fit = super::PrefillFit::default();
+    assert_eq!(fit.secs(10), None, "nothing learned");
+    fit.add(10.0, 0.012);
+    // One size seen: per block alone.
+    assert!((fit.secs(20).unwrap_or_default() - 0.024).abs() < 1e-12);
+    // 10 ms fixed and 0.2 ms a block, from prefills of two sizes.
+    fit.add(100.0, 0.030);
+    fit.add(10.0, 0.012);
+    let cold = fit.secs(356).unwrap_or_default();
+    assert!((cold - 0.0812).abs() < 1e-9, "{cold}");
+}
