@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use super::exact::Exact;
-use super::{KvIndex, Pace, Replica, Request, Slot, ahead, is_placeholder};
+use super::{FoldState, KvIndex, Pace, Replica, Request, Slot, ahead, is_placeholder};
 use crate::hash::BlockHash;
 
 impl KvIndex {
@@ -139,7 +139,10 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
         })
         .collect();
     running.sort_by_key(|r| r.0);
-    let mut holders: HashMap<BlockHash, u32> = HashMap::new();
+    // Block hashes are uniform: the index's own hasher, not SipHash (this
+    // runs for every candidate of every decision while a prompt must wait).
+    let blocks = running.iter().map(|r| r.1.size_hint().0).sum();
+    let mut holders: HashMap<BlockHash, u32, FoldState> = HashMap::with_capacity_and_hasher(blocks, FoldState::default());
     let running: Vec<_> = running
         .into_iter()
         .map(|(end, blocks, generated, owed, since, room)| {
