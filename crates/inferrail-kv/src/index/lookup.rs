@@ -127,11 +127,7 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
         .values()
         .filter_map(|r| match r {
             Request::Running { keys, generated, owed, since, ends_partial, .. } => {
-                // One not yet decoding is taken to start now.
-                let end = match since {
-                    Some(_) => ahead::ends(*since, per_block),
-                    None => now.saturating_add(Duration::try_from_secs_f64(*owed as f64 * per_block).unwrap_or(Duration::MAX)),
-                };
+                let end = ends_by(*since, *owed, per_block, now);
                 let room = *ends_partial && (*owed > 0 || keys.iter().chain(generated).last().is_some_and(|&h| is_placeholder(h)));
                 Some((end, keys.iter().chain(generated), generated.len(), *owed, *since, room))
             }
@@ -190,6 +186,16 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
     prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
 }
 
+/// When a request in flight ends, at `per_block` seconds a block: its
+/// first token plus its span of block times; one not yet decoding is taken
+/// to start now and owe `owed` blocks.
+fn ends_by(since: Option<(Duration, Pace)>, owed: usize, per_block: f64, now: Duration) -> Duration {
+    match since {
+        Some(_) => ahead::ends(since, per_block),
+        None => now.saturating_add(Duration::try_from_secs_f64(owed as f64 * per_block).unwrap_or(Duration::MAX)),
+    }
+}
+
 /// When a request waiting for `demand` blocks starts: once the prefills
 /// ahead have ended (`prefilled`) and, at one of the running requests'
 /// `ends`, the blocks `available` now and those freed by then (`by`:
@@ -235,10 +241,7 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], matched: usize
         .values()
         .filter_map(|r| match r {
             Request::Claiming { keys, output, since, .. } => {
-                let end = match since {
-                    Some(_) => ahead::ends(*since, per_block),
-                    None => now.saturating_add(Duration::try_from_secs_f64(*output as f64 * per_block).unwrap_or(Duration::MAX)),
-                };
+                let end = ends_by(*since, *output, per_block, now);
                 let own = keys.iter().filter(|&&h| exact.claims_of(h) == 1).count();
                 Some((end, own, *output, *since))
             }
@@ -246,9 +249,10 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], matched: usize
         })
         .collect();
     running.sort_by_key(|r| r.0);
+    // None before its first token (an estimated one may still be to come).
     let filled = |since: Option<(Duration, Pace)>, t: Duration, output: usize| match since {
-        Some((at, pace)) => pace.filled(t.saturating_sub(at), per_block).min(output),
-        None => 0,
+        Some((at, pace)) if t >= at => pace.filled(t - at, per_block).min(output),
+        _ => 0,
     };
     // By `t`: blocks freed by the requests ended, and output blocks taken since now.
     let by = |t: Duration| {
