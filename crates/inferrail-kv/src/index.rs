@@ -196,8 +196,10 @@ impl Replica {
     /// Request `id`, just admitted, begins decoding when the prefills
     /// admitted up to it end (an estimate, until its first token is heard):
     /// its output grows at `pace` from then on. Nothing while the prefill
-    /// time is not known, or once first tokens are heard as they come (an
-    /// estimate earlier than the engine would take blocks too soon).
+    /// time is not known, once first tokens are heard as they come (an
+    /// estimate earlier than the engine would take blocks too soon), or
+    /// past `ESTIMATED_AT_MOST` requests. A running request decodes after
+    /// the others by `next_order` (a claim has no order).
     fn foretell(&mut self, id: u64, pace: Option<Pace>, next_order: u64) {
         if self.requests.len() > ESTIMATED_AT_MOST {
             return;
