@@ -34,7 +34,9 @@ use inferrail_workload::{self as workload, Kind, Spec};
 pub struct CompareArgs {
     /// Contenders: inferrail policies by name, and `<peer>:<policy>` for a
     /// peer router with one of its policies (`cache_aware`, `round_robin`):
-    /// `sglang` (PyPI `sglang-router`), `smg` and `vllm-router`.
+    /// `sglang` (PyPI `sglang-router`), `smg` and `vllm-router`; and
+    /// `vllm-router-pd:<policy>`, vLLM's router disaggregating each request
+    /// over the simulators split by `--prefill-replicas`.
     #[arg(
         long,
         value_delimiter = ',',
@@ -101,6 +103,11 @@ pub struct CompareArgs {
     /// (its cache size), `|` between simulators.
     #[arg(long, default_value = "", allow_hyphen_values = true)]
     pub replica_sim_flags: String,
+    /// A disaggregated contender prefills on this many simulators (the
+    /// first ones, NixlConnector's `kv_producer`s) and decodes on the rest
+    /// (`kv_consumer`s).
+    #[arg(long, default_value_t = 1)]
+    pub prefill_replicas: usize,
     /// Calibrate each simulator first (`inferrail-calibrate` on a fresh
     /// fleet) and give Inferrail each replica's own prefill cost, as an
     /// operator of a mixed fleet would; else every replica is priced at
@@ -173,8 +180,9 @@ pub struct CompareRun {
 }
 
 /// Starts the simulators, each with its own latency model and flags when
-/// the fleet is mixed; returns when every one is healthy.
-async fn start_sims(args: &CompareArgs, logs: &Path, http: &reqwest::Client) -> anyhow::Result<Processes> {
+/// the fleet is mixed, and its KV transfer role when `disaggregated`;
+/// returns when every one is healthy.
+async fn start_sims(args: &CompareArgs, logs: &Path, http: &reqwest::Client, disaggregated: bool) -> anyhow::Result<Processes> {
     std::fs::create_dir_all(logs)?;
     let mut fleet = Processes::default();
     let sim = args.programs.bin_dir.join("inferrail-sim");
@@ -198,6 +206,10 @@ async fn start_sims(args: &CompareArgs, logs: &Path, http: &reqwest::Client) -> 
         if args.kv_events {
             flags.extend(KV_EVENTS[i].sim_flags());
         }
+        if disaggregated {
+            let role = if i < args.prefill_replicas { "kv_producer" } else { "kv_consumer" };
+            flags.extend(["--kv-transfer-config".into(), format!(r#"{{"kv_connector":"NixlConnector","kv_role":"{role}"}}"#)]);
+        }
         fleet.spawn(&format!("sim-{}", i + 1), logs, &sim, &flags)?;
     }
     for port in SIMS {
@@ -212,7 +224,7 @@ async fn start_sims(args: &CompareArgs, logs: &Path, http: &reqwest::Client) -> 
 /// Each simulator's prefill cost as `inferrail-calibrate` fits it on a
 /// fresh fleet of them (its logs and fits under `logs`).
 async fn calibrate(args: &CompareArgs, logs: &Path, http: &reqwest::Client) -> anyhow::Result<Vec<Option<Prefill>>> {
-    let mut fleet = start_sims(args, logs, http).await?;
+    let mut fleet = start_sims(args, logs, http, false).await?;
     let mut fits = Vec::new();
     for (i, port) in SIMS.iter().enumerate() {
         let out = logs.join(format!("sim-{}.prefill.yaml", i + 1));
@@ -249,10 +261,11 @@ async fn start(
     http: &reqwest::Client,
     prefill: &[Option<Prefill>],
 ) -> anyhow::Result<(Processes, Option<u64>)> {
-    let mut fleet = start_sims(args, logs, http).await?;
-    let load_interval_ms = match processes::Peer::of(contender) {
+    let peer = processes::Peer::of(contender);
+    let mut fleet = start_sims(args, logs, http, peer.is_some_and(|(p, _)| p.disaggregated())).await?;
+    let load_interval_ms = match peer {
         Some((peer, policy)) => {
-            let (program, flags) = peer.command(&args.programs, ENTRY, policy, &SIMS, 19290);
+            let (program, flags) = peer.command(&args.programs, ENTRY, policy, &SIMS, args.prefill_replicas, 19290);
             fleet.spawn(peer.name(), logs, &program, &flags)?;
             None
         }

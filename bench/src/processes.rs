@@ -220,6 +220,9 @@ pub enum Peer {
     Smg,
     /// vLLM's router 0.1.17 (PyPI `vllm-router`).
     VllmRouter,
+    /// vLLM's router 0.1.17 in its disaggregated mode: the first
+    /// simulators prefill, the rest decode (NixlConnector's protocol).
+    VllmRouterPd,
 }
 
 impl Peer {
@@ -230,6 +233,7 @@ impl Peer {
             "sglang" => Peer::Sglang,
             "smg" => Peer::Smg,
             "vllm-router" => Peer::VllmRouter,
+            "vllm-router-pd" => Peer::VllmRouterPd,
             _ => return None,
         };
         Some((peer, policy))
@@ -240,21 +244,44 @@ impl Peer {
         match self {
             Peer::Sglang => "sglang-router",
             Peer::Smg => "smg",
-            Peer::VllmRouter => "vllm-router",
+            Peer::VllmRouter | Peer::VllmRouterPd => "vllm-router",
         }
     }
 
+    /// Whether it splits each request into a prefill and a decode leg.
+    pub fn disaggregated(self) -> bool {
+        self == Peer::VllmRouterPd
+    }
+
     /// The program and arguments of the peer with `policy` on `port` in
-    /// front of simulators on `sims`.
-    pub fn command(self, programs: &Programs, port: u16, policy: &str, sims: &[u16], prometheus_port: u16) -> (PathBuf, Vec<String>) {
+    /// front of simulators on `sims`; a disaggregated one prefills on the
+    /// first `prefills` of them.
+    pub fn command(
+        self,
+        programs: &Programs,
+        port: u16,
+        policy: &str,
+        sims: &[u16],
+        prefills: usize,
+        prometheus_port: u16,
+    ) -> (PathBuf, Vec<String>) {
         let (program, lead, level): (&Path, &[&str], &str) = match self {
             Peer::Sglang => (&programs.sglang_python, &["-m", "sglang_router.launch_router"], "warn"),
             Peer::Smg => (&programs.smg, &["launch"], "warn"),
             Peer::VllmRouter => (&programs.vllm_router, &[], "warning"),
+            Peer::VllmRouterPd => (&programs.vllm_router, &["--vllm-pd-disaggregation"], "warning"),
         };
+        let url = |p: &u16| format!("http://127.0.0.1:{p}");
         let mut flags: Vec<String> = lead.iter().map(|s| s.to_string()).collect();
-        flags.extend(["--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy, "--worker-urls"].map(str::to_string));
-        flags.extend(sims.iter().map(|p| format!("http://127.0.0.1:{p}")));
+        flags.extend(["--host", "127.0.0.1", "--port", &port.to_string(), "--policy", policy].map(str::to_string));
+        if self.disaggregated() {
+            let (prefill, decode) = sims.split_at(prefills.min(sims.len()));
+            flags.extend(prefill.iter().flat_map(|p| ["--prefill".to_string(), url(p)]));
+            flags.extend(decode.iter().flat_map(|p| ["--decode".to_string(), url(p)]));
+        } else {
+            flags.push("--worker-urls".into());
+            flags.extend(sims.iter().map(url));
+        }
         flags.extend(["--log-level", level, "--prometheus-port", &prometheus_port.to_string()].map(str::to_string));
         (program.to_path_buf(), flags)
     }
@@ -330,14 +357,23 @@ mod tests {
         assert_eq!(Peer::of("other:cache_aware"), None);
         let (peer, policy) = Peer::of("smg:cache_aware").unwrap();
         assert_eq!((peer, policy), (Peer::Smg, "cache_aware"));
-        let (program, flags) = peer.command(&programs, 9, policy, &[1, 2], 7);
+        let (program, flags) = peer.command(&programs, 9, policy, &[1, 2], 0, 7);
         assert_eq!(program, PathBuf::from("smg"));
         assert_eq!(flags[..2], ["launch", "--host"]);
         assert!(flags.windows(3).any(|w| w == ["--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2"]), "{flags:?}");
-        let (program, flags) = Peer::VllmRouter.command(&programs, 9, "cache_aware", &[1], 7);
+        let (program, flags) = Peer::VllmRouter.command(&programs, 9, "cache_aware", &[1], 0, 7);
         assert_eq!((program, flags[0].as_str()), (PathBuf::from("vr"), "--host"));
         assert!(flags.windows(2).any(|w| w == ["--log-level", "warning"]));
-        assert_eq!(Peer::Sglang.command(&programs, 9, "round_robin", &[1], 7).1[..2], ["-m", "sglang_router.launch_router"]);
+        assert_eq!(Peer::Sglang.command(&programs, 9, "round_robin", &[1], 0, 7).1[..2], ["-m", "sglang_router.launch_router"]);
+        let (peer, policy) = Peer::of("vllm-router-pd:round_robin").unwrap();
+        let (_, flags) = peer.command(&programs, 9, policy, &[1, 2, 3], 1, 7);
+        assert_eq!(flags[0], "--vllm-pd-disaggregation");
+        let pools: Vec<&[String]> = flags.windows(2).filter(|w| w[0] == "--prefill" || w[0] == "--decode").collect();
+        assert_eq!(
+            pools.iter().map(|w| format!("{} {}", w[0], w[1])).collect::<Vec<_>>(),
+            ["--prefill http://127.0.0.1:1", "--decode http://127.0.0.1:2", "--decode http://127.0.0.1:3"]
+        );
+        assert!(!flags.contains(&"--worker-urls".to_string()));
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! The HTTP API: routes requests to handlers and turns engine events into
-//! responses, streamed or whole.
+//! responses, streamed or whole. A disaggregated leg's handler also moves
+//! its KV: a decode leg reads what it lacks from the prefill's side channel,
+//! which this API serves too (`/_sim/nixl/read`).
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,11 +19,13 @@ use inferrail_kv_events::publish::PublishStats;
 use inferrail_tokenize::Tokenizer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use serde_json::Value;
 
-use crate::engine::{self, Engine, Event, Submitted};
+use crate::engine::{self, Engine, Event, Submitted, Transfer, Unread};
 use crate::errors::ApiError;
 use crate::fault::{Action, FaultRequest, Faults};
 use crate::metrics::FinishReason;
+use crate::nixl::{self, Connector, Leg, ReadRequest};
 use crate::wire::{self, GenRequest, Kind, Reply, Served, Usage};
 
 /// Response body type.
@@ -43,7 +47,7 @@ impl std::error::Error for Dropped {}
 const MAX_BODY: usize = 64 << 20;
 
 /// Routes and the methods each takes, for 405 `Allow`.
-const ROUTES: [(&str, &str); 13] = [
+const ROUTES: [(&str, &str); 14] = [
     ("/v1/chat/completions", "POST"),
     ("/v1/completions", "POST"),
     ("/v1/models", "GET"),
@@ -57,6 +61,7 @@ const ROUTES: [(&str, &str); 13] = [
     ("/_sim/fault", "GET, POST"),
     ("/_sim/kv_events", "GET"),
     ("/_sim/requests", "GET"),
+    (nixl::READ_PATH, "POST"),
 ];
 
 /// Everything a request handler needs.
@@ -77,6 +82,7 @@ pub struct App {
     in_flight: Arc<AtomicUsize>,
     /// The most generation requests it has had at once (`/_sim/requests`, for tests of routers' limits).
     peak_in_flight: AtomicUsize,
+    connector: Option<Arc<Connector>>,
 }
 
 /// Settings of the API layer.
@@ -96,6 +102,8 @@ pub struct ApiConfig {
     pub default_output_tokens: usize,
     /// Seed for ids.
     pub seed: u64,
+    /// The KV connector, for disaggregated legs.
+    pub connector: Option<Connector>,
 }
 
 fn unix_now() -> u64 {
@@ -153,6 +161,68 @@ fn sse(data: &str) -> Bytes {
     Bytes::from(format!("data: {data}\n\n"))
 }
 
+/// A disaggregated leg: what its handler needs beside the engine's events.
+#[derive(Clone)]
+struct Pair {
+    connector: Arc<Connector>,
+    engine: Engine,
+    transfer: Transfer,
+    leg: Leg,
+}
+
+impl Pair {
+    /// The cached tokens a response reports: a decode leg reports the
+    /// prefill's (`remote_prefill_cached_tokens`) when it was told them.
+    fn cached(pair: Option<&Self>, engine: usize) -> usize {
+        match pair.map(|p| &p.leg) {
+            Some(Leg::Decode(remote)) => remote.cached_tokens.unwrap_or(engine),
+            _ => engine,
+        }
+    }
+
+    /// Reads a decode leg's missing blocks, records the transfer on this
+    /// engine's metrics, and tells the engine how it went.
+    async fn read(pair: Option<&Self>, sub: &Submitted, blocks: usize) {
+        let Some((p, Leg::Decode(remote))) = pair.map(|p| (p, &p.leg)) else {
+            sub.loaded(false);
+            return;
+        };
+        let result = p.connector.read_tail(remote, blocks).await;
+        let bytes = p.connector.bytes(blocks);
+        p.engine.record(|st| match &result {
+            Ok(t) => {
+                st.nixl.xfer_time.observe(t.secs);
+                st.nixl.post_time.observe(0.0);
+                st.nixl.bytes.observe(bytes as f64);
+                st.nixl.descriptors.observe(t.blocks as f64);
+            }
+            Err(_) => st.nixl.failed_transfers += 1,
+        });
+        if let Err(e) = &result {
+            tracing::warn!(error = e, "KV transfer failed");
+        }
+        sub.loaded(result.is_ok());
+    }
+
+    /// The `kv_transfer_params` a finished prefill leg answers with.
+    fn params(&self, block_ids: &[u32], usage: Usage) -> Value {
+        let Transfer::Keep(key) = &self.transfer else { return Value::Null };
+        nixl::prefill_params(&self.connector.cfg, &self.connector.side, key, block_ids, usage.prompt, usage.cached)
+    }
+}
+
+/// Frees kept blocks when a read ends, however it ends.
+struct Release<'a> {
+    engine: &'a Engine,
+    key: &'a str,
+}
+
+impl Drop for Release<'_> {
+    fn drop(&mut self) {
+        self.engine.release(self.key);
+    }
+}
+
 /// Counts a request in flight for `/load` while it lives.
 struct InFlight(Arc<AtomicUsize>);
 
@@ -190,6 +260,7 @@ impl App {
             rng: Mutex::new(rng),
             in_flight: Arc::new(AtomicUsize::new(0)),
             peak_in_flight: AtomicUsize::new(0),
+            connector: cfg.connector.map(Arc::new),
         }
     }
 
@@ -258,6 +329,7 @@ impl App {
                 full(StatusCode::OK, None, Bytes::new())
             }
             "/_sim/kv_events" => json(kv_event_stats(self.engine.kv_events().map(|p| p.stats()))),
+            nixl::READ_PATH => self.serve_read(&body).await,
             "/_sim/requests" => json(format!(
                 r#"{{"in_flight":{},"peak_in_flight":{}}}"#,
                 self.in_flight.load(Ordering::Relaxed),
@@ -282,6 +354,13 @@ impl App {
             Ok(r) => r,
             Err(e) => return error(e),
         };
+        let leg = match &self.connector {
+            Some(_) => match nixl::leg(req.kv_transfer_params.as_ref()) {
+                Ok(leg) => leg,
+                Err(e) => return error(e),
+            },
+            None => Leg::Whole,
+        };
         let request_id = headers
             .get("x-request-id")
             .and_then(|v| v.to_str().ok())
@@ -297,6 +376,15 @@ impl App {
             return_token_ids: req.return_token_ids,
             continuous_usage: req.continuous_usage,
         };
+        let transfer = match &leg {
+            Leg::Whole => Transfer::None,
+            Leg::Prefill => {
+                let mut rng = self.rng.lock().unwrap_or_else(|p| p.into_inner());
+                Transfer::Keep(nixl::internal_id(&reply.id, kind == Kind::Completion, &mut *rng))
+            }
+            Leg::Decode(_) => Transfer::Read,
+        };
+        let pair = self.connector.clone().map(|connector| Pair { connector, engine: self.engine.clone(), transfer: transfer.clone(), leg });
         let (max_tokens, at_limit) = self.output_budget(&req);
         let sub = self.engine.submit(engine::Request {
             prompt: req.prompt.clone(),
@@ -304,13 +392,38 @@ impl App {
             at_limit,
             salt: req.salt,
             cache_salt: req.cache_salt.clone(),
+            transfer,
         });
         let busy = InFlight::new(&self.in_flight, &self.peak_in_flight);
-        let mut response = if req.stream { self.stream(sub, busy, reply, req) } else { self.whole(sub, reply, req).await };
+        let mut response = if req.stream { self.stream(sub, busy, reply, req, pair) } else { self.whole(sub, reply, req, pair).await };
         if let Ok(v) = HeaderValue::from_str(&request_id) {
             response.headers_mut().insert("x-request-id", v);
         }
         response
+    }
+
+    /// `POST /_sim/nixl/read`: a decoder reads kept blocks. They stay kept
+    /// while the transfer lasts and are freed when it ends, or when the
+    /// reader goes away.
+    async fn serve_read(&self, body: &[u8]) -> Response<Body> {
+        let read: ReadRequest = match serde_json::from_slice(body) {
+            Ok(r) => r,
+            Err(e) => return error(ApiError::bad_request(&format!("Invalid read: {e}"), None)),
+        };
+        let blocks = read.block_ids.len();
+        match self.engine.pin(&read.remote_request_id, read.block_ids).await {
+            Err(Unread::Unknown) => {
+                let message = format!("No KV blocks are kept for request {}: read already, expired or never kept.", read.remote_request_id);
+                error(ApiError::openai(404, "NotFoundError", &message, None))
+            }
+            Err(Unread::NotKept) => error(ApiError::bad_request("Blocks were named that the request does not keep.", Some("block_ids"))),
+            Ok(()) => {
+                let release = Release { engine: &self.engine, key: &read.remote_request_id };
+                tokio::time::sleep(crate::cost::secs(read.transfer_s)).await;
+                drop(release);
+                json(format!(r#"{{"blocks":{blocks}}}"#))
+            }
+        }
     }
 
     /// Tokens to generate and the finish reason at that limit.
@@ -323,19 +436,27 @@ impl App {
         }
     }
 
-    async fn whole(&self, mut sub: Submitted, reply: Reply, req: GenRequest) -> Response<Body> {
+    async fn whole(&self, mut sub: Submitted, reply: Reply, req: GenRequest, pair: Option<Pair>) -> Response<Body> {
         let mut usage = Usage { prompt: req.prompt.len(), ..Usage::default() };
         let mut output = Vec::new();
         let mut text = String::new();
+        let mut kept = Value::Null;
         loop {
             match sub.next().await {
-                Some(Event::Scheduled { cached_tokens }) => usage.cached = cached_tokens,
+                Some(Event::Scheduled { cached_tokens }) => usage.cached = Pair::cached(pair.as_ref(), cached_tokens),
+                Some(Event::Read { blocks }) => Pair::read(pair.as_ref(), &sub, blocks).await,
+                Some(Event::Kept { block_ids }) => {
+                    if let Some(p) = &pair {
+                        kept = p.params(&block_ids, usage);
+                    }
+                }
+                Some(Event::Failed) => return error(status_error(500, "Internal server error")),
                 Some(Event::Token { id, finish }) => {
                     output.push(id);
                     text.push_str(&self.tokenizer.decode(id).unwrap_or_default());
                     if let Some(reason) = finish {
                         usage.completion = output.len();
-                        return json(reply.complete(&text, &req.prompt, &output, reason, usage));
+                        return json(reply.complete(&text, &req.prompt, &output, reason, usage, kept));
                     }
                 }
                 None => return error(status_error(500, "The engine stopped.")),
@@ -343,18 +464,34 @@ impl App {
         }
     }
 
-    fn stream(&self, sub: Submitted, busy: InFlight, reply: Reply, req: GenRequest) -> Response<Body> {
+    fn stream(&self, sub: Submitted, busy: InFlight, reply: Reply, req: GenRequest, pair: Option<Pair>) -> Response<Body> {
         let usage = Usage { prompt: req.prompt.len(), ..Usage::default() };
         let state = Some((sub, usage, req, busy));
         let tokenizer = self.tokenizer.clone();
         let events = futures_util::stream::unfold(state, move |state| {
             let reply = reply.clone();
             let tokenizer = tokenizer.clone();
+            let pair = pair.clone();
             async move {
                 let (mut sub, mut usage, req, busy) = state?;
                 loop {
                     match sub.next().await {
-                        Some(Event::Scheduled { cached_tokens }) => usage.cached = cached_tokens,
+                        Some(Event::Scheduled { cached_tokens }) => usage.cached = Pair::cached(pair.as_ref(), cached_tokens),
+                        Some(Event::Read { blocks }) => Pair::read(pair.as_ref(), &sub, blocks).await,
+                        // Streamed responses never carry kv_transfer_params.
+                        Some(Event::Kept { .. }) => {}
+                        Some(Event::Failed) => {
+                            let mut out = Vec::with_capacity(512);
+                            if reply.kind == Kind::Chat {
+                                out.extend_from_slice(&sse(&reply.role_chunk(&req.prompt, usage)));
+                            }
+                            // Python's json.dumps, spaces after separators, as vLLM writes a stream's error.
+                            out.extend_from_slice(&sse(
+                                r#"{"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}}"#,
+                            ));
+                            out.extend_from_slice(b"data: [DONE]\n\n");
+                            return Some((Bytes::from(out), None));
+                        }
                         Some(Event::Token { id, finish }) => {
                             let mut out = Vec::with_capacity(256);
                             if usage.completion == 0 && reply.kind == Kind::Chat {

@@ -67,6 +67,15 @@ pub struct Args {
     /// Extra decode step time for each further running sequence, microseconds.
     #[arg(long, default_value_t = cost::DEFAULT.decode_seq_us)]
     pub decode_seq_us: f64,
+    /// Time to move one KV block to a decoder that reads it, microseconds.
+    #[arg(long, default_value_t = cost::DEFAULT.transfer_block_us)]
+    pub kv_transfer_block_us: f64,
+    /// Disaggregated prefill and decode as vLLM's NixlConnector does it:
+    /// vLLM's JSON, e.g. `{"kv_connector":"NixlConnector","kv_role":"kv_both"}`.
+    /// Optional keys: `engine_id`, `kv_load_failure_policy` (`fail` or
+    /// `recompute`) and `kv_connector_extra_config.kv_lease_duration` (seconds).
+    #[arg(long)]
+    pub kv_transfer_config: Option<String>,
     /// Answer as fast as possible: every engine step takes no time.
     #[arg(long)]
     pub zero_latency: bool,
@@ -128,6 +137,7 @@ impl Args {
             prefill_fixed_ms: self.prefill_fixed_ms,
             decode_token_ms: self.decode_token_ms,
             decode_seq_us: self.decode_seq_us,
+            transfer_block_us: self.kv_transfer_block_us,
             zero: self.zero_latency,
         }
     }

@@ -14,10 +14,19 @@
 //! With KV events on, the step tells [`StepEvents`] which sequences it
 //! scheduled, which cached blocks their allocations evicted and which blocks
 //! they filled, and publishes the step's batch at its end.
+//!
+//! For disaggregated serving (`crate::nixl`) a prefill leg's blocks are kept
+//! in use after it finishes, under its id, until a decoder has read them
+//! (`pin`, then `release`) or the lease ends. A decode leg is admitted with
+//! blocks for its whole prompt but computes nothing: it waits outside the
+//! batch while its handler reads the blocks it lacks (`Event::Read`), and
+//! joins the running sequences when told they arrived (`Submitted::loaded`),
+//! its full prompt blocks cached then.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use inferrail_kv::hash::{BlockHash, extend_block_hashes};
 use rand::rngs::StdRng;
@@ -31,6 +40,7 @@ use crate::cache::{BlockId, BlockPool};
 use crate::cost::{LatencyModel, secs};
 use crate::events::{StepEvents, Stored, process_key};
 use crate::metrics::{EngineInfo, FinishReason, Stats};
+use crate::nixl::FailurePolicy;
 
 /// How the engine is sized and timed.
 #[derive(Debug, Clone)]
@@ -53,6 +63,22 @@ pub struct EngineConfig {
     pub info: EngineInfo,
     /// Where KV events go; `None` keeps them off at no cost.
     pub kv_events: Option<Arc<Publisher>>,
+    /// How long a prefill leg's blocks are kept for a decoder (`kv_lease_duration`).
+    pub lease: Duration,
+    /// What a decode leg does when its read fails.
+    pub failure: FailurePolicy,
+}
+
+/// A request's part in a disaggregated pair, if any.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Transfer {
+    /// An ordinary request.
+    #[default]
+    None,
+    /// A prefill leg: keep its blocks under this id when it finishes.
+    Keep(String),
+    /// A decode leg: read the prompt blocks it lacks before decoding.
+    Read,
 }
 
 /// A request as the engine sees it: tokens in, a token budget out.
@@ -69,6 +95,8 @@ pub struct Request {
     pub salt: BlockHash,
     /// `cache_salt` as sent, for KV events.
     pub cache_salt: Option<String>,
+    /// Its part in a disaggregated pair.
+    pub transfer: Transfer,
 }
 
 /// What a request hears from the engine, in order.
@@ -79,6 +107,20 @@ pub enum Event {
         /// Cached prompt tokens.
         cached_tokens: usize,
     },
+    /// A decode leg was given blocks: read this many from the prefill
+    /// (the tail of its list), then call [`Submitted::loaded`].
+    Read {
+        /// Blocks to read.
+        blocks: usize,
+    },
+    /// A prefill leg's blocks are kept for a decoder: the prompt's, in order.
+    /// Comes just before the last token.
+    Kept {
+        /// Block ids.
+        block_ids: Vec<u32>,
+    },
+    /// A decode leg's read failed and the policy is to fail: the request is over.
+    Failed,
     /// One generated token; the last one says why generation finished.
     Token {
         /// The token id.
@@ -92,6 +134,19 @@ enum Command {
     Submit { id: u64, request: Request, events: mpsc::UnboundedSender<Event>, arrival: Instant },
     Abort(u64),
     Reset(oneshot::Sender<Option<usize>>),
+    Loaded { id: u64, ok: bool },
+    Pin { key: String, blocks: Vec<u32>, reply: oneshot::Sender<Result<(), Unread>> },
+    Release(String),
+    Expire(String),
+}
+
+/// Why kept blocks cannot be read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unread {
+    /// No blocks are kept under that id: never, already read, or expired.
+    Unknown,
+    /// Blocks were named that the request does not keep.
+    NotKept,
 }
 
 /// A handle on the running engine; cheap to clone.
@@ -117,10 +172,16 @@ impl Submitted {
     /// The next event; `None` only if the engine stopped.
     pub async fn next(&mut self) -> Option<Event> {
         let event = self.events.recv().await;
-        if matches!(event, Some(Event::Token { finish: Some(_), .. }) | None) {
+        if matches!(event, Some(Event::Token { finish: Some(_), .. } | Event::Failed) | None) {
             self.done = true;
         }
         event
+    }
+
+    /// A decode leg's blocks arrived (`ok`) or could not be read.
+    pub fn loaded(&self, ok: bool) {
+        // The engine only stops with the process.
+        let _ = self.tx.send(Command::Loaded { id: self.id, ok });
     }
 }
 
@@ -145,7 +206,17 @@ impl Engine {
             pool.log_evictions();
             StepEvents::new(publisher, process_key(), cfg.block_size)
         });
-        let core = Core { pool, events, seqs: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), stats: stats.clone(), cfg };
+        let core = Core {
+            pool,
+            events,
+            kept: HashMap::new(),
+            me: tx.downgrade(),
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            stats: stats.clone(),
+            cfg,
+        };
         tokio::spawn(core.run(rx));
         Self { tx, stats, info, next_id: Arc::new(AtomicU64::new(0)), kv_events }
     }
@@ -164,6 +235,24 @@ impl Engine {
         let (reply, rx) = oneshot::channel();
         self.tx.send(Command::Reset(reply)).ok()?;
         rx.await.ok().flatten()
+    }
+
+    /// Marks blocks kept under `key` as being read; they stay until
+    /// [`Engine::release`], whatever the lease.
+    pub async fn pin(&self, key: &str, blocks: Vec<u32>) -> Result<(), Unread> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Command::Pin { key: key.to_owned(), blocks, reply }).map_err(|_| Unread::Unknown)?;
+        rx.await.unwrap_or(Err(Unread::Unknown))
+    }
+
+    /// Frees the blocks kept under `key` (they stay cached).
+    pub fn release(&self, key: &str) {
+        let _ = self.tx.send(Command::Release(key.to_owned()));
+    }
+
+    /// Changes the statistics, for what the API layer measures.
+    pub fn record(&self, f: impl FnOnce(&mut Stats)) {
+        f(&mut lock(&self.stats));
     }
 
     /// The KV event publisher, when events are on.
@@ -194,6 +283,7 @@ struct Seq {
     at_limit: FinishReason,
     salt: BlockHash,
     cache_salt: Option<String>,
+    transfer: Transfer,
     hashes: Vec<BlockHash>,
     blocks: Vec<BlockId>,
     registered: usize,
@@ -222,8 +312,18 @@ struct Plan {
     tokens: usize,
 }
 
+/// A finished prefill leg's blocks, kept for a decoder.
+struct Kept {
+    blocks: Vec<BlockId>,
+    /// Being read: the lease no longer ends it.
+    pinned: bool,
+}
+
 struct Core {
     cfg: EngineConfig,
+    kept: HashMap<String, Kept>,
+    /// To end leases; weak, so the engine still stops when its handles go.
+    me: mpsc::WeakUnboundedSender<Command>,
     pool: BlockPool,
     events: Option<StepEvents>,
     seqs: HashMap<u64, Seq>,
@@ -247,9 +347,10 @@ impl Core {
             }
             let plan = self.schedule(clock);
             if plan.prefill.is_empty() && plan.decode.is_empty() {
-                // Only possible when every sequence waits for blocks that
-                // nothing will free; wait for an abort or a new request.
+                // Every sequence waits: for blocks that nothing will free
+                // (until an abort or a new request), or for its KV to be read.
                 let Some(cmd) = rx.recv().await else { return };
+                clock = clock.max(Instant::now());
                 self.apply(cmd);
                 continue;
             }
@@ -290,6 +391,7 @@ impl Core {
                         at_limit: request.at_limit,
                         salt: request.salt,
                         cache_salt: request.cache_salt,
+                        transfer: request.transfer,
                         hashes: Vec::new(),
                         blocks: Vec::new(),
                         registered: 0,
@@ -320,8 +422,61 @@ impl Core {
                 // The caller may have gone; the reset happened either way.
                 let _ = reply.send(forgot);
             }
+            Command::Loaded { id, ok } => self.loaded(id, ok),
+            Command::Pin { key, blocks, reply } => {
+                let answer = match self.kept.get_mut(&key) {
+                    None => {
+                        lock(&self.stats).nixl.notifications_after_expiry += 1;
+                        Err(Unread::Unknown)
+                    }
+                    Some(k) if !blocks.iter().all(|b| k.blocks.contains(b)) => Err(Unread::NotKept),
+                    Some(k) => {
+                        k.pinned = true;
+                        Ok(())
+                    }
+                };
+                let _ = reply.send(answer);
+            }
+            Command::Release(key) => {
+                if let Some(k) = self.kept.remove(&key) {
+                    self.pool.release(k.blocks.into_iter().rev());
+                }
+            }
+            Command::Expire(key) => {
+                if self.kept.get(&key).is_some_and(|k| !k.pinned)
+                    && let Some(k) = self.kept.remove(&key)
+                {
+                    tracing::warn!(request = key, "Releasing expired KV blocks for request {key}");
+                    self.pool.release(k.blocks.into_iter().rev());
+                    lock(&self.stats).nixl.kv_expired_reqs += 1;
+                }
+            }
         }
         self.publish_gauges();
+    }
+
+    /// A decode leg's read ended: it joins the running sequences with its
+    /// prompt cached, or fails, or is prefilled here (the failure policy).
+    fn loaded(&mut self, id: u64, ok: bool) {
+        let bs = self.cfg.block_size;
+        let Some(seq) = self.seqs.get_mut(&id).filter(|s| s.transfer == Transfer::Read) else { return };
+        seq.transfer = Transfer::None;
+        if ok {
+            cache_blocks(&mut self.pool, &mut self.events, id, seq, seq.prompt_len / bs);
+            // The last prompt token is computed again with the first decode step.
+            self.running.push(id);
+            return;
+        }
+        self.pool.release(seq.blocks.drain(..).rev());
+        seq.registered = 0;
+        match self.cfg.failure {
+            FailurePolicy::Recompute => self.waiting.push_front(id),
+            FailurePolicy::Fail => {
+                let _ = seq.events.send(Event::Failed);
+                self.seqs.remove(&id);
+                lock(&self.stats).count_finish(FinishReason::Error);
+            }
+        }
     }
 
     fn schedule(&mut self, start: Instant) -> Plan {
@@ -371,7 +526,9 @@ impl Core {
             let limit = ((len - 1) / bs).min(seq.hashes.len());
             let hit = self.pool.lookup(&seq.hashes[..limit]);
             let cached = hit.len() * bs;
-            let uncached = len - cached;
+            let read = seq.transfer == Transfer::Read;
+            // A decode leg reads what it lacks rather than computing it.
+            let uncached = if read { 0 } else { len - cached };
             if uncached > budget && !plan.prefill.is_empty() {
                 break;
             }
@@ -395,8 +552,18 @@ impl Core {
                 st.prefix_hits += cached as u64;
                 st.queue.observe(start.saturating_duration_since(seq.arrival).as_secs_f64());
                 st.prefill_computed_tokens.observe(uncached as f64);
+                if read {
+                    st.external_hits += (len - cached) as u64;
+                }
+                // A decode leg counts what it reads as cached, as vLLM does.
+                let found = if read { len } else { cached };
                 // A receiver that went away is aborted by its drop.
-                let _ = seq.events.send(Event::Scheduled { cached_tokens: cached });
+                let _ = seq.events.send(Event::Scheduled { cached_tokens: found });
+            }
+            if read {
+                let _ = seq.events.send(Event::Read { blocks: need });
+                self.waiting.pop_front();
+                continue;
             }
             plan.work.push((uncached, cached));
             plan.tokens += uncached;
@@ -435,20 +602,7 @@ impl Core {
             let Some(seq) = self.seqs.get_mut(&id) else { continue };
             // Every token so far is now computed; cache its full blocks.
             extend_block_hashes(&mut seq.hashes, seq.salt, &seq.tokens, bs);
-            let full = seq.tokens.len() / bs;
-            let mut cached = Vec::new();
-            for k in seq.registered..full {
-                if self.pool.register(seq.blocks[k], seq.hashes[k]) && self.events.is_some() {
-                    cached.push(k);
-                }
-            }
-            if let Some(events) = &mut self.events
-                && !cached.is_empty()
-            {
-                let stored = Stored { hashes: &seq.hashes, tokens: &seq.tokens, blocks: &cached, cache_salt: seq.cache_salt.as_deref() };
-                events.stored(id, &stored);
-            }
-            seq.registered = full.max(seq.registered);
+            cache_blocks(&mut self.pool, &mut self.events, id, seq, seq.tokens.len() / bs);
             let ids = &self.cfg.generation_ids;
             let token = ids[seq.rng.random_range(0..ids.len())];
             seq.tokens.push(token);
@@ -460,6 +614,10 @@ impl Core {
             seq.first_token.get_or_insert(end);
             seq.last_token = Some(end);
             let finish = (seq.generated() >= seq.max_tokens).then_some(seq.at_limit);
+            if finish.is_some() && matches!(seq.transfer, Transfer::Keep(_)) {
+                let block_ids = seq.blocks[..seq.prompt_len.div_ceil(bs)].to_vec();
+                tokens.push((seq.events.clone(), Event::Kept { block_ids }));
+            }
             tokens.push((seq.events.clone(), Event::Token { id: token, finish }));
             if finish.is_some() {
                 finished.push(id);
@@ -482,7 +640,11 @@ impl Core {
     fn finish(&mut self, id: u64, end: Instant, st: &mut Stats) {
         let Some(seq) = self.seqs.remove(&id) else { return };
         self.running.retain(|&r| r != id);
-        self.pool.release(seq.blocks.iter().rev().copied());
+        if let Transfer::Keep(key) = &seq.transfer {
+            self.keep(key.clone(), seq.blocks.clone());
+        } else {
+            self.pool.release(seq.blocks.iter().rev().copied());
+        }
         let scheduled = seq.scheduled.unwrap_or(seq.arrival);
         let first = seq.first_token.unwrap_or(end);
         let generated = seq.generated();
@@ -502,12 +664,43 @@ impl Core {
         st.request_preemptions.observe(f64::from(seq.preemptions));
     }
 
+    /// Keeps a finished prefill leg's blocks until read or until the lease ends.
+    fn keep(&mut self, key: String, blocks: Vec<BlockId>) {
+        let (me, lease) = (self.me.clone(), self.cfg.lease);
+        let expire = key.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(lease).await;
+            if let Some(tx) = me.upgrade() {
+                let _ = tx.send(Command::Expire(expire));
+            }
+        });
+        self.kept.insert(key, Kept { blocks, pinned: false });
+    }
+
     fn publish_gauges(&self) {
         let mut st = lock(&self.stats);
         st.running = self.running.len();
         st.waiting = self.waiting.len();
         st.kv_usage = self.pool.usage();
     }
+}
+
+/// Caches `seq`'s first `full` blocks (those not cached yet), telling the
+/// step's events which ones it stored.
+fn cache_blocks(pool: &mut BlockPool, events: &mut Option<StepEvents>, id: u64, seq: &mut Seq, full: usize) {
+    let mut cached = Vec::new();
+    for k in seq.registered..full {
+        if pool.register(seq.blocks[k], seq.hashes[k]) && events.is_some() {
+            cached.push(k);
+        }
+    }
+    if let Some(events) = events
+        && !cached.is_empty()
+    {
+        let stored = Stored { hashes: &seq.hashes, tokens: &seq.tokens, blocks: &cached, cache_salt: seq.cache_salt.as_deref() };
+        events.stored(id, &stored);
+    }
+    seq.registered = full.max(seq.registered);
 }
 
 #[cfg(test)]

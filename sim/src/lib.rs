@@ -5,7 +5,8 @@
 //! (`cache`), schedules like a continuously batching engine on a virtual
 //! timeline (`engine`, `cost`), exports vLLM's metrics (`metrics`) and can
 //! misbehave on demand (`fault`). With `--kv-events-config` it publishes
-//! vLLM's KV cache events over ZMQ (`events`). `api` routes HTTP requests;
+//! vLLM's KV cache events over ZMQ (`events`); with `--kv-transfer-config`
+//! it serves either leg of a disaggregated request (`nixl`). `api` routes HTTP requests;
 //! `server` accepts connections. [`Sim::start`] runs one inside any tokio
 //! program or test.
 
@@ -18,6 +19,7 @@ pub mod errors;
 pub mod events;
 pub mod fault;
 pub mod metrics;
+pub mod nixl;
 pub mod server;
 pub mod wire;
 
@@ -35,6 +37,7 @@ use crate::args::Args;
 use crate::engine::{Engine, EngineConfig};
 use crate::fault::Faults;
 use crate::metrics::EngineInfo;
+use crate::nixl::{Connector, FailurePolicy, SideChannel, TransferConfig};
 
 /// Tokens of repeated prompt pieces the tokenizer keeps encoded.
 const TOKENIZER_CACHE_TOKENS: usize = 1 << 20;
@@ -67,6 +70,10 @@ impl Sim {
             }
             None => None,
         };
+        let listener = TcpListener::bind((args.host, args.port)).await.with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let addr = listener.local_addr()?;
+        let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(args.seed);
+        let transfer = args.kv_transfer_config.as_deref().map(|json| TransferConfig::parse(json, &mut rng)).transpose()?;
         let engine = Engine::start(EngineConfig {
             block_size: args.block_size,
             num_blocks: args.num_gpu_blocks_override,
@@ -81,9 +88,13 @@ impl Sim {
                 num_gpu_blocks: args.num_gpu_blocks_override,
                 max_model_len: args.max_model_len,
                 created,
+                kv_transfer: transfer.is_some(),
             },
             kv_events,
+            lease: transfer.as_ref().map_or(std::time::Duration::from_secs(30), |t| t.lease),
+            failure: transfer.as_ref().map_or(FailurePolicy::Fail, |t| t.failure),
         });
+        let connector = transfer.map(|cfg| Connector::new(cfg, side_channel(&args, addr), args.latency(), args.block_size));
         let app = Arc::new(App::new(
             ApiConfig {
                 names,
@@ -93,12 +104,11 @@ impl Sim {
                 details: args.enable_prompt_tokens_details,
                 default_output_tokens: args.default_output_tokens,
                 seed: args.seed,
+                connector,
             },
             engine,
             Faults::new(args.fault()),
         ));
-        let listener = TcpListener::bind((args.host, args.port)).await.with_context(|| format!("binding {}:{}", args.host, args.port))?;
-        let addr = listener.local_addr()?;
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(server::serve(app.clone(), listener, async {
             // A dropped sender stops the server as well.
@@ -120,6 +130,18 @@ impl Sim {
         (&mut self.task).await??;
         Ok(())
     }
+}
+
+/// Where decoders reach this engine's kept blocks: its HTTP port, on
+/// `VLLM_NIXL_SIDE_CHANNEL_HOST` if set, else the address it listens on
+/// (`localhost` when that is every address).
+fn side_channel(args: &Args, addr: SocketAddr) -> SideChannel {
+    let host = match std::env::var("VLLM_NIXL_SIDE_CHANNEL_HOST") {
+        Ok(h) if !h.is_empty() => h,
+        _ if args.host.is_unspecified() => "localhost".to_owned(),
+        _ => args.host.to_string(),
+    };
+    SideChannel { host, port: addr.port() }
 }
 
 /// Refuses flag combinations a real engine would refuse to start with.

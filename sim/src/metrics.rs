@@ -63,6 +63,8 @@ pub enum FinishReason {
     Length,
     /// The client went away.
     Abort,
+    /// The engine failed the request (a decode leg's KV could not be read).
+    Error,
 }
 
 impl FinishReason {
@@ -72,6 +74,7 @@ impl FinishReason {
             Self::Stop => "stop",
             Self::Length => "length",
             Self::Abort => "abort",
+            Self::Error => "error",
         }
     }
 }
@@ -89,6 +92,8 @@ pub struct EngineInfo {
     pub max_model_len: usize,
     /// Unix time the metrics were created.
     pub created: f64,
+    /// A KV connector is configured: the NIXL metrics are on the page.
+    pub kv_transfer: bool,
 }
 
 /// Everything `/metrics` reports, updated by the engine.
@@ -110,8 +115,12 @@ pub struct Stats {
     pub prompt_tokens: u64,
     /// Tokens generated.
     pub generation_tokens: u64,
-    /// Finished requests: stop, length, abort.
-    pub finished: [u64; 3],
+    /// Finished requests: stop, length, abort, error.
+    pub finished: [u64; 4],
+    /// Prompt tokens read from a remote prefill.
+    pub external_hits: u64,
+    /// The NIXL connector's metrics.
+    pub nixl: Nixl,
     /// Per-request prompt tokens.
     pub request_prompt_tokens: Histogram,
     /// Per-request generated tokens.
@@ -160,7 +169,9 @@ impl Stats {
             preemptions: 0,
             prompt_tokens: 0,
             generation_tokens: 0,
-            finished: [0; 3],
+            finished: [0; 4],
+            external_hits: 0,
+            nixl: Nixl::default(),
             request_prompt_tokens: tokens(),
             request_generation_tokens: tokens(),
             iteration_tokens: Histogram::new(ITERATION_TOKENS.to_vec()),
@@ -229,26 +240,35 @@ impl Stats {
         );
         let external = "External prefix cache";
         let sharing = "from KV connector cross-instance cache sharing, in terms of number of";
-        p.counter("vllm:external_prefix_cache_queries_total", &format!("{external} queries {sharing} queried tokens."), &[(&[], 0.0)]);
-        p.counter("vllm:external_prefix_cache_hits_total", &format!("{external} hits {sharing} cached tokens."), &[(&[], 0.0)]);
+        p.counter(
+            "vllm:external_prefix_cache_queries_total",
+            &format!("{external} queries {sharing} queried tokens."),
+            &[(&[], self.external_hits as f64)],
+        );
+        p.counter(
+            "vllm:external_prefix_cache_hits_total",
+            &format!("{external} hits {sharing} cached tokens."),
+            &[(&[], self.external_hits as f64)],
+        );
         p.counter("vllm:mm_cache_queries_total", "Multi-modal cache queries, in terms of number of queried items.", &[(&[], 0.0)]);
         p.counter("vllm:mm_cache_hits_total", "Multi-modal cache hits, in terms of number of cached items.", &[(&[], 0.0)]);
         p.counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", &[(&[], self.preemptions as f64)]);
         p.counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.", &[(&[], self.prompt_tokens as f64)]);
-        let computed = (self.prompt_tokens - self.prefix_hits) as f64;
+        let external = self.external_hits as f64;
+        let computed = (self.prompt_tokens - self.prefix_hits - self.external_hits) as f64;
         p.counter(
             "vllm:prompt_tokens_by_source_total",
             "Number of prompt tokens by source.",
             &[
                 (&[("source", "local_compute")], computed),
                 (&[("source", "local_cache_hit")], self.prefix_hits as f64),
-                (&[("source", "external_kv_transfer")], 0.0),
+                (&[("source", "external_kv_transfer")], external),
             ],
         );
         p.counter(
             "vllm:prompt_tokens_cached_total",
             "Number of cached prompt tokens (local + external).",
-            &[(&[], self.prefix_hits as f64)],
+            &[(&[], self.prefix_hits as f64 + external)],
         );
         p.counter(
             "vllm:prompt_tokens_cached_by_source_total",
@@ -256,13 +276,13 @@ impl Stats {
             &[
                 (&[("source", "device")], self.prefix_hits as f64),
                 (&[("source", "host")], 0.0),
-                (&[("source", "p2p")], 0.0),
+                (&[("source", "p2p")], external),
                 (&[("source", "disk")], 0.0),
                 (&[("source", "external_unspecified")], 0.0),
             ],
         );
         p.counter("vllm:generation_tokens_total", "Number of generation tokens processed.", &[(&[], self.generation_tokens as f64)]);
-        let [stop, length, abort] = self.finished.map(|v| v as f64);
+        let [stop, length, abort, error] = self.finished.map(|v| v as f64);
         p.counter(
             "vllm:request_success_total",
             "Count of successfully processed requests.",
@@ -270,7 +290,7 @@ impl Stats {
                 (&[("finished_reason", "stop")], stop),
                 (&[("finished_reason", "length")], length),
                 (&[("finished_reason", "abort")], abort),
-                (&[("finished_reason", "error")], 0.0),
+                (&[("finished_reason", "error")], error),
                 (&[("finished_reason", "repetition")], 0.0),
             ],
         );
@@ -303,8 +323,79 @@ impl Stats {
             "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
             &self.prefill_computed_tokens,
         );
+        if info.kv_transfer {
+            self.nixl.render(&mut p);
+        }
         p.cache_config(info);
         p.out
+    }
+}
+
+const NIXL_XFER_SECS: [f64; 12] = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0];
+const NIXL_POST_SECS: [f64; 13] = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0];
+const NIXL_DESCRIPTORS: [f64; 14] = [10.0, 20.0, 30.0, 50.0, 75.0, 100.0, 200.0, 400.0, 1000.0, 2000.0, 4000.0, 10000.0, 20000.0, 50000.0];
+
+/// The NIXL connector's metrics: transfers are recorded by the reader (D),
+/// expiries by the holder (P).
+#[derive(Debug, Clone)]
+pub struct Nixl {
+    /// Seconds per transfer.
+    pub xfer_time: Histogram,
+    /// Seconds to post a transfer.
+    pub post_time: Histogram,
+    /// Bytes per transfer.
+    pub bytes: Histogram,
+    /// Descriptors per transfer (one per block).
+    pub descriptors: Histogram,
+    /// Failed transfers.
+    pub failed_transfers: u64,
+    /// Leases that ran out before a read.
+    pub kv_expired_reqs: u64,
+    /// Reads of blocks no longer kept.
+    pub notifications_after_expiry: u64,
+}
+
+impl Default for Nixl {
+    fn default() -> Self {
+        Self {
+            xfer_time: Histogram::new(NIXL_XFER_SECS.to_vec()),
+            post_time: Histogram::new(NIXL_POST_SECS.to_vec()),
+            bytes: Histogram::new((1..24).step_by(2).map(|i| 2f64.powi(10 + i)).collect()),
+            descriptors: Histogram::new(NIXL_DESCRIPTORS.to_vec()),
+            failed_transfers: 0,
+            kv_expired_reqs: 0,
+            notifications_after_expiry: 0,
+        }
+    }
+}
+
+impl Nixl {
+    fn render(&self, p: &mut Page<'_>) {
+        let kv = "NIXL KV Cache transfers.";
+        p.histogram("vllm:nixl_xfer_time_seconds", &format!("Histogram of transfer duration for {kv}"), &self.xfer_time);
+        p.histogram("vllm:nixl_post_time_seconds", &format!("Histogram of transfer post time for {kv}"), &self.post_time);
+        p.histogram("vllm:nixl_bytes_transferred", &format!("Histogram of bytes transferred per {kv}"), &self.bytes);
+        p.histogram("vllm:nixl_num_descriptors", "Histogram of number of descriptors per NIXL  KV Cache transfers.", &self.descriptors);
+        p.counter(
+            "vllm:nixl_num_failed_transfers_total",
+            "Number of failed NIXL KV Cache transfers, including handshake and notification failures. NOTE: KV expiry is tracked separately in vllm:nixl_num_kv_expired_reqs.",
+            &[(&[], self.failed_transfers as f64)],
+        );
+        p.counter(
+            "vllm:nixl_num_failed_notifications_total",
+            "Number of failed NIXL KV Cache notifications. Retained for compatibility; these failures are also included in vllm:nixl_num_failed_transfers.",
+            &[(&[], 0.0)],
+        );
+        p.counter(
+            "vllm:nixl_num_kv_expired_reqs_total",
+            "Number of requests that had their KV expire. NOTE: This metric is tracked on the P instance.",
+            &[(&[], self.kv_expired_reqs as f64)],
+        );
+        p.counter(
+            "vllm:nixl_num_notifications_after_expiry_total",
+            "Number of completion notifications for requests that were no longer tracked, usually because their KV lease expired. The KV blocks may have been reused before the transfer finished. Counted per notification (one per remote rank), not per request.",
+            &[(&[], self.notifications_after_expiry as f64)],
+        );
     }
 }
 
@@ -504,7 +595,14 @@ mod tests {
         let mut s = Stats::new(2048);
         s.ttft.observe(0.03);
         s.ttft.observe(0.5);
-        let info = EngineInfo { model_name: "m".into(), block_size: 16, num_gpu_blocks: 10, max_model_len: 2048, created: 1.0 };
+        let info = EngineInfo {
+            model_name: "m".into(),
+            block_size: 16,
+            num_gpu_blocks: 10,
+            max_model_len: 2048,
+            created: 1.0,
+            kv_transfer: false,
+        };
         let page = s.render(&info);
         assert!(page.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.04\",model_name=\"m\"} 1.0\n"));
         assert!(page.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.5\",model_name=\"m\"} 2.0\n"));

@@ -42,6 +42,8 @@ pub struct GenRequest {
     pub salt: BlockHash,
     /// `cache_salt` as sent.
     pub cache_salt: Option<String>,
+    /// `kv_transfer_params` as sent, for a KV connector to read.
+    pub kv_transfer_params: Option<Value>,
 }
 
 /// What the server knows when it parses.
@@ -179,6 +181,7 @@ pub fn parse_generation(kind: Kind, body: &[u8], served: &Served<'_>) -> Result<
         return_token_ids: opt_bool(&m, "return_token_ids")?.unwrap_or(false),
         salt,
         cache_salt: cache_salt.map(str::to_owned),
+        kv_transfer_params: m.get("kv_transfer_params").filter(|v| !v.is_null()).cloned(),
     })
 }
 
@@ -351,7 +354,15 @@ impl Reply {
     }
 
     /// The whole non-streaming response.
-    pub fn complete(&self, text: &str, prompt: &[u32], output: &[u32], finish: FinishReason, u: Usage) -> String {
+    pub fn complete(
+        &self,
+        text: &str,
+        prompt: &[u32],
+        output: &[u32],
+        finish: FinishReason,
+        u: Usage,
+        kv_transfer_params: Value,
+    ) -> String {
         let ids = |t: &[u32]| if self.return_token_ids { json!(t) } else { Value::Null };
         let mut out = Map::new();
         out.insert("id".into(), json!(self.id));
@@ -389,7 +400,7 @@ impl Reply {
             out.insert("prompt_token_ids".into(), ids(prompt));
             out.insert("prompt_text".into(), Value::Null);
         }
-        out.insert("kv_transfer_params".into(), Value::Null);
+        out.insert("kv_transfer_params".into(), kv_transfer_params);
         out.insert("ec_transfer_params".into(), Value::Null);
         out.insert("metrics".into(), Value::Null);
         Value::Object(out).to_string()

@@ -147,7 +147,7 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
                     args.programs.sglang_python.display()
                 );
                 let (program, flags) =
-                    processes::Peer::Sglang.command(&args.programs, SGLANG, &args.sglang_policy, &SIMS, SGLANG_PROMETHEUS);
+                    processes::Peer::Sglang.command(&args.programs, SGLANG, &args.sglang_policy, &SIMS, 0, SGLANG_PROMETHEUS);
                 pids.push((Role::SglangRouter, fleet.spawn("sglang-router", logs, &program, &flags)?));
             }
         }

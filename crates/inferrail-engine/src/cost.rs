@@ -5,7 +5,8 @@
 //! so calibration can recover `a`, `b` and `d`. Prompts prefilled together in
 //! one step share its fixed cost `d`. A decode step costs a base time plus a
 //! little for each further running sequence. A step that both prefills and
-//! decodes takes the sum, so prefill slows the decodes beside it.
+//! decodes takes the sum, so prefill slows the decodes beside it. Reading a
+//! disaggregated prefill's KV costs a time per block moved, beside the steps.
 
 use std::time::Duration;
 
@@ -22,6 +23,8 @@ pub struct LatencyModel {
     pub decode_token_ms: f64,
     /// Extra decode step time per further running sequence, microseconds.
     pub decode_seq_us: f64,
+    /// Time to move one KV block between engines, microseconds.
+    pub transfer_block_us: f64,
     /// Every step takes no time.
     pub zero: bool,
 }
@@ -33,6 +36,9 @@ pub const DEFAULT: LatencyModel = LatencyModel {
     prefill_fixed_ms: 5.0,
     decode_token_ms: 20.0,
     decode_seq_us: 60.0,
+    // A 16-token block of an 8B model's KV is 2 MiB in 16 bits: about
+    // 100 us over a 20 GB/s RDMA link.
+    transfer_block_us: 100.0,
     zero: false,
 };
 
@@ -56,6 +62,14 @@ impl LatencyModel {
         let prefill: f64 = prompts.iter().map(|&(u, c)| self.prefill_secs(u, c) - fixed).sum();
         let shared = if prompts.is_empty() { 0.0 } else { fixed };
         prefill + shared + self.decode_secs(decoding)
+    }
+
+    /// Time to move `blocks` KV blocks between engines, in seconds.
+    pub fn transfer_secs(&self, blocks: usize) -> f64 {
+        if self.zero {
+            return 0.0;
+        }
+        self.transfer_block_us * 1e-6 * blocks as f64
     }
 
     /// Time of a decode step with `running` sequences decoding, in seconds.

@@ -27,6 +27,7 @@ pub fn latency(s: f64) -> LatencyModel {
         prefill_fixed_ms: DEFAULT.prefill_fixed_ms * s,
         decode_token_ms: DEFAULT.decode_token_ms * s,
         decode_seq_us: DEFAULT.decode_seq_us * s,
+        transfer_block_us: DEFAULT.transfer_block_us * s,
         zero: false,
     }
 }
@@ -71,6 +72,7 @@ pub fn sim_flags(s: f64) -> Vec<String> {
         ("--prefill-fixed-ms", l.prefill_fixed_ms),
         ("--decode-token-ms", l.decode_token_ms),
         ("--decode-seq-us", l.decode_seq_us),
+        ("--kv-transfer-block-us", l.transfer_block_us),
     ]
     .into_iter()
     .flat_map(|(flag, v)| [flag.to_string(), v.to_string()])

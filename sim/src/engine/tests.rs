@@ -15,13 +15,22 @@ fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
         latency: latency(),
         seed: 1,
         generation_ids: inferrail_tokenize::Tokenizer::load("builtin:sim", 0).unwrap().generation_ids(),
-        info: EngineInfo { model_name: "m".into(), block_size: 4, num_gpu_blocks: num_blocks, max_model_len: 1024, created: 0.0 },
+        info: EngineInfo {
+            model_name: "m".into(),
+            block_size: 4,
+            num_gpu_blocks: num_blocks,
+            max_model_len: 1024,
+            created: 0.0,
+            kv_transfer: false,
+        },
         kv_events: None,
+        lease: std::time::Duration::from_secs(30),
+        failure: crate::nixl::FailurePolicy::Fail,
     })
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
-    Request { prompt, max_tokens, at_limit: FinishReason::Length, salt: 0, cache_salt: None }
+    Request { prompt, max_tokens, at_limit: FinishReason::Length, salt: 0, cache_salt: None, transfer: Transfer::None }
 }
 
 /// Runs a request to the end: (cached tokens, time of first token, time of last, tokens).
@@ -39,6 +48,7 @@ async fn run(e: &Engine, prompt: Vec<u32>, max_tokens: usize) -> (usize, Duratio
                     break;
                 }
             }
+            other => panic!("an ordinary request heard {other:?}"),
         }
     }
     (cached, first.unwrap_or_default(), start.elapsed(), tokens)
@@ -169,4 +179,38 @@ async fn the_same_prompt_generates_the_same_tokens() {
     let (_, _, _, a) = run(&e, vec![5, 6, 7], 12).await;
     let (_, _, _, b) = run(&e, vec![5, 6, 7], 12).await;
     assert_eq!(a, b);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_prefill_leg_keeps_its_blocks_until_released_and_a_decode_leg_computes_no_prefill() {
+    let e = engine(16, 8);
+    // The prefill leg: 10 tokens in 4-token blocks, one output token.
+    let mut p = e.submit(Request { transfer: Transfer::Keep("k".into()), ..request((0..10).collect(), 1) });
+    let mut kept = None;
+    while let Some(ev) = p.next().await {
+        match ev {
+            Event::Kept { block_ids } => kept = Some(block_ids),
+            Event::Token { finish: Some(_), .. } => break,
+            _ => {}
+        }
+    }
+    let kept = kept.unwrap_or_default();
+    assert_eq!(kept.len(), 3);
+    assert_eq!(e.pin("k", vec![kept[2]]).await, Ok(()));
+    assert_eq!(e.pin("other", vec![]).await, Err(Unread::Unknown));
+    assert_eq!(e.pin("k", vec![99]).await, Err(Unread::NotKept));
+    assert!(e.reset_prefix_cache().await.is_none(), "kept blocks are in use");
+    e.release("k");
+    assert!(e.reset_prefix_cache().await.is_some());
+
+    // The decode leg: admitted at once with nothing to compute, it waits for
+    // its blocks outside the batch, then its first token takes one decode step.
+    let start = Instant::now();
+    let mut d = e.submit(Request { transfer: Transfer::Read, ..request((0..10).collect(), 2) });
+    assert_eq!(d.next().await, Some(Event::Scheduled { cached_tokens: 10 }));
+    assert_eq!(d.next().await, Some(Event::Read { blocks: 3 }));
+    tokio::time::sleep(Duration::from_millis(7)).await;
+    d.loaded(true);
+    assert!(matches!(d.next().await, Some(Event::Token { finish: None, .. })));
+    assert_eq!(start.elapsed(), Duration::from_millis(7) + crate::cost::secs(latency().decode_secs(1)));
 }
