@@ -15,7 +15,7 @@ mod admission;
 mod replicas;
 mod validate;
 pub use admission::{Admission, ApiKey, Band, OnMiss, Tenant, TokenLimit};
-pub use replicas::{CacheShape, DnsGroup, KubernetesPool, Limits, Replica, Serving};
+pub use replicas::{CacheShape, DnsGroup, KubernetesPool, Limits, Replica, Role, Serving};
 
 /// The whole configuration.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -157,17 +157,21 @@ impl Default for Routing {
     }
 }
 
-/// Fallbacks named after the winner, for Envoy's retries.
+/// Fallbacks named after the winner, for Envoy's retries, and for the
+/// prefill legs the router runs itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Retry {
     /// Distinct replicas named after the winner (0 to 8).
     pub fallbacks: usize,
+    /// How long a split request's prefill leg waits for one prefill replica
+    /// before it tries the next, milliseconds.
+    pub prefill_timeout_ms: u64,
 }
 
 impl Default for Retry {
     fn default() -> Self {
-        Self { fallbacks: 2 }
+        Self { fallbacks: 2, prefill_timeout_ms: 30_000 }
     }
 }
 

@@ -1,6 +1,6 @@
 //! What replicas serve and where they come from: replicas listed by
-//! address, DNS groups and InferencePools, each with its models, limits
-//! and cache shape.
+//! address, DNS groups and InferencePools, each with its models, limits,
+//! cache shape and role in disaggregated serving.
 
 use inferrail_policy::Prefill;
 use serde::{Deserialize, Serialize};
@@ -22,6 +22,41 @@ impl Default for Limits {
     }
 }
 
+/// A replica's part in disaggregated prefill and decode (its engine's
+/// NixlConnector `kv_role`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Whole requests, and either leg of a disaggregated one.
+    #[default]
+    Both,
+    /// Only prefill legs: it computes prompts for decoders to read.
+    Prefill,
+    /// Whole requests and decode legs, never a prefill leg.
+    Decode,
+}
+
+impl Role {
+    /// It may compute a prefill leg.
+    pub fn prefills(self) -> bool {
+        self != Role::Decode
+    }
+
+    /// It may serve a whole request or a decode leg.
+    pub fn decodes(self) -> bool {
+        self != Role::Prefill
+    }
+
+    /// Its name in the YAML and in metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
 /// What a replica serves and takes (for a DNS group or a pool, each of
 /// its members): its models, limits and cache shape.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -40,6 +75,8 @@ pub struct Serving {
     /// Its engine's prefill cost, as `inferrail-calibrate` fits it, for a
     /// fleet whose engines differ; unset, its model's `policies.prefill`.
     pub prefill: Option<Prefill>,
+    /// Its role in disaggregated serving.
+    pub role: Role,
 }
 
 impl Default for Serving {
@@ -52,6 +89,7 @@ impl Default for Serving {
             block_size: None,
             kv_blocks: None,
             prefill: None,
+            role: Role::Both,
         }
     }
 }

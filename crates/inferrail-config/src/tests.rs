@@ -236,3 +236,18 @@ proptest::proptest! {
         let _ = Config::parse(&text);
     }
 }
+
+#[test]
+fn a_model_needs_a_replica_that_decodes_beside_its_prefill_only_ones() {
+    let only_prefill = "
+models: [{name: m}]
+replicas:
+  - {id: p, address: 127.0.0.1:8001, models: [m], role: prefill}
+";
+    let e = Config::parse(only_prefill).unwrap_err().to_string();
+    assert!(e.contains("no replica or discovery group serves \"m\""), "{e}");
+    let pair = format!("{only_prefill}  - {{id: d, address: 127.0.0.1:8002, models: [m], role: decode}}\n");
+    let c = Config::parse(&pair).unwrap();
+    assert_eq!(c.replicas.iter().map(|r| r.serving.role).collect::<Vec<_>>(), [Role::Prefill, Role::Decode]);
+    assert!(Config::parse(&only_prefill.replace("prefill}", "sideways}")).is_err());
+}

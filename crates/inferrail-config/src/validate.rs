@@ -43,6 +43,9 @@ impl Config {
         if self.retry.fallbacks > 8 {
             p.push(format!("retry.fallbacks: {} is more than 8", self.retry.fallbacks));
         }
+        if self.retry.prefill_timeout_ms == 0 {
+            p.push("retry.prefill_timeout_ms: must be at least 1".into());
+        }
         let h = &self.health;
         if h.probe_interval_ms == 0 || h.probe_timeout_ms == 0 || h.base_ejection_ms == 0 {
             p.push("health: probe_interval_ms, probe_timeout_ms and base_ejection_ms must be at least 1".into());
@@ -170,7 +173,10 @@ impl Config {
         }
         for (i, m) in self.models.iter().enumerate() {
             if !m.name.is_empty() && !served.contains(m.name.as_str()) {
-                p.push(format!("models[{i}]: no replica or discovery group serves {:?}", m.name));
+                p.push(format!(
+                    "models[{i}]: no replica or discovery group serves {:?} (a prefill-only replica needs a decode or both one beside it)",
+                    m.name
+                ));
             }
         }
         p
@@ -178,14 +184,17 @@ impl Config {
 }
 
 impl Serving {
-    /// Its problems, at path `at`; the models it names go into `served`.
+    /// Its problems, at path `at`; the models it names go into `served`
+    /// unless it only prefills.
     fn check<'a>(&'a self, p: &mut Vec<String>, at: &str, known: &HashSet<&str>, served: &mut HashSet<&'a str>) {
         if self.models.is_empty() {
             p.push(format!("{at}.models: serves no model"));
         }
         for (j, m) in self.models.iter().enumerate() {
             if known.contains(m.as_str()) {
-                served.insert(m);
+                if self.role.decodes() {
+                    served.insert(m);
+                }
             } else {
                 p.push(format!("{at}.models[{j}]: {m:?} is not a configured model name"));
             }

@@ -42,6 +42,7 @@ pub fn params(s: f64) -> Params {
         ..Params::default()
     };
     p.cost_model.decode_interference_ms = l.decode_seq_us * 1e-3;
+    p.kv_transfer.block_us = l.transfer_block_us;
     p
 }
 

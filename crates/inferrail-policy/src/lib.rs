@@ -233,6 +233,10 @@ pub enum SetAside {
     Draining,
     /// Kept for more urgent bands: the request's band may use only part of the replicas.
     KeptForUrgent,
+    /// Its role does not take this leg: a prefill-only replica for a whole
+    /// request or a decode leg, a decode-only one (or the decode leg's own
+    /// replica) for a prefill leg.
+    Role,
 }
 
 impl SetAside {
@@ -247,6 +251,7 @@ impl SetAside {
             Self::OutsideSubset => "outside_subset",
             Self::Draining => "draining",
             Self::KeptForUrgent => "kept_for_urgent",
+            Self::Role => "role",
         }
     }
 }
@@ -476,6 +481,30 @@ pub struct Params {
     pub dynamo_kv: dynamo_kv::Config,
     /// `gie_default`.
     pub gie_default: gie_default::Config,
+    /// Moving KV between a prefill and a decode replica.
+    pub kv_transfer: KvTransfer,
+}
+
+/// What moving a prompt's KV from a prefill replica to a decode replica costs.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct KvTransfer {
+    /// Microseconds per KV block moved (the decode replica reads the blocks it lacks).
+    pub block_us: f64,
+}
+
+impl Default for KvTransfer {
+    fn default() -> Self {
+        // A 16-token block of an 8B model's KV, 2 MiB in 16 bits, over a 20 GB/s link.
+        Self { block_us: 100.0 }
+    }
+}
+
+impl KvTransfer {
+    /// Seconds to move `blocks` blocks.
+    pub fn secs(&self, blocks: usize) -> f64 {
+        self.block_us * 1e-6 * blocks as f64
+    }
 }
 
 impl Params {
@@ -483,6 +512,9 @@ impl Params {
     pub fn validate(&self, at: &str) -> Vec<String> {
         let mut p = Vec::new();
         self.prefill.validate(&format!("{at}.prefill"), &mut p);
+        if !(self.kv_transfer.block_us.is_finite() && self.kv_transfer.block_us >= 0.0) {
+            p.push(format!("{at}.kv_transfer.block_us: {} is not a non-negative number", self.kv_transfer.block_us));
+        }
         self.cost_model.validate(&format!("{at}.cost_model"), &mut p);
         self.kv_aware.validate(&format!("{at}.kv_aware"), &mut p);
         self.prefix_hash.validate(&format!("{at}.prefix_hash"), &mut p);

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize,
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
-use inferrail_config::{CacheShape, Health as HealthConfig, Limits, ReplicaKvEvents};
+use inferrail_config::{CacheShape, Health as HealthConfig, Limits, ReplicaKvEvents, Role};
 use inferrail_kv::index::Slot;
 use inferrail_kv::mode::{Mode, Reason};
 use inferrail_policy::{Candidate, Own, Prefill, Share};
@@ -32,6 +32,8 @@ pub struct Replica {
     max_pending: AtomicU32,
     /// Its engine's prefill cost when configured for it (else its model's).
     prefill: RwLock<Option<Prefill>>,
+    /// Its role in disaggregated serving.
+    role: RwLock<Role>,
     /// Its slot in the KV index.
     pub slot: Slot,
     /// Its KV cache shape as configured.
@@ -97,6 +99,11 @@ impl Fleet {
     pub fn serving(&self, m: usize) -> &[Arc<Replica>] {
         self.per_model.get(m).map_or(&[], Vec::as_slice)
     }
+
+    /// Whether model `m` is served disaggregated: some replica of it only prefills.
+    pub fn disaggregated(&self, m: usize) -> bool {
+        self.serving(m).iter().any(|r| r.role() == Role::Prefill)
+    }
 }
 
 fn mode_code(mode: Mode) -> u8 {
@@ -119,6 +126,7 @@ impl Replica {
             max_concurrency: AtomicU32::new(limits.max_concurrency),
             max_pending: AtomicU32::new(limits.max_pending),
             prefill: RwLock::new(None),
+            role: RwLock::new(Role::Both),
             slot,
             cache,
             kv_events: None,
@@ -159,6 +167,16 @@ impl Replica {
     /// Takes its engine's prefill cost (at start or on a reload; `None`: its model's).
     pub fn set_prefill(&self, prefill: Option<Prefill>) {
         *self.prefill.write().unwrap_or_else(|p| p.into_inner()) = prefill;
+    }
+
+    /// Its role in disaggregated serving.
+    pub fn role(&self) -> Role {
+        *self.role.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Takes its role (at start or on a reload).
+    pub fn set_role(&self, role: Role) {
+        *self.role.write().unwrap_or_else(|p| p.into_inner()) = role;
     }
 
     /// How its KV index entry is known.

@@ -29,6 +29,11 @@ pub fn mirror_id(decider: u64, id: &str) -> String {
     format!("{decider:016x}/{id}")
 }
 
+/// The id a split request's prefill leg is heard under: its own, then `/prefill`.
+pub fn prefill_id(id: &str) -> String {
+    format!("{id}/prefill")
+}
+
 /// What one event did, for the service to act on.
 #[derive(Debug)]
 pub struct Heard {

@@ -11,7 +11,9 @@
 //! generator, and its state moves only on commit. Committing takes the lease
 //! on the winner, queues the prefill it will cost there, advances the
 //! generator, tells the policy its pick and records the prompt in the KV
-//! index; [`Core::decide`] plans and commits in one turn per model. After
+//! index; [`Core::decide`] plans and commits in one turn per model. On a
+//! model served disaggregated, [`pair`] plans the prefill leg too and says
+//! whether the request is split; committing a split one leases both. After
 //! the decision, [`lifecycle`] is the request's life as a pure state machine
 //! fed by whatever transport hears of it, and [`ledger`] keeps the requests
 //! in flight and applies what their lives call for. In the path one
@@ -26,10 +28,11 @@ pub mod fleet;
 pub mod kv;
 pub mod ledger;
 pub mod lifecycle;
+pub mod pair;
 pub mod plan;
 
-pub use plan::{Committed, Decided, Hold, Plan, Shadow, View};
-use plan::{Pick, available, keep_for_urgent, most_common_block_size, restrict};
+pub use plan::{Committed, Decided, Hold, Leg, Plan, Shadow, View};
+use plan::{Pick, Side, available, keep_for_urgent, most_common_block_size, restrict};
 
 use std::sync::{Arc, Mutex};
 
@@ -40,7 +43,9 @@ use inferrail_config::Config;
 use inferrail_kv::mode::{Mode, Reason};
 pub use inferrail_policy::Share;
 use inferrail_policy::panicking;
-use inferrail_policy::{Candidate, EngineReport, NoReplica, Params, Request, RoutingPolicy, SetAside, TextKind, eligibility, rank};
+use inferrail_policy::{
+    Candidate, EngineReport, NoReplica, Params, Prefill, Request, RoutingPolicy, SetAside, TextKind, eligibility, rank,
+};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -73,6 +78,9 @@ pub struct ModelRoute {
     /// Its policy's parameters (the prefill cost among them).
     pub params: Params,
     policy: Box<dyn RoutingPolicy>,
+    /// The same policy with its own state, for split requests' prefill legs:
+    /// the prefill replicas are a pool of their own (their turns, their shares).
+    prefill_policy: Box<dyn RoutingPolicy>,
     /// A policy that plans every decision alongside and sends nothing.
     shadow: Option<Box<dyn RoutingPolicy>>,
     rng: Mutex<StdRng>,
@@ -99,6 +107,7 @@ fn model_route(config: &Config, i: usize, slot: usize) -> Result<ModelRoute, Bad
         name: m.name.clone(),
         aliases: m.aliases.clone(),
         policy: inferrail_policy::build(m.policy, &params),
+        prefill_policy: inferrail_policy::build(m.policy, &params),
         shadow: m.shadow_policy.map(|kind| inferrail_policy::build(kind, &params)),
         params,
         rng: Mutex::new(StdRng::seed_from_u64(config.routing.seed.wrapping_add(slot as u64))),
@@ -236,7 +245,8 @@ impl Core {
     ) -> Result<Plan, NoReplica> {
         let model = self.model(view.model);
         let rng = model.rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        available(self.plan_best(&model, view, fleet, reports, now, Pick { k: 1 + self.fallbacks, rng }))
+        let pick = Pick { side: Side::Whole, k: 1 + self.fallbacks, rng };
+        available(self.plan_best(&model, view, fleet, reports, now, pick)).map(|p| self.pair(&model, view, reports, p))
     }
 
     /// [`Core::plan`], with every offered replica in the order, and a plan
@@ -245,7 +255,8 @@ impl Core {
     pub fn plan_all(&self, view: &View, fleet: &Arc<Fleet>, reports: &dyn Fn(&Replica) -> Option<Report>, now: Duration) -> Plan {
         let model = self.model(view.model);
         let rng = model.rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        self.plan_best(&model, view, fleet, reports, now, Pick { k: usize::MAX, rng })
+        let plan = self.plan_best(&model, view, fleet, reports, now, Pick { side: Side::Whole, k: usize::MAX, rng });
+        if plan.unavailable.is_some() { plan } else { self.pair(&model, view, reports, plan) }
     }
 
     /// Plans and commits as one step. Decisions for one model take turns
@@ -280,7 +291,8 @@ impl Core {
         // One model throughout, even if a reload swaps the models meanwhile.
         let model = self.model(view.model);
         let mut rng = model.rng.lock().unwrap_or_else(|p| p.into_inner());
-        let mut plan = available(self.plan_best(&model, view, fleet, reports, now, Pick { k: 1 + self.fallbacks, rng: rng.clone() }))?;
+        let pick = Pick { side: Side::Whole, k: 1 + self.fallbacks, rng: rng.clone() };
+        let mut plan = self.pair(&model, view, reports, available(self.plan_best(&model, view, fleet, reports, now, pick))?);
         if !admit(&plan) {
             return Ok(Decided::Held(plan));
         }
@@ -296,7 +308,7 @@ impl Core {
         fleet: &Arc<Fleet>,
         reports: &dyn Fn(&Replica) -> Option<Report>,
         now: Duration,
-        Pick { k, rng }: Pick,
+        Pick { side, k, rng }: Pick,
     ) -> Plan {
         let replicas = fleet.serving(view.model);
         let places: Vec<Place> = replicas.iter().map(|r| self.place(r)).collect();
@@ -319,6 +331,12 @@ impl Core {
         let mut aside = vec![None; candidates.len()];
         let unavailable = eligibility(&candidates, &mut aside)
             .and_then(|()| restrict(replicas, &mut aside, Replica::draining, SetAside::Draining, NoReplica::AllDraining))
+            .and_then(|()| match side {
+                Side::Whole => restrict(replicas, &mut aside, |r| !r.role().decodes(), SetAside::Role, NoReplica::NoneServe),
+                Side::Prefill(decoder) => {
+                    restrict(replicas, &mut aside, |r| !r.role().prefills() || r.id == decoder.id, SetAside::Role, NoReplica::NoneServe)
+                }
+            })
             .and_then(|()| match view.subset {
                 Some(subset) => {
                     restrict(replicas, &mut aside, |r| !subset.contains(&r.addr), SetAside::OutsideSubset, NoReplica::NoneInSubset)
@@ -343,6 +361,7 @@ impl Core {
             unavailable,
             prediction: view.prediction.clone(),
             shadow: None,
+            pd: None,
             eligible: Vec::new(),
             session: view.session.map(str::to_owned),
             text: view.text.map(str::to_owned),
@@ -355,7 +374,11 @@ impl Core {
             return plan;
         }
         let mut rng = plan.rng.clone();
-        let ranked = rank(model.policy.as_ref(), &plan.request(), &plan.candidates, aside.clone(), k, &mut rng);
+        let policy = match side {
+            Side::Whole => model.policy.as_ref(),
+            Side::Prefill(_) => model.prefill_policy.as_ref(),
+        };
+        let ranked = rank(policy, &plan.request(), &plan.candidates, aside.clone(), k, &mut rng);
         plan.rng = rng;
         plan.eligible = aside;
         plan.set_aside = ranked.set_aside;
@@ -365,6 +388,31 @@ impl Core {
         plan.steer = if panicking(&plan.candidates) { Some("panic") } else { ranked.steer };
         plan.waived = ranked.waived;
         plan
+    }
+
+    /// On a model served disaggregated, plans the prefill leg of the request
+    /// `whole` plans and says whether it is split ([`pair`]); `whole` as it
+    /// is otherwise. The prefill plan draws from `whole`'s generator after it.
+    fn pair(&self, model: &ModelRoute, view: &View, reports: &dyn Fn(&Replica) -> Option<Report>, mut whole: Plan) -> Plan {
+        if !whole.fleet.disaggregated(view.model) {
+            return whole;
+        }
+        let decoder = whole.winner().clone();
+        let pick = Pick { side: Side::Prefill(&decoder), k: 1 + self.fallbacks, rng: whole.rng.clone() };
+        let prefill = self.plan_best(model, view, &whole.fleet, reports, whole.now, pick);
+        let (price, why) = if prefill.unavailable.is_some() {
+            (pair::Price::default(), pair::Why::NoPrefillReplica)
+        } else if whole.prediction.is_none() {
+            (pair::Price::default(), pair::Why::Untokenized)
+        } else {
+            let price = pair::price(&whole, &prefill, &model.params, model.params.prefill);
+            (price, pair::choose(model.policy.name(), &price))
+        };
+        if why.split() {
+            whole.rng.clone_from(&prefill.rng);
+        }
+        whole.pd = Some(Box::new(pair::Pd { prefill, price, why }));
+        whole
     }
 
     /// What the model's shadow policy would have picked for a plan the live
@@ -392,26 +440,47 @@ impl Core {
         model.policy.picked(&plan.request(), &plan.candidates, winner);
         rng.clone_from(&plan.rng);
         let won = plan.winner();
+        let split = plan.split();
+        // A split request's decode replica reads its prompt rather than computing it.
+        let hold = self.hold_for(plan, winner, model.params.prefill, !split);
+        let lease = self.hold(plan.model, won, &Hold { estimate: plan.ttft(model.params.prefill), ..hold }, plan.now, true);
+        let (targets, cached_tokens) = self.targets(plan);
+        let prefill = plan.pd.as_deref().filter(|_| split).map(|pd| {
+            let leg = &pd.prefill;
+            model.prefill_policy.picked(&leg.request(), &leg.candidates, leg.order[0]);
+            let hold = self.hold_for(leg, leg.order[0], model.params.prefill, true);
+            let lease = self.hold(leg.model, leg.winner(), &hold, leg.now, true);
+            let (targets, cached_tokens) = self.targets(leg);
+            Leg { lease, targets, cached_tokens }
+        });
+        Committed { lease, targets, cached_tokens, prefill }
+    }
+
+    /// What a request holds on `plan`'s candidate `i`: its prefill there
+    /// when it `computes` one, the free room its prompt takes but for the
+    /// cached blocks requests in flight hold, its prompt's record.
+    fn hold_for(&self, plan: &Plan, i: usize, model_prefill: Prefill, computes: bool) -> Hold {
         let prompt_tokens = plan.prompt_tokens();
-        let c = &plan.candidates[winner];
-        let prefill = c.prompt_prefill_secs(model.params.prefill, prompt_tokens, c.cached_tokens);
-        // It takes free room for its prompt but the cached blocks requests in flight hold.
-        let held = c.held_cached_tokens;
-        let hold = Hold {
+        let c = &plan.candidates[i];
+        let prefill = if computes { c.prompt_prefill_secs(model_prefill, prompt_tokens, c.cached_tokens) } else { 0.0 };
+        Hold {
             prompt_tokens,
             prefill: Duration::from_secs_f64(prefill),
-            estimate: plan.estimate(winner, model.params.prefill),
-            kv_tokens: prompt_tokens.map_or(0, |n| n.saturating_sub(held)) as u64,
+            estimate: plan.estimate(i, model_prefill),
+            kv_tokens: prompt_tokens.map_or(0, |n| n.saturating_sub(c.held_cached_tokens)) as u64,
             prediction: plan.prediction.clone(),
-        };
-        let lease = self.hold(plan.model, won, &hold, plan.now, true);
+        }
+    }
+
+    /// A plan's winner and fallbacks, with their predicted cached tokens.
+    fn targets(&self, plan: &Plan) -> (Vec<Arc<Replica>>, Vec<usize>) {
         let picked = &plan.order[..plan.order.len().min(1 + self.fallbacks)];
-        let targets: Vec<Arc<Replica>> = picked.iter().map(|&i| plan.replica(i).clone()).collect();
+        let targets = picked.iter().map(|&i| plan.replica(i).clone()).collect();
         let cached_tokens = match &plan.prediction {
             Some(_) => picked.iter().map(|&i| plan.candidates[i].cached_tokens).collect(),
             None => Vec::new(),
         };
-        Committed { lease, targets, cached_tokens }
+        (targets, cached_tokens)
     }
 
     /// Takes what a decision holds on `replica` for model `model`, decided

@@ -14,6 +14,7 @@ use rand::rngs::StdRng;
 use crate::Report;
 use crate::fleet::{Fleet, Lease, Replica};
 use crate::kv::{Place, Prediction};
+use crate::pair::Pd;
 
 /// What a model's shadow policy would have done with one request.
 #[derive(Debug, Clone)]
@@ -28,8 +29,10 @@ pub struct Shadow {
     pub agreed: bool,
 }
 
-/// How many replicas a plan orders, and the draws its policy may use.
-pub(crate) struct Pick {
+/// What a plan picks for: its leg, how many replicas it orders, and the
+/// draws its policy may use.
+pub(crate) struct Pick<'a> {
+    pub(crate) side: Side<'a>,
     pub(crate) k: usize,
     pub(crate) rng: StdRng,
 }
@@ -90,6 +93,9 @@ pub struct Plan {
     pub prediction: Option<Arc<Prediction>>,
     /// Its shadow policy's choice, when the model has one (decisions only).
     pub shadow: Option<Shadow>,
+    /// On a disaggregated model: the prefill leg's plan and whether the
+    /// request is split (this plan's winner then decodes).
+    pub pd: Option<Box<Pd>>,
     /// Which candidates any policy could be offered (the rest not eligible).
     pub(crate) eligible: Vec<Option<SetAside>>,
     pub(crate) session: Option<String>,
@@ -132,6 +138,20 @@ impl Plan {
         Duration::from_secs_f64(c.ttft_secs(model_prefill, self.prompt_tokens(), c.cached_tokens))
     }
 
+    /// The request's estimated time to first token as decided: split, the
+    /// pair's (prefill, transfer, the decode replica's queue); else the winner's.
+    pub fn ttft(&self, model_prefill: Prefill) -> Duration {
+        match self.pd.as_deref().filter(|pd| pd.split()) {
+            Some(pd) => Duration::from_secs_f64(pd.price.split_ttft()),
+            None => self.estimate(self.order[0], model_prefill),
+        }
+    }
+
+    /// Whether the request is split into a prefill and a decode leg.
+    pub fn split(&self) -> bool {
+        self.pd.as_deref().is_some_and(Pd::split)
+    }
+
     pub(crate) fn request(&self) -> Request<'_> {
         Request {
             now: self.now,
@@ -162,6 +182,28 @@ pub struct Committed {
     pub targets: Vec<Arc<Replica>>,
     /// Predicted cached prompt tokens on each target, when the prompt was tokenized.
     pub cached_tokens: Vec<usize>,
+    /// A split request's prefill leg.
+    pub prefill: Option<Leg>,
+}
+
+/// A split request's prefill leg, committed.
+#[derive(Debug)]
+pub struct Leg {
+    /// Its lease on the prefill replica.
+    pub lease: Arc<Lease>,
+    /// The prefill replica first, then the fallbacks.
+    pub targets: Vec<Arc<Replica>>,
+    /// Predicted cached prompt tokens on each, when the prompt was tokenized.
+    pub cached_tokens: Vec<usize>,
+}
+
+/// Which leg a plan is made for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Side<'a> {
+    /// The whole request, or a split one's decode leg: replicas that decode.
+    Whole,
+    /// A split request's prefill leg: replicas that prefill, but this one (its decode replica).
+    Prefill(&'a Replica),
 }
 
 /// What a decision holds on its replica besides the slot ([`Core::hold`], [`Lease::hold`]).

@@ -377,3 +377,86 @@ fn a_shadow_policy_plans_alongside_and_changes_nothing_the_live_one_does() {
         committed.lease.release();
     }
 }
+
+/// Model `m` on a prefill-only replica `p` and a decode-only one `d`, under `policy`.
+fn disaggregated(policy: &str) -> (Core, Arc<Fleet>) {
+    let (core, fleet) = core(policy, 2);
+    let roles = [inferrail_config::Role::Prefill, inferrail_config::Role::Decode];
+    for (r, role) in fleet.serving(0).iter().zip(roles) {
+        r.set_role(role);
+    }
+    (core, fleet)
+}
+
+#[test]
+fn cost_model_splits_a_request_only_when_its_prefill_would_stall_the_decoders_more_than_the_transfer_costs() {
+    let (core, fleet) = disaggregated("cost_model");
+    let (p, d) = (fleet.serving(0)[0].clone(), fleet.serving(0)[1].clone());
+    assert!(fleet.disaggregated(0));
+    // Idle: the decode replica computes the prompt itself; moving it would only add the transfer.
+    let first = prompt(0, 2_000);
+    let (plan, whole) = core.decide(&view(&core, &fleet, &first), &fleet, NONE, Duration::ZERO).unwrap();
+    let pd = plan.pd.as_deref().expect("a disaggregated model is priced both ways");
+    assert_eq!((pd.why, whole.targets[0].id.as_str()), (pair::Why::Dearer, d.id.as_str()));
+    assert!(whole.prefill.is_none());
+    assert_eq!(pd.price.transfer_blocks, 125, "2,000 tokens in 16-token blocks, none on the decoder");
+    assert_eq!(plan.set_aside[0], Some(SetAside::Role), "a prefill-only replica never takes a whole request");
+    // Now it decodes that request: another prompt's prefill there would stall it.
+    whole.lease.first_byte();
+    let second = prompt(50_000, 2_000);
+    let (plan, split) = core.decide(&view(&core, &fleet, &second), &fleet, NONE, Duration::from_millis(1)).unwrap();
+    let pd = plan.pd.as_deref().unwrap();
+    assert_eq!(pd.why, pair::Why::Cheaper, "{:?}", pd.price);
+    assert!(pd.price.split() < pd.price.whole());
+    assert!((pd.price.whole_stall - pd.price.whole_ttft).abs() < 1e-9, "one decoding request waits out the whole prefill");
+    let leg = split.prefill.as_ref().expect("a split request has a prefill leg");
+    assert_eq!((leg.targets[0].id.as_str(), split.targets[0].id.as_str()), (p.id.as_str(), d.id.as_str()));
+    assert_eq!(split.lease.hold().prefill, Duration::ZERO, "the decoder reads the prompt");
+    assert!(leg.lease.hold().prefill > Duration::ZERO, "the prefill replica computes it");
+    assert_eq!(plan.ttft(core.model(0).params.prefill), Duration::from_secs_f64(pd.price.split_ttft()));
+    // Both will hold the prompt.
+    let after = core.plan(&view(&core, &fleet, &second), &fleet, NONE, Duration::from_millis(2)).unwrap();
+    assert_eq!(after.candidates[1].cached_tokens, 1_984, "the decoder, to the last full block before the last token");
+    let prefill_plan = &after.pd.as_deref().unwrap().prefill;
+    assert_eq!(prefill_plan.candidates[0].cached_tokens, 1_984, "the prefill replica too");
+}
+
+#[test]
+fn a_policy_without_times_always_splits_and_a_model_without_prefill_replicas_is_never_priced() {
+    let (split, fleet) = disaggregated("round_robin");
+    for i in 0..3 {
+        let (plan, c) = split.decide(&view(&split, &fleet, &prompt(i * 10_000, 100)), &fleet, NONE, Duration::ZERO).unwrap();
+        assert_eq!(plan.pd.as_deref().map(|pd| pd.why), Some(pair::Why::Always));
+        assert_eq!(c.prefill.as_ref().map(|l| l.targets[0].id.as_str()), Some("r0"));
+        assert_eq!(c.targets[0].id, "r1");
+    }
+    let (aggregated, fleet) = self::core("cost_model", 2);
+    let (plan, c) = aggregated.decide(&view(&aggregated, &fleet, &prompt(0, 100)), &fleet, NONE, Duration::ZERO).unwrap();
+    assert!(plan.pd.is_none() && c.prefill.is_none());
+}
+
+#[test]
+fn with_its_prefill_replica_unavailable_a_request_runs_whole() {
+    let (core, fleet) = disaggregated("round_robin");
+    fleet.serving(0)[0].set_draining(true);
+    let (plan, c) = core.decide(&view(&core, &fleet, &prompt(0, 100)), &fleet, NONE, Duration::ZERO).unwrap();
+    assert_eq!(plan.pd.as_deref().map(|pd| pd.why), Some(pair::Why::NoPrefillReplica));
+    assert!(c.prefill.is_none());
+    assert_eq!(c.targets[0].id, "r1");
+}
+
+#[test]
+fn round_robin_takes_turns_in_each_pool_of_a_split_fleet() {
+    let (core, fleet) = self::core("round_robin", 4);
+    let roles =
+        [inferrail_config::Role::Prefill, inferrail_config::Role::Prefill, inferrail_config::Role::Decode, inferrail_config::Role::Decode];
+    for (r, role) in fleet.serving(0).iter().zip(roles) {
+        r.set_role(role);
+    }
+    let mut pairs = Vec::new();
+    for i in 0..4 {
+        let (_, c) = core.decide(&view(&core, &fleet, &prompt(i * 10_000, 100)), &fleet, NONE, Duration::ZERO).unwrap();
+        pairs.push(format!("{}>{}", c.prefill.as_ref().map_or("-", |l| l.targets[0].id.as_str()), c.targets[0].id));
+    }
+    assert_eq!(pairs, ["r0>r2", "r1>r3", "r0>r2", "r1>r3"]);
+}

@@ -43,6 +43,19 @@ pub struct Decision {
     pub wants_usage: bool,
     /// How long it waited its turn in its model's queue.
     pub waited: Duration,
+    /// A split request's prefill leg; `targets` then decode it.
+    pub prefill: Option<PrefillLeg>,
+}
+
+/// A split request's prefill leg.
+#[derive(Debug)]
+pub struct PrefillLeg {
+    /// The id it is heard under ([`inferrail_route::ledger::prefill_id`]).
+    pub request_id: String,
+    /// The prefill replica first, then the fallbacks.
+    pub targets: Vec<Arc<Replica>>,
+    /// Predicted cached prompt tokens on each, when the prompt was tokenized.
+    pub cached_tokens: Vec<usize>,
 }
 
 /// What the model's policy would do with a request, and why.

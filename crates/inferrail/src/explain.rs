@@ -151,7 +151,31 @@ fn explanation(router: &Router, e: &Explained) -> pb::ExplainResponse {
     out.winner = plan.order.first().map(|&w| plan.replica(w).id.clone()).unwrap_or_default();
     out.fallbacks = plan.order.iter().skip(1).take(router.config().retry.fallbacks).map(|&i| plan.replica(i).id.clone()).collect();
     out.deciding_term = deciding_term(plan).to_string();
-    out.candidates = (0..plan.candidates.len())
+    out.candidates = candidates(plan);
+    out.disaggregation = plan.pd.as_deref().map(|pd| {
+        let leg = &pd.prefill;
+        let ms = |s: f64| s * 1e3;
+        pb::Disaggregation {
+            split: pd.split(),
+            why: pd.why.label().to_string(),
+            prefill_winner: leg.order.first().map(|&w| leg.replica(w).id.clone()).unwrap_or_default(),
+            prefill_fallbacks: leg.order.iter().skip(1).take(router.config().retry.fallbacks).map(|&i| leg.replica(i).id.clone()).collect(),
+            prefill_candidates: candidates(leg),
+            whole_ttft_ms: ms(pd.price.whole_ttft),
+            whole_stall_ms: ms(pd.price.whole_stall),
+            prefill_ttft_ms: ms(pd.price.prefill_ttft),
+            prefill_stall_ms: ms(pd.price.prefill_stall),
+            transfer_ms: ms(pd.price.transfer),
+            transfer_blocks: pd.price.transfer_blocks as u64,
+            decode_wait_ms: ms(pd.price.decode_wait),
+        }
+    });
+    out
+}
+
+/// Every replica serving the model as `plan` saw it.
+fn candidates(plan: &Plan) -> Vec<pb::Candidate> {
+    (0..plan.candidates.len())
         .map(|i| {
             let (c, r) = (&plan.candidates[i], plan.replica(i));
             let score = plan.scores[i];
@@ -180,8 +204,7 @@ fn explanation(router: &Router, e: &Explained) -> pb::ExplainResponse {
                 free_kv_tokens: c.free_kv_tokens(),
             }
         })
-        .collect();
-    out
+        .collect()
 }
 
 /// The term that put the winner furthest ahead of the runner-up: what a

@@ -37,6 +37,7 @@ pub mod explain;
 pub mod extproc;
 pub mod health;
 pub mod kv_events;
+pub mod legs;
 pub mod load;
 pub mod peers;
 pub mod prompt;

@@ -4,8 +4,9 @@
 //! with `raw_value`, as Envoy requires, and the decision span's
 //! `traceparent` when traces are on), dynamic metadata in namespaces
 //! `envoy.lb` (read by the override_host load balancer) and `inferrail` (read
-//! by the route to add response headers), and, when the model was rewritten,
-//! the new body. On a full-duplex stream the same decision answers the held
+//! by the route to add response headers: a split request's prefill replica
+//! among them), and, when the model was rewritten or a prefill leg ran, the
+//! new body. On a full-duplex stream the same decision answers the held
 //! request headers and the body is echoed back in chunks. Answers the router
 //! gives itself are ImmediateResponses in the OpenAI error shape vLLM uses.
 
@@ -231,6 +232,9 @@ fn decision_metadata(d: &Decision) -> Struct {
     if let (Some(n), Some(cached)) = (d.prompt_tokens, d.cached_tokens.first()) {
         ours.push(("prompt_tokens", string(&n.to_string())));
         ours.push(("cached_tokens", string(&cached.to_string())));
+    }
+    if let Some(leg) = &d.prefill {
+        ours.push(("prefill_replica", string(&leg.targets[0].id)));
     }
     Struct {
         fields: [("envoy.lb".to_string(), object([(DESTINATION, string(&targets(d)))])), ("inferrail".to_string(), object(ours))]

@@ -1,7 +1,8 @@
 //! What every request stream shares before the decision: the router's own
 //! answers (models, health, a wrong method or path) and the decision itself,
 //! asked of the router with the decision's span continuing the client's
-//! trace, waiting in the router's queue when admission says so.
+//! trace, waiting in the router's queue when admission says so; a split
+//! request's prefill leg is run before the decision goes back ([`legs`]).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,6 +15,7 @@ use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
 
 use crate::decision::Decision;
+use crate::legs;
 use crate::reply;
 use crate::request::{self, Endpoint, Head};
 use crate::router::{Caller, Router};
@@ -30,12 +32,16 @@ pub struct ExtProc {
     /// The router deciding.
     pub router: Arc<Router>,
     models_json: Arc<ArcSwap<String>>,
+    /// Sends split requests' prefill legs.
+    http: reqwest::Client,
 }
 
 impl ExtProc {
     /// Serves decisions from `router`; `models_json` is the `/v1/models` answer, kept fresh elsewhere.
     pub fn new(router: Arc<Router>, models_json: Arc<ArcSwap<String>>) -> Self {
-        Self { router, models_json }
+        // Without TLS the builder cannot fail; a default client would do the same.
+        let http = reqwest::Client::builder().pool_max_idle_per_host(64).build().unwrap_or_default();
+        Self { router, models_json, http }
     }
 
     /// The answer to a request the router serves itself (models, health, a
@@ -90,7 +96,13 @@ impl ExtProc {
             () = gone => return None,
         };
         Some(match decided {
-            Ok(d) => {
+            Ok(mut d) => {
+                if let Some(leg) = &d.prefill {
+                    // The prefill runs before the answer: Envoy waits for it past its message_timeout.
+                    let each = Duration::from_millis(self.router.config().retry.prefill_timeout_ms);
+                    on_wait(each * u32::try_from(leg.targets.len()).unwrap_or(u32::MAX));
+                }
+                legs::run(&self.router, &self.http, &mut d, body, &head.path).await;
                 let traceparent = traces.map(|t| t.decision(head.traceparent.as_deref(), started, &d));
                 Ok((d, traceparent))
             }

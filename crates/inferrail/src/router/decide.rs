@@ -14,12 +14,13 @@ use std::time::Duration;
 use inferrail_policy::NoReplica;
 use inferrail_route::fleet::{Fleet, Replica};
 use inferrail_route::kv::Prediction;
+use inferrail_route::ledger::prefill_id;
 use inferrail_route::{Committed, Decided, Plan, Share, View};
 use inferrail_tokenize::chat::Endpoint;
 
 use super::{Caller, Router};
 use crate::admission::{Asked, Placed, Shed, Ticket};
-use crate::decision::{Decision, Explained, RouteError};
+use crate::decision::{Decision, Explained, PrefillLeg, RouteError};
 use crate::peers::wire;
 use crate::request;
 
@@ -114,6 +115,13 @@ impl Router {
         }
         let key = self.ledger.insert(request_id, committed.lease.clone(), self.now());
         let wants_usage = self.admission.decided(&placed, &key);
+        let prefill = committed.prefill.map(|leg| {
+            let id = self.ledger.insert(&prefill_id(&key), leg.lease.clone(), self.now());
+            if self.peers.any() {
+                self.peers.tell_all(wire::decided(&self.core, &id, &leg.lease, read.session.as_deref()));
+            }
+            PrefillLeg { request_id: id, targets: leg.targets, cached_tokens: leg.cached_tokens }
+        });
         if self.peers.any() {
             self.peers.tell_all(wire::decided(&self.core, &key, &committed.lease, read.session.as_deref()));
         }
@@ -134,6 +142,7 @@ impl Router {
             decider: self.peers.id,
             wants_usage,
             waited,
+            prefill,
         })
     }
 
@@ -159,14 +168,14 @@ impl Router {
                 None => self.admission.clear_for(read.model, placed),
                 Some(t) => t.is_next(),
             };
-            let within = |plan: &Plan| !placed.misses(plan.estimate(plan.order[0], model_prefill));
+            let within = |plan: &Plan| !placed.misses(plan.ttft(model_prefill));
             let now = self.now();
             let estimate = match self.core.decide_if(&view, &read.fleet, &reports, now, &|plan| turn && within(plan)) {
                 Ok(Decided::Committed(plan, committed)) => {
                     let waited = ticket.map_or(Duration::ZERO, |t| t.admitted(now));
                     return Ok((plan, committed, waited));
                 }
-                Ok(Decided::Held(plan)) => Some(plan.estimate(plan.order[0], model_prefill)),
+                Ok(Decided::Held(plan)) => Some(plan.ttft(model_prefill)),
                 Err(NoReplica::AllFull) if placed.band.is_some() => None,
                 Err(e) => return Err(e.into()),
             };
@@ -197,8 +206,8 @@ impl Router {
         let plan =
             self.core.plan_all(&read.view(None, self.peers.share(), &placed), &read.fleet, &|r: &Replica| self.report(&r.id), self.now());
         let waiting_ahead = self.admission.ahead(read.model, &placed);
-        let busy = plan.unavailable == Some(NoReplica::AllFull)
-            || plan.order.first().is_some_and(|&w| placed.misses(plan.estimate(w, model.params.prefill)));
+        let busy =
+            plan.unavailable == Some(NoReplica::AllFull) || (!plan.order.is_empty() && placed.misses(plan.ttft(model.params.prefill)));
         let would_wait = placed.band.is_some() && (waiting_ahead > 0 || busy);
         Ok(Explained { requested: read.requested, no_prediction: read.no_prediction, plan, placed, waiting_ahead, would_wait })
     }

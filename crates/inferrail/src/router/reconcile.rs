@@ -125,6 +125,7 @@ impl ReplicaPlan<'_> {
                 Ok((kept, entry)) => {
                     kept.set_limits(entry.serving.limits());
                     kept.set_prefill(entry.serving.prefill);
+                    kept.set_role(entry.serving.role);
                     (kept, entry)
                 }
                 Err(j) => {
@@ -245,6 +246,7 @@ impl Router {
         let slot = self.core.kv.slot(&id);
         let r = Arc::new(Replica::new(id, addr, models, serving.limits(), serving.cache(), slot).with_kv_events(kv_events));
         r.set_prefill(serving.prefill);
+        r.set_role(serving.role);
         if self.hold_joiners.probe.load(std::sync::atomic::Ordering::Relaxed) {
             r.hold_until_probed(self.hold_joiners.eds.load(std::sync::atomic::Ordering::Relaxed));
         }

@@ -42,7 +42,8 @@ def observe_filter(envoy):
 
 class Fleet:
     def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
-                 kv_events=None, routers=1, filters=None, envoy_edit=None, peers=True, max_body_bytes=1 << 20):
+                 kv_events=None, routers=1, filters=None, envoy_edit=None, peers=True, max_body_bytes=1 << 20, roles=None,
+                 health="probe_interval_ms: 100, probe_timeout_ms: 300"):
         """`kv_events`, to publish and follow KV events: a dict with `bind`
         ("router": the router binds and the engines connect, vLLM's way with
         an IP endpoint; "engine": the engines bind `tcp://*:port` and the
@@ -55,7 +56,10 @@ class Fleet:
         text of http filters that stand in for envoy/local.yaml's inferrail
         filter and its access log (as a gateway would write them); `envoy_edit`, a
         function that changes the rest of the bootstrap's text. With
-        several `routers`, `peers` lists them to one another (ADR 0034)."""
+        several `routers`, `peers` lists them to one another (ADR 0034).
+        `roles`, each replica's role in disaggregated serving (`prefill`,
+        `decode`, `both`), its simulator then started with NixlConnector's
+        matching `kv_role`. `health`, the router's `health` fields (YAML flow text)."""
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
@@ -67,9 +71,11 @@ class Fleet:
         # (ext_proc, admin HTTP, admin gRPC) of each router; the first is self.grpc, self.admin, self.admin_grpc.
         self.routers = [(self.grpc, self.admin, self.admin_grpc)] + [tuple(ports[14 + 3 * k:17 + 3 * k]) for k in range(routers - 1)]
         self.kv_events = kv_events
+        self.roles = roles
         self.url = f"http://127.0.0.1:{self.listen}"
+        role = lambda i: f", role: {roles[i]}" if roles else ""
         replicas = "\n".join(
-            f"  - {{id: sim-{i + 1}, address: 127.0.0.1:{p}, models: [{MODEL}]{replica_extra}{self._replica_events(i)}}}"
+            f"  - {{id: sim-{i + 1}, address: 127.0.0.1:{p}, models: [{MODEL}]{replica_extra}{role(i)}{self._replica_events(i)}}}"
             for i, p in enumerate(self.sim_ports))
         if kv_events is not None:
             config_extra += f"kv_events: {{{kv_events.get('template', '')}}}\n"
@@ -83,7 +89,7 @@ class Fleet:
                 f"server: {{listen: 127.0.0.1:{grpc}, max_body_bytes: {max_body_bytes}, shutdown_grace_ms: 2000}}\n"
                 f"admin: {{listen: 127.0.0.1:{admin}, grpc_listen: 127.0.0.1:{admin_grpc}}}\n"
                 f"routing: {{seed: 7{routing}}}\n"
-                f"health: {{probe_interval_ms: 100, probe_timeout_ms: 300}}\n"
+                f"health: {{{health}}}\n"
                 f"{config_extra}"
                 f"models:\n  - {{name: {MODEL}, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}}}\n"
                 f"replicas:\n{replicas}\n")
@@ -144,11 +150,18 @@ class Fleet:
             flags += ["--kv-events-skip", e["skip"][i]]
         return flags
 
+    def _sim_transfer_flags(self, i):
+        """The simulator's NixlConnector, in the role its replica has."""
+        if not self.roles:
+            return []
+        kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[self.roles[i]]
+        return ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role})]
+
     def start_sim(self, i):
         port = self.sim_ports[i]
         self.procs[f"sim-{i + 1}"] = self._spawn(
-            f"sim-{i + 1}", [TARGET / "inferrail-sim", "--port", str(port), "--served-model-name", MODEL,
-                             "--enable-prompt-tokens-details", "--seed", str(i + 1), *self.sim_flags, *self._sim_events_flags(i)])
+            f"sim-{i + 1}", [TARGET / "inferrail-sim", "--port", str(port), "--served-model-name", MODEL, "--enable-prompt-tokens-details",
+                             "--seed", str(i + 1), *self.sim_flags, *self._sim_events_flags(i), *self._sim_transfer_flags(i)])
         wait_until(lambda: http("GET", f"http://127.0.0.1:{port}/health").status == 200, f"sim-{i + 1}")
 
     def start_router(self, k=0):

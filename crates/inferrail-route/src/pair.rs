@@ -1,0 +1,140 @@
+//! Disaggregated prefill and decode: whether a request runs whole on its
+//! decode replica or split across a prefill replica and it.
+//!
+//! A model some replica of which only prefills (`role: prefill`) is served
+//! disaggregated. Its request is planned twice: once whole, over the
+//! replicas that decode, whose winner `D` is the decode replica either way;
+//! then for its prefill leg, over the replicas that prefill, `D` set aside,
+//! whose winner is `P`. The two ways are priced in the seconds of latency
+//! the request adds, its own and the others' ([`price`]):
+//! - whole on `D`: its time to first token there (the prefill queued there
+//!   and its own), plus the stall its prefill puts on every request
+//!   decoding beside it (each waits out the prefill's steps);
+//! - split: its time to first token on `P`, the stall on `P`'s own
+//!   decoding requests, the transfer of the blocks `D` lacks
+//!   (`kv_transfer.block_us` each), and the prefill queued on `D`.
+//!
+//! `cost_model` splits only when that is cheaper: no token threshold, an
+//! idle decode replica keeps a short prompt, a busy one hands a long one
+//! off. A policy whose scores are not seconds splits whenever a prefill
+//! replica can take the leg, as the peer routers' disaggregated modes do.
+
+use inferrail_policy::{Params, Prefill};
+
+use crate::plan::Plan;
+
+/// Why a request runs whole or split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// Split: cheaper than whole.
+    Cheaper,
+    /// Whole: split would cost more.
+    Dearer,
+    /// Split: the policy's scores are not times, and it always splits.
+    Always,
+    /// Whole: no prefill replica can take the leg now.
+    NoPrefillReplica,
+    /// Whole: the prompt was not tokenized, so nothing can be priced.
+    Untokenized,
+}
+
+impl Why {
+    /// A short label for metrics and logs.
+    pub fn label(self) -> &'static str {
+        match self {
+            Why::Cheaper => "cheaper",
+            Why::Dearer => "dearer",
+            Why::Always => "always",
+            Why::NoPrefillReplica => "no_prefill_replica",
+            Why::Untokenized => "untokenized",
+        }
+    }
+
+    /// Whether the request is split.
+    pub fn split(self) -> bool {
+        matches!(self, Why::Cheaper | Why::Always)
+    }
+}
+
+/// The two ways priced, seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Price {
+    /// Whole on `D`: its time to first token there.
+    pub whole_ttft: f64,
+    /// Whole on `D`: the stall its prefill puts on `D`'s decoding requests.
+    pub whole_stall: f64,
+    /// Split: its time to first token on `P`.
+    pub prefill_ttft: f64,
+    /// Split: the stall on `P`'s decoding requests.
+    pub prefill_stall: f64,
+    /// Split: moving what `D` lacks.
+    pub transfer: f64,
+    /// Split: the blocks moved.
+    pub transfer_blocks: usize,
+    /// Split: the prefill queued on `D` before it takes the request.
+    pub decode_wait: f64,
+}
+
+impl Price {
+    /// Whole, all told.
+    pub fn whole(&self) -> f64 {
+        self.whole_ttft + self.whole_stall
+    }
+
+    /// Split, all told.
+    pub fn split(&self) -> f64 {
+        self.prefill_ttft + self.prefill_stall + self.transfer + self.decode_wait
+    }
+
+    /// The split request's time to first token.
+    pub fn split_ttft(&self) -> f64 {
+        self.prefill_ttft + self.transfer + self.decode_wait
+    }
+}
+
+/// A disaggregated model's second plan and the choice between the two.
+#[derive(Debug)]
+pub struct Pd {
+    /// The prefill leg's plan (its order empty when no replica can take it).
+    pub prefill: Plan,
+    /// The two ways priced (zero when not priced).
+    pub price: Price,
+    /// The choice, and why.
+    pub why: Why,
+}
+
+impl Pd {
+    /// Whether the request is split.
+    pub fn split(&self) -> bool {
+        self.why.split()
+    }
+}
+
+/// Prices the request of `whole` (planned whole, its winner `D`) against
+/// its prefill on `prefill`'s winner `P` and the transfer to `D`.
+pub fn price(whole: &Plan, prefill: &Plan, params: &Params, model_prefill: Prefill) -> Price {
+    let (d, p) = (&whole.candidates[whole.order[0]], &prefill.candidates[prefill.order[0]]);
+    let prompt = whole.prompt_tokens();
+    let block_size = whole.winner().block_size(whole.block_size()).max(1);
+    let lacking = prompt.unwrap_or(0).div_ceil(block_size).saturating_sub(d.cached_tokens / block_size);
+    Price {
+        whole_ttft: d.ttft_secs(model_prefill, prompt, d.cached_tokens),
+        whole_stall: d.prompt_prefill_secs(model_prefill, prompt, d.cached_tokens) * f64::from(d.running()),
+        prefill_ttft: p.ttft_secs(model_prefill, prompt, p.cached_tokens),
+        prefill_stall: p.prompt_prefill_secs(model_prefill, prompt, p.cached_tokens) * f64::from(p.running()),
+        transfer: params.kv_transfer.secs(lacking),
+        transfer_blocks: lacking,
+        decode_wait: d.queued_prefill_secs,
+    }
+}
+
+/// The choice for a priced request under `policy`.
+pub fn choose(policy: &str, price: &Price) -> Why {
+    if policy != "cost_model" {
+        Why::Always
+    } else if price.split() < price.whole() {
+        Why::Cheaper
+    } else {
+        Why::Dearer
+    }
+}

@@ -1,0 +1,100 @@
+"""Disaggregated prefill and decode through a real Envoy, the router running
+each split request's prefill leg itself: sim-1 (and sim-2 where said) only
+prefills, the others decode, speaking vLLM 0.32's NixlConnector protocol."""
+
+import json
+import re
+
+from harness import http, wait_until
+from test_explain import explain
+
+MODEL = "inferrail/sim-8b"
+
+
+def page_value(text, name):
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def sim_metric(fleet, i, name):
+    return page_value(http("GET", f"{fleet.sim_url(i)}/metrics").body.decode(), name)
+
+
+def long_chat(n, max_tokens=4, **extra):
+    words = " ".join(f"w{n}x{k}" for k in range(300))
+    return {"model": "sim", "messages": [{"role": "user", "content": words}], "max_tokens": max_tokens, **extra}
+
+
+def settled(fleet):
+    m = fleet.metrics()
+    return "inferrail_leases 0\n" in m and all(f'inferrail_replica_in_flight{{replica="sim-{i}"}} 0\n' in m for i in (1, 2, 3))
+
+
+def test_a_split_request_is_prefilled_on_one_replica_and_decoded_on_another(fleet_factory):
+    fleet = fleet_factory(policy="round_robin", roles=["prefill", "decode", "decode"])
+    # The fleet's first request (its start) was split too.
+    assert fleet.metric("inferrail_prefill_legs_total", 'outcome="split"') == 1
+    for n in range(4):
+        r = http("POST", f"{fleet.url}/v1/chat/completions", long_chat(n))
+        assert r.status == 200, r.body
+        assert r.headers.get("x-inferrail-prefill-replica") == "sim-1"
+        assert r.headers["x-inferrail-replica"] in ("sim-2", "sim-3")
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 4, "the decoder generates every token"
+        assert body["kv_transfer_params"] is None
+    # Streamed: the prefill leg is not, the client's stream is.
+    r = http("POST", f"{fleet.url}/v1/chat/completions", long_chat(9, stream=True, stream_options={"include_usage": True}))
+    assert r.status == 200 and r.headers.get("x-inferrail-prefill-replica") == "sim-1"
+    events = [json.loads(e) for e in re.findall(rb"^data: (\{.*\})$", r.body, re.M)]
+    assert events[-1]["usage"]["completion_tokens"] == 4
+    # The decoders read the prompts from sim-1, which kept nothing once read.
+    reads = sum(sim_metric(fleet, i, "vllm:nixl_xfer_time_seconds_count") for i in (1, 2))
+    assert reads == 6
+    wait_until(lambda: sim_metric(fleet, 0, "vllm:kv_cache_usage_perc") == 0.0, "sim-1's kept blocks freed")
+    assert fleet.metric("inferrail_prefill_legs_total", 'outcome="split"') == 6
+    wait_until(lambda: settled(fleet), "both legs' leases released")
+
+
+def test_a_prefill_replica_that_fails_is_followed_by_the_next_or_the_decoder_computes_alone(fleet_factory):
+    # Probes rare: the faults meet the prefill legs, not the health checks.
+    fleet = fleet_factory(policy="round_robin", roles=["prefill", "prefill", "decode"], health="probe_interval_ms: 600000")
+    # The first prefill replica answers 503: the leg moves to the second.
+    http("POST", f"{fleet.sim_url(0)}/_sim/fault", {"mode": "error", "status": 503})
+    served = set()
+    for n in range(4):
+        r = http("POST", f"{fleet.url}/v1/chat/completions", long_chat(n))
+        assert r.status == 200, r.body
+        assert r.headers["x-inferrail-replica"] == "sim-3"
+        served.add(r.headers.get("x-inferrail-prefill-replica"))
+    assert served == {"sim-2"}, served
+    assert fleet.metric("inferrail_prefill_leg_failures_total", 'reason="answer"') == 2, "the fault fired on sim-1's turns"
+    # Both prefill replicas gone: the decoder computes the prompt itself.
+    fleet.kill("sim-2")
+    http("POST", f"{fleet.sim_url(0)}/_sim/fault", {"mode": "refuse"})
+    for n in range(10, 13):
+        r = http("POST", f"{fleet.url}/v1/chat/completions", long_chat(n))
+        assert r.status == 200, r.body
+        assert "x-inferrail-prefill-replica" not in r.headers
+        assert r.json()["usage"]["completion_tokens"] == 4
+    assert fleet.metric("inferrail_prefill_legs_total", 'outcome="whole"') == 3
+    assert fleet.metric("inferrail_prefill_leg_failures_total", 'reason="no_answer"') == 6, "each leg tried both"
+    assert sim_metric(fleet, 2, "vllm:nixl_num_failed_transfers_total") == 0, "no decoder was sent a leg it could not read"
+    wait_until(lambda: settled(fleet), "every lease released")
+
+
+def test_cost_model_keeps_a_request_whole_on_an_idle_decoder(fleet_factory):
+    fleet = fleet_factory(policy="cost_model", roles=["prefill", "decode", "decode"])
+    r = http("POST", f"{fleet.url}/v1/chat/completions", long_chat(0))
+    assert r.status == 200
+    assert "x-inferrail-prefill-replica" not in r.headers, "moving the prompt only adds the transfer on an idle decoder"
+    assert r.headers["x-inferrail-replica"] in ("sim-2", "sim-3")
+    assert fleet.metric("inferrail_prefill_legs_total", 'outcome="split"') is None
+    # Explain names both legs and prices both ways.
+    e = explain(fleet, "/v1/chat/completions", long_chat(0))
+    pd = e["disaggregation"]
+    assert (pd["split"], pd["why"], pd["prefillWinner"]) == (False, "dearer", "sim-1"), pd
+    assert e["winner"] in ("sim-2", "sim-3")
+    assert [c["setAside"] for c in pd["prefillCandidates"]][1:] == ["role", "role"], "decoders never prefill"
+    assert next(c for c in e["candidates"] if c["id"] == "sim-1")["setAside"] == "role", "a prefill replica never runs a request whole"
+    assert int(pd["transferBlocks"]) == 1, "the winner holds the prompt it just served but its last block (the last token's)"
+    assert pd["prefillTtftMs"] > 0 and pd["wholeStallMs"] == 0
