@@ -34,9 +34,10 @@ use inferrail_workload::{self as workload, Kind, Spec};
 pub struct CompareArgs {
     /// Contenders: inferrail policies by name, and `<peer>:<policy>` for a
     /// peer router with one of its policies (`cache_aware`, `round_robin`):
-    /// `sglang` (PyPI `sglang-router`), `smg` and `vllm-router`; and
-    /// `vllm-router-pd:<policy>`, vLLM's router disaggregating each request
-    /// over the simulators split by `--prefill-replicas`.
+    /// `sglang` (PyPI `sglang-router`), `smg` and `vllm-router`; and on a
+    /// fleet split by `--prefill-replicas`, `pd:<policy>` for Inferrail
+    /// routing it disaggregated and `vllm-router-pd:<policy>` for vLLM's
+    /// router in its disaggregated mode.
     #[arg(
         long,
         value_delimiter = ',',
@@ -262,7 +263,8 @@ async fn start(
     prefill: &[Option<Prefill>],
 ) -> anyhow::Result<(Processes, Option<u64>)> {
     let peer = processes::Peer::of(contender);
-    let mut fleet = start_sims(args, logs, http, peer.is_some_and(|(p, _)| p.disaggregated())).await?;
+    let split = contender.strip_prefix("pd:");
+    let mut fleet = start_sims(args, logs, http, split.is_some() || peer.is_some_and(|(p, _)| p.disaggregated())).await?;
     let load_interval_ms = match peer {
         Some((peer, policy)) => {
             let (program, flags) = peer.command(&args.programs, ENTRY, policy, &SIMS, args.prefill_replicas, 19290);
@@ -278,11 +280,11 @@ async fn start(
             let mut parsed = None;
             for k in 0..routers {
                 let (yaml, config) = processes::router_config(
-                    contender,
+                    split.unwrap_or(contender),
                     &args.tokenizer,
                     seed,
                     ports(k),
-                    (&SIMS, prefill),
+                    (&SIMS, prefill, if split.is_some() { args.prefill_replicas } else { 0 }),
                     (args.time_scale, args.policy_params.as_ref()),
                     args.kv_events.then_some(&KV_EVENTS[..]),
                 )?;
@@ -373,7 +375,7 @@ pub async fn compare(args: CompareArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Each Inferrail policy's p99 TTFT against every other contender's on
+/// Each Inferrail policy's (aggregated or `pd:`) p99 TTFT against every other contender's on
 /// the same requests (ADR 0027), from every run in `dir`: the difference,
 /// its 95% bootstrap interval and the median per-request difference.
 /// Contenders whose runs do not pair (a request lost, or closed loops that
@@ -390,7 +392,7 @@ fn paired_rows(dir: &Path) -> anyhow::Result<Vec<String>> {
     }
     let mut rows = Vec::new();
     let mut done: Vec<(&str, &str, &str)> = Vec::new();
-    for ((workload, a), runs_a) in groups.iter().filter(|((_, c), _)| !c.contains(':')) {
+    for ((workload, a), runs_a) in groups.iter().filter(|((_, c), _)| processes::Peer::of(c).is_none()) {
         for ((_, b), runs_b) in groups.iter().filter(|((w, b), _)| w == workload && b != a) {
             // Each pair once: two Inferrail policies are compared one way.
             if done.contains(&(workload.as_str(), b.as_str(), a.as_str())) {
@@ -532,7 +534,7 @@ fn write_table(path: &Path, header: &str, rows: impl Iterator<Item = String>) ->
 }
 
 /// The engines' columns count the warmup too; the others only the measured requests.
-const HEADER: &str = "| contender | workload | ok / measured | completed/s | TTFT p50 ms | TTFT p99 ms | cached (usage) | cached (engines, with warmup) | busiest share (engines, with warmup) | goodput | predicted exactly (over / under) |\n|---|---|---|---|---|---|---|---|---|---|---|";
+const HEADER: &str = "| contender | workload | ok / measured | completed/s | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | cached (usage) | cached (engines, with warmup) | busiest share (engines, with warmup) | goodput | predicted exactly (over / under) |\n|---|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// One run as a Markdown table row.
 fn row(contender: &str, kind: Kind, m: &Measured) -> String {
@@ -544,13 +546,14 @@ fn row(contender: &str, kind: Kind, m: &Measured) -> String {
         n => format!("{:.1}% ({} / {})", p.exact as f64 * 100.0 / n as f64, p.over, p.under),
     };
     format!(
-        "| {contender} | {} | {} / {} | {:.2} | {:.0} | {:.0} | {} | {} | {} | {} | {predicted} |",
+        "| {contender} | {} | {} / {} | {:.2} | {:.0} | {:.0} | {:.1} | {} | {} | {} | {} | {predicted} |",
         format!("{kind:?}").to_lowercase(),
         s.ok,
         s.requests,
         s.requests_per_s,
         s.ttft.p50_ms,
         s.ttft.p99_ms,
+        s.tpot.p99_ms,
         pct(s.prefix.hit_rate),
         pct(m.engines.as_ref().and_then(|e| e.hit_rate)),
         pct(m.engines.as_ref().and_then(|e| e.busiest_share)),

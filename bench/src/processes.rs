@@ -171,7 +171,7 @@ pub fn router_config(
     tokenizer: &str,
     seed: u64,
     ports: RouterPorts,
-    (sims, prefill): (&[u16], &[Option<inferrail_policy::Prefill>]),
+    (sims, prefill, prefills): (&[u16], &[Option<inferrail_policy::Prefill>], usize),
     (time_scale, overrides): (f64, Option<&serde_json::Value>),
     kv_events: Option<&[KvEventPorts]>,
 ) -> anyhow::Result<(String, inferrail_config::Config)> {
@@ -185,10 +185,18 @@ pub fn router_config(
         Some(p) => format!(", prefill: {}", serde_json::to_string(&p).unwrap_or_default()),
         None => String::new(),
     };
+    // A disaggregated fleet: the first `prefills` only prefill, the rest decode.
+    let role = |i: usize| match (prefills, i < prefills) {
+        (0, _) => "",
+        (_, true) => ", role: prefill",
+        (_, false) => ", role: decode",
+    };
     let replicas: String = sims
         .iter()
         .enumerate()
-        .map(|(i, p)| format!("  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]{}{}}}\n", i + 1, cost(i), events(i)))
+        .map(|(i, p)| {
+            format!("  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]{}{}{}}}\n", i + 1, cost(i), events(i), role(i))
+        })
         .collect();
     let RouterPorts { ext_proc, admin, admin_grpc } = ports;
     // JSON is YAML: the time scale's parameters, and the model's own over them.
@@ -320,7 +328,7 @@ mod tests {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let events = [KvEventPorts { publish: 7001, replay: 7101 }, KvEventPorts { publish: 7002, replay: 7102 }];
         let params = inferrail_fleet::timescale::params(0.1);
-        let (yaml, config) = router_config("cost_model", "builtin:sim", 1, ports, (&[8001, 8002], &[]), (0.1, None), Some(&events))?;
+        let (yaml, config) = router_config("cost_model", "builtin:sim", 1, ports, (&[8001, 8002], &[], 0), (0.1, None), Some(&events))?;
         assert_eq!(inferrail_config::Config::parse(&yaml)?, config, "the YAML reads as the configuration returned");
         let ip = "127.0.0.1".parse()?;
         let own = |c: &inferrail_config::Config, id: &str| c.replicas.iter().find(|r| r.id == id).and_then(|r| r.kv_events.clone());
@@ -329,7 +337,7 @@ mod tests {
         assert_eq!(second.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:7102"));
         assert_eq!(config.routing.policies, params);
         assert_eq!(config.load.interval_ms, 10, "the engines' load is read ten times as often at a tenth of the time");
-        let (_, plain) = router_config("cost_model", "builtin:sim", 1, ports, (&[8001], &[]), (0.1, None), None)?;
+        let (_, plain) = router_config("cost_model", "builtin:sim", 1, ports, (&[8001], &[], 0), (0.1, None), None)?;
         assert_eq!(plain.event_source(own(&plain, "sim-1").as_ref(), ip), None, "no events: approximate mode");
         // The simulator binds what the router connects to, as vLLM does for `*`.
         let [flag, json] = events[1].sim_flags();
@@ -343,7 +351,8 @@ mod tests {
     fn each_replica_is_priced_by_its_own_calibration_when_given() -> anyhow::Result<()> {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let slow = inferrail_policy::Prefill { prefill_token_us: 21.5, prefill_pair_ns: 0.61, prefill_fixed_ms: 1.0 };
-        let (yaml, config) = router_config("cost_model", "builtin:sim", 1, ports, (&[8001, 8002], &[None, Some(slow)]), (0.1, None), None)?;
+        let (yaml, config) =
+            router_config("cost_model", "builtin:sim", 1, ports, (&[8001, 8002], &[None, Some(slow)], 0), (0.1, None), None)?;
         assert_eq!(inferrail_config::Config::parse(&yaml)?, config);
         assert_eq!(config.replicas.iter().map(|r| r.serving.prefill).collect::<Vec<_>>(), [None, Some(slow)]);
         Ok(())
@@ -381,7 +390,7 @@ mod tests {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let with = |over: &str| -> anyhow::Result<inferrail_config::Config> {
             let over = inferrail_fleet::timescale::parse_overrides(over).map_err(anyhow::Error::msg)?;
-            Ok(router_config("cost_model", "builtin:sim", 1, ports, (&[8001], &[]), (0.1, Some(&over)), None)?.1)
+            Ok(router_config("cost_model", "builtin:sim", 1, ports, (&[8001], &[], 0), (0.1, Some(&over)), None)?.1)
         };
         let config = with(r#"{"cost_model": {"share_weight": 0, "hot_prefix": {"enabled": false}}}"#)?;
         let (base, p) = (inferrail_fleet::timescale::params(0.1), config.params(0).map_err(|e| anyhow::anyhow!(e.join("; ")))?);

@@ -85,6 +85,18 @@ impl Prediction {
         self.output_tokens
     }
 
+    /// The same prompt as a split request's prefill leg sends it: one output token.
+    pub fn prefill_leg(&self) -> Self {
+        Self {
+            prompt_tokens: self.prompt_tokens,
+            output_tokens: 1,
+            asked: Some(1),
+            hashes: self.hashes.clone(),
+            ids: self.ids.clone(),
+            special_at: self.special_at.clone(),
+        }
+    }
+
     /// The prompt's full blocks' hashes at `block_size`, if it was cut at that size.
     pub fn blocks(&self, block_size: usize) -> Option<&[BlockHash]> {
         self.hashes.iter().find(|(b, _)| *b == block_size).map(|(_, h)| h.as_slice())

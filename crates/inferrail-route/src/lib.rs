@@ -397,7 +397,8 @@ impl Core {
         if !whole.fleet.disaggregated(view.model) {
             return whole;
         }
-        let decoder = whole.winner().clone();
+        let d = pair::decoder(&whole, &model.params);
+        let decoder = whole.replica(d).clone();
         let pick = Pick { side: Side::Prefill(&decoder), k: 1 + self.fallbacks, rng: whole.rng.clone() };
         let prefill = self.plan_best(model, view, &whole.fleet, reports, whole.now, pick);
         let (price, why) = if prefill.unavailable.is_some() {
@@ -405,11 +406,14 @@ impl Core {
         } else if whole.prediction.is_none() {
             (pair::Price::default(), pair::Why::Untokenized)
         } else {
-            let price = pair::price(&whole, &prefill, &model.params, model.params.prefill);
+            let price = pair::price(&whole, d, &prefill, &model.params, model.params.prefill);
             (price, pair::choose(model.policy.name(), &price))
         };
         if why.split() {
             whole.rng.clone_from(&prefill.rng);
+            // The decode replica leads; the rest stay its fallbacks.
+            whole.order.retain(|&i| i != d);
+            whole.order.insert(0, d);
         }
         whole.pd = Some(Box::new(pair::Pd { prefill, price, why }));
         whole
@@ -449,7 +453,9 @@ impl Core {
             let leg = &pd.prefill;
             model.prefill_policy.picked(&leg.request(), &leg.candidates, leg.order[0]);
             let hold = self.hold_for(leg, leg.order[0], model.params.prefill, true);
-            let lease = self.hold(leg.model, leg.winner(), &hold, leg.now, true);
+            // The prefill replica generates one token, whatever the client asked.
+            let prediction = hold.prediction.as_deref().map(|p| Arc::new(p.prefill_leg()));
+            let lease = self.hold(leg.model, leg.winner(), &Hold { prediction, ..hold }, leg.now, true);
             let (targets, cached_tokens) = self.targets(leg);
             Leg { lease, targets, cached_tokens }
         });

@@ -3,11 +3,18 @@
 //!
 //! A model some replica of which only prefills (`role: prefill`) is served
 //! disaggregated. Its request is planned twice: once whole, over the
-//! replicas that decode, whose winner `D` is the decode replica either way;
-//! then for its prefill leg, over the replicas that prefill, `D` set aside,
-//! whose winner is `P`. The two ways are priced in the seconds of latency
-//! the request adds, its own and the others' ([`price`]):
-//! - whole on `D`: its time to first token there (the prefill queued there
+//! replicas that decode, whose winner `W` would run it whole; then for its
+//! prefill leg, over the replicas that prefill, the decode replica set
+//! aside, whose winner is `P`. A split request's decode replica `D` is the
+//! replica the whole plan offered (past its guards) that takes a decode leg
+//! soonest ([`decoder`]): the prefill queued there, its running requests'
+//! decode interference, and the transfer of the blocks it lacks. It computes
+//! no prefill, so the whole plan's reasons to spread prompts (their prefill
+//! time, shares, hot prefixes) do not apply to it, and a replica holding the
+//! prompt's prefix reads less and keeps more room. The two ways are priced
+//! in the seconds of latency the request adds, its own and the others'
+//! ([`price`]):
+//! - whole on `W`: its time to first token there (the prefill queued there
 //!   and its own), plus the stall its prefill puts on every request
 //!   decoding beside it (each waits out the prefill's steps);
 //! - split: its time to first token on `P`, the stall on `P`'s own
@@ -93,6 +100,7 @@ impl Price {
 }
 
 /// A disaggregated model's second plan and the choice between the two.
+/// Split, the whole plan's order starts with the decode replica.
 #[derive(Debug)]
 pub struct Pd {
     /// The prefill leg's plan (its order empty when no replica can take it).
@@ -110,16 +118,41 @@ impl Pd {
     }
 }
 
-/// Prices the request of `whole` (planned whole, its winner `D`) against
-/// its prefill on `prefill`'s winner `P` and the transfer to `D`.
-pub fn price(whole: &Plan, prefill: &Plan, params: &Params, model_prefill: Prefill) -> Price {
-    let (d, p) = (&whole.candidates[whole.order[0]], &prefill.candidates[prefill.order[0]]);
+/// The blocks of the prompt candidate `i` of `plan` lacks.
+fn lacking(plan: &Plan, i: usize) -> usize {
+    let block_size = plan.replica(i).block_size(plan.block_size()).max(1);
+    plan.prompt_tokens().unwrap_or(0).div_ceil(block_size).saturating_sub(plan.candidates[i].cached_tokens / block_size)
+}
+
+/// A split request's decode replica: of the candidates `whole` offered
+/// (past its guards), the one whose prefill queued, decode interference
+/// and transfer are least, fewer requests in flight on a tie. A policy
+/// whose scores are not times keeps its own winner.
+pub fn decoder(whole: &Plan, params: &Params) -> usize {
+    if whole.policy != "cost_model" {
+        return whole.order[0];
+    }
+    let cost = |i: usize| {
+        let c = &whole.candidates[i];
+        let interference = params.cost_model.decode_interference_ms * 1e-3 * f64::from(c.running());
+        c.queued_prefill_secs + interference + params.kv_transfer.secs(lacking(whole, i))
+    };
+    let offered = (0..whole.candidates.len()).filter(|&i| whole.set_aside[i].is_none() && whole.scores[i].is_some());
+    offered
+        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)).then(whole.candidates[a].in_flight.cmp(&whole.candidates[b].in_flight)))
+        .unwrap_or(whole.order[0])
+}
+
+/// Prices the request of `whole` (planned whole, its winner `W`) against
+/// its prefill on `prefill`'s winner `P` and its decode on `whole`'s
+/// candidate `decoder`.
+pub fn price(whole: &Plan, decoder: usize, prefill: &Plan, params: &Params, model_prefill: Prefill) -> Price {
+    let (w, d, p) = (&whole.candidates[whole.order[0]], &whole.candidates[decoder], &prefill.candidates[prefill.order[0]]);
     let prompt = whole.prompt_tokens();
-    let block_size = whole.winner().block_size(whole.block_size()).max(1);
-    let lacking = prompt.unwrap_or(0).div_ceil(block_size).saturating_sub(d.cached_tokens / block_size);
+    let lacking = lacking(whole, decoder);
     Price {
-        whole_ttft: d.ttft_secs(model_prefill, prompt, d.cached_tokens),
-        whole_stall: d.prompt_prefill_secs(model_prefill, prompt, d.cached_tokens) * f64::from(d.running()),
+        whole_ttft: w.ttft_secs(model_prefill, prompt, w.cached_tokens),
+        whole_stall: w.prompt_prefill_secs(model_prefill, prompt, w.cached_tokens) * f64::from(w.running()),
         prefill_ttft: p.ttft_secs(model_prefill, prompt, p.cached_tokens),
         prefill_stall: p.prompt_prefill_secs(model_prefill, prompt, p.cached_tokens) * f64::from(p.running()),
         transfer: params.kv_transfer.secs(lacking),

@@ -229,7 +229,12 @@ fn decision_metadata(d: &Decision) -> Struct {
         ("request_id", string(&d.request_id)),
         ("router", string(&router_text(d.decider))),
     ];
-    if let (Some(n), Some(cached)) = (d.prompt_tokens, d.cached_tokens.first()) {
+    // A split request's engine reports the prefill replica's cached tokens.
+    let cached = match &d.prefill {
+        Some(leg) => leg.cached_tokens.first(),
+        None => d.cached_tokens.first(),
+    };
+    if let (Some(n), Some(cached)) = (d.prompt_tokens, cached) {
         ours.push(("prompt_tokens", string(&n.to_string())));
         ours.push(("cached_tokens", string(&cached.to_string())));
     }

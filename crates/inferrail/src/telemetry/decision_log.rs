@@ -157,6 +157,23 @@ pub fn decision_line(request_id: &str, model: &str, plan: &Plan, fallbacks: usiz
             "agreed": sh.agreed,
         })),
         "candidates": candidates,
+        "pd": plan.pd.as_deref().map(|pd| {
+            let ms = |s: f64| s * 1e3;
+            let leg = &pd.prefill;
+            json!({
+                "split": pd.split(),
+                "why": pd.why.label(),
+                "prefill_winner": leg.order.first().map(|&w| leg.replica(w).id.clone()),
+                "prefill_predicted_cached_tokens": leg.order.first().map(|&w| leg.candidates[w].cached_tokens),
+                "whole_ttft_ms": ms(pd.price.whole_ttft),
+                "whole_stall_ms": ms(pd.price.whole_stall),
+                "prefill_ttft_ms": ms(pd.price.prefill_ttft),
+                "prefill_stall_ms": ms(pd.price.prefill_stall),
+                "transfer_ms": ms(pd.price.transfer),
+                "transfer_blocks": pd.price.transfer_blocks,
+                "decode_wait_ms": ms(pd.price.decode_wait),
+            })
+        }),
     })
 }
 

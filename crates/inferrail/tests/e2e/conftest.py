@@ -43,7 +43,7 @@ def observe_filter(envoy):
 class Fleet:
     def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
                  kv_events=None, routers=1, filters=None, envoy_edit=None, peers=True, max_body_bytes=1 << 20, roles=None,
-                 health="probe_interval_ms: 100, probe_timeout_ms: 300"):
+                 health="probe_interval_ms: 100, probe_timeout_ms: 300", transfer=None):
         """`kv_events`, to publish and follow KV events: a dict with `bind`
         ("router": the router binds and the engines connect, vLLM's way with
         an IP endpoint; "engine": the engines bind `tcp://*:port` and the
@@ -59,7 +59,9 @@ class Fleet:
         several `routers`, `peers` lists them to one another (ADR 0034).
         `roles`, each replica's role in disaggregated serving (`prefill`,
         `decode`, `both`), its simulator then started with NixlConnector's
-        matching `kv_role`. `health`, the router's `health` fields (YAML flow text)."""
+        matching `kv_role` and the `transfer` fields (a dict) of its
+        `--kv-transfer-config`. `health`, the router's `health` fields (YAML
+        flow text)."""
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
@@ -72,6 +74,7 @@ class Fleet:
         self.routers = [(self.grpc, self.admin, self.admin_grpc)] + [tuple(ports[14 + 3 * k:17 + 3 * k]) for k in range(routers - 1)]
         self.kv_events = kv_events
         self.roles = roles
+        self.transfer = transfer or {}
         self.url = f"http://127.0.0.1:{self.listen}"
         role = lambda i: f", role: {roles[i]}" if roles else ""
         replicas = "\n".join(
@@ -155,7 +158,7 @@ class Fleet:
         if not self.roles:
             return []
         kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}[self.roles[i]]
-        return ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role})]
+        return ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role, **self.transfer})]
 
     def start_sim(self, i):
         port = self.sim_ports[i]

@@ -2,6 +2,7 @@
 each split request's prefill leg itself: sim-1 (and sim-2 where said) only
 prefills, the others decode, speaking vLLM 0.32's NixlConnector protocol."""
 
+import concurrent.futures
 import json
 import re
 
@@ -30,8 +31,10 @@ def settled(fleet):
     return "inferrail_leases 0\n" in m and all(f'inferrail_replica_in_flight{{replica="sim-{i}"}} 0\n' in m for i in (1, 2, 3))
 
 
-def test_a_split_request_is_prefilled_on_one_replica_and_decoded_on_another(fleet_factory):
-    fleet = fleet_factory(policy="round_robin", roles=["prefill", "decode", "decode"])
+def test_a_split_request_is_prefilled_on_one_replica_and_decoded_on_another(fleet_factory, tmp_path):
+    log = tmp_path / "decisions.jsonl"
+    fleet = fleet_factory(policy="round_robin", roles=["prefill", "decode", "decode"],
+                          config_extra=f"observability: {{decision_log: {{path: '{log}', sample_rate: 1.0}}}}\n")
     # The fleet's first request (its start) was split too.
     assert fleet.metric("inferrail_prefill_legs_total", 'outcome="split"') == 1
     for n in range(4):
@@ -53,6 +56,10 @@ def test_a_split_request_is_prefilled_on_one_replica_and_decoded_on_another(flee
     wait_until(lambda: sim_metric(fleet, 0, "vllm:kv_cache_usage_perc") == 0.0, "sim-1's kept blocks freed")
     assert fleet.metric("inferrail_prefill_legs_total", 'outcome="split"') == 6
     wait_until(lambda: settled(fleet), "both legs' leases released")
+    # The decision log names both legs.
+    decisions = [json.loads(line) for line in log.read_text().splitlines() if '"kind":"decision"' in line]
+    assert len(decisions) == 6
+    assert all(d["pd"]["split"] and d["pd"]["why"] == "always" and d["pd"]["prefill_winner"] == "sim-1" for d in decisions), decisions[-1]["pd"]
 
 
 def test_a_prefill_replica_that_fails_is_followed_by_the_next_or_the_decoder_computes_alone(fleet_factory):
@@ -98,3 +105,21 @@ def test_cost_model_keeps_a_request_whole_on_an_idle_decoder(fleet_factory):
     assert next(c for c in e["candidates"] if c["id"] == "sim-1")["setAside"] == "role", "a prefill replica never runs a request whole"
     assert int(pd["transferBlocks"]) == 1, "the winner holds the prompt it just served but its last block (the last token's)"
     assert pd["prefillTtftMs"] > 0 and pd["wholeStallMs"] == 0
+
+
+def test_a_prefill_replica_killed_while_the_decoder_reads_costs_a_recompute_not_a_request(fleet_factory):
+    # Reads take 2 s a block: the prefill replica dies while its blocks are read.
+    # Decoders recompute what they cannot read (kv_load_failure_policy), as they should be run.
+    fleet = fleet_factory(policy="round_robin", roles=["prefill", "decode", "decode"], health="probe_interval_ms: 600000",
+                          sim_flags=["--kv-transfer-block-us", "2000000"], transfer={"kv_load_failure_policy": "recompute"})
+    split = fleet.metric("inferrail_prefill_legs_total", 'outcome="split"')
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(http, "POST", f"{fleet.url}/v1/chat/completions", long_chat(1), None, 60)
+        wait_until(lambda: fleet.metric("inferrail_prefill_legs_total", 'outcome="split"') == split + 1, "the prefill leg answered")
+        fleet.kill("sim-1")
+        r = sent.result()
+    assert r.status == 200, r.body
+    assert r.json()["usage"]["completion_tokens"] == 4
+    failed = sum(sim_metric(fleet, i, "vllm:nixl_num_failed_transfers_total") for i in (1, 2))
+    assert failed == 1, "the read failed: the fault fired"
+    wait_until(lambda: settled(fleet), "every lease released")
