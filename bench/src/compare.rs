@@ -534,7 +534,7 @@ fn write_table(path: &Path, header: &str, rows: impl Iterator<Item = String>) ->
 }
 
 /// The engines' columns count the warmup too; the others only the measured requests.
-const HEADER: &str = "| contender | workload | ok / measured | completed/s | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | cached (usage) | cached (engines, with warmup) | busiest share (engines, with warmup) | goodput | predicted exactly (over / under) |\n|---|---|---|---|---|---|---|---|---|---|---|---|";
+const HEADER: &str = "| contender | workload | ok / measured | completed/s | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | ITL p99 ms | cached (usage) | cached (engines, with warmup) | busiest share (engines, with warmup) | goodput | predicted exactly (over / under) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// One run as a Markdown table row.
 fn row(contender: &str, kind: Kind, m: &Measured) -> String {
@@ -546,7 +546,7 @@ fn row(contender: &str, kind: Kind, m: &Measured) -> String {
         n => format!("{:.1}% ({} / {})", p.exact as f64 * 100.0 / n as f64, p.over, p.under),
     };
     format!(
-        "| {contender} | {} | {} / {} | {:.2} | {:.0} | {:.0} | {:.1} | {} | {} | {} | {} | {predicted} |",
+        "| {contender} | {} | {} / {} | {:.2} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} | {} | {} | {predicted} |",
         format!("{kind:?}").to_lowercase(),
         s.ok,
         s.requests,
@@ -554,6 +554,7 @@ fn row(contender: &str, kind: Kind, m: &Measured) -> String {
         s.ttft.p50_ms,
         s.ttft.p99_ms,
         s.tpot.p99_ms,
+        s.itl.p99_ms,
         pct(s.prefix.hit_rate),
         pct(m.engines.as_ref().and_then(|e| e.hit_rate)),
         pct(m.engines.as_ref().and_then(|e| e.busiest_share)),

@@ -29,9 +29,12 @@ pub fn mirror_id(decider: u64, id: &str) -> String {
     format!("{decider:016x}/{id}")
 }
 
-/// The id a split request's prefill leg is heard under: its own, then `/prefill`.
+/// What a split request's prefill leg's id ends with.
+pub const PREFILL: &str = "/prefill";
+
+/// The id a split request's prefill leg is heard under: its own, then [`PREFILL`].
 pub fn prefill_id(id: &str) -> String {
-    format!("{id}/prefill")
+    format!("{id}{PREFILL}")
 }
 
 /// What one event did, for the service to act on.

@@ -19,7 +19,10 @@
 //!   decoding beside it (each waits out the prefill's steps);
 //! - split: its time to first token on `P`, the stall on `P`'s own
 //!   decoding requests, the transfer of the blocks `D` lacks
-//!   (`kv_transfer.block_us` each), and the prefill queued on `D`.
+//!   (`kv_transfer.block_us` each), and `D`'s first step, slowed by the
+//!   requests decoding there. The prefill queued on `D` is not counted: a
+//!   decode leg computes nothing, and a continuously batching engine admits
+//!   it beside the prefills ahead of it, not after them.
 //!
 //! `cost_model` splits only when that is cheaper: no token threshold, an
 //! idle decode replica keeps a short prompt, a busy one hands a long one
@@ -78,7 +81,7 @@ pub struct Price {
     pub transfer: f64,
     /// Split: the blocks moved.
     pub transfer_blocks: usize,
-    /// Split: the prefill queued on `D` before it takes the request.
+    /// Split: `D`'s first step, slowed by the requests decoding there.
     pub decode_wait: f64,
 }
 
@@ -118,16 +121,18 @@ impl Pd {
     }
 }
 
-/// The blocks of the prompt candidate `i` of `plan` lacks.
-fn lacking(plan: &Plan, i: usize) -> usize {
+/// The blocks of the prompt candidate `i` of `plan` lacks, and its block size.
+fn lacking(plan: &Plan, i: usize) -> (usize, usize) {
     let block_size = plan.replica(i).block_size(plan.block_size()).max(1);
-    plan.prompt_tokens().unwrap_or(0).div_ceil(block_size).saturating_sub(plan.candidates[i].cached_tokens / block_size)
+    (plan.prompt_tokens().unwrap_or(0).div_ceil(block_size).saturating_sub(plan.candidates[i].cached_tokens / block_size), block_size)
 }
 
 /// A split request's decode replica: of the candidates `whole` offered
-/// (past its guards), the one whose prefill queued, decode interference
-/// and transfer are least, fewer requests in flight on a tie. A policy
-/// whose scores are not times keeps its own winner.
+/// (past its guards), one with room for the blocks it would read (by its
+/// engine's fresh report; a decoder without it waits, and the prefill
+/// replica keeps the blocks meanwhile), and of those the one whose prefill
+/// queued, decode interference and transfer are least, fewer requests in
+/// flight on a tie. A policy whose scores are not times keeps its own winner.
 pub fn decoder(whole: &Plan, params: &Params) -> usize {
     if whole.policy != "cost_model" {
         return whole.order[0];
@@ -135,11 +140,20 @@ pub fn decoder(whole: &Plan, params: &Params) -> usize {
     let cost = |i: usize| {
         let c = &whole.candidates[i];
         let interference = params.cost_model.decode_interference_ms * 1e-3 * f64::from(c.running());
-        c.queued_prefill_secs + interference + params.kv_transfer.secs(lacking(whole, i))
+        c.queued_prefill_secs + interference + params.kv_transfer.secs(lacking(whole, i).0)
+    };
+    let cramped = |i: usize| {
+        let (blocks, block_size) = lacking(whole, i);
+        whole.candidates[i].free_kv_tokens().is_some_and(|free| free < (blocks * block_size) as u64)
     };
     let offered = (0..whole.candidates.len()).filter(|&i| whole.set_aside[i].is_none() && whole.scores[i].is_some());
     offered
-        .min_by(|&a, &b| cost(a).total_cmp(&cost(b)).then(whole.candidates[a].in_flight.cmp(&whole.candidates[b].in_flight)))
+        .min_by(|&a, &b| {
+            cramped(a)
+                .cmp(&cramped(b))
+                .then(cost(a).total_cmp(&cost(b)))
+                .then(whole.candidates[a].in_flight.cmp(&whole.candidates[b].in_flight))
+        })
         .unwrap_or(whole.order[0])
 }
 
@@ -149,7 +163,7 @@ pub fn decoder(whole: &Plan, params: &Params) -> usize {
 pub fn price(whole: &Plan, decoder: usize, prefill: &Plan, params: &Params, model_prefill: Prefill) -> Price {
     let (w, d, p) = (&whole.candidates[whole.order[0]], &whole.candidates[decoder], &prefill.candidates[prefill.order[0]]);
     let prompt = whole.prompt_tokens();
-    let lacking = lacking(whole, decoder);
+    let (lacking, _) = lacking(whole, decoder);
     Price {
         whole_ttft: w.ttft_secs(model_prefill, prompt, w.cached_tokens),
         whole_stall: w.prompt_prefill_secs(model_prefill, prompt, w.cached_tokens) * f64::from(w.running()),
@@ -157,7 +171,7 @@ pub fn price(whole: &Plan, decoder: usize, prefill: &Plan, params: &Params, mode
         prefill_stall: p.prompt_prefill_secs(model_prefill, prompt, p.cached_tokens) * f64::from(p.running()),
         transfer: params.kv_transfer.secs(lacking),
         transfer_blocks: lacking,
-        decode_wait: d.queued_prefill_secs,
+        decode_wait: params.cost_model.decode_interference_ms * 1e-3 * f64::from(d.running()),
     }
 }
 

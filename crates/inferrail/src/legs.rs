@@ -11,7 +11,8 @@
 //! What happens to the leg is heard under its own id (`prefill_id`), so its
 //! lease, KV record, health and outcome are the ledger's, as any request's:
 //! its status (from the replica that answered: a fallback's moves the
-//! lease), its first byte and its end. A prefill replica that cannot be
+//! lease) and its first byte here; its end when the decode leg answers (the
+//! prefill replica keeps the blocks until the decoder has read them). A prefill replica that cannot be
 //! reached, times out or answers without `kv_transfer_params` is followed by
 //! the leg's fallbacks; when none answers, the request runs whole on its
 //! decode replica, which computes the prompt itself.
@@ -85,7 +86,9 @@ pub async fn run(router: &Router, http: &reqwest::Client, d: &mut Decision, body
             Outcome::Whole
         }
     };
-    router.hear(&leg, Event::End);
+    if outcome == Outcome::Whole {
+        router.hear(&leg, Event::End);
+    }
     metrics::counter!("inferrail_prefill_legs_total", "outcome" => outcome.label()).increment(1);
     Some(outcome)
 }

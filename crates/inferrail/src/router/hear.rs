@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use inferrail_route::Hold;
 use inferrail_route::fleet::{Replica, may_eject};
-use inferrail_route::ledger::{Heard, mirror_id};
+use inferrail_route::ledger::{Heard, PREFILL, mirror_id, prefill_id};
 use inferrail_route::lifecycle::Event;
 
 use super::Router;
@@ -39,6 +39,12 @@ impl Router {
                 && let Some(told) = wire::heard(request_id, event, false, ago)
             {
                 self.peers.tell_all(told);
+            }
+            // A split request's prefill replica keeps its blocks until the
+            // decoder has read them, as it has once it answers: only then is
+            // the prefill leg over.
+            if matches!(event, Event::FirstByte | Event::End | Event::Gone) && !request_id.ends_with(PREFILL) {
+                self.hear_ago(&prefill_id(request_id), Event::End, ago);
             }
         }
         heard.is_some()
