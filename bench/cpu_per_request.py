@@ -16,7 +16,11 @@ Variants (ADR 0034, ADR 0035):
   before ADR 0035;
 - `observe-2-threads`: that with `server.threads: 2`, what ran before;
 - `two-routers`: shipped, with two peer routers (streams drawn at random;
-  their CPU is summed).
+  their CPU is summed);
+- `round-robin`: shipped, with round_robin instead of cost_model;
+- `pd-split`: that on a disaggregated fleet (one prefill replica, two
+  decoders): every request is split, and the router sends each prefill leg
+  itself (ADR 0056). Against `round-robin`, what running the leg costs.
 Rounds go through every variant in turn, since this machine's speed drifts
 between minutes: compare variants within a round.
 
@@ -62,13 +66,16 @@ VARIANTS = {
     "observe": dict(routers=1, threads=1, edit=observe_layout),
     "observe-2-threads": dict(routers=1, threads=2, edit=observe_layout),
     "two-routers": dict(routers=2, threads=1, edit=None),
+    "round-robin": dict(routers=1, threads=1, edit=None, policy="round_robin"),
+    "pd-split": dict(routers=1, threads=1, edit=None, policy="round_robin", roles=["prefill", "decode", "decode"]),
 }
 
 
 def run(variant, requests, clients, warmup):
     v = VARIANTS[variant]
     with tempfile.TemporaryDirectory() as tmp:
-        fleet = Fleet(Path(tmp), policy="cost_model", sim_flags=["--zero-latency"], routers=v["routers"], envoy_edit=v["edit"])
+        fleet = Fleet(Path(tmp), policy=v.get("policy", "cost_model"), sim_flags=["--zero-latency"], routers=v["routers"],
+                      envoy_edit=v["edit"], roles=v.get("roles"))
         for c in fleet.configs:
             text = c.read_text()
             c.write_text(text.replace("shutdown_grace_ms: 2000}", f"shutdown_grace_ms: 2000, threads: {v['threads']}}}", 1))

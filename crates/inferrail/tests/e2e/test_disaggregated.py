@@ -8,6 +8,7 @@ import re
 
 from harness import http, wait_until
 from test_explain import explain
+from test_picker import ISTIO
 
 MODEL = "inferrail/sim-8b"
 
@@ -122,4 +123,20 @@ def test_a_prefill_replica_killed_while_the_decoder_reads_costs_a_recompute_not_
     assert r.json()["usage"]["completion_tokens"] == 4
     failed = sum(sim_metric(fleet, i, "vllm:nixl_num_failed_transfers_total") for i in (1, 2))
     assert failed == 1, "the read failed: the fault fired"
+    wait_until(lambda: settled(fleet), "every lease released")
+
+
+def test_a_split_request_through_a_gateways_full_duplex_stream(fleet_factory):
+    # The picker's stream (Istio's settings): the decision's body, with the
+    # prefill's kv_transfer_params, goes back in chunks.
+    fleet = fleet_factory(policy="round_robin", roles=["prefill", "decode", "decode"], filters=ISTIO)
+    split = fleet.metric("inferrail_prefill_legs_total", 'outcome="split"')
+    for n, stream in enumerate([False, True, False, True]):
+        r = http("POST", f"{fleet.url}/v1/chat/completions", long_chat(n, stream=stream))
+        assert r.status == 200, r.body
+        if not stream:
+            assert r.json()["usage"]["completion_tokens"] == 4
+    assert fleet.metric("inferrail_prefill_legs_total", 'outcome="split"') == split + 4
+    reads = sum(sim_metric(fleet, i, "vllm:nixl_xfer_time_seconds_count") for i in (1, 2))
+    assert reads == split + 4, "every decode leg read its prompt from the prefill replica"
     wait_until(lambda: settled(fleet), "every lease released")
