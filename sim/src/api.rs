@@ -83,6 +83,8 @@ pub struct App {
     /// The most generation requests it has had at once (`/_sim/requests`, for tests of routers' limits).
     peak_in_flight: AtomicUsize,
     connector: Option<Arc<Connector>>,
+    /// `Bearer <--api-key>`, when one is set.
+    bearer: Option<String>,
 }
 
 /// Settings of the API layer.
@@ -104,6 +106,8 @@ pub struct ApiConfig {
     pub seed: u64,
     /// The KV connector, for disaggregated legs.
     pub connector: Option<Connector>,
+    /// The key `/v1` requests must carry (`--api-key`).
+    pub api_key: Option<String>,
 }
 
 fn unix_now() -> u64 {
@@ -261,6 +265,7 @@ impl App {
             in_flight: Arc::new(AtomicUsize::new(0)),
             peak_in_flight: AtomicUsize::new(0),
             connector: cfg.connector.map(Arc::new),
+            bearer: cfg.api_key.map(|k| format!("Bearer {k}")),
         }
     }
 
@@ -283,6 +288,14 @@ impl App {
                 Action::Delay(d) => tokio::time::sleep(d).await,
                 Action::Error(status) => return Ok(error(status_error(status, "Injected fault: the engine is unavailable."))),
             }
+        }
+        if let Some(bearer) = &self.bearer
+            && req.uri().path().starts_with("/v1")
+            && req.method() != Method::OPTIONS
+            && req.headers().get("authorization").is_none_or(|v| v.as_bytes() != bearer.as_bytes())
+        {
+            // vLLM's AuthenticationMiddleware answers exactly this.
+            return Ok(full(StatusCode::UNAUTHORIZED, Some("application/json"), r#"{"error":"Unauthorized"}"#));
         }
         Ok(self.route(req).await)
     }

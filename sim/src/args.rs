@@ -46,6 +46,9 @@ pub struct Args {
     /// Context length: prompt plus output tokens.
     #[arg(long, default_value_t = 32768)]
     pub max_model_len: usize,
+    /// Requests to `/v1` paths must carry `Authorization: Bearer <key>`, as with vLLM's flag.
+    #[arg(long, env = "VLLM_API_KEY")]
+    pub api_key: Option<String>,
     /// Report `usage.prompt_tokens_details.cached_tokens`.
     #[arg(long)]
     pub enable_prompt_tokens_details: bool,

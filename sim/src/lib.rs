@@ -105,6 +105,7 @@ impl Sim {
                 default_output_tokens: args.default_output_tokens,
                 seed: args.seed,
                 connector,
+                api_key: args.api_key.clone(),
             },
             engine,
             Faults::new(args.fault()),

@@ -167,3 +167,25 @@ async fn an_empty_rendered_prompt_is_refused_and_the_engine_lives_on() {
     let (status, _) = post(&sim, "/v1/completions", &json!({"model": "tiny-qwen3", "prompt": "still alive", "max_tokens": 1})).await;
     assert_eq!(status, 200);
 }
+
+#[tokio::test]
+async fn with_an_api_key_v1_requests_without_it_are_refused_as_vllm_refuses_them() {
+    let sim = start(&["--zero-latency", "--api-key", "sk-sim"]).await;
+    let body = json!({"model": "inferrail/sim-8b", "prompt": "hi", "max_tokens": 2});
+    let url = format!("{}/v1/completions", sim.url());
+    for auth in [None, Some("Bearer wrong"), Some("sk-sim")] {
+        let mut r = client().post(&url).json(&body);
+        if let Some(a) = auth {
+            r = r.header("authorization", a);
+        }
+        let r = r.send().await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(r.status().as_u16(), 401, "{auth:?}");
+        assert_eq!(r.text().await.unwrap_or_default(), r#"{"error":"Unauthorized"}"#);
+    }
+    let r = client().post(&url).header("authorization", "Bearer sk-sim").json(&body).send().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.status().as_u16(), 200);
+    // Only /v1 paths are guarded.
+    for path in ["/health", "/metrics"] {
+        assert_eq!(common::get(&sim, path).await.0, 200, "{path}");
+    }
+}

@@ -23,6 +23,7 @@ use inferrail_route::lifecycle::Event;
 use serde_json::{Map, Value, json};
 
 use crate::decision::Decision;
+use crate::request::Head;
 use crate::router::Router;
 
 /// What became of a prefill leg.
@@ -65,13 +66,13 @@ pub fn prefill_body(client: &Map<String, Value>) -> Map<String, Value> {
     p
 }
 
-/// Runs `d`'s prefill leg, if it has one, for a request to `path` with
+/// Runs `d`'s prefill leg, if it has one, for the request `head` and
 /// `body` (the client's): on success the decision's body is the decode
 /// leg's; else the leg is dropped and the request runs whole. Returns what
 /// became of it.
-pub async fn run(router: &Router, http: &reqwest::Client, d: &mut Decision, body: &[u8], path: &str) -> Option<Outcome> {
+pub async fn run(router: &Router, http: &reqwest::Client, d: &mut Decision, body: &[u8], head: &Head) -> Option<Outcome> {
     let leg = d.prefill.as_ref()?.request_id.clone();
-    let outcome = match prefill(router, http, d, body, path).await {
+    let outcome = match prefill(router, http, d, body, head).await {
         Some((decode, served)) => {
             d.body = Some(decode);
             if let Some(leg) = d.prefill.as_mut() {
@@ -93,23 +94,21 @@ pub async fn run(router: &Router, http: &reqwest::Client, d: &mut Decision, body
     Some(outcome)
 }
 
-/// Asks each of the leg's replicas in turn; returns the decode leg's body
+/// Asks each of the leg's replicas in turn, with the client's
+/// `Authorization` (the decoder gets it too); returns the decode leg's body
 /// once one answers with its `kv_transfer_params`, and which one did.
-async fn prefill(router: &Router, http: &reqwest::Client, d: &Decision, body: &[u8], path: &str) -> Option<(Vec<u8>, usize)> {
+async fn prefill(router: &Router, http: &reqwest::Client, d: &Decision, body: &[u8], head: &Head) -> Option<(Vec<u8>, usize)> {
     let leg = d.prefill.as_ref()?;
     let Ok(Value::Object(client)) = serde_json::from_slice::<Value>(d.body.as_deref().unwrap_or(body)) else { return None };
     let sent = serde_json::to_vec(&prefill_body(&client)).ok()?;
     let timeout = Duration::from_millis(router.config().retry.prefill_timeout_ms);
     for (i, target) in leg.targets.iter().enumerate() {
-        let url = format!("http://{}{path}", target.addr);
-        let asked = http
-            .post(&url)
-            .header("content-type", "application/json")
-            .header("x-request-id", &d.request_id)
-            .timeout(timeout)
-            .body(sent.clone())
-            .send()
-            .await;
+        let url = format!("http://{}{}", target.addr, head.path);
+        let mut asked = http.post(&url).header("content-type", "application/json").header("x-request-id", &d.request_id);
+        if let Some(authorization) = &head.asked.authorization {
+            asked = asked.header("authorization", authorization);
+        }
+        let asked = asked.timeout(timeout).body(sent.clone()).send().await;
         let response = match asked {
             Ok(r) => r,
             Err(e) => {

@@ -102,7 +102,7 @@ impl ExtProc {
                     let each = Duration::from_millis(self.router.config().retry.prefill_timeout_ms);
                     on_wait(each * u32::try_from(leg.targets.len()).unwrap_or(u32::MAX));
                 }
-                legs::run(&self.router, &self.http, &mut d, body, &head.path).await;
+                legs::run(&self.router, &self.http, &mut d, body, head).await;
                 let traceparent = traces.map(|t| t.decision(head.traceparent.as_deref(), started, &d));
                 Ok((d, traceparent))
             }

@@ -43,7 +43,7 @@ def observe_filter(envoy):
 class Fleet:
     def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
                  kv_events=None, routers=1, filters=None, envoy_edit=None, peers=True, max_body_bytes=1 << 20, roles=None,
-                 health="probe_interval_ms: 100, probe_timeout_ms: 300", transfer=None):
+                 health="probe_interval_ms: 100, probe_timeout_ms: 300", transfer=None, client_headers=None):
         """`kv_events`, to publish and follow KV events: a dict with `bind`
         ("router": the router binds and the engines connect, vLLM's way with
         an IP endpoint; "engine": the engines bind `tcp://*:port` and the
@@ -61,7 +61,7 @@ class Fleet:
         `decode`, `both`), its simulator then started with NixlConnector's
         matching `kv_role` and the `transfer` fields (a dict) of its
         `--kv-transfer-config`. `health`, the router's `health` fields (YAML
-        flow text)."""
+        flow text). `client_headers`, sent with `chat()` (an engine's API key)."""
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
@@ -75,6 +75,7 @@ class Fleet:
         self.kv_events = kv_events
         self.roles = roles
         self.transfer = transfer or {}
+        self.client_headers = client_headers or {}
         self.url = f"http://127.0.0.1:{self.listen}"
         role = lambda i: f", role: {roles[i]}" if roles else ""
         replicas = "\n".join(
@@ -209,7 +210,7 @@ class Fleet:
 
     def chat(self, max_tokens=2, headers=None, timeout=30, **extra):
         body = {"model": "sim", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": max_tokens, **extra}
-        return http("POST", f"{self.url}/v1/chat/completions", body, headers, timeout=timeout)
+        return http("POST", f"{self.url}/v1/chat/completions", body, {**self.client_headers, **(headers or {})}, timeout=timeout)
 
     def open_stream(self, max_tokens=100, timeout=30):
         """Starts a streamed completion of `max_tokens` tokens through Envoy;

@@ -140,3 +140,15 @@ def test_a_split_request_through_a_gateways_full_duplex_stream(fleet_factory):
     reads = sum(sim_metric(fleet, i, "vllm:nixl_xfer_time_seconds_count") for i in (1, 2))
     assert reads == split + 4, "every decode leg read its prompt from the prefill replica"
     wait_until(lambda: settled(fleet), "every lease released")
+
+
+def test_engines_behind_an_api_key_get_it_on_both_legs(fleet_factory):
+    key = {"authorization": "Bearer sk-pd"}
+    fleet = fleet_factory(policy="round_robin", roles=["prefill", "decode", "decode"], sim_flags=["--api-key", "sk-pd"], client_headers=key)
+    r = http("POST", f"{fleet.url}/v1/chat/completions", long_chat(0), key)
+    assert r.status == 200, r.body
+    assert r.headers.get("x-inferrail-prefill-replica") == "sim-1", "the prefill replica took the client's key"
+    assert fleet.metric("inferrail_prefill_legs_total", 'outcome="whole"') is None
+    # Without the key the engines refuse it, as vLLM does, and the router's leg does not hide that.
+    r = http("POST", f"{fleet.url}/v1/chat/completions", long_chat(1))
+    assert r.status == 401 and r.json() == {"error": "Unauthorized"}
