@@ -149,12 +149,26 @@ pub struct Routing {
     pub seed: u64,
     /// Every policy's parameters, for every model; a model's `policies` overrides them field by field.
     pub policies: Params,
+    /// Who runs a split request's prefill leg.
+    pub prefill_legs: PrefillLegs,
 }
 
 impl Default for Routing {
     fn default() -> Self {
-        Self { seed: 0x1fe4_7a11, policies: Params::default() }
+        Self { seed: 0x1fe4_7a11, policies: Params::default(), prefill_legs: PrefillLegs::Router }
     }
+}
+
+/// Who runs a split request's prefill leg (ADR 0056).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillLegs {
+    /// The router, before it answers Envoy: plain Envoy and any gateway.
+    #[default]
+    Router,
+    /// A sidecar in front of each decode engine (llm-d's, or
+    /// `inferrail-sidecar`), told the prefill replica in `x-prefiller-host-port`.
+    Sidecar,
 }
 
 /// Fallbacks named after the winner, for Envoy's retries, and for the

@@ -56,6 +56,9 @@ pub struct PrefillLeg {
     pub targets: Vec<Arc<Replica>>,
     /// Predicted cached prompt tokens on each, when the prompt was tokenized.
     pub cached_tokens: Vec<usize>,
+    /// A sidecar in front of the decoder runs it, told the prefill
+    /// replica in `x-prefiller-host-port`; else the router does.
+    pub sidecar: bool,
 }
 
 /// What the model's policy would do with a request, and why.

@@ -71,7 +71,7 @@ pub fn prefill_body(client: &Map<String, Value>) -> Map<String, Value> {
 /// leg's; else the leg is dropped and the request runs whole. Returns what
 /// became of it.
 pub async fn run(router: &Router, http: &reqwest::Client, d: &mut Decision, body: &[u8], head: &Head) -> Option<Outcome> {
-    let leg = d.prefill.as_ref()?.request_id.clone();
+    let leg = d.prefill.as_ref().filter(|leg| !leg.sidecar)?.request_id.clone();
     let outcome = match prefill(router, http, d, body, head).await {
         Some((decode, served)) => {
             d.body = Some(decode);
@@ -104,37 +104,68 @@ async fn prefill(router: &Router, http: &reqwest::Client, d: &Decision, body: &[
     let timeout = Duration::from_millis(router.config().retry.prefill_timeout_ms);
     for (i, target) in leg.targets.iter().enumerate() {
         let url = format!("http://{}{}", target.addr, head.path);
-        let mut asked = http.post(&url).header("content-type", "application/json").header("x-request-id", &d.request_id);
-        if let Some(authorization) = &head.asked.authorization {
-            asked = asked.header("authorization", authorization);
+        let answer = ask(http, &url, sent.clone(), &d.request_id, head.asked.authorization.as_deref(), timeout).await;
+        if let Some(code) = answer.status {
+            router.hear(&leg.request_id, Event::Status { code, served_by: Some(target.key) });
+            router.hear(&leg.request_id, Event::FirstByte);
         }
-        let asked = asked.timeout(timeout).body(sent.clone()).send().await;
-        let response = match asked {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(replica = %target.id, error = %e, "prefill leg: no answer");
-                metrics::counter!("inferrail_prefill_leg_failures_total", "reason" => "no_answer").increment(1);
-                continue;
-            }
-        };
-        router.hear(&leg.request_id, Event::Status { code: response.status().as_u16(), served_by: Some(target.key) });
-        let ok = response.status().is_success();
-        let answer = response.bytes().await;
-        router.hear(&leg.request_id, Event::FirstByte);
-        let params = answer.ok().filter(|_| ok).and_then(|b| serde_json::from_slice::<Value>(&b).ok()).and_then(|mut v| {
-            let p = v.get_mut("kv_transfer_params")?.take();
-            p.is_object().then_some(p)
-        });
-        let Some(params) = params else {
-            tracing::warn!(replica = %target.id, ok, "prefill leg: no kv_transfer_params in the answer");
-            metrics::counter!("inferrail_prefill_leg_failures_total", "reason" => "answer").increment(1);
+        let Some(params) = answer.params else {
+            tracing::warn!(replica = %target.id, status = ?answer.status, "prefill leg: no kv_transfer_params from the prefill replica");
+            let reason = if answer.status.is_some() { "answer" } else { "no_answer" };
+            metrics::counter!("inferrail_prefill_leg_failures_total", "reason" => reason).increment(1);
             continue;
         };
-        let mut decode = client;
-        decode.insert("kv_transfer_params".into(), params);
-        return serde_json::to_vec(&decode).ok().map(|b| (b, i));
+        return decode_body(client, params).map(|b| (b, i));
     }
     None
+}
+
+/// The decode leg's body: the client's, with the prefill's `kv_transfer_params`.
+pub fn decode_body(mut client: Map<String, Value>, params: Value) -> Option<Vec<u8>> {
+    client.insert("kv_transfer_params".into(), params);
+    serde_json::to_vec(&client).ok()
+}
+
+/// What a prefill replica answered a leg: its status, when it answered,
+/// and its `kv_transfer_params`, when it answered them with a success.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answer {
+    /// The HTTP status, if an answer came.
+    pub status: Option<u16>,
+    /// The top-level `kv_transfer_params` of a successful answer.
+    pub params: Option<Value>,
+}
+
+/// Sends a prefill leg's `body` to `url` under `request_id`, with the
+/// client's `authorization`, waiting up to `timeout` for the whole answer.
+pub async fn ask(
+    http: &reqwest::Client,
+    url: &str,
+    body: Vec<u8>,
+    request_id: &str,
+    authorization: Option<&str>,
+    timeout: Duration,
+) -> Answer {
+    let mut asked = http.post(url).header("content-type", "application/json").header("x-request-id", request_id);
+    if let Some(a) = authorization {
+        asked = asked.header("authorization", a);
+    }
+    let response = match asked.timeout(timeout).body(body).send().await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(url, error = %e, "prefill leg: no answer");
+            return Answer { status: None, params: None };
+        }
+    };
+    let status = response.status();
+    let params = match response.bytes().await {
+        Ok(b) if status.is_success() => serde_json::from_slice::<Value>(&b).ok().and_then(|mut v| {
+            let p = v.get_mut("kv_transfer_params")?.take();
+            p.is_object().then_some(p)
+        }),
+        _ => None,
+    };
+    Answer { status: Some(status.as_u16()), params }
 }
 
 #[cfg(test)]

@@ -46,4 +46,5 @@ pub mod reply;
 pub mod request;
 pub mod router;
 pub mod service;
+pub mod sidecar;
 pub mod telemetry;

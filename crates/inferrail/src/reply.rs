@@ -190,10 +190,18 @@ pub fn continue_trailers(response: bool) -> ProcessingResponse {
     ProcessingResponse { response: Some(response), ..Default::default() }
 }
 
+/// The header naming a split request's prefill replica to the sidecar in
+/// front of its decoder (llm-d's).
+pub const PREFILLER: &str = "x-prefiller-host-port";
+
 /// The headers a decision sets: the destination (winner first, then the
-/// fallbacks), the new request id when it was renamed, the traceparent.
+/// fallbacks), the prefill replica for a decoder's sidecar, the new request
+/// id when it was renamed, the traceparent.
 fn decision_headers(d: &Decision, renamed: bool, traceparent: Option<&str>) -> Vec<HeaderValueOption> {
     let mut set = vec![header(DESTINATION, &targets(d))];
+    if let Some(leg) = d.prefill.as_ref().filter(|leg| leg.sidecar) {
+        set.push(header(PREFILLER, &leg.targets[0].addr.to_string()));
+    }
     if renamed {
         set.push(header("x-request-id", &d.request_id));
     }

@@ -97,7 +97,7 @@ impl ExtProc {
         };
         Some(match decided {
             Ok(mut d) => {
-                if let Some(leg) = &d.prefill {
+                if let Some(leg) = d.prefill.as_ref().filter(|leg| !leg.sidecar) {
                     // The prefill runs before the answer: Envoy waits for it past its message_timeout.
                     let each = Duration::from_millis(self.router.config().retry.prefill_timeout_ms);
                     on_wait(each * u32::try_from(leg.targets.len()).unwrap_or(u32::MAX));

@@ -11,6 +11,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use inferrail_config::PrefillLegs;
 use inferrail_policy::NoReplica;
 use inferrail_route::fleet::{Fleet, Replica};
 use inferrail_route::kv::Prediction;
@@ -120,7 +121,8 @@ impl Router {
             if self.peers.any() {
                 self.peers.tell_all(wire::decided(&self.core, &id, &leg.lease, read.session.as_deref()));
             }
-            PrefillLeg { request_id: id, targets: leg.targets, cached_tokens: leg.cached_tokens }
+            let sidecar = self.config().routing.prefill_legs == PrefillLegs::Sidecar;
+            PrefillLeg { request_id: id, targets: leg.targets, cached_tokens: leg.cached_tokens, sidecar }
         });
         if self.peers.any() {
             self.peers.tell_all(wire::decided(&self.core, &key, &committed.lease, read.session.as_deref()));

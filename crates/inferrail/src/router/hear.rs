@@ -10,6 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use inferrail_config::PrefillLegs;
 use inferrail_route::Hold;
 use inferrail_route::fleet::{Replica, may_eject};
 use inferrail_route::ledger::{Heard, PREFILL, mirror_id, prefill_id};
@@ -40,11 +41,8 @@ impl Router {
             {
                 self.peers.tell_all(told);
             }
-            // A split request's prefill replica keeps its blocks until the
-            // decoder has read them, as it has once it answers: only then is
-            // the prefill leg over.
-            if matches!(event, Event::FirstByte | Event::End | Event::Gone) && !request_id.ends_with(PREFILL) {
-                self.hear_ago(&prefill_id(request_id), Event::End, ago);
+            if !request_id.ends_with(PREFILL) {
+                self.hear_prefill_leg(request_id, event, ago);
             }
         }
         heard.is_some()
@@ -62,6 +60,23 @@ impl Router {
             }
             _ => self.hear_ago(request_id, event, ago),
         }
+    }
+
+    /// What a split request's decode leg tells of its prefill leg. The
+    /// prefill replica keeps its blocks until the decoder has read them, as
+    /// it has once it answers: only then is the prefill leg over. A sidecar
+    /// that runs the leg tells the router nothing of it: the decoder's
+    /// status stands for the prefill's (a decoder that could not read the
+    /// blocks fails or recomputes them).
+    fn hear_prefill_leg(&self, request_id: &str, event: Event, ago: Duration) {
+        let leg = match event {
+            Event::Status { code, .. } if self.config().routing.prefill_legs == PrefillLegs::Sidecar => {
+                Event::Status { code, served_by: None }
+            }
+            Event::FirstByte | Event::End | Event::Gone => Event::End,
+            _ => return,
+        };
+        self.hear_ago(&prefill_id(request_id), leg, ago);
     }
 
     /// Hears something that happened `ago` of this router's mirror of a

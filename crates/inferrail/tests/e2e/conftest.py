@@ -43,7 +43,7 @@ def observe_filter(envoy):
 class Fleet:
     def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
                  kv_events=None, routers=1, filters=None, envoy_edit=None, peers=True, max_body_bytes=1 << 20, roles=None,
-                 health="probe_interval_ms: 100, probe_timeout_ms: 300", transfer=None, client_headers=None):
+                 health="probe_interval_ms: 100, probe_timeout_ms: 300", transfer=None, client_headers=None, sidecars=False):
         """`kv_events`, to publish and follow KV events: a dict with `bind`
         ("router": the router binds and the engines connect, vLLM's way with
         an IP endpoint; "engine": the engines bind `tcp://*:port` and the
@@ -61,12 +61,17 @@ class Fleet:
         `decode`, `both`), its simulator then started with NixlConnector's
         matching `kv_role` and the `transfer` fields (a dict) of its
         `--kv-transfer-config`. `health`, the router's `health` fields (YAML
-        flow text). `client_headers`, sent with `chat()` (an engine's API key)."""
+        flow text). `client_headers`, sent with `chat()` (an engine's API key).
+        With `sidecars`, an inferrail-sidecar stands in front of each
+        simulator on the replica's address (the simulator moves to another
+        port; `sim_url` still reaches it directly)."""
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
         ports = free_ports(8 + 6 + 3 * (routers - 1))
         self.sim_ports = ports[:3]
+        self.sidecars = sidecars
+        self.inner_ports = free_ports(3) if sidecars else self.sim_ports
         self.sim_flags = ["--tokenizer", tokenizer, *sim_flags]
         self.grpc, self.admin, self.listen, self.envoy_admin, self.admin_grpc = ports[3:8]
         self.event_ports, self.replay_ports = ports[8:11], ports[11:14]
@@ -162,11 +167,16 @@ class Fleet:
         return ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role, **self.transfer})]
 
     def start_sim(self, i):
-        port = self.sim_ports[i]
+        port = self.inner_ports[i]
         self.procs[f"sim-{i + 1}"] = self._spawn(
             f"sim-{i + 1}", [TARGET / "inferrail-sim", "--port", str(port), "--served-model-name", MODEL, "--enable-prompt-tokens-details",
                              "--seed", str(i + 1), *self.sim_flags, *self._sim_events_flags(i), *self._sim_transfer_flags(i)])
         wait_until(lambda: http("GET", f"http://127.0.0.1:{port}/health").status == 200, f"sim-{i + 1}")
+        if self.sidecars:
+            front = self.sim_ports[i]
+            self.procs[f"sidecar-{i + 1}"] = self._spawn(
+                f"sidecar-{i + 1}", [TARGET / "inferrail-sidecar", "--listen", f"127.0.0.1:{front}", "--decoder", f"http://127.0.0.1:{port}"])
+            wait_until(lambda: http("GET", f"http://127.0.0.1:{front}/health").status == 200, f"sidecar-{i + 1}")
 
     def start_router(self, k=0):
         name = "inferrail" if k == 0 else f"inferrail-{k + 1}"
@@ -286,7 +296,7 @@ class Fleet:
         return sum(int(line.split(": ")[1]) for line in text.splitlines() if line.split(": ")[0] == f"cluster.replicas.{name}")
 
     def sim_url(self, i):
-        return f"http://127.0.0.1:{self.sim_ports[i]}"
+        return f"http://127.0.0.1:{self.inner_ports[i]}"
 
 
 @pytest.fixture

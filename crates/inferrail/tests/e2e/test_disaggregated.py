@@ -152,3 +152,26 @@ def test_engines_behind_an_api_key_get_it_on_both_legs(fleet_factory):
     # Without the key the engines refuse it, as vLLM does, and the router's leg does not hide that.
     r = http("POST", f"{fleet.url}/v1/chat/completions", long_chat(1))
     assert r.status == 401 and r.json() == {"error": "Unauthorized"}
+
+
+def test_a_sidecar_in_front_of_the_decoder_runs_the_legs_the_router_names(fleet_factory):
+    # llm-d's way: the decision names the decoder, and the prefill replica in
+    # x-prefiller-host-port; inferrail-sidecar in front of each engine runs both legs.
+    fleet = fleet_factory(policy="round_robin", roles=["prefill", "decode", "decode"], routing=", prefill_legs: sidecar", sidecars=True)
+    reads = lambda: sum(sim_metric(fleet, i, "vllm:nixl_xfer_time_seconds_count") for i in (1, 2))
+    before = reads()
+    for n, stream in enumerate([False, True, False, True]):
+        r = http("POST", f"{fleet.url}/v1/chat/completions", long_chat(n, stream=stream))
+        assert r.status == 200, r.body
+        assert r.headers.get("x-inferrail-prefill-replica") == "sim-1"
+        if not stream:
+            assert r.json()["usage"]["completion_tokens"] == 4
+    assert reads() == before + 4, "every decode leg read its prompt from the prefill replica"
+    assert fleet.metric("inferrail_prefill_legs_total", 'outcome="split"') is None, "the router ran no leg"
+    wait_until(lambda: sim_metric(fleet, 0, "vllm:kv_cache_usage_perc") == 0.0, "sim-1's kept blocks freed")
+    wait_until(lambda: settled(fleet), "both legs' leases released")
+    # The prefill replica gone: the sidecar lets the decoder compute the request whole.
+    http("POST", f"{fleet.sim_url(0)}/_sim/fault", {"mode": "refuse"})
+    r = http("POST", f"{fleet.url}/v1/chat/completions", long_chat(7))
+    assert r.status == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert reads() == before + 4, "nothing was read for it"
