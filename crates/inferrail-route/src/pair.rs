@@ -15,10 +15,11 @@
 //! in the seconds of latency the request adds, its own and the others'
 //! ([`price`]):
 //! - whole on `W`: its time to first token there (the prefill queued there
-//!   and its own), plus the stall its prefill puts on every request
-//!   decoding beside it (each waits out the prefill's steps);
-//! - split: its time to first token on `P`, the stall on `P`'s own
-//!   decoding requests, the transfer of the blocks `D` lacks
+//!   and its own), plus the stall its prefill puts on every request on that
+//!   engine, decoding or reported waiting (each waits out the prefill's
+//!   steps);
+//! - split: its time to first token on `P`, the same stall on `P`, the
+//!   transfer of the blocks `D` lacks
 //!   (`kv_transfer.block_us` each), and `D`'s first step, slowed by the
 //!   requests decoding there. The prefill queued on `D` is not counted: a
 //!   decode leg computes nothing, and a continuously batching engine admits
@@ -29,7 +30,7 @@
 //! off. A policy whose scores are not seconds splits whenever a prefill
 //! replica can take the leg, as the peer routers' disaggregated modes do.
 
-use inferrail_policy::{Params, Prefill};
+use inferrail_policy::{Candidate, Params, Prefill};
 
 use crate::plan::Plan;
 
@@ -164,11 +165,14 @@ pub fn price(whole: &Plan, decoder: usize, prefill: &Plan, params: &Params, mode
     let (w, d, p) = (&whole.candidates[whole.order[0]], &whole.candidates[decoder], &prefill.candidates[prefill.order[0]]);
     let prompt = whole.prompt_tokens();
     let (lacking, _) = lacking(whole, decoder);
+    // Every request on the engine waits a prefill out: those decoding, and
+    // those its engine reports waiting (for room, or behind it).
+    let stalled = |c: &Candidate| f64::from(c.running() + c.engine.map_or(0, |e| e.waiting));
     Price {
         whole_ttft: w.ttft_secs(model_prefill, prompt, w.cached_tokens),
-        whole_stall: w.prompt_prefill_secs(model_prefill, prompt, w.cached_tokens) * f64::from(w.running()),
+        whole_stall: w.prompt_prefill_secs(model_prefill, prompt, w.cached_tokens) * stalled(w),
         prefill_ttft: p.ttft_secs(model_prefill, prompt, p.cached_tokens),
-        prefill_stall: p.prompt_prefill_secs(model_prefill, prompt, p.cached_tokens) * f64::from(p.running()),
+        prefill_stall: p.prompt_prefill_secs(model_prefill, prompt, p.cached_tokens) * stalled(p),
         transfer: params.kv_transfer.secs(lacking),
         transfer_blocks: lacking,
         decode_wait: params.cost_model.decode_interference_ms * 1e-3 * f64::from(d.running()),
