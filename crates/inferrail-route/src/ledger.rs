@@ -22,6 +22,8 @@ struct Entry {
     lease: Arc<Lease>,
     /// The peer that decided it, for a mirror.
     decider: Option<u64>,
+    /// A split request's prefill leg, by its id.
+    prefill: Option<String>,
 }
 
 /// The id a peer's request is mirrored under: the decider's, then its own.
@@ -29,12 +31,9 @@ pub fn mirror_id(decider: u64, id: &str) -> String {
     format!("{decider:016x}/{id}")
 }
 
-/// What a split request's prefill leg's id ends with.
-pub const PREFILL: &str = "/prefill";
-
-/// The id a split request's prefill leg is heard under: its own, then [`PREFILL`].
+/// The id a split request's prefill leg is heard under: its own, then `/prefill`.
 pub fn prefill_id(id: &str) -> String {
-    format!("{id}{PREFILL}")
+    format!("{id}/prefill")
 }
 
 /// What one event did, for the service to act on.
@@ -52,6 +51,8 @@ pub struct Heard {
     pub took_back: bool,
     /// The peer that decided it, when it is a mirror: that router counts its outcome.
     pub decider: Option<u64>,
+    /// A split request's prefill leg, by its id, what its decode leg hears tells of.
+    pub prefill: Option<String>,
 }
 
 impl Heard {
@@ -77,7 +78,8 @@ impl Ledger {
     /// when a request in flight already uses it (ids come from clients).
     /// Returns the id it is known by.
     pub fn insert(&self, id: &str, lease: Arc<Lease>, at: Duration) -> String {
-        let entry = Arc::new(Mutex::new(Entry { life: Life::new(at, lease.replica.key, self.timing), lease, decider: None }));
+        let entry =
+            Arc::new(Mutex::new(Entry { life: Life::new(at, lease.replica.key, self.timing), lease, decider: None, prefill: None }));
         let entries = self.entries.pin();
         let mut key = id.to_string();
         let mut n = 0u32;
@@ -88,12 +90,28 @@ impl Ledger {
         key
     }
 
+    /// Tracks the prefill leg of split request `id` (as [`Ledger::insert`]
+    /// returned it) under [`prefill_id`], and links it to `id`: what `id`
+    /// hears names it ([`Heard::prefill`]). Returns the leg's id.
+    pub fn insert_prefill(&self, id: &str, lease: Arc<Lease>, at: Duration) -> String {
+        let leg = self.insert(&prefill_id(id), lease, at);
+        if let Some(entry) = self.entries.pin().get(id) {
+            lock(entry).prefill = Some(leg.clone());
+        }
+        leg
+    }
+
     /// Mirrors request `id` that peer `decider` decided at `at` (on this
     /// router's clock), under [`mirror_id`]. A mirror still under that id
     /// (the decider has forgotten it, this router is still in its grace) is
     /// released and replaced.
     pub fn mirror(&self, decider: u64, id: &str, lease: Arc<Lease>, at: Duration) {
-        let entry = Arc::new(Mutex::new(Entry { life: Life::new(at, lease.replica.key, self.timing), lease, decider: Some(decider) }));
+        let entry = Arc::new(Mutex::new(Entry {
+            life: Life::new(at, lease.replica.key, self.timing),
+            lease,
+            decider: Some(decider),
+            prefill: None,
+        }));
         if let Some(old) = self.entries.pin().insert(mirror_id(decider, id), entry) {
             lock(old).lease.release();
         }
@@ -175,7 +193,15 @@ impl Ledger {
             // Only this entry: the id may be taken again by a request decided since.
             let _ = self.entries.pin().remove_if(id, |_, e| Arc::ptr_eq(e, entry));
         }
-        Heard { id: id.to_string(), lease: held.lease.clone(), retried_from, effects, took_back, decider: held.decider }
+        Heard {
+            id: id.to_string(),
+            lease: held.lease.clone(),
+            retried_from,
+            effects,
+            took_back,
+            decider: held.decider,
+            prefill: held.prefill.clone(),
+        }
     }
 
     /// Stops tracking a request (releasing its lease) and returns its lease.

@@ -80,7 +80,7 @@ impl Sidecar {
         let (parts, body) = req.into_parts();
         let body = match Limited::new(body, MAX_BODY).collect().await {
             Ok(b) => b.to_bytes(),
-            Err(_) => return Ok(answer(StatusCode::BAD_REQUEST, "Could not read the request body.")),
+            Err(_) => return Ok(answer(StatusCode::BAD_REQUEST, "BadRequestError", "Could not read the request body.")),
         };
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
         let header = |name: &str| parts.headers.get(name).and_then(|v| v.to_str().ok());
@@ -100,7 +100,7 @@ impl Sidecar {
         }
         let response = match sent.body(body).send().await {
             Ok(r) => r,
-            Err(e) => return Ok(answer(StatusCode::BAD_GATEWAY, &format!("The decode engine did not answer: {e}"))),
+            Err(e) => return Ok(answer(StatusCode::BAD_GATEWAY, "BadGatewayError", &format!("The decode engine did not answer: {e}"))),
         };
         let mut out = Response::builder().status(response.status());
         for (name, value) in response.headers() {
@@ -111,7 +111,7 @@ impl Sidecar {
         let frames = response.bytes_stream().map_ok(Frame::data).map_err(std::io::Error::other);
         Ok(out
             .body(BodyExt::boxed_unsync(StreamBody::new(frames)))
-            .unwrap_or_else(|_| answer(StatusCode::BAD_GATEWAY, "Bad answer headers.")))
+            .unwrap_or_else(|_| answer(StatusCode::BAD_GATEWAY, "BadGatewayError", "Bad answer headers.")))
     }
 
     /// Runs the prefill leg at `url`; the decode leg's body, or `None` when
@@ -133,8 +133,9 @@ impl Sidecar {
     }
 }
 
-fn answer(status: StatusCode, message: &str) -> Response<Body> {
-    let body = error_body(status.as_u16(), "BadGatewayError", message, None);
+/// The sidecar's own answer, in the OpenAI error shape.
+fn answer(status: StatusCode, kind: &str, message: &str) -> Response<Body> {
+    let body = error_body(status.as_u16(), kind, message, None);
     let mut r = Response::new(BodyExt::boxed_unsync(Full::new(Bytes::from(body)).map_err(|never| match never {})));
     *r.status_mut() = status;
     r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));

@@ -15,7 +15,6 @@ use inferrail_config::PrefillLegs;
 use inferrail_policy::NoReplica;
 use inferrail_route::fleet::{Fleet, Replica};
 use inferrail_route::kv::Prediction;
-use inferrail_route::ledger::prefill_id;
 use inferrail_route::{Committed, Decided, Plan, Share, View};
 use inferrail_tokenize::chat::Endpoint;
 
@@ -117,7 +116,7 @@ impl Router {
         let key = self.ledger.insert(request_id, committed.lease.clone(), self.now());
         let wants_usage = self.admission.decided(&placed, &key);
         let prefill = committed.prefill.map(|leg| {
-            let id = self.ledger.insert(&prefill_id(&key), leg.lease.clone(), self.now());
+            let id = self.ledger.insert_prefill(&key, leg.lease.clone(), self.now());
             if self.peers.any() {
                 self.peers.tell_all(wire::decided(&self.core, &id, &leg.lease, read.session.as_deref()));
             }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use inferrail_config::PrefillLegs;
 use inferrail_route::Hold;
 use inferrail_route::fleet::{Replica, may_eject};
-use inferrail_route::ledger::{Heard, PREFILL, mirror_id, prefill_id};
+use inferrail_route::ledger::{Heard, mirror_id};
 use inferrail_route::lifecycle::Event;
 
 use super::Router;
@@ -41,8 +41,8 @@ impl Router {
             {
                 self.peers.tell_all(told);
             }
-            if !request_id.ends_with(PREFILL) {
-                self.hear_prefill_leg(request_id, event, ago);
+            if let Some(leg) = &heard.prefill {
+                self.hear_prefill_leg(leg, event, ago);
             }
         }
         heard.is_some()
@@ -68,7 +68,7 @@ impl Router {
     /// that runs the leg tells the router nothing of it: the decoder's
     /// status stands for the prefill's (a decoder that could not read the
     /// blocks fails or recomputes them).
-    fn hear_prefill_leg(&self, request_id: &str, event: Event, ago: Duration) {
+    fn hear_prefill_leg(&self, leg_id: &str, event: Event, ago: Duration) {
         let leg = match event {
             Event::Status { code, .. } if self.config().routing.prefill_legs == PrefillLegs::Sidecar => {
                 Event::Status { code, served_by: None }
@@ -76,7 +76,7 @@ impl Router {
             Event::FirstByte | Event::End | Event::Gone => Event::End,
             _ => return,
         };
-        self.hear_ago(&prefill_id(request_id), leg, ago);
+        self.hear_ago(leg_id, leg, ago);
     }
 
     /// Hears something that happened `ago` of this router's mirror of a
