@@ -58,6 +58,11 @@ pub struct FleetArgs {
     /// the order of `--replica-time-scale` (default: `--kv-blocks`'s).
     #[arg(long, value_delimiter = ',')]
     pub replica_kv_blocks: Vec<usize>,
+    /// A disaggregated fleet: this share of each fleet's replicas (rounded,
+    /// at least one, and at least one decodes) prefills, the rest decode; 0:
+    /// every replica does both.
+    #[arg(long, default_value_t = 0.0)]
+    pub prefill_share: f64,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -135,8 +140,15 @@ pub(crate) fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> 
         "--replica-time-scale and --replica-kv-blocks name the same kinds of replica"
     );
     let mixed = (0..kinds).map(|i| (speeds.get(i).copied().unwrap_or(1.0), blocks.get(i).copied().unwrap_or(kv_blocks))).collect();
+    anyhow::ensure!((0.0..1.0).contains(&args.prefill_share), "--prefill-share is a share below 1");
+    let prefill_replicas = if args.prefill_share > 0.0 {
+        ((replicas as f64 * args.prefill_share).round() as usize).clamp(1, replicas.saturating_sub(1))
+    } else {
+        0
+    };
     let setup = Setup {
         replicas,
+        prefill_replicas,
         kv_blocks,
         mixed,
         block_size: args.block_size,
@@ -264,7 +276,9 @@ fn capacities(args: &FleetArgs) -> anyhow::Result<Capacities> {
     let mut replicas_needed = Vec::new();
     if fixed_rate > 0.0 {
         for &p in &args.policy {
-            let needed = capacity::replicas(largest * 4, search.slo_s, |n| simulate(args, &setup(args, n)?, p, fixed_rate))?;
+            let needed = capacity::replicas(if args.prefill_share > 0.0 { 2 } else { 1 }, largest * 4, search.slo_s, |n| {
+                simulate(args, &setup(args, n)?, p, fixed_rate)
+            })?;
             eprintln!("{p:?} needs {needed:?} replicas for {fixed_rate:.2} req/s");
             replicas_needed.push((name(p), needed));
         }

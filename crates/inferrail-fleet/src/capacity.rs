@@ -87,10 +87,17 @@ pub fn search_rate<T>(
     Ok(Capacity { replicas, rate: lo, missed_at: hi, at_capacity: best, probes })
 }
 
-/// The fewest replicas for which `probe(replicas)` meets the SLO, at most
-/// `max`; `None` when even `max` does not.
-pub fn replicas(max: usize, slo_s: f64, mut probe: impl FnMut(usize) -> anyhow::Result<Outcome>) -> anyhow::Result<Option<usize>> {
-    let mut hi = 1;
+/// The fewest replicas for which `probe(replicas)` meets the SLO, from
+/// `fewest` (a disaggregated fleet needs two) to at most `max`; `None` when
+/// even `max` does not.
+pub fn replicas(
+    fewest: usize,
+    max: usize,
+    slo_s: f64,
+    mut probe: impl FnMut(usize) -> anyhow::Result<Outcome>,
+) -> anyhow::Result<Option<usize>> {
+    let fewest = fewest.max(1);
+    let mut hi = fewest;
     loop {
         if met(&probe(hi)?, slo_s) {
             break;
@@ -101,7 +108,7 @@ pub fn replicas(max: usize, slo_s: f64, mut probe: impl FnMut(usize) -> anyhow::
         hi = (hi * 2).min(max);
     }
     // hi meets it; every count at or below lo is known (or assumed) to miss.
-    let mut lo = hi / 2;
+    let mut lo = (hi / 2).max(fewest - 1);
     while hi - lo > 1 {
         let mid = (lo + hi) / 2;
         if met(&probe(mid)?, slo_s) {

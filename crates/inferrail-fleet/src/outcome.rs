@@ -26,6 +26,14 @@ pub struct Outcome {
     pub rejected: usize,
     /// Requests that generated their last token.
     pub completed: usize,
+    /// On a disaggregated fleet, the replicas that prefill.
+    pub prefill_replicas: usize,
+    /// Requests split: prefilled on a prefill replica and read by a
+    /// decoder (the rest ran whole, on a decoder when the fleet is split).
+    pub split: usize,
+    /// Leases the routers still held once every request had ended (each
+    /// leg's, for a split request): zero unless a life was left unfinished.
+    pub leases_at_end: u32,
     /// Cached prompt tokens over prompt tokens, every replica.
     pub hit_rate: f64,
     /// Lowest and highest hit rate of one replica (of those that served any).
@@ -57,8 +65,10 @@ pub struct Outcome {
 
 /// Mean milliseconds a set of requests spent in each phase before their
 /// first token: queued behind other requests (their prefills, or a head of
-/// the queue waiting for room), at the head of the queue waiting for KV room,
-/// and in their own prefill. They add up to the mean time to first token.
+/// the queue waiting for room), at the head of the queue waiting for KV room
+/// (a split request: on either replica), and in their own prefill (a split
+/// request: its prefill leg, its queue on the decoder, its read and first
+/// step). They add up to the mean time to first token.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Phases {
     /// Requests averaged.
@@ -114,9 +124,14 @@ pub fn prefixes_served<'a>(engines: impl Iterator<Item = &'a HashMap<u128, u64>>
 /// One line per simulation, for the terminal.
 pub fn line(o: &Outcome) -> String {
     format!(
-        "{:<20} {:>4} replicas, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}% ({} over, {} under, off by {:.0} tokens on average), {} preemptions, {:.1} virtual s in {:.2} s",
+        "{:<20} {:>4} replicas{}, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}% ({} over, {} under, off by {:.0} tokens on average), {} preemptions, {:.1} virtual s in {:.2} s",
         o.policy,
         o.replicas,
+        if o.prefill_replicas > 0 {
+            format!(" ({} prefill, {} of {} split)", o.prefill_replicas, o.split, o.requests)
+        } else {
+            String::new()
+        },
         o.routers.0,
         if o.routers.0 > 1 && !o.routers.1 { " without peers" } else { "" },
         o.hit_rate * 100.0,

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use inferrail_config::{Config, Limits, Model};
+use inferrail_config::{Config, Limits, Model, Role};
 use inferrail_engine::cost::LatencyModel;
 use inferrail_policy::PolicyKind;
 use inferrail_route::lifecycle::Timing;
@@ -16,6 +16,9 @@ use crate::timescale;
 pub struct Setup {
     /// Replicas.
     pub replicas: usize,
+    /// A disaggregated fleet: the first this many replicas prefill (role
+    /// `prefill`), the rest decode (`decode`); zero: every replica does both.
+    pub prefill_replicas: usize,
     /// KV blocks per replica (the engine's pool, and the router's shadow of it).
     pub kv_blocks: usize,
     /// A mixed fleet: replica `i` has `mixed[i % len]`, its latency model
@@ -59,6 +62,15 @@ impl Setup {
     pub fn engine(&self, i: usize) -> (LatencyModel, usize) {
         let (speed, blocks) = self.mixed.get(i % self.mixed.len().max(1)).copied().unwrap_or((1.0, self.kv_blocks));
         (timescale::latency(self.time_scale * speed), blocks)
+    }
+
+    /// Replica `i`'s role.
+    pub fn role(&self, i: usize) -> Role {
+        match self.prefill_replicas {
+            0 => Role::Both,
+            p if i < p => Role::Prefill,
+            _ => Role::Decode,
+        }
     }
 }
 

@@ -39,6 +39,20 @@
 //! completes, its agent's next step arrives after its think time, resending
 //! that reply. Other requests' output blocks are freed uncached, as before.
 //!
+//! A disaggregated fleet (`Setup::prefill_replicas`) gives the replicas
+//! roles; the core plans a split request's two legs and the ledger holds
+//! both, as the service's does when it runs the prefill leg itself (ADR
+//! 0056). The prefill leg queues and prefills on its replica like any
+//! request; its answer is heard as it comes, and the replica keeps its
+//! blocks. The request then queues on its decoder, takes blocks there for
+//! its prompt (a hit for each the decoder caches) and reads the rest at
+//! the decoder's transfer time per block, while the decoder's queue goes
+//! on; once read, the prefill replica lets go of its blocks (they stay
+//! cached), and the first token comes one decode step later. The prefill
+//! leg ends when the decode leg's first byte is heard. A request the core
+//! keeps whole runs on its decoder as on any replica. What is predicted and
+//! measured of a split request is the prefill replica's cache.
+//!
 //! With several routers (`Setup::routers`) arrivals go to them in turn, as
 //! Envoy balances ext_proc streams. Each router has its own core, counters
 //! and KV index. With `peers` on, as `inferrail` with `peers:` (ADR 0034),
@@ -60,7 +74,7 @@ use inferrail_kv::hash::{BlockHash, extend_block_hashes};
 use inferrail_policy::{EngineReport, PolicyKind};
 use inferrail_route::fleet::{Fleet, Replica};
 use inferrail_route::kv::{Prediction, Prompt, seed};
-use inferrail_route::ledger::{Ledger, mirror_id};
+use inferrail_route::ledger::{Ledger, mirror_id, prefill_leg_event};
 use inferrail_route::lifecycle;
 use inferrail_route::{Core, Hold, Report, Share, View};
 
@@ -88,6 +102,9 @@ struct Job {
     hit: usize,
     /// When it first found no room for its blocks at the head of the queue.
     blocked_ns: Option<u64>,
+    /// A split request's wait for room on its decoder: since when, and in all.
+    read_blocked_ns: Option<u64>,
+    read_wait_ns: u64,
     /// When its first prefill started.
     started_ns: u64,
     /// Tokens generated so far, as of `decode_from_ns`.
@@ -101,6 +118,28 @@ struct Job {
     first_ns: u64,
     /// A closed-loop agent's step: the rest of the agent, and the prompt's ids.
     agent: Option<(Box<Agent>, Vec<u32>)>,
+    /// Where a split request is in its two legs.
+    stage: Stage,
+}
+
+/// Where a request is in its legs: whole (or done with its prefill leg),
+/// or a split request's prefill leg on the prefill replica, then its wait
+/// for room on the decoder and its read of the prefill's blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Stage {
+    Whole,
+    /// Prefilling on its replica, to be read by `decoder`; `leg` is the
+    /// prefill leg's id in the ledger.
+    Prefill {
+        decoder: usize,
+        leg: String,
+    },
+    /// Queued on (then reading into) its decoder the blocks replica
+    /// `prefill` keeps for it (`kept`) until the read ends.
+    Read {
+        prefill: usize,
+        kept: Vec<BlockId>,
+    },
 }
 
 impl Job {
@@ -138,6 +177,10 @@ struct Engine {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
     PrefillDone(usize),
+    /// Job `.0` has read the blocks its decoder lacked from its prefill replica.
+    Read(usize),
+    /// Job `.0`'s decoder has taken the first step after the read: its first token.
+    FirstStep(usize),
     /// Job `.0` needs a block for its next token (its epoch `.1`).
     Grow(usize, u32),
     /// Job `.0` (its epoch `.1`) has generated its last token.
@@ -222,6 +265,8 @@ struct World<'a> {
     arrived: usize,
     rejected: usize,
     completed: usize,
+    /// Requests split into two legs.
+    split: usize,
     /// Agents' next steps waiting for their arrival, by key.
     next_steps: HashMap<usize, Arrival>,
     /// Tokenizes agents' next steps and finds prompts' turn markers.
@@ -256,6 +301,9 @@ pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item 
         requests,
         rejected,
         completed: world.completed,
+        prefill_replicas: setup.prefill_replicas,
+        split: world.split,
+        leases_at_end: world.routers.iter().flat_map(|r| &r.fleet.replicas).map(|r| r.in_flight()).sum(),
         hit_rate: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
         replica_hit_rate: if replica_hits.is_empty() { (0.0, 0.0) } else { (min(&replica_hits), max(&replica_hits)) },
         busiest_share: max(&shares),
@@ -283,6 +331,7 @@ fn router(setup: &Setup, policy: PolicyKind, share: Share) -> anyhow::Result<Rou
             let (latency, blocks) = setup.engine(i);
             let cache = CacheShape { block_size: Some(setup.block_size), blocks: Some(blocks) };
             let r = Arc::new(Replica::new(id.clone(), addr, vec![0], setup.limits, cache, core.kv.slot(&id)));
+            r.set_role(setup.role(i));
             if !setup.mixed.is_empty() {
                 r.set_prefill(Some(inferrail_policy::Prefill {
                     prefill_token_us: latency.prefill_token_us,
@@ -307,6 +356,10 @@ impl<'a> World<'a> {
                 && setup.routers > 0
                 && setup.mixed.iter().all(|&(s, b)| s > 0.0 && b > 0),
             "replicas, block size, KV blocks, speeds and routers must be positive"
+        );
+        anyhow::ensure!(
+            setup.prefill_replicas == 0 || (setup.prefill_replicas < setup.replicas && setup.routers == 1),
+            "a disaggregated fleet needs a decode replica, and is simulated with one router"
         );
         let routers = (0..setup.routers)
             .map(|k| {
@@ -350,6 +403,7 @@ impl<'a> World<'a> {
             arrived: 0,
             rejected: 0,
             completed: 0,
+            split: 0,
             next_steps: HashMap::new(),
             counter: Counter::new()?,
         })
@@ -371,6 +425,12 @@ impl<'a> World<'a> {
             last = ns;
             match event {
                 Event::PrefillDone(r) => self.prefill_done(r, ns),
+                Event::Read(j) => self.read(j, ns),
+                Event::FirstStep(j) => {
+                    if let Some(r) = self.jobs.get(&j).map(|job| job.replica) {
+                        self.first_token(r, j, ns);
+                    }
+                }
                 Event::Grow(j, epoch) => self.grow(j, epoch, ns),
                 Event::Complete(j, epoch) => {
                     if self.jobs.get(&j).is_some_and(|job| job.epoch == epoch) {
@@ -430,21 +490,34 @@ impl<'a> World<'a> {
         let Some(&replica) = router.by_slot.get(&u64::from(committed.lease.replica.slot)) else {
             return false;
         };
-        router.ledger.insert(&id.to_string(), committed.lease.clone(), now_d);
+        let key = router.ledger.insert(&id.to_string(), committed.lease.clone(), now_d);
+        // A split request runs its prefill leg first, on the leg's replica;
+        // what is predicted, and measured, is the prefill replica's cache.
+        let (queued_on, predicted, stage) = match &committed.prefill {
+            Some(leg) => {
+                let Some(&p) = router.by_slot.get(&u64::from(leg.lease.replica.slot)) else { return false };
+                let leg_id = router.ledger.insert_prefill(&key, leg.lease.clone(), now_d);
+                self.split += 1;
+                (p, leg.cached_tokens.first().copied().unwrap_or(0), Stage::Prefill { decoder: replica, leg: leg_id })
+            }
+            None => (replica, committed.cached_tokens.first().copied().unwrap_or(0), Stage::Whole),
+        };
         self.tell_peers(id, decider, Heard::Decided, now);
         if self.setup.peers && self.routers.len() > 1 {
             self.told.insert(id, Told { replica, hold: committed.lease.hold(), session: a.session.clone() });
         }
         let job = Job {
             arrival_ns: now,
-            replica,
+            replica: queued_on,
             prediction,
             prompt_tokens: prompt.ids.len(),
             max_tokens: a.max_tokens.max(1),
-            predicted: committed.cached_tokens.first().copied().unwrap_or(0),
+            predicted,
             blocks: Vec::new(),
             hit: 0,
             blocked_ns: None,
+            read_blocked_ns: None,
+            read_wait_ns: 0,
             started_ns: 0,
             generated: 0,
             decode_from_ns: 0,
@@ -452,14 +525,20 @@ impl<'a> World<'a> {
             epoch: 0,
             first_ns: 0,
             agent,
+            stage,
         };
         self.jobs.insert(id, job);
-        let engine = &mut self.engines[replica];
-        engine.queue.push_back(id);
+        self.enqueue(queued_on, id, now);
+        true
+    }
+
+    /// Queues job `j` on replica `r` and starts what it can.
+    fn enqueue(&mut self, r: usize, j: usize, now: u64) {
+        let engine = &mut self.engines[r];
+        engine.queue.push_back(j);
         let in_flight = engine.queue.len() + usize::from(engine.prefilling.is_some()) + engine.decoding.len();
         self.peak_in_flight = self.peak_in_flight.max(in_flight);
-        self.start_prefill(replica, now);
-        true
+        self.start_prefill(r, now);
     }
 
     /// Reads every engine's load when a scrape interval has passed since the last read.
@@ -485,14 +564,18 @@ impl<'a> World<'a> {
     fn start_prefill(&mut self, r: usize, now: u64) {
         let bs = self.setup.block_size;
         let engine = &mut self.engines[r];
-        if engine.prefilling.is_some() {
-            return;
-        }
         let Some(&j) = engine.queue.front() else { return };
         let Some(job) = self.jobs.get(&j) else {
             engine.queue.pop_front();
             return;
         };
+        if matches!(job.stage, Stage::Read { .. }) {
+            self.start_read(r, j, now);
+            return;
+        }
+        if engine.prefilling.is_some() {
+            return;
+        }
         let first = job.generated == 0;
         let len = job.prompt_tokens.max(1) + job.generated;
         let hashes = computed_hashes(self.setup, j, job, len);
@@ -548,29 +631,107 @@ impl<'a> World<'a> {
             let engine = &mut self.engines[r];
             let Some(job) = self.jobs.get_mut(&j) else { return };
             cache_blocks(&mut engine.pool, &job.blocks, &hashes, job.hit);
-            let first = job.generated == 0;
-            if first {
-                job.first_ns = now;
-                self.ttft.push(Duration::from_nanos(now - job.arrival_ns));
-                let kv_wait = job.blocked_ns.map_or(0, |b| job.started_ns - b);
-                self.phases.push([job.started_ns - job.arrival_ns - kv_wait, kv_wait, now - job.started_ns]);
-            }
-            // The prefill gave it its next token; the rest come a decode step apart.
-            job.generated += 1;
-            engine.decoding.push(j);
-            job.decode_from_ns = now;
-            job.step_ns = (engine.latency.decode_secs(engine.decoding.len()) * 1e9) as u64;
-            self.next_step_event(j, now);
-            if first {
-                if self.setup.status_after_end.is_none() {
-                    self.hear(j, Heard::Status(r), now);
+            match std::mem::replace(&mut job.stage, Stage::Whole) {
+                Stage::Prefill { decoder, leg } => {
+                    // The prefill leg's answer: the replica keeps the blocks
+                    // for the decoder, which queues the request to read them.
+                    let kept = std::mem::take(&mut job.blocks);
+                    job.hit = 0;
+                    job.stage = Stage::Read { prefill: r, kept };
+                    job.replica = decoder;
+                    self.hear_leg(j, &leg, r, now);
+                    self.enqueue(decoder, j, now);
                 }
-                if self.setup.first_byte_after_end.is_none() {
-                    self.hear(j, Heard::FirstByte(now), now);
+                stage => {
+                    job.stage = stage;
+                    self.first_token(r, j, now);
                 }
             }
         }
         self.start_prefill(r, now);
+    }
+
+    /// Job `j` has its next token on replica `r` (from a prefill, or a split
+    /// request's first step after its read); the rest come a decode step
+    /// apart. Its first is its time to first token, and what the router hears.
+    fn first_token(&mut self, r: usize, j: usize, now: u64) {
+        let engine = &mut self.engines[r];
+        let Some(job) = self.jobs.get_mut(&j) else { return };
+        let first = job.generated == 0;
+        if first {
+            job.first_ns = now;
+            self.ttft.push(Duration::from_nanos(now - job.arrival_ns));
+            // A split request's wait for room on its decoder is a KV wait too.
+            let kv_wait = job.blocked_ns.map_or(0, |b| job.started_ns - b);
+            let queued = job.started_ns - job.arrival_ns - kv_wait;
+            self.phases.push([queued, kv_wait + job.read_wait_ns, now - job.started_ns - job.read_wait_ns]);
+        }
+        job.generated += 1;
+        engine.decoding.push(j);
+        job.decode_from_ns = now;
+        job.step_ns = (engine.latency.decode_secs(engine.decoding.len()) * 1e9) as u64;
+        self.next_step_event(j, now);
+        if first {
+            if self.setup.status_after_end.is_none() {
+                self.hear(j, Heard::Status(r), now);
+            }
+            if self.setup.first_byte_after_end.is_none() {
+                self.hear(j, Heard::FirstByte(now), now);
+            }
+        }
+    }
+
+    /// Job `j`, a split request at the head of decoder `r`'s queue, takes
+    /// blocks there for its prompt (those the decoder caches are hits) and
+    /// reads the rest from its prefill replica, at the decoder's transfer
+    /// time a block; the queue goes on meanwhile. Without room it waits,
+    /// holding up the queue, as a prefill does.
+    fn start_read(&mut self, r: usize, j: usize, now: u64) {
+        let bs = self.setup.block_size;
+        let Some(job) = self.jobs.get(&j) else { return };
+        let len = job.prompt_tokens.max(1);
+        let hashes = computed_hashes(self.setup, j, job, len);
+        let engine = &mut self.engines[r];
+        let Some(job) = self.jobs.get_mut(&j) else { return };
+        let total = len.div_ceil(bs);
+        let mut lacking = total;
+        if total <= engine.blocks {
+            let hit = engine.pool.lookup(&hashes);
+            let need = total - hit.len();
+            if need + engine.pool.count_free(&hit) > engine.pool.num_free() {
+                job.read_blocked_ns.get_or_insert(now);
+                return; // waits for a completion to free blocks
+            }
+            engine.pool.touch(&hit);
+            let Some(fresh) = engine.pool.allocate(need) else { return };
+            job.read_wait_ns = job.read_blocked_ns.map_or(0, |b| now - b);
+            job.hit = hit.len();
+            job.blocks = hit;
+            job.blocks.extend(fresh);
+            lacking = need;
+        }
+        engine.queue.pop_front();
+        engine.requests += 1;
+        let read_ns = (engine.latency.transfer_block_us * 1e3 * lacking as f64) as u64;
+        self.at(now + read_ns, Event::Read(j));
+        self.start_prefill(r, now);
+    }
+
+    /// Job `j` has read its blocks: its prefill replica lets go of them
+    /// (they stay cached there), its decoder caches them, and its first
+    /// token comes one decode step later.
+    fn read(&mut self, j: usize, now: u64) {
+        let Some(job) = self.jobs.get(&j) else { return };
+        let hashes = computed_hashes(self.setup, j, job, job.prompt_tokens);
+        let Some(job) = self.jobs.get_mut(&j) else { return };
+        let Stage::Read { prefill, kept } = std::mem::replace(&mut job.stage, Stage::Whole) else { return };
+        let d = job.replica;
+        cache_blocks(&mut self.engines[d].pool, &job.blocks, &hashes, job.hit);
+        self.engines[prefill].pool.release(kept.into_iter().rev());
+        let engine = &self.engines[d];
+        let step = engine.latency.decode_secs(engine.decoding.len() + 1);
+        self.at(now + (step * 1e9) as u64, Event::FirstStep(j));
+        self.start_prefill(prefill, now);
     }
 
     /// Schedules what job `j` does next as it decodes: take a block when its
@@ -697,8 +858,24 @@ impl<'a> World<'a> {
         let decider = j % self.routers.len();
         let Some(event) = self.event(heard) else { return };
         let router = &self.routers[decider];
-        router.ledger.hear(&j.to_string(), heard.moment(now), event, &router.core, &router.fleet);
+        let at = heard.moment(now);
+        let leg = router.ledger.hear(&j.to_string(), at, event, &router.core, &router.fleet).and_then(|h| h.prefill);
+        if let Some(leg) = leg
+            && let Some(event) = prefill_leg_event(event, false)
+        {
+            router.ledger.hear(&leg, at, event, &router.core, &router.fleet);
+        }
         self.tell_peers(j, decider, heard, now);
+    }
+
+    /// Job `j`'s router hears its prefill leg (`leg`) answered by replica
+    /// `r` at `now`: as it comes, for the router sent it.
+    fn hear_leg(&mut self, j: usize, leg: &str, r: usize, now: u64) {
+        let router = &self.routers[j % self.routers.len()];
+        let key = router.fleet.replicas[r].key;
+        for event in [lifecycle::Event::Status { code: 200, served_by: Some(key) }, lifecycle::Event::FirstByte] {
+            router.ledger.hear(leg, Duration::from_nanos(now), event, &router.core, &router.fleet);
+        }
     }
 
     /// What `heard` is as an event of a request's life (the decision is none).

@@ -42,6 +42,7 @@ fn setup(spec: &Spec, replicas: usize) -> Setup {
         timing: Timing::ROUTER,
         status_after_end: None,
         first_byte_after_end: None,
+        prefill_replicas: 0,
     }
 }
 
@@ -296,7 +297,7 @@ fn capacity_search_ends_and_grows_with_the_fleet() {
     };
     let (one, two, four) = (capacity(1), capacity(2), capacity(4));
     assert!(one <= two && two <= four, "{one} {two} {four}");
-    let needed = capacity::replicas(16, 2.0, |n| {
+    let needed = capacity::replicas(1, 16, 2.0, |n| {
         sim::simulate(&setup(&spec, n), PolicyKind::CostModel, Traffic::new(&spec, two, 1_500, 1, TextKind::None)?)
     })
     .expect("replicas");
@@ -352,4 +353,29 @@ fn first_bytes_heard_after_the_end_still_pace_the_outputs() {
     assert_eq!(late.completed, late.requests);
     let gap = on_time.prediction_exact - late.prediction_exact;
     assert!(gap < 0.01, "exact {} heard late against {} on time", late.prediction_exact, on_time.prediction_exact);
+}
+
+/// A disaggregated fleet runs each split request's two legs through the
+/// router's ledger: every request completes, every lease (both legs') is
+/// let go, and the prefill replicas' caches are predicted exactly.
+/// Round robin splits every request and spreads each shared prompt over
+/// both prefill replicas; cost_model keeps them apart.
+#[test]
+fn a_disaggregated_fleet_runs_both_legs_and_cost_model_keeps_the_prefill_caches() {
+    let spec = small(Kind::W1);
+    let s = Setup { prefill_replicas: 2, ..setup(&spec, 4) };
+    let run = |policy| {
+        let o = sim::simulate(&s, policy, Traffic::new(&spec, 2.0, 2_000, 1, TextKind::None).expect("traffic")).expect("simulate");
+        eprintln!("{}", line(&o));
+        o
+    };
+    let (cost, rr) = (run(PolicyKind::CostModel), run(PolicyKind::RoundRobin));
+    for o in [&cost, &rr] {
+        assert_eq!((o.rejected, o.completed), (0, 2_000), "{}", o.policy);
+        assert_eq!(o.leases_at_end, 0, "{}: every leg's lease let go", o.policy);
+        assert!(o.prediction_exact >= 0.99, "{}: {}", o.policy, o.prediction_exact);
+    }
+    assert_eq!(rr.split, 2_000, "round robin always splits");
+    assert!(cost.split > 0, "cost_model splits where it pays");
+    assert!(cost.hit_rate > rr.hit_rate + 0.1, "cost_model {:.3} round robin {:.3}", cost.hit_rate, rr.hit_rate);
 }

@@ -36,6 +36,20 @@ pub fn prefill_id(id: &str) -> String {
     format!("{id}/prefill")
 }
 
+/// What a split request's decode leg hearing `event` tells of its prefill
+/// leg. The prefill replica keeps its blocks until the decoder has read
+/// them, as it has once the decoder answers: only then is the leg over.
+/// When a sidecar runs the leg (`sidecar`), the router hears nothing of it
+/// but the decoder's status, which stands for the prefill's (a decoder that
+/// could not read the blocks fails or recomputes them).
+pub fn prefill_leg_event(event: Event, sidecar: bool) -> Option<Event> {
+    match event {
+        Event::Status { code, .. } if sidecar => Some(Event::Status { code, served_by: None }),
+        Event::FirstByte | Event::End | Event::Gone => Some(Event::End),
+        _ => None,
+    }
+}
+
 /// What one event did, for the service to act on.
 #[derive(Debug)]
 pub struct Heard {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use inferrail_config::PrefillLegs;
 use inferrail_route::Hold;
 use inferrail_route::fleet::{Replica, may_eject};
-use inferrail_route::ledger::{Heard, mirror_id};
+use inferrail_route::ledger::{Heard, mirror_id, prefill_leg_event};
 use inferrail_route::lifecycle::Event;
 
 use super::Router;
@@ -62,21 +62,13 @@ impl Router {
         }
     }
 
-    /// What a split request's decode leg tells of its prefill leg. The
-    /// prefill replica keeps its blocks until the decoder has read them, as
-    /// it has once it answers: only then is the prefill leg over. A sidecar
-    /// that runs the leg tells the router nothing of it: the decoder's
-    /// status stands for the prefill's (a decoder that could not read the
-    /// blocks fails or recomputes them).
+    /// What a split request's decode leg tells of its prefill leg
+    /// ([`prefill_leg_event`]).
     fn hear_prefill_leg(&self, leg_id: &str, event: Event, ago: Duration) {
-        let leg = match event {
-            Event::Status { code, .. } if self.config().routing.prefill_legs == PrefillLegs::Sidecar => {
-                Event::Status { code, served_by: None }
-            }
-            Event::FirstByte | Event::End | Event::Gone => Event::End,
-            _ => return,
-        };
-        self.hear_ago(leg_id, leg, ago);
+        let sidecar = self.config().routing.prefill_legs == PrefillLegs::Sidecar;
+        if let Some(leg) = prefill_leg_event(event, sidecar) {
+            self.hear_ago(leg_id, leg, ago);
+        }
     }
 
     /// Hears something that happened `ago` of this router's mirror of a
