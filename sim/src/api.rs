@@ -24,6 +24,7 @@ use serde_json::Value;
 use crate::engine::{self, Engine, Event, Submitted, Transfer, Unread};
 use crate::errors::ApiError;
 use crate::fault::{Action, FaultRequest, Faults};
+use crate::lora::{Adapters, Module};
 use crate::metrics::FinishReason;
 use crate::nixl::{self, Connector, Leg, ReadRequest};
 use crate::wire::{self, GenRequest, Kind, Reply, Served, Usage};
@@ -47,7 +48,7 @@ impl std::error::Error for Dropped {}
 const MAX_BODY: usize = 64 << 20;
 
 /// Routes and the methods each takes, for 405 `Allow`.
-const ROUTES: [(&str, &str); 14] = [
+const ROUTES: [(&str, &str); 16] = [
     ("/v1/chat/completions", "POST"),
     ("/v1/completions", "POST"),
     ("/v1/models", "GET"),
@@ -57,12 +58,18 @@ const ROUTES: [(&str, &str); 14] = [
     ("/load", "GET"),
     ("/metrics", "GET"),
     ("/tokenize", "POST"),
+    (LOAD_LORA, "POST"),
+    (UNLOAD_LORA, "POST"),
     ("/reset_prefix_cache", "POST"),
     ("/_sim/fault", "GET, POST"),
     ("/_sim/kv_events", "GET"),
     ("/_sim/requests", "GET"),
     (nixl::READ_PATH, "POST"),
 ];
+
+/// Where adapters are loaded and unloaded at run time.
+const LOAD_LORA: &str = "/v1/load_lora_adapter";
+const UNLOAD_LORA: &str = "/v1/unload_lora_adapter";
 
 /// Everything a request handler needs.
 pub struct App {
@@ -85,6 +92,8 @@ pub struct App {
     connector: Option<Arc<Connector>>,
     /// `Bearer <--api-key>`, when one is set.
     bearer: Option<String>,
+    adapters: Adapters,
+    runtime_lora: bool,
 }
 
 /// Settings of the API layer.
@@ -108,6 +117,10 @@ pub struct ApiConfig {
     pub connector: Option<Connector>,
     /// The key `/v1` requests must carry (`--api-key`).
     pub api_key: Option<String>,
+    /// Whether adapters are served (`--enable-lora`), and those loaded at start.
+    pub lora: Option<Vec<Module>>,
+    /// Adapters load and unload at run time (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`).
+    pub runtime_lora: bool,
 }
 
 fn unix_now() -> u64 {
@@ -246,11 +259,16 @@ impl Drop for InFlight {
 }
 
 impl App {
-    /// An API over a started engine.
-    pub fn new(cfg: ApiConfig, engine: Engine, faults: Faults) -> Self {
+    /// An API over a started engine; an error names an adapter that cannot be loaded.
+    pub fn new(cfg: ApiConfig, engine: Engine, faults: Faults) -> anyhow::Result<Self> {
         let mut rng = StdRng::seed_from_u64(cfg.seed);
         let perm_id = format!("modelperm-{:016x}", rng.random::<u64>());
-        Self {
+        let adapters = Adapters::new(cfg.lora.as_deref().unwrap_or_default(), &cfg.names)?;
+        // Adapters loaded at start are in host memory and a slot, as vLLM's are.
+        for a in adapters.all() {
+            engine.preload_lora(a.id);
+        }
+        Ok(Self {
             engine,
             faults,
             names: cfg.names,
@@ -266,11 +284,13 @@ impl App {
             peak_in_flight: AtomicUsize::new(0),
             connector: cfg.connector.map(Arc::new),
             bearer: cfg.api_key.map(|k| format!("Bearer {k}")),
-        }
+            adapters,
+            runtime_lora: cfg.lora.is_some() && cfg.runtime_lora,
+        })
     }
 
     fn served(&self) -> Served<'_> {
-        Served { names: &self.names, max_model_len: self.max_model_len, tokenizer: &self.tokenizer }
+        Served { names: &self.names, max_model_len: self.max_model_len, tokenizer: &self.tokenizer, adapters: self.adapters.all() }
     }
 
     fn random_id(&self) -> String {
@@ -306,6 +326,9 @@ impl App {
         let Some(&(_, allow)) = ROUTES.iter().find(|(p, _)| *p == route) else {
             return error(ApiError::no_route());
         };
+        if [LOAD_LORA, UNLOAD_LORA].contains(&route) && !self.runtime_lora {
+            return error(ApiError::no_route());
+        }
         let method = req.method().clone();
         if !allow.split(", ").any(|m| m == method.as_str()) {
             return error(ApiError::wrong_method(allow));
@@ -325,7 +348,13 @@ impl App {
         match route {
             "/v1/chat/completions" => self.generate(Kind::Chat, &headers, &body).await,
             "/v1/completions" => self.generate(Kind::Completion, &headers, &body).await,
-            "/v1/models" => json(wire::models(&self.names, &self.root, self.max_model_len, self.created, &self.perm_id)),
+            "/v1/models" => {
+                json(wire::models(&self.names, &self.adapters.all(), &self.root, self.max_model_len, self.created, &self.perm_id))
+            }
+            LOAD_LORA | UNLOAD_LORA => match self.update_lora(route == LOAD_LORA, &body) {
+                Ok(done) => full(StatusCode::OK, None, done),
+                Err(e) => error(e),
+            },
             "/health" | "/ping" => full(StatusCode::OK, None, Bytes::new()),
             "/version" => json(r#"{"version":"0.32.0"}"#),
             "/load" => json(format!(r#"{{"server_load":{}}}"#, self.in_flight.load(Ordering::Relaxed))),
@@ -350,6 +379,27 @@ impl App {
             )),
             _ => self.control(&method, &body),
         }
+    }
+
+    /// Loads or unloads an adapter; the answer on success is vLLM's plain text.
+    fn update_lora(&self, load: bool, body: &[u8]) -> Result<String, ApiError> {
+        let m = wire::parse_object(body)?;
+        let field = |k: &str| match m.get(k) {
+            Some(Value::String(v)) => Ok(v.clone()),
+            Some(other) => Err(ApiError::validation("string_type", &format!("body.{k}"), "Input should be a valid string", other, None)),
+            None => Err(ApiError::validation("missing", &format!("body.{k}"), "Field required", &Value::Object(m.clone()), None)),
+        };
+        let name = field("lora_name")?;
+        if !load {
+            self.adapters.unload(&name)?;
+            return Ok(format!("Success: LoRA adapter '{name}' removed successfully."));
+        }
+        let path = field("lora_path")?;
+        let inplace = m.get("load_inplace").and_then(Value::as_bool).unwrap_or(false);
+        let adapter = self.adapters.load(&name, &path, None, inplace, &self.names)?;
+        // Loading puts it in host memory and a slot, as vLLM's `add_lora` does.
+        self.engine.preload_lora(adapter.id);
+        Ok(format!("Success: LoRA adapter '{name}' added successfully."))
     }
 
     fn control(&self, method: &Method, body: &[u8]) -> Response<Body> {
@@ -406,6 +456,7 @@ impl App {
             salt: req.salt,
             cache_salt: req.cache_salt.clone(),
             transfer,
+            lora: req.adapter.clone(),
         });
         let busy = InFlight::new(&self.in_flight, &self.peak_in_flight);
         let mut response = if req.stream { self.stream(sub, busy, reply, req, pair) } else { self.whole(sub, reply, req, pair).await };

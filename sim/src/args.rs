@@ -10,6 +10,7 @@ use inferrail_kv_events::publish::{PublisherConfig, Skip};
 use crate::cost::{self, LatencyModel};
 use crate::events::KvEventsConfig;
 use crate::fault::Fault;
+use crate::lora::{self, Module};
 
 /// A CPU mock of a vLLM 0.32.0 OpenAI-compatible server.
 #[derive(Debug, Clone, Parser)]
@@ -79,6 +80,35 @@ pub struct Args {
     /// `recompute`) and `kv_connector_extra_config.kv_lease_duration` (seconds).
     #[arg(long)]
     pub kv_transfer_config: Option<String>,
+    /// Serve LoRA adapters (`--lora-modules`, and at run time with
+    /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`).
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// Adapters served from the start, space separated: `name=path`, or a
+    /// JSON object with `name`, `path` and `base_model_name`. Each path must exist.
+    #[arg(long, num_args = 1.., value_parser = lora::parse_module)]
+    pub lora_modules: Vec<Module>,
+    /// Adapters load and unload at run time (`POST /v1/load_lora_adapter`,
+    /// `/v1/unload_lora_adapter`), as vLLM's environment variable allows.
+    #[arg(long, env = "VLLM_ALLOW_RUNTIME_LORA_UPDATING")]
+    pub allow_runtime_lora_updating: bool,
+    /// Adapters one engine step may run.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_loras: u64,
+    /// Adapters kept in host memory (default: `--max-loras`; no fewer).
+    #[arg(long)]
+    pub max_cpu_loras: Option<u64>,
+    /// Highest adapter rank taken (vLLM's choices).
+    #[arg(long, default_value_t = 16, value_parser = lora_rank)]
+    pub max_lora_rank: u32,
+    /// Time to read an adapter from disk into host memory, milliseconds (an
+    /// assumption, not a measurement: tens of megabytes from local disk).
+    #[arg(long, default_value_t = 50.0)]
+    pub lora_load_ms: f64,
+    /// Time to copy an adapter from host memory into a GPU slot, milliseconds
+    /// (an assumption: tens of megabytes over PCIe).
+    #[arg(long, default_value_t = 5.0)]
+    pub lora_slot_ms: f64,
     /// Answer as fast as possible: every engine step takes no time.
     #[arg(long)]
     pub zero_latency: bool,
@@ -105,6 +135,12 @@ pub struct Args {
     /// `rate:P` (each with probability P, by `--seed`) or `seq:N,N,...`.
     #[arg(long)]
     pub kv_events_skip: Option<String>,
+}
+
+/// A `--max-lora-rank`: one of vLLM's choices.
+fn lora_rank(s: &str) -> Result<u32, String> {
+    const RANKS: [u32; 9] = [1, 8, 16, 32, 64, 128, 256, 320, 512];
+    s.parse().ok().filter(|r| RANKS.contains(r)).ok_or_else(|| format!("{s:?} is not one of {RANKS:?}"))
 }
 
 /// The fault named on the command line.
@@ -175,6 +211,18 @@ impl Args {
             return Ok(None);
         }
         Ok(Some(config.publisher(skip)))
+    }
+
+    /// The engine's adapter weights the flags ask for, if adapters are on.
+    pub fn lora(&self) -> anyhow::Result<Option<lora::Weights>> {
+        if !self.enable_lora {
+            anyhow::ensure!(self.lora_modules.is_empty(), "--lora-modules needs --enable-lora");
+            return Ok(None);
+        }
+        let max_cpu = self.max_cpu_loras.unwrap_or(self.max_loras);
+        anyhow::ensure!(max_cpu >= self.max_loras, "max_cpu_loras ({max_cpu}) must be >= max_loras ({}).", self.max_loras);
+        let (load, slot) = if self.zero_latency { (0.0, 0.0) } else { (self.lora_load_ms * 1e-3, self.lora_slot_ms * 1e-3) };
+        Ok(Some(lora::Weights::new(self.max_loras as usize, max_cpu as usize, load, slot)))
     }
 
     /// Flags for an in-process simulator: defaults, a free port, and the given extra flags.

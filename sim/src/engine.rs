@@ -23,10 +23,10 @@
 //! joins the running sequences when told they arrived (`Submitted::loaded`),
 //! its full prompt blocks cached then.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use inferrail_kv::hash::{BlockHash, extend_block_hashes};
 use rand::rngs::StdRng;
@@ -39,7 +39,8 @@ use inferrail_kv_events::publish::Publisher;
 use crate::cache::{BlockId, BlockPool};
 use crate::cost::{LatencyModel, secs};
 use crate::events::{StepEvents, Stored, process_key};
-use crate::metrics::{EngineInfo, FinishReason, Stats};
+use crate::lora::{Adapter, Weights};
+use crate::metrics::{EngineInfo, FinishReason, LoraInfo, Stats};
 use crate::nixl::FailurePolicy;
 
 /// How the engine is sized and timed.
@@ -67,6 +68,8 @@ pub struct EngineConfig {
     pub lease: Duration,
     /// What a decode leg does when its read fails.
     pub failure: FailurePolicy,
+    /// Adapter weights and slots, when adapters are on (`crate::lora`).
+    pub lora: Option<Weights>,
 }
 
 /// A request's part in a disaggregated pair, if any.
@@ -97,6 +100,8 @@ pub struct Request {
     pub cache_salt: Option<String>,
     /// Its part in a disaggregated pair.
     pub transfer: Transfer,
+    /// The adapter it names, if any.
+    pub lora: Option<Adapter>,
 }
 
 /// What a request hears from the engine, in order.
@@ -138,6 +143,7 @@ enum Command {
     Pin { key: String, blocks: Vec<u32>, reply: oneshot::Sender<Result<(), Unread>> },
     Release(String),
     Expire(String),
+    PreloadLora(u64),
 }
 
 /// Why kept blocks cannot be read.
@@ -198,7 +204,11 @@ impl Engine {
     /// Starts the engine task on the current tokio runtime.
     pub fn start(cfg: EngineConfig) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        let stats = Arc::new(Mutex::new(Stats::new(cfg.info.max_model_len)));
+        let mut cfg = cfg;
+        let mut stats = Stats::new(cfg.info.max_model_len);
+        stats.lora = cfg.lora.as_ref().map(|w| LoraInfo::new(w.max_loras as u64));
+        let stats = Arc::new(Mutex::new(stats));
+        let weights = cfg.lora.take();
         let info = Arc::new(cfg.info.clone());
         let kv_events = cfg.kv_events.clone();
         let mut pool = BlockPool::new(cfg.num_blocks);
@@ -214,6 +224,8 @@ impl Engine {
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            deferred: HashSet::new(),
+            weights,
             stats: stats.clone(),
             cfg,
         };
@@ -250,6 +262,12 @@ impl Engine {
         let _ = self.tx.send(Command::Release(key.to_owned()));
     }
 
+    /// Puts adapter `id` in host memory and a slot, outside any step (a
+    /// load through the API, or at start).
+    pub fn preload_lora(&self, id: u64) {
+        let _ = self.tx.send(Command::PreloadLora(id));
+    }
+
     /// Changes the statistics, for what the API layer measures.
     pub fn record(&self, f: impl FnOnce(&mut Stats)) {
         f(&mut lock(&self.stats));
@@ -284,6 +302,7 @@ struct Seq {
     salt: BlockHash,
     cache_salt: Option<String>,
     transfer: Transfer,
+    lora: Option<Adapter>,
     hashes: Vec<BlockHash>,
     blocks: Vec<BlockId>,
     registered: usize,
@@ -329,6 +348,11 @@ struct Core {
     seqs: HashMap<u64, Seq>,
     waiting: VecDeque<u64>,
     running: Vec<u64>,
+    /// Waiting sequences a step passed over for want of an adapter slot,
+    /// until they are admitted.
+    deferred: HashSet<u64>,
+    /// Adapter weights and slots (`cfg.lora`, taken).
+    weights: Option<Weights>,
     stats: Arc<Mutex<Stats>>,
 }
 
@@ -392,6 +416,7 @@ impl Core {
                         salt: request.salt,
                         cache_salt: request.cache_salt,
                         transfer: request.transfer,
+                        lora: request.lora,
                         hashes: Vec::new(),
                         blocks: Vec::new(),
                         registered: 0,
@@ -410,8 +435,11 @@ impl Core {
                 if let Some(seq) = self.seqs.remove(&id) {
                     self.waiting.retain(|&w| w != id);
                     self.running.retain(|&r| r != id);
+                    self.deferred.remove(&id);
                     self.pool.release(seq.blocks.iter().rev().copied());
-                    lock(&self.stats).count_finish(FinishReason::Abort);
+                    let mut st = lock(&self.stats);
+                    st.count_finish(FinishReason::Abort);
+                    ended_output(&mut st, &seq);
                 }
             }
             Command::Reset(reply) => {
@@ -440,6 +468,11 @@ impl Core {
             Command::Release(key) => {
                 if let Some(k) = self.kept.remove(&key) {
                     self.pool.release(k.blocks.into_iter().rev());
+                }
+            }
+            Command::PreloadLora(id) => {
+                if let Some(w) = &mut self.weights {
+                    w.activate(id);
                 }
             }
             Command::Expire(key) => {
@@ -511,14 +544,33 @@ impl Core {
             }
         }
 
-        // Admit waiting sequences in arrival order.
+        // The adapters this step runs: those of the running sequences.
+        let mut loras: HashSet<u64> = plan.decode.iter().filter_map(|id| self.seqs.get(id)?.lora.as_ref().map(|a| a.id)).collect();
+        let mut lora_secs = 0.0;
+        if let Some(w) = &mut self.weights {
+            lora_secs += loras.iter().map(|&l| w.activate(l)).sum::<f64>();
+        }
+
+        // Admit waiting sequences in arrival order. One whose adapter would
+        // be one too many for the step is passed over (deferred) and the
+        // scan goes on; the passed-over keep their place at the head.
         let mut budget = self.cfg.max_num_batched_tokens;
+        let mut passed = Vec::new();
         while self.running.len() < self.cfg.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
             let Some(seq) = self.seqs.get_mut(&id) else {
                 self.waiting.pop_front();
                 continue;
             };
+            if let (Some(a), Some(w)) = (&seq.lora, &self.weights)
+                && loras.len() >= w.max_loras
+                && !loras.contains(&a.id)
+            {
+                self.deferred.insert(id);
+                passed.push(id);
+                self.waiting.pop_front();
+                continue;
+            }
             let len = seq.tokens.len().max(1);
             extend_block_hashes(&mut seq.hashes, seq.salt, &seq.tokens, bs);
             // The last token is always computed, so a fully cached prompt
@@ -545,6 +597,11 @@ impl Core {
             seq.blocks = hit;
             seq.registered = seq.blocks.len();
             seq.blocks.extend(fresh);
+            self.deferred.remove(&id);
+            if let (Some(a), Some(w)) = (&seq.lora, &mut self.weights) {
+                loras.insert(a.id);
+                lora_secs += w.activate(a.id);
+            }
             if seq.scheduled.is_none() {
                 seq.scheduled = Some(start);
                 st.prompt_tokens += len as u64;
@@ -572,7 +629,11 @@ impl Core {
             self.running.push(id);
             plan.prefill.push(id);
         }
-        plan.secs = self.cfg.latency.step_secs(&plan.work, plan.decode.len());
+        for id in passed.into_iter().rev() {
+            self.waiting.push_front(id);
+        }
+        // A step that brings an adapter into a slot waits for its weights.
+        plan.secs = self.cfg.latency.step_secs(&plan.work, plan.decode.len()) + lora_secs;
         plan.tokens += plan.decode.len();
         drop(st);
         self.publish_gauges();
@@ -611,6 +672,11 @@ impl Core {
                 None => st.ttft.observe((end - seq.arrival).as_secs_f64()),
                 Some(last) => st.inter_token.observe((end - last).as_secs_f64()),
             }
+            if seq.first_token.is_none()
+                && let (Some(info), Some(a)) = (&mut st.lora, &seq.lora)
+            {
+                info.started(&a.name);
+            }
             seq.first_token.get_or_insert(end);
             seq.last_token = Some(end);
             let finish = (seq.generated() >= seq.max_tokens).then_some(seq.at_limit);
@@ -633,6 +699,9 @@ impl Core {
         for id in finished {
             self.finish(id, end, &mut st);
         }
+        if let Some(info) = &mut st.lora {
+            info.stamp(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64()));
+        }
         drop(st);
         self.publish_gauges();
     }
@@ -649,6 +718,7 @@ impl Core {
         let first = seq.first_token.unwrap_or(end);
         let generated = seq.generated();
         st.count_finish(seq.at_limit);
+        ended_output(st, &seq);
         st.e2e.observe((end - seq.arrival).as_secs_f64());
         st.inference.observe((end - scheduled).as_secs_f64());
         st.prefill.observe((first - scheduled).as_secs_f64());
@@ -681,7 +751,15 @@ impl Core {
         let mut st = lock(&self.stats);
         st.running = self.running.len();
         st.waiting = self.waiting.len();
+        st.deferred = self.deferred.len();
         st.kv_usage = self.pool.usage();
+    }
+}
+
+/// A sequence that had output and is over leaves the adapters' info gauge.
+fn ended_output(st: &mut Stats, seq: &Seq) {
+    if let (Some(info), Some(a), Some(_)) = (&mut st.lora, &seq.lora, seq.first_token) {
+        info.ended(&a.name);
     }
 }
 
@@ -697,7 +775,13 @@ fn cache_blocks(pool: &mut BlockPool, events: &mut Option<StepEvents>, id: u64, 
     if let Some(events) = events
         && !cached.is_empty()
     {
-        let stored = Stored { hashes: &seq.hashes, tokens: &seq.tokens, blocks: &cached, cache_salt: seq.cache_salt.as_deref() };
+        let stored = Stored {
+            hashes: &seq.hashes,
+            tokens: &seq.tokens,
+            blocks: &cached,
+            cache_salt: seq.cache_salt.as_deref(),
+            lora: seq.lora.as_ref(),
+        };
         events.stored(id, &stored);
     }
     seq.registered = full.max(seq.registered);

@@ -24,6 +24,8 @@ use anyhow::{Context, bail};
 use inferrail_kv::hash::BlockHash;
 use inferrail_kv_events::publish::{Publisher, PublisherConfig, Skip};
 use inferrail_kv_events::wire::{BlockRemoved, BlockStored, EventBatch, ExtraKey, KvEvent};
+
+use crate::lora::Adapter;
 use serde::Deserialize;
 
 /// vLLM 0.32.0's `--kv-events-config`, with its defaults.
@@ -131,6 +133,15 @@ pub struct Stored<'a> {
     pub blocks: &'a [usize],
     /// Its `cache_salt`, an extra key of its first block.
     pub cache_salt: Option<&'a str>,
+    /// Its adapter, an extra key of every block.
+    pub lora: Option<&'a Adapter>,
+}
+
+/// A block's extra keys as vLLM's events give them: the adapter's name,
+/// then the cache salt (first block only); none when neither.
+fn extra_keys(lora: Option<&Adapter>, salt: Option<&str>) -> Option<Vec<ExtraKey>> {
+    let keys: Vec<ExtraKey> = lora.map(|a| a.name.to_string()).into_iter().chain(salt.map(str::to_owned)).map(ExtraKey::Str).collect();
+    (!keys.is_empty()).then_some(keys)
 }
 
 impl StepEvents {
@@ -181,10 +192,10 @@ impl StepEvents {
             parent_block_hash: run.start.checked_sub(1).map(|p| engine_hash(self.key, s.hashes[p])),
             token_ids: s.tokens[run.start * bs..run.end * bs].to_vec(),
             block_size: u32::try_from(bs).unwrap_or(u32::MAX),
-            lora_id: None,
+            lora_id: s.lora.map(|a| a.id as i64),
             medium: Some("GPU".into()),
-            lora_name: None,
-            extra_keys: Some(run.map(|k| s.cache_salt.filter(|_| k == 0).map(|salt| vec![ExtraKey::Str(salt.to_owned())])).collect()),
+            lora_name: s.lora.map(|a| a.name.to_string()),
+            extra_keys: Some(run.map(|k| extra_keys(s.lora, s.cache_salt.filter(|_| k == 0))).collect()),
             group_idx: Some(0),
             kv_cache_spec_kind: Some("full_attention".into()),
         }

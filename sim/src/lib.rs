@@ -6,7 +6,8 @@
 //! timeline (`engine`, `cost`), exports vLLM's metrics (`metrics`) and can
 //! misbehave on demand (`fault`). With `--kv-events-config` it publishes
 //! vLLM's KV cache events over ZMQ (`events`); with `--kv-transfer-config`
-//! it serves either leg of a disaggregated request (`nixl`). `api` routes HTTP requests;
+//! it serves either leg of a disaggregated request (`nixl`); with
+//! `--enable-lora`, LoRA adapters (`lora`). `api` routes HTTP requests;
 //! `server` accepts connections. [`Sim::start`] runs one inside any tokio
 //! program or test.
 
@@ -18,6 +19,7 @@ pub mod engine;
 pub mod errors;
 pub mod events;
 pub mod fault;
+pub mod lora;
 pub mod metrics;
 pub mod nixl;
 pub mod server;
@@ -93,6 +95,7 @@ impl Sim {
             kv_events,
             lease: transfer.as_ref().map_or(std::time::Duration::from_secs(30), |t| t.lease),
             failure: transfer.as_ref().map_or(FailurePolicy::Fail, |t| t.failure),
+            lora: args.lora()?,
         });
         let connector = transfer.map(|cfg| Connector::new(cfg, side_channel(&args, addr), args.latency(), args.block_size));
         let app = Arc::new(App::new(
@@ -106,10 +109,12 @@ impl Sim {
                 seed: args.seed,
                 connector,
                 api_key: args.api_key.clone(),
+                lora: args.enable_lora.then(|| args.lora_modules.clone()),
+                runtime_lora: args.allow_runtime_lora_updating,
             },
             engine,
             Faults::new(args.fault()),
-        ));
+        )?);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(server::serve(app.clone(), listener, async {
             // A dropped sender stops the server as well.

@@ -96,6 +96,66 @@ pub struct EngineInfo {
     pub kv_transfer: bool,
 }
 
+/// What `vllm:lora_requests_info` tells, as vLLM 0.32 keeps it: the
+/// adapters of the requests that have had output and not finished, in the
+/// order first seen, written as both its running and its waiting list
+/// (0.32 writes every adapter it tracks into both), and stamped with the
+/// time at every step. A list once written stays on the page with its
+/// last time.
+#[derive(Debug, Clone, Default)]
+pub struct LoraInfo {
+    /// `--max-loras`.
+    pub max_loras: u64,
+    /// Adapters with requests that have had output, and how many.
+    tracked: Vec<(String, usize)>,
+    /// Each list written, and when it was last (seconds since the epoch), in the order first written.
+    series: Vec<(String, f64)>,
+}
+
+impl LoraInfo {
+    /// No adapter tracked yet, for `max_loras` slots.
+    pub fn new(max_loras: u64) -> Self {
+        Self { max_loras, ..Self::default() }
+    }
+
+    /// A request of adapter `name` had its first output.
+    pub fn started(&mut self, name: &str) {
+        match self.tracked.iter_mut().find(|(n, _)| n == name) {
+            Some((_, count)) => *count += 1,
+            None => self.tracked.push((name.to_owned(), 1)),
+        }
+    }
+
+    /// A request of adapter `name` that had output ended.
+    pub fn ended(&mut self, name: &str) {
+        if let Some(i) = self.tracked.iter().position(|(n, _)| n == name) {
+            self.tracked[i].1 -= 1;
+            if self.tracked[i].1 == 0 {
+                self.tracked.remove(i);
+            }
+        }
+    }
+
+    /// A step ended at `unix` seconds: the current list is written with that time.
+    pub fn stamp(&mut self, unix: f64) {
+        let list = self.tracked.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(",");
+        match self.series.iter_mut().find(|(l, _)| *l == list) {
+            Some((_, at)) => *at = unix,
+            None => self.series.push((list, unix)),
+        }
+    }
+
+    fn render(&self, p: &mut Page<'_>) {
+        let name = "vllm:lora_requests_info";
+        p.header(name, "Running stats on lora requests.", "gauge");
+        let max = self.max_loras.to_string();
+        for (list, at) in &self.series {
+            let labels = [("max_lora", max.as_str()), ("running_lora_adapters", list.as_str()), ("waiting_lora_adapters", list.as_str())];
+            p.line(name, &labels, *at);
+        }
+    }
+}
+
 /// Everything `/metrics` reports, updated by the engine.
 #[derive(Debug, Clone)]
 pub struct Stats {
@@ -103,6 +163,10 @@ pub struct Stats {
     pub running: usize,
     /// Sequences waiting.
     pub waiting: usize,
+    /// Of those, the ones a step passed over for want of an adapter slot.
+    pub deferred: usize,
+    /// The adapters' info gauge, when adapters are on.
+    pub lora: Option<LoraInfo>,
     /// Fraction of KV blocks in use.
     pub kv_usage: f64,
     /// Prompt tokens looked up in the prefix cache.
@@ -163,6 +227,8 @@ impl Stats {
         Self {
             running: 0,
             waiting: 0,
+            deferred: 0,
+            lora: None,
             kv_usage: 0.0,
             prefix_queries: 0,
             prefix_hits: 0,
@@ -220,8 +286,11 @@ impl Stats {
         p.gauge(
             "vllm:num_requests_waiting_by_reason",
             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
-            &[(&[("reason", "capacity")], self.waiting as f64), (&[("reason", "deferred")], 0.0)],
+            &[(&[("reason", "capacity")], self.waiting.saturating_sub(self.deferred) as f64), (&[("reason", "deferred")], self.deferred as f64)],
         );
+        if let Some(lora) = &self.lora {
+            lora.render(&mut p);
+        }
         p.gauge(
             "vllm:engine_sleep_state",
             "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep level 2.",
@@ -420,6 +489,11 @@ impl Page<'_> {
             labels.push(("engine", "0"));
         }
         labels.sort_by_key(|&(k, _)| k);
+        self.line(name, &labels, value);
+    }
+
+    /// One sample line with exactly `labels`, in their order.
+    fn line(&mut self, name: &str, labels: Labels<'_>, value: f64) {
         self.out.push_str(name);
         self.out.push('{');
         for (i, (k, v)) in labels.iter().enumerate() {

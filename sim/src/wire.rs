@@ -10,6 +10,7 @@ use inferrail_tokenize::chat::{self, Endpoint, RequestTemplates};
 use serde_json::{Map, Value, json};
 
 use crate::errors::{ApiError, json_error};
+use crate::lora::Adapter;
 use crate::metrics::FinishReason;
 
 /// Which OpenAI endpoint a request came to.
@@ -24,8 +25,10 @@ pub enum Kind {
 /// A validated generation request.
 #[derive(Debug, Clone)]
 pub struct GenRequest {
-    /// The served name asked for.
+    /// The served name asked for (an adapter's name for an adapter).
     pub model: String,
+    /// The adapter asked for, if any.
+    pub adapter: Option<Adapter>,
     /// Prompt token ids.
     pub prompt: Vec<u32>,
     /// `max_tokens` as sent.
@@ -38,7 +41,7 @@ pub struct GenRequest {
     pub continuous_usage: bool,
     /// `return_token_ids`.
     pub return_token_ids: bool,
-    /// Chain start from `cache_salt`.
+    /// Chain start from the adapter and `cache_salt`.
     pub salt: BlockHash,
     /// `cache_salt` as sent.
     pub cache_salt: Option<String>,
@@ -55,6 +58,8 @@ pub struct Served<'a> {
     pub max_model_len: usize,
     /// The model's tokenizer.
     pub tokenizer: &'a Tokenizer,
+    /// The adapters served, in load order.
+    pub adapters: Vec<Adapter>,
 }
 
 /// Parses a JSON body into an object, with vLLM's errors.
@@ -100,18 +105,22 @@ fn opt_int(m: &Map<String, Value>, field: &str) -> Result<Option<i64>, ApiError>
 }
 
 /// The served name a request asks for: `model` if given, else the first name.
-pub fn resolve_model(m: &Map<String, Value>, served: &Served<'_>) -> Result<String, ApiError> {
+pub fn resolve_model(m: &Map<String, Value>, served: &Served<'_>) -> Result<(String, Option<Adapter>), ApiError> {
     match opt_str(m, "model")? {
-        None => Ok(served.names.first().cloned().unwrap_or_default()),
-        Some(name) if served.names.iter().any(|n| n == name) => Ok(name.to_string()),
-        Some(name) => Err(ApiError::unknown_model(name, served.names)),
+        None => Ok((served.names.first().cloned().unwrap_or_default(), None)),
+        Some(name) if served.names.iter().any(|n| n == name) => Ok((name.to_string(), None)),
+        Some(name) => match served.adapters.iter().find(|a| &*a.name == name) {
+            Some(a) => Ok((name.to_string(), Some(a.clone()))),
+            // Adapters are not among the aliases vLLM lists.
+            None => Err(ApiError::unknown_model(name, served.names)),
+        },
     }
 }
 
 /// Validates a chat or completion body and tokenizes its prompt.
 pub fn parse_generation(kind: Kind, body: &[u8], served: &Served<'_>) -> Result<GenRequest, ApiError> {
     let m = parse_object(body)?;
-    let model = resolve_model(&m, served)?;
+    let (model, adapter) = resolve_model(&m, served)?;
     let prompt = match kind {
         Kind::Chat => chat_prompt(&m, served.tokenizer)?,
         Kind::Completion => completion_prompt(&m, served.tokenizer)?,
@@ -170,9 +179,15 @@ pub fn parse_generation(kind: Kind, body: &[u8], served: &Served<'_>) -> Result<
     check_length(prompt.len(), max_tokens, served.max_model_len)?;
 
     let cache_salt = opt_str(&m, "cache_salt")?;
-    let salt = cache_salt.map_or(0, |s| salt(&[s]));
+    // An adapter's blocks are its own, as vLLM's ("lora", name, path) key makes them.
+    let salt = match (&adapter, cache_salt) {
+        (None, None) => 0,
+        (None, Some(s)) => salt(&[s]),
+        (Some(a), s) => salt(&["lora", &a.name, &a.path, s.unwrap_or_default()]),
+    };
     Ok(GenRequest {
         model,
+        adapter,
         prompt,
         max_tokens,
         stream,
@@ -482,12 +497,15 @@ impl Reply {
 }
 
 /// The model list of `GET /v1/models`.
-pub fn models(names: &[String], root: &str, max_model_len: usize, created: u64, perm_id: &str) -> String {
-    let data: Vec<Value> = names
-        .iter()
-        .map(|name| {
+pub fn models(names: &[String], adapters: &[Adapter], root: &str, max_model_len: usize, created: u64, perm_id: &str) -> String {
+    // The base model's names, then the adapters in load order.
+    let base = names.iter().map(|name| (name.as_str(), root, Value::Null, json!(max_model_len)));
+    let adapters = adapters.iter().map(|a| (&*a.name, a.path.as_str(), json!(a.parent), Value::Null));
+    let data: Vec<Value> = base
+        .chain(adapters)
+        .map(|(name, root, parent, max_model_len)| {
             json!({
-                "id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root, "parent": null,
+                "id": name, "object": "model", "created": created, "owned_by": "vllm", "root": root, "parent": parent,
                 "max_model_len": max_model_len,
                 "permission": [{
                     "id": perm_id, "object": "model_permission", "created": created, "allow_create_engine": false,
@@ -504,6 +522,14 @@ pub fn models(names: &[String], root: &str, max_model_len: usize, created: u64, 
 pub fn tokenize(body: &[u8], served: &Served<'_>) -> Result<String, ApiError> {
     let m = parse_object(body)?;
     resolve_model(&m, served)?;
-    let tokens = if m.contains_key("messages") { chat_prompt(&m, served.tokenizer)? } else { completion_prompt(&m, served.tokenizer)? };
+    // An empty prompt is no tokens here, where generation refuses it.
+    let empty = m.get("prompt").is_some_and(|p| p.as_str() == Some("") || p.as_array().is_some_and(Vec::is_empty));
+    let tokens = if m.contains_key("messages") {
+        chat_prompt(&m, served.tokenizer)?
+    } else if empty {
+        Vec::new()
+    } else {
+        completion_prompt(&m, served.tokenizer)?
+    };
     Ok(json!({"count": tokens.len(), "max_model_len": served.max_model_len, "tokens": tokens, "token_strs": null}).to_string())
 }

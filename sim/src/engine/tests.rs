@@ -7,6 +7,10 @@ fn latency() -> LatencyModel {
 }
 
 fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
+    engine_with(num_blocks, max_num_seqs, None)
+}
+
+fn engine_with(num_blocks: usize, max_num_seqs: usize, lora: Option<Weights>) -> Engine {
     Engine::start(EngineConfig {
         block_size: 4,
         num_blocks,
@@ -26,11 +30,12 @@ fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
         kv_events: None,
         lease: std::time::Duration::from_secs(30),
         failure: crate::nixl::FailurePolicy::Fail,
+        lora,
     })
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
-    Request { prompt, max_tokens, at_limit: FinishReason::Length, salt: 0, cache_salt: None, transfer: Transfer::None }
+    Request { prompt, max_tokens, at_limit: FinishReason::Length, salt: 0, cache_salt: None, transfer: Transfer::None, lora: None }
 }
 
 /// Runs a request to the end: (cached tokens, time of first token, time of last, tokens).
@@ -213,4 +218,64 @@ async fn a_prefill_leg_keeps_its_blocks_until_released_and_a_decode_leg_computes
     d.loaded(true);
     assert!(matches!(d.next().await, Some(Event::Token { finish: None, .. })));
     assert_eq!(start.elapsed(), Duration::from_millis(7) + crate::cost::secs(latency().decode_secs(1)));
+}
+
+fn adapter(id: u64) -> Adapter {
+    Adapter { id, name: format!("a{id}").into(), path: format!("/w/a{id}"), parent: "m".into() }
+}
+
+/// Times of a submitted request's first and last tokens, from `start`.
+async fn times(mut sub: Submitted, start: Instant) -> (Duration, Duration) {
+    let mut first = None;
+    while let Some(ev) = sub.next().await {
+        if let Event::Token { finish, .. } = ev {
+            first.get_or_insert(start.elapsed());
+            if finish.is_some() {
+                break;
+            }
+        }
+    }
+    (first.unwrap_or_default(), start.elapsed())
+}
+
+/// With one adapter slot, a request for a second adapter waits (deferred)
+/// while the first adapter's request runs, and a base-model request behind
+/// it is not held up; the first step pays the adapter's read and copy, and
+/// the info gauge lists the adapters that have had output.
+#[tokio::test(start_paused = true)]
+async fn a_second_adapter_waits_for_the_slot_and_the_base_model_does_not() {
+    let e = engine_with(64, 8, Some(Weights::new(1, 2, 0.05, 0.005)));
+    let start = Instant::now();
+    let lora = |prompt: Vec<u32>, id: u64| Request { lora: Some(adapter(id)), ..request(prompt, 5) };
+    let a = e.submit(lora((0..8).collect(), 1));
+    let b = e.submit(lora((20..28).collect(), 2));
+    let c = e.submit(request((40..48).collect(), 5));
+    tokio::task::yield_now().await;
+    let (a, b, c) = tokio::join!(times(a, start), times(b, start), times(c, start));
+    let first_step = latency().step_secs(&[(8, 0), (8, 0)], 0) + 0.055;
+    assert!((a.0.as_secs_f64() - first_step).abs() < 2e-3, "a's first token waits for its adapter: {:?}", a.0);
+    assert!((c.0.as_secs_f64() - first_step).abs() < 2e-3, "the base-model request runs beside it: {:?}", c.0);
+    assert!(b.0 > a.1, "b starts only once a has finished: {:?} vs {:?}", b.0, a.1);
+    let page = e.metrics_page();
+    let info: Vec<&str> = page.lines().filter(|l| l.starts_with("vllm:lora_requests_info{")).collect();
+    let lists: Vec<&str> = info.iter().filter_map(|l| l.split("running_lora_adapters=\"").nth(1)?.split('"').next()).collect();
+    assert_eq!(lists, ["a1", "", "a2"], "{page}");
+    assert!(info.iter().all(|l| l.starts_with("vllm:lora_requests_info{max_lora=\"1\",")), "{info:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn deferred_requests_are_counted_by_reason_while_they_wait() {
+    let e = engine_with(64, 8, Some(Weights::new(1, 1, 0.0, 0.0)));
+    let lora = |prompt: Vec<u32>, id: u64| Request { lora: Some(adapter(id)), ..request(prompt, 50) };
+    let a = e.submit(lora((0..8).collect(), 1));
+    let b = e.submit(lora((20..28).collect(), 2));
+    // Two steps in: a runs, b has been passed over.
+    tokio::time::sleep(secs(latency().prefill_secs(8, 0) + latency().decode_secs(1) * 1.5)).await;
+    let by_reason = |reason: &str| {
+        let prefix = format!("vllm:num_requests_waiting_by_reason{{engine=\"0\",model_name=\"m\",reason=\"{reason}\"}} ");
+        e.metrics_page().lines().find_map(|l| l.strip_prefix(&prefix)?.parse::<f64>().ok())
+    };
+    assert_eq!((by_reason("deferred"), by_reason("capacity")), (Some(1.0), Some(0.0)));
+    assert_eq!(sample(&e, "vllm:num_requests_waiting"), 1.0);
+    drop((a, b));
 }
