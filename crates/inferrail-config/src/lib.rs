@@ -408,6 +408,10 @@ pub struct Model {
     pub name: String,
     /// Other names clients may use; the body is rewritten to `name`.
     pub aliases: Vec<String>,
+    /// LoRA adapters its replicas serve on it, by the names clients ask
+    /// for in `model` (the body keeps the name: the engine needs it). An
+    /// adapter's blocks are its own, as the engine hashes them.
+    pub adapters: Vec<String>,
     /// How its replicas are chosen.
     pub policy: PolicyKind,
     /// A policy that plans every request alongside `policy`, with the same
@@ -430,6 +434,7 @@ impl Default for Model {
         Self {
             name: String::new(),
             aliases: Vec::new(),
+            adapters: Vec::new(),
             policy: PolicyKind::RoundRobin,
             shadow_policy: None,
             tokenizer: None,

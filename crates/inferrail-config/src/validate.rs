@@ -134,7 +134,7 @@ impl Config {
                     Err(e) => p.extend(e),
                 }
             }
-            for n in std::iter::once(&m.name).chain(&m.aliases) {
+            for n in std::iter::once(&m.name).chain(&m.aliases).chain(&m.adapters) {
                 if !n.is_empty() && !names.insert(n.as_str()) {
                     p.push(format!("models[{i}]: the name {n:?} is used twice"));
                 }

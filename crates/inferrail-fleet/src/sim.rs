@@ -469,7 +469,7 @@ impl<'a> World<'a> {
         let router = &self.routers[decider];
         let agent = a.agent.map(|agent| (agent, a.ids.clone()));
         let special_at = self.counter.special_positions(&a.ids);
-        let prompt = Prompt { ids: a.ids, max_tokens: Some(a.max_tokens), cache_salt: None, special_at };
+        let prompt = Prompt { ids: a.ids, max_tokens: Some(a.max_tokens), cache_salt: None, adapter: None, special_at };
         let prediction = router.core.prepare(0, &prompt, &router.fleet);
         let view = View {
             model: 0,

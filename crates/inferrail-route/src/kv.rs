@@ -28,6 +28,8 @@ pub struct Prompt {
     pub max_tokens: Option<usize>,
     /// The request's `cache_salt`, which keeps its blocks apart.
     pub cache_salt: Option<String>,
+    /// The LoRA adapter it asks for, whose blocks are its own.
+    pub adapter: Option<String>,
     /// Where in `ids` the special tokens are (the chat template's turn
     /// markers), in order: a resent reply ends at the first after it.
     pub special_at: Vec<usize>,
@@ -155,9 +157,10 @@ impl Kv {
         &self.index
     }
 
-    /// Cuts a prompt into blocks of each of `block_sizes`.
+    /// Cuts a prompt of `model` (or of its adapter, if it asks for one)
+    /// into blocks of each of `block_sizes`.
     pub fn prepare(&self, model: &str, prompt: &Prompt, block_sizes: impl IntoIterator<Item = usize>) -> Prediction {
-        let chain = seed(model, prompt.cache_salt.as_deref());
+        let chain = seed(prompt.adapter.as_deref().unwrap_or(model), prompt.cache_salt.as_deref());
         let mut hashes: Vec<(usize, Vec<BlockHash>)> = Vec::new();
         for bs in block_sizes {
             if !hashes.iter().any(|(b, _)| *b == bs) {
@@ -305,7 +308,7 @@ mod tests {
     use super::*;
 
     fn prompt(n: u32) -> Prompt {
-        Prompt { ids: (0..n).collect(), max_tokens: Some(1), cache_salt: None, special_at: Vec::new() }
+        Prompt { ids: (0..n).collect(), max_tokens: Some(1), cache_salt: None, adapter: None, special_at: Vec::new() }
     }
 
     /// An index over replicas `a` and `b` of 100 blocks, with these block sizes.
@@ -356,7 +359,7 @@ mod tests {
         ids.extend(more);
         let mut special_at = prompt.special_at.clone();
         special_at.push(end);
-        Prompt { ids, max_tokens, cache_salt: None, special_at }
+        Prompt { ids, max_tokens, cache_salt: None, adapter: None, special_at }
     }
 
     #[test]

@@ -75,6 +75,8 @@ pub struct ModelRoute {
     pub name: String,
     /// Other names clients may use.
     pub aliases: Vec<String>,
+    /// Its LoRA adapters' names.
+    pub adapters: Vec<String>,
     /// Its policy's parameters (the prefill cost among them).
     pub params: Params,
     policy: Box<dyn RoutingPolicy>,
@@ -106,6 +108,7 @@ fn model_route(config: &Config, i: usize, slot: usize) -> Result<ModelRoute, Bad
     Ok(ModelRoute {
         name: m.name.clone(),
         aliases: m.aliases.clone(),
+        adapters: m.adapters.clone(),
         policy: inferrail_policy::build(m.policy, &params),
         prefill_policy: inferrail_policy::build(m.policy, &params),
         shadow: m.shadow_policy.map(|kind| inferrail_policy::build(kind, &params)),

@@ -41,7 +41,7 @@ fn core_with(policy: &str, more: &str, n: usize) -> (Core, Arc<Fleet>) {
 }
 
 pub(crate) fn prompt(first: u32, n: u32) -> Prompt {
-    Prompt { ids: (first..first + n).collect(), max_tokens: Some(4), cache_salt: None, special_at: Vec::new() }
+    Prompt { ids: (first..first + n).collect(), max_tokens: Some(4), cache_salt: None, adapter: None, special_at: Vec::new() }
 }
 
 pub(crate) fn view<'a>(core: &Core, fleet: &Fleet, p: &Prompt) -> View<'a> {

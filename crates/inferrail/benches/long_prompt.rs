@@ -59,7 +59,7 @@ fn long_prompt(c: &mut Criterion) {
     g.bench_function("rendered text encoded", |b| b.iter(|| tok.encode(&text, false)));
 
     let hashing = router(usize::MAX);
-    let prompt = Prompt { ids: ids.clone(), max_tokens: Some(1), cache_salt: None, special_at: Vec::new() };
+    let prompt = Prompt { ids: ids.clone(), max_tokens: Some(1), cache_salt: None, adapter: None, special_at: Vec::new() };
     g.bench_function("cut into block hashes", |b| b.iter(|| hashing.core.prepare(0, &prompt, &hashing.fleet())));
 
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();

@@ -165,6 +165,8 @@ fn prompt(tokenizer: &Tokenizer, endpoint: Endpoint, body: &Map<String, Value>) 
         ids,
         max_tokens: max_tokens(body, endpoint),
         cache_salt: body.get("cache_salt").and_then(Value::as_str).map(str::to_owned),
+        // The router knows an adapter's name from its model list.
+        adapter: None,
     })
 }
 

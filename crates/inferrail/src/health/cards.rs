@@ -35,6 +35,13 @@ pub fn models_json(router: &Router, cards: &[Value]) -> String {
         };
         data.push(entry(&m.name, None));
         data.extend(m.aliases.iter().map(|a| entry(a, Some(&m.name))));
+        // Adapters as the engines list them: their own root, no context length.
+        data.extend(m.adapters.iter().map(|a| {
+            json!({
+                "id": a, "object": "model", "created": created, "owned_by": "inferrail",
+                "root": card(a).map_or(json!(a), |c| c["root"].clone()), "parent": m.name, "max_model_len": null,
+            })
+        }));
     }
     json!({"object": "list", "data": data}).to_string()
 }

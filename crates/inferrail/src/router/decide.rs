@@ -229,16 +229,21 @@ impl Router {
             (None, _) => return Err(RouteError::MissingModel),
         };
         let model = self.core.model(index);
+        // An adapter is asked for by its own name, which the engine needs.
+        let adapter = fields.model.clone().filter(|name| model.adapters.contains(name));
         // The model's name does not change the prompt: tokenize the body as sent.
-        let read = self.prompts.read(index, endpoint, body, self.core.wants_text(index)).await;
+        let mut read = self.prompts.read(index, endpoint, body, self.core.wants_text(index)).await;
         let fleet = routing.fleet.clone();
-        let (prediction, no_prediction) = match &read.prompt {
-            Ok(p) => (Some(self.core.prepare(index, p, &fleet)), None),
+        let (prediction, no_prediction) = match &mut read.prompt {
+            Ok(p) => {
+                p.adapter = adapter.clone();
+                (Some(self.core.prepare(index, p, &fleet)), None)
+            }
             Err(reason) => (None, Some(*reason)),
         };
         let requested = fields.model.clone().filter(|name| *name != model.name);
         let forward = match fields.model {
-            Some(name) if name == model.name => None,
+            Some(name) if name == model.name || adapter.is_some() => None,
             _ => Some(request::with_model(body, fields.model_at, &model.name)),
         };
         let session = session.map(str::to_owned).or(fields.user);

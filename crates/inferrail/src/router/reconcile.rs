@@ -39,11 +39,12 @@ pub enum ReloadError {
     Params(#[from] BadParams),
 }
 
-/// Every name clients may use for `config`'s models (theirs and their aliases), to the model's slot.
+/// Every name clients may use for `config`'s models (theirs, their aliases
+/// and their adapters'), to the model's slot.
 pub fn names_of(config: &Config, slots: &[usize]) -> HashMap<String, usize> {
     let mut names = HashMap::new();
     for (m, &slot) in config.models.iter().zip(slots) {
-        for n in std::iter::once(&m.name).chain(&m.aliases) {
+        for n in std::iter::once(&m.name).chain(&m.aliases).chain(&m.adapters) {
             names.insert(n.clone(), slot);
         }
     }

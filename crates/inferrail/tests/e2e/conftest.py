@@ -43,7 +43,8 @@ def observe_filter(envoy):
 class Fleet:
     def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
                  kv_events=None, routers=1, filters=None, envoy_edit=None, peers=True, max_body_bytes=1 << 20, roles=None,
-                 health="probe_interval_ms: 100, probe_timeout_ms: 300", transfer=None, client_headers=None, sidecars=False):
+                 health="probe_interval_ms: 100, probe_timeout_ms: 300", transfer=None, client_headers=None, sidecars=False,
+                 adapters=()):
         """`kv_events`, to publish and follow KV events: a dict with `bind`
         ("router": the router binds and the engines connect, vLLM's way with
         an IP endpoint; "engine": the engines bind `tcp://*:port` and the
@@ -64,7 +65,8 @@ class Fleet:
         flow text). `client_headers`, sent with `chat()` (an engine's API key).
         With `sidecars`, an inferrail-sidecar stands in front of each
         simulator on the replica's address (the simulator moves to another
-        port; `sim_url` still reaches it directly)."""
+        port; `sim_url` still reaches it directly). `adapters`, LoRA adapter
+        names the model lists (the simulators must serve them)."""
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
@@ -100,7 +102,7 @@ class Fleet:
                 f"routing: {{seed: 7{routing}}}\n"
                 f"health: {{{health}}}\n"
                 f"{config_extra}"
-                f"models:\n  - {{name: {MODEL}, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}}}\n"
+                f"models:\n  - {{name: {MODEL}, aliases: [sim], adapters: [{', '.join(adapters)}], policy: {policy}, tokenizer: {tokenizer}}}\n"
                 f"replicas:\n{replicas}\n")
             self.configs.append(config)
         self.config = self.configs[0]
