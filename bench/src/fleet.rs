@@ -63,6 +63,10 @@ pub struct FleetArgs {
     /// every replica does both.
     #[arg(long, default_value_t = 0.0)]
     pub prefill_share: f64,
+    /// LoRA adapters one engine step runs (vLLM's `--max-loras`), for the
+    /// `lora` workload; 0: no limit.
+    #[arg(long, default_value_t = 4)]
+    pub max_loras: usize,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -152,6 +156,7 @@ pub(crate) fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> 
         kv_blocks,
         mixed,
         block_size: args.block_size,
+        max_loras: args.max_loras,
         time_scale: args.time_scale,
         policies: args.policy_params.as_ref().map_or(Ok(serde_yaml::Value::Null), serde_yaml::to_value)?,
         limits: Limits { max_concurrency: args.max_concurrency, max_pending: args.max_concurrency },

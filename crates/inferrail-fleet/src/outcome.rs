@@ -31,6 +31,11 @@ pub struct Outcome {
     /// Requests split: prefilled on a prefill replica and read by a
     /// decoder (the rest ran whole, on a decoder when the fleet is split).
     pub split: usize,
+    /// Requests an engine passed over at least once for want of a LoRA
+    /// adapter slot.
+    pub deferred: usize,
+    /// Times an engine loaded an adapter into a slot.
+    pub adapter_loads: u64,
     /// Leases the routers still held once every request had ended (each
     /// leg's, for a split request): zero unless a life was left unfinished.
     pub leases_at_end: u32,
@@ -124,7 +129,7 @@ pub fn prefixes_served<'a>(engines: impl Iterator<Item = &'a HashMap<u128, u64>>
 /// One line per simulation, for the terminal.
 pub fn line(o: &Outcome) -> String {
     format!(
-        "{:<20} {:>4} replicas{}, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}% ({} over, {} under, off by {:.0} tokens on average), {} preemptions, {:.1} virtual s in {:.2} s",
+        "{:<20} {:>4} replicas{}, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}% ({} over, {} under, off by {:.0} tokens on average), {} preemptions, {} deferred, {} adapter loads, {:.1} virtual s in {:.2} s",
         o.policy,
         o.replicas,
         if o.prefill_replicas > 0 {
@@ -152,6 +157,8 @@ pub fn line(o: &Outcome) -> String {
         o.predicted_over_under.1,
         o.misprediction_tokens,
         o.preemptions,
+        o.deferred,
+        o.adapter_loads,
         o.virtual_s,
         o.wall_s
     )

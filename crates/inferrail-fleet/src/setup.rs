@@ -28,6 +28,8 @@ pub struct Setup {
     pub mixed: Vec<(f64, usize)>,
     /// Tokens per block.
     pub block_size: usize,
+    /// LoRA adapters one engine step runs (`--max-loras`); 0: no limit.
+    pub max_loras: usize,
     /// The engines' latency model is the simulator's default times this
     /// ([`crate::timescale`]); the router's costs are set to match.
     pub time_scale: f64,

@@ -62,7 +62,7 @@
 //! limits; without, each knows only its own.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -120,6 +120,9 @@ struct Job {
     agent: Option<(Box<Agent>, Vec<u32>)>,
     /// Where a split request is in its two legs.
     stage: Stage,
+    /// The LoRA adapter it asks for, and whether a step has passed it over for want of a slot.
+    adapter: Option<usize>,
+    deferred: bool,
 }
 
 /// Where a request is in its legs: whole (or done with its prefill leg),
@@ -172,6 +175,10 @@ struct Engine {
     cached_tokens: u64,
     /// Requests it started, by their prompt's root prefix.
     roots: HashMap<u128, u64>,
+    /// LoRA adapters in its slots, least recently used first, and how
+    /// many times one was loaded.
+    slots: Vec<usize>,
+    adapter_loads: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -267,6 +274,8 @@ struct World<'a> {
     completed: usize,
     /// Requests split into two legs.
     split: usize,
+    /// Requests a step passed over for want of an adapter slot.
+    deferred: usize,
     /// Agents' next steps waiting for their arrival, by key.
     next_steps: HashMap<usize, Arrival>,
     /// Tokenizes agents' next steps and finds prompts' turn markers.
@@ -303,6 +312,8 @@ pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item 
         completed: world.completed,
         prefill_replicas: setup.prefill_replicas,
         split: world.split,
+        deferred: world.deferred,
+        adapter_loads: world.engines.iter().map(|e| e.adapter_loads).sum(),
         leases_at_end: world.routers.iter().flat_map(|r| &r.fleet.replicas).map(|r| r.in_flight()).sum(),
         hit_rate: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
         replica_hit_rate: if replica_hits.is_empty() { (0.0, 0.0) } else { (min(&replica_hits), max(&replica_hits)) },
@@ -381,6 +392,8 @@ impl<'a> World<'a> {
                 prompt_tokens: 0,
                 cached_tokens: 0,
                 roots: HashMap::new(),
+                slots: Vec::new(),
+                adapter_loads: 0,
             })
             .collect();
         Ok(Self {
@@ -404,6 +417,7 @@ impl<'a> World<'a> {
             rejected: 0,
             completed: 0,
             split: 0,
+            deferred: 0,
             next_steps: HashMap::new(),
             counter: Counter::new()?,
         })
@@ -469,7 +483,14 @@ impl<'a> World<'a> {
         let router = &self.routers[decider];
         let agent = a.agent.map(|agent| (agent, a.ids.clone()));
         let special_at = self.counter.special_positions(&a.ids);
-        let prompt = Prompt { ids: a.ids, max_tokens: Some(a.max_tokens), cache_salt: None, adapter: None, special_at };
+        let adapter = a.adapter;
+        let prompt = Prompt {
+            ids: a.ids,
+            max_tokens: Some(a.max_tokens),
+            cache_salt: None,
+            adapter: adapter.map(inferrail_workload::adapter_name),
+            special_at,
+        };
         let prediction = router.core.prepare(0, &prompt, &router.fleet);
         let view = View {
             model: 0,
@@ -526,6 +547,8 @@ impl<'a> World<'a> {
             first_ns: 0,
             agent,
             stage,
+            adapter,
+            deferred: false,
         };
         self.jobs.insert(id, job);
         self.enqueue(queued_on, id, now);
@@ -562,6 +585,9 @@ impl<'a> World<'a> {
     /// its queue has room for the tokens it computes: its prompt, and after
     /// a preemption what it had generated too (recomputed, as vLLM does).
     fn start_prefill(&mut self, r: usize, now: u64) {
+        if self.setup.max_loras > 0 && !self.pick_for_slots(r) {
+            return; // every request waiting needs an adapter slot: one frees at a completion
+        }
         let bs = self.setup.block_size;
         let engine = &mut self.engines[r];
         let Some(&j) = engine.queue.front() else { return };
@@ -619,8 +645,49 @@ impl<'a> World<'a> {
             self.over_under.1 += usize::from(job.predicted < cached);
             self.missed_by += job.predicted.abs_diff(cached) as u64;
         }
-        let secs = engine.latency.prefill_secs(len - cached, cached);
+        let mut secs = engine.latency.prefill_secs(len - cached, cached);
+        if let Some(a) = job.adapter.filter(|_| self.setup.max_loras > 0) {
+            let active = active_adapters(&self.jobs, &engine.decoding);
+            if load_adapter(&mut engine.slots, a, &active, self.setup.max_loras) {
+                engine.adapter_loads += 1;
+                secs += ADAPTER_LOAD_SECS * self.setup.time_scale;
+            }
+        }
         self.at(now + (secs * 1e9) as u64, Event::PrefillDone(r));
+    }
+
+    /// Brings to the head of replica `r`'s queue the first request a step
+    /// could run there: one without an adapter, or whose adapter runs
+    /// there, or with a slot free for it. Those passed over are deferred
+    /// (vLLM's scan goes on past them). False when none could run.
+    fn pick_for_slots(&mut self, r: usize) -> bool {
+        let engine = &mut self.engines[r];
+        let active = active_adapters(&self.jobs, &engine.decoding);
+        let max = self.setup.max_loras;
+        let jobs = &self.jobs;
+        let fits = |j: &usize| jobs.get(j).and_then(|job| job.adapter).is_none_or(|a| active.contains(&a) || active.len() < max);
+        let Some(i) = engine.queue.iter().position(fits) else {
+            self.defer(r, usize::MAX);
+            return false;
+        };
+        self.defer(r, i);
+        if i > 0 {
+            let engine = &mut self.engines[r];
+            if let Some(j) = engine.queue.remove(i) {
+                engine.queue.push_front(j);
+            }
+        }
+        true
+    }
+
+    /// Marks the first `n` requests queued on replica `r` deferred.
+    fn defer(&mut self, r: usize, n: usize) {
+        for j in self.engines[r].queue.iter().take(n) {
+            if let Some(job) = self.jobs.get_mut(j).filter(|job| !job.deferred) {
+                job.deferred = true;
+                self.deferred += 1;
+            }
+        }
     }
 
     fn prefill_done(&mut self, r: usize, now: u64) {
@@ -923,6 +990,34 @@ impl<'a> World<'a> {
             }
         }
     }
+}
+
+/// How long an engine takes to bring an adapter into a slot, at time scale
+/// 1: the simulator's defaults (`--lora-load-ms` 50, `--lora-slot-ms` 5;
+/// host memory holds as many as the slots, vLLM's default).
+const ADAPTER_LOAD_SECS: f64 = 0.055;
+
+/// The adapters of the requests `decoding`.
+fn active_adapters(jobs: &HashMap<usize, Job>, decoding: &[usize]) -> HashSet<usize> {
+    decoding.iter().filter_map(|d| jobs.get(d)?.adapter).collect()
+}
+
+/// Puts adapter `a` in `slots` (least recently used first), evicting the
+/// least recently used not `active` when all `max` are taken; true when it
+/// had to be loaded.
+fn load_adapter(slots: &mut Vec<usize>, a: usize, active: &HashSet<usize>, max: usize) -> bool {
+    if let Some(i) = slots.iter().position(|&s| s == a) {
+        slots.remove(i);
+        slots.push(a);
+        return false;
+    }
+    if slots.len() >= max
+        && let Some(i) = slots.iter().position(|s| !active.contains(s))
+    {
+        slots.remove(i);
+    }
+    slots.push(a);
+    true
 }
 
 /// Caches `blocks` from the `from`-th on under `hashes`, as far as both go

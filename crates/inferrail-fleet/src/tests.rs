@@ -31,6 +31,7 @@ fn setup(spec: &Spec, replicas: usize) -> Setup {
         kv_blocks: default_kv_blocks(spec, 1, 16).expect("kv blocks"),
         mixed: Vec::new(),
         block_size: 16,
+        max_loras: 0,
         time_scale: 1.0,
         policies: serde_yaml::Value::Null,
         limits: Limits::default(),
@@ -378,4 +379,27 @@ fn a_disaggregated_fleet_runs_both_legs_and_cost_model_keeps_the_prefill_caches(
     assert_eq!(rr.split, 2_000, "round robin always splits");
     assert!(cost.split > 0, "cost_model splits where it pays");
     assert!(cost.hit_rate > rr.hit_rate + 0.1, "cost_model {:.3} round robin {:.3}", cost.hit_rate, rr.hit_rate);
+}
+
+/// Adapters in the engines: a step runs at most `max_loras` of them, a
+/// request whose adapter would be one too many is passed over (deferred),
+/// and each adapter brought into a slot costs its load. Round robin sends
+/// every adapter everywhere and defers far more than a single slot's
+/// worth; each adapter's cache is its own, predicted exactly.
+#[test]
+fn adapters_take_slots_and_the_rest_wait() {
+    let spec = Spec { system_prompts: 12, ..small(Kind::Lora) };
+    let s = Setup { max_loras: 2, ..setup(&spec, 3) };
+    let run = |policy, setup: &Setup| {
+        let o = sim::simulate(setup, policy, Traffic::new(&spec, 4.0, 1_500, 1, TextKind::None).expect("traffic")).expect("simulate");
+        eprintln!("{}", line(&o));
+        o
+    };
+    let rr = run(PolicyKind::RoundRobin, &s);
+    assert_eq!((rr.rejected, rr.completed), (0, 1_500));
+    assert!(rr.deferred > 0 && rr.adapter_loads > 0, "{} deferred, {} loads", rr.deferred, rr.adapter_loads);
+    assert!(rr.prediction_exact >= 0.99, "each adapter's blocks are its own: {}", rr.prediction_exact);
+    let unlimited = run(PolicyKind::RoundRobin, &Setup { max_loras: 0, ..s.clone() });
+    assert_eq!((unlimited.deferred, unlimited.adapter_loads), (0, 0));
+    assert!(rr.ttft.p99_ms > unlimited.ttft.p99_ms, "slots cost time: {} against {}", rr.ttft.p99_ms, unlimited.ttft.p99_ms);
 }

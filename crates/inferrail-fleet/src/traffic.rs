@@ -43,6 +43,8 @@ pub struct Arrival {
     pub text: Option<String>,
     /// A closed-loop agent's later steps, if this is one of its steps.
     pub agent: Option<Box<Agent>>,
+    /// The LoRA adapter it asks for, by its index (`lora`).
+    pub adapter: Option<usize>,
 }
 
 /// What a closed-loop agent's step carries to make the next: the
@@ -123,7 +125,7 @@ impl Traffic {
         // Long enough for `requests` arrivals but for a vanishing chance.
         let secs = (requests as f64 * 1.2 + 100.0) / rate;
         let source = match spec.workload {
-            Kind::W1 | Kind::Long | Kind::W6 | Kind::Mix | Kind::Hot => {
+            Kind::W1 | Kind::Long | Kind::W6 | Kind::Mix | Kind::Hot | Kind::Lora => {
                 Source::Fast(Box::new(Fast::new(spec, rate, secs, requests, seed, &counter)?))
             }
             Kind::W2 | Kind::Rag | Kind::Burst | Kind::Replay => {
@@ -187,7 +189,15 @@ fn agents(steps: Vec<workload::Request>, requests: usize, text: TextKind, seed: 
 fn slow(counter: &Counter, r: workload::Request, kind: TextKind) -> anyhow::Result<Arrival> {
     let ids = counter.ids(r.api, &r.body)?;
     let max_tokens = r.body.get("max_tokens").and_then(Value::as_u64).unwrap_or(256) as usize;
-    Ok(Arrival { at: r.at, ids, max_tokens, session: r.session, text: r.body.as_object().and_then(|b| kind.read(b)), agent: None })
+    Ok(Arrival {
+        at: r.at,
+        ids,
+        max_tokens,
+        session: r.session,
+        text: r.body.as_object().and_then(|b| kind.read(b)),
+        agent: None,
+        adapter: None,
+    })
 }
 
 /// The harness's filler: a marker, then `tokens - 1` words (indices into [`WORDS`]).
@@ -253,7 +263,11 @@ impl Fast {
             _ => true,
         };
         let (system, marker, words) = if shares {
-            let k = if self.spec.workload == Kind::Hot { self.zipf.draw(rng) } else { rng.random_range(0..self.systems.len()) };
+            let k = if matches!(self.spec.workload, Kind::Hot | Kind::Lora) {
+                self.zipf.draw(rng)
+            } else {
+                rng.random_range(0..self.systems.len())
+            };
             let tokens = self.spec.question_tokens.draw(rng) as usize;
             (Some(k), format!("q{i}"), draw_words(rng, tokens))
         } else {
@@ -282,7 +296,8 @@ impl Fast {
             let body = chat_body(&self.model, system.map(|k| self.systems[k].0.as_str()), &words_text(&marker, &words), max_tokens);
             body.as_object().and_then(|b| kind.read(b))
         });
-        Some(Ok(Arrival { at, ids, max_tokens: max_tokens as usize, session: None, text: text.flatten(), agent: None }))
+        let adapter = system.filter(|_| self.spec.workload == Kind::Lora);
+        Some(Ok(Arrival { at, ids, max_tokens: max_tokens as usize, session: None, text: text.flatten(), agent: None, adapter }))
     }
 }
 

@@ -138,6 +138,14 @@ pub enum Kind {
     Long,
     /// A JSONL trace (`--trace`).
     Replay,
+    /// Hot's shape over LoRA adapters: each system prompt is one adapter's
+    /// (`lora-<k>`, named in `model`), drawn by Zipf weight.
+    Lora,
+}
+
+/// The name `lora` requests give adapter `k`.
+pub fn adapter_name(k: usize) -> String {
+    format!("lora-{k}")
 }
 
 /// What to generate; the flags of every command that sends a workload.
@@ -241,7 +249,7 @@ impl Spec {
 pub fn generate(spec: &Spec, rate: f64, secs: f64, seed: u64) -> anyhow::Result<Vec<Request>> {
     let counter = Counter::new()?;
     let mut out = match spec.workload {
-        Kind::W1 | Kind::Long | Kind::W6 | Kind::Mix | Kind::Hot => single_turn(spec, rate, secs, seed, &counter)?,
+        Kind::W1 | Kind::Long | Kind::W6 | Kind::Mix | Kind::Hot | Kind::Lora => single_turn(spec, rate, secs, seed, &counter)?,
         Kind::W2 => sessions::generate(spec, rate, secs, seed, &counter)?,
         Kind::Rag => reuse::rag(spec, rate, secs, seed, &counter)?,
         Kind::Burst => reuse::burst(spec, rate, secs, seed, &counter)?,
@@ -275,10 +283,11 @@ fn single_turn(spec: &Spec, rate: f64, secs: f64, seed: u64, counter: &Counter) 
             _ => true,
         };
         let (body, shared_prefix_tokens) = if shares {
-            let k = if spec.workload == Kind::Hot { zipf.draw(&mut rng) } else { rng.random_range(0..prompts.len()) };
+            let k = if matches!(spec.workload, Kind::Hot | Kind::Lora) { zipf.draw(&mut rng) } else { rng.random_range(0..prompts.len()) };
             let tokens = spec.question_tokens.draw(&mut rng) as usize;
             let question = text::unique(&mut rng, &format!("q{i}"), tokens);
-            (chat_body(&spec.model, Some(&prompts[k]), &question, max_tokens), shared[k])
+            let model = if spec.workload == Kind::Lora { adapter_name(k) } else { spec.model.clone() };
+            (chat_body(&model, Some(&prompts[k]), &question, max_tokens), shared[k])
         } else {
             let tokens = spec.system_tokens.draw(&mut rng) + spec.question_tokens.draw(&mut rng);
             (chat_body(&spec.model, None, &text::unique(&mut rng, &format!("u{i}"), tokens as usize), max_tokens), 0)
