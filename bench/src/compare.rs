@@ -109,6 +109,11 @@ pub struct CompareArgs {
     /// (`kv_consumer`s).
     #[arg(long, default_value_t = 1)]
     pub prefill_replicas: usize,
+    /// LoRA adapters one simulator step runs (vLLM's `--max-loras`). With
+    /// the `lora` workload every simulator serves its adapters
+    /// (`--system-prompts` of them) and Inferrail lists them under the model.
+    #[arg(long, default_value_t = 4)]
+    pub max_loras: usize,
     /// Calibrate each simulator first (`inferrail-calibrate` on a fresh
     /// fleet) and give Inferrail each replica's own prefill cost, as an
     /// operator of a mixed fleet would; else every replica is priced at
@@ -207,6 +212,12 @@ async fn start_sims(args: &CompareArgs, logs: &Path, http: &reqwest::Client, dis
         if args.kv_events {
             flags.extend(KV_EVENTS[i].sim_flags());
         }
+        let adapters = adapters(args);
+        if !adapters.is_empty() {
+            // Every simulator serves every adapter; its path only has to exist.
+            flags.extend(["--enable-lora".into(), "--max-loras".into(), args.max_loras.to_string(), "--lora-modules".into()]);
+            flags.extend(adapters.iter().map(|a| format!("{a}={}", logs.display())));
+        }
         if disaggregated {
             let role = if i < args.prefill_replicas { "kv_producer" } else { "kv_consumer" };
             flags.extend(["--kv-transfer-config".into(), format!(r#"{{"kv_connector":"NixlConnector","kv_role":"{role}"}}"#)]);
@@ -220,6 +231,12 @@ async fn start_sims(args: &CompareArgs, logs: &Path, http: &reqwest::Client, dis
         .await?;
     }
     Ok(fleet)
+}
+
+/// The adapters the runs' `lora` workload asks for (none without it).
+fn adapters(args: &CompareArgs) -> Vec<String> {
+    let lora = args.workloads.contains(&Kind::Lora);
+    (0..if lora { args.spec.system_prompts } else { 0 }).map(inferrail_workload::adapter_name).collect()
 }
 
 /// Each simulator's prefill cost as `inferrail-calibrate` fits it on a
@@ -281,7 +298,7 @@ async fn start(
             for k in 0..routers {
                 let (yaml, config) = processes::router_config(
                     split.unwrap_or(contender),
-                    &args.tokenizer,
+                    (&args.tokenizer, &adapters(args)),
                     seed,
                     ports(k),
                     (&SIMS, prefill, if split.is_some() { args.prefill_replicas } else { 0 }),

@@ -168,7 +168,7 @@ impl KvEventPorts {
 /// and the configuration it reads as.
 pub fn router_config(
     policy: &str,
-    tokenizer: &str,
+    (tokenizer, adapters): (&str, &[String]),
     seed: u64,
     ports: RouterPorts,
     (sims, prefill, prefills): (&[u16], &[Option<inferrail_policy::Prefill>], usize),
@@ -206,12 +206,13 @@ pub fn router_config(
         None => String::new(),
     };
     let scrape_ms = inferrail_fleet::timescale::scrape_interval(time_scale).as_millis();
+    let adapters = adapters.join(", ");
     let yaml = format!(
         "server: {{listen: 127.0.0.1:{ext_proc}}}\n\
          admin: {{listen: 127.0.0.1:{admin}, grpc_listen: 127.0.0.1:{admin_grpc}}}\n\
          load: {{interval_ms: {scrape_ms}}}\n\
          routing: {{seed: {seed}, policies: {policies}}}\n\
-         models:\n  - {{name: inferrail/sim-8b, aliases: [sim], policy: {policy}, tokenizer: {tokenizer}{own}}}\n\
+         models:\n  - {{name: inferrail/sim-8b, aliases: [sim], adapters: [{adapters}], policy: {policy}, tokenizer: {tokenizer}{own}}}\n\
          replicas:\n{replicas}"
     );
     let config = inferrail_config::Config::parse(&yaml).map_err(|e| anyhow::anyhow!("the router's config: {e}"))?;
@@ -328,7 +329,8 @@ mod tests {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let events = [KvEventPorts { publish: 7001, replay: 7101 }, KvEventPorts { publish: 7002, replay: 7102 }];
         let params = inferrail_fleet::timescale::params(0.1);
-        let (yaml, config) = router_config("cost_model", "builtin:sim", 1, ports, (&[8001, 8002], &[], 0), (0.1, None), Some(&events))?;
+        let (yaml, config) =
+            router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001, 8002], &[], 0), (0.1, None), Some(&events))?;
         assert_eq!(inferrail_config::Config::parse(&yaml)?, config, "the YAML reads as the configuration returned");
         let ip = "127.0.0.1".parse()?;
         let own = |c: &inferrail_config::Config, id: &str| c.replicas.iter().find(|r| r.id == id).and_then(|r| r.kv_events.clone());
@@ -337,7 +339,7 @@ mod tests {
         assert_eq!(second.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:7102"));
         assert_eq!(config.routing.policies, params);
         assert_eq!(config.load.interval_ms, 10, "the engines' load is read ten times as often at a tenth of the time");
-        let (_, plain) = router_config("cost_model", "builtin:sim", 1, ports, (&[8001], &[], 0), (0.1, None), None)?;
+        let (_, plain) = router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001], &[], 0), (0.1, None), None)?;
         assert_eq!(plain.event_source(own(&plain, "sim-1").as_ref(), ip), None, "no events: approximate mode");
         // The simulator binds what the router connects to, as vLLM does for `*`.
         let [flag, json] = events[1].sim_flags();
@@ -352,7 +354,7 @@ mod tests {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let slow = inferrail_policy::Prefill { prefill_token_us: 21.5, prefill_pair_ns: 0.61, prefill_fixed_ms: 1.0 };
         let (yaml, config) =
-            router_config("cost_model", "builtin:sim", 1, ports, (&[8001, 8002], &[None, Some(slow)], 0), (0.1, None), None)?;
+            router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001, 8002], &[None, Some(slow)], 0), (0.1, None), None)?;
         assert_eq!(inferrail_config::Config::parse(&yaml)?, config);
         assert_eq!(config.replicas.iter().map(|r| r.serving.prefill).collect::<Vec<_>>(), [None, Some(slow)]);
         Ok(())
@@ -390,7 +392,7 @@ mod tests {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let with = |over: &str| -> anyhow::Result<inferrail_config::Config> {
             let over = inferrail_fleet::timescale::parse_overrides(over).map_err(anyhow::Error::msg)?;
-            Ok(router_config("cost_model", "builtin:sim", 1, ports, (&[8001], &[], 0), (0.1, Some(&over)), None)?.1)
+            Ok(router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001], &[], 0), (0.1, Some(&over)), None)?.1)
         };
         let config = with(r#"{"cost_model": {"share_weight": 0, "hot_prefix": {"enabled": false}}}"#)?;
         let (base, p) = (inferrail_fleet::timescale::params(0.1), config.params(0).map_err(|e| anyhow::anyhow!(e.join("; ")))?);

@@ -103,11 +103,11 @@ pub struct Args {
     pub max_lora_rank: u32,
     /// Time to read an adapter from disk into host memory, milliseconds (an
     /// assumption, not a measurement: tens of megabytes from local disk).
-    #[arg(long, default_value_t = 50.0)]
+    #[arg(long, default_value_t = cost::LORA_LOAD_MS)]
     pub lora_load_ms: f64,
     /// Time to copy an adapter from host memory into a GPU slot, milliseconds
     /// (an assumption: tens of megabytes over PCIe).
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = cost::LORA_SLOT_MS)]
     pub lora_slot_ms: f64,
     /// Answer as fast as possible: every engine step takes no time.
     #[arg(long)]

@@ -412,6 +412,10 @@ pub struct Model {
     /// for in `model` (the body keeps the name: the engine needs it). An
     /// adapter's blocks are its own, as the engine hashes them.
     pub adapters: Vec<String>,
+    /// Adapters one engine step runs on its replicas (vLLM's `--max-loras`):
+    /// a request whose adapter would be one too many waits for a slot.
+    /// Unset: not known, and never waited for.
+    pub max_loras: Option<u32>,
     /// How its replicas are chosen.
     pub policy: PolicyKind,
     /// A policy that plans every request alongside `policy`, with the same
@@ -435,6 +439,7 @@ impl Default for Model {
             name: String::new(),
             aliases: Vec::new(),
             adapters: Vec::new(),
+            max_loras: None,
             policy: PolicyKind::RoundRobin,
             shadow_policy: None,
             tokenizer: None,

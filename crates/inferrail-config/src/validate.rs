@@ -134,6 +134,9 @@ impl Config {
                     Err(e) => p.extend(e),
                 }
             }
+            if m.max_loras == Some(0) {
+                p.push(format!("models[{i}].max_loras: must be at least 1"));
+            }
             for n in std::iter::once(&m.name).chain(&m.aliases).chain(&m.adapters) {
                 if !n.is_empty() && !names.insert(n.as_str()) {
                     p.push(format!("models[{i}]: the name {n:?} is used twice"));

@@ -29,6 +29,14 @@ pub struct LatencyModel {
     pub zero: bool,
 }
 
+/// Time to read a LoRA adapter from disk into host memory, milliseconds:
+/// an assumption (tens of megabytes from local disk), not a measurement.
+pub const LORA_LOAD_MS: f64 = 50.0;
+
+/// Time to copy a LoRA adapter from host memory into a GPU slot,
+/// milliseconds: an assumption (tens of megabytes over PCIe).
+pub const LORA_SLOT_MS: f64 = 5.0;
+
 /// Defaults that approximate an 8B model on one 24 GB GPU.
 pub const DEFAULT: LatencyModel = LatencyModel {
     prefill_token_us: 100.0,

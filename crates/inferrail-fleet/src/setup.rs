@@ -88,6 +88,7 @@ pub fn config(setup: &Setup, policy: PolicyKind) -> Config {
         policy,
         tokenizer: Some("builtin:sim".into()),
         policies: setup.policies.clone(),
+        max_loras: (setup.max_loras > 0).then_some(setup.max_loras as u32),
         ..Model::default()
     }];
     config

@@ -69,7 +69,7 @@ use std::time::Duration;
 
 use inferrail_config::CacheShape;
 use inferrail_engine::cache::{BlockId, BlockPool};
-use inferrail_engine::cost::LatencyModel;
+use inferrail_engine::cost::{LORA_LOAD_MS, LORA_SLOT_MS, LatencyModel};
 use inferrail_kv::hash::{BlockHash, extend_block_hashes};
 use inferrail_policy::{EngineReport, PolicyKind};
 use inferrail_route::fleet::{Fleet, Replica};
@@ -993,9 +993,9 @@ impl<'a> World<'a> {
 }
 
 /// How long an engine takes to bring an adapter into a slot, at time scale
-/// 1: the simulator's defaults (`--lora-load-ms` 50, `--lora-slot-ms` 5;
-/// host memory holds as many as the slots, vLLM's default).
-const ADAPTER_LOAD_SECS: f64 = 0.055;
+/// 1: the simulator's defaults, read and copied (host memory holds as many
+/// as the slots, vLLM's default, so a slot miss is a read too).
+const ADAPTER_LOAD_SECS: f64 = (LORA_LOAD_MS + LORA_SLOT_MS) * 1e-3;
 
 /// The adapters of the requests `decoding`.
 fn active_adapters(jobs: &HashMap<usize, Job>, decoding: &[usize]) -> HashSet<usize> {

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use inferrail_engine::cost::{DEFAULT, LatencyModel};
+use inferrail_engine::cost::{DEFAULT, LORA_LOAD_MS, LORA_SLOT_MS, LatencyModel};
 use inferrail_policy::{Params, Prefill};
 
 /// A time scale flag: a positive, finite number.
@@ -43,6 +43,8 @@ pub fn params(s: f64) -> Params {
     };
     p.cost_model.decode_interference_ms = l.decode_seq_us * 1e-3;
     p.kv_transfer.block_us = l.transfer_block_us;
+    p.cost_model.adapters.load_ms *= s;
+    p.cost_model.adapters.slot_wait_ms *= s;
     p
 }
 
@@ -74,6 +76,8 @@ pub fn sim_flags(s: f64) -> Vec<String> {
         ("--decode-token-ms", l.decode_token_ms),
         ("--decode-seq-us", l.decode_seq_us),
         ("--kv-transfer-block-us", l.transfer_block_us),
+        ("--lora-load-ms", LORA_LOAD_MS * s),
+        ("--lora-slot-ms", LORA_SLOT_MS * s),
     ]
     .into_iter()
     .flat_map(|(flag, v)| [flag.to_string(), v.to_string()])

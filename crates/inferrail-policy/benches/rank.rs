@@ -26,6 +26,7 @@ fn fleet(n: usize) -> Vec<Candidate> {
             unreported_kv_tokens: 0,
             engine: None,
             own: None,
+            adapter: None,
         })
         .collect()
 }

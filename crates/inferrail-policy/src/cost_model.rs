@@ -72,7 +72,7 @@ use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 
 use crate::sketch::Sketch;
-use crate::{Candidate, Prefill, Request, RoutingPolicy, Score, SetAside};
+use crate::{AdapterFit, Candidate, Prefill, Request, RoutingPolicy, Score, SetAside};
 
 /// `cost_model` parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -96,6 +96,38 @@ pub struct Config {
     pub copy_weight: f64,
     /// Hot prefix replication.
     pub hot_prefix: HotPrefix,
+    /// LoRA adapters: their load and the wait for a slot.
+    pub adapters: Adapters,
+}
+
+/// What a request's LoRA adapter adds to its first token on a replica
+/// where it is not running.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Adapters {
+    /// Bringing it into a slot (a read from disk and a copy), milliseconds.
+    pub load_ms: f64,
+    /// Waiting for a slot when the model's `max_loras` other adapters run
+    /// there: until one of them has no request left, milliseconds. A coarse
+    /// stand-in (half of a 256-token answer at 20 ms a token) for the
+    /// forecast of when those requests end.
+    pub slot_wait_ms: f64,
+}
+
+impl Default for Adapters {
+    fn default() -> Self {
+        Self { load_ms: 55.0, slot_wait_ms: 2560.0 }
+    }
+}
+
+impl Adapters {
+    /// Seconds the adapter adds on a replica where it stands as `fit`.
+    pub fn secs(&self, fit: Option<AdapterFit>) -> f64 {
+        match fit {
+            Some(f) if !f.resident => (self.load_ms + if f.must_wait() { self.slot_wait_ms } else { 0.0 }) * 1e-3,
+            _ => 0.0,
+        }
+    }
 }
 
 /// Hot prefix replication parameters.
@@ -127,6 +159,7 @@ impl Default for Config {
             sessions: 100_000,
             copy_weight: 0.0,
             hot_prefix: HotPrefix::default(),
+            adapters: Adapters::default(),
         }
     }
 }
@@ -145,6 +178,8 @@ impl Config {
             ("epsilon", self.epsilon),
             ("share_weight", self.share_weight),
             ("copy_weight", self.copy_weight),
+            ("adapters.load_ms", self.adapters.load_ms),
+            ("adapters.slot_wait_ms", self.adapters.slot_wait_ms),
         ];
         for (name, v) in non_negative {
             if !(v.is_finite() && v >= 0.0) {
@@ -265,7 +300,8 @@ impl CostModel {
         let queue = c.queued_prefill_secs;
         let decode = self.config.decode_interference_ms * 1e-3 * f64::from(c.running());
         let prefill = c.prompt_prefill_secs(self.prefill, prompt, cached);
-        Score { total: queue + decode + prefill, terms: [queue, decode, prefill, 0.0, 0.0, 0.0] }
+        let adapter = self.config.adapters.secs(c.adapter);
+        Score { total: queue + decode + prefill + adapter, terms: [queue, decode, prefill, 0.0, 0.0, 0.0, adapter] }
     }
 }
 
@@ -275,7 +311,7 @@ impl RoutingPolicy for CostModel {
     }
 
     fn terms(&self) -> &'static [&'static str] {
-        &["queue", "decode", "prefill", "hot_credit", "share", "copy"]
+        &["queue", "decode", "prefill", "hot_credit", "share", "copy", "adapter"]
     }
 
     fn guard(&self, req: &Request, c: &[Candidate], aside: &mut [Option<SetAside>]) -> Option<&'static str> {
@@ -402,7 +438,8 @@ impl RoutingPolicy for CostModel {
                 for k in others.into_iter().take(owners - holders) {
                     let credited = self.estimate(&c[offered[k]], req.prompt_tokens, held);
                     let saved = out[k].total - credited.total;
-                    out[k] = Score { terms: [credited.terms[0], credited.terms[1], credited.terms[2], saved, 0.0, 0.0], ..credited };
+                    let [queue, decode, prefill, .., adapter] = credited.terms;
+                    out[k] = Score { terms: [queue, decode, prefill, saved, 0.0, 0.0, adapter], ..credited };
                 }
             }
         }

@@ -108,7 +108,7 @@ impl RoutingPolicy for DynamoKv {
     fn score(&self, req: &Request, c: &[Candidate], offered: &[usize], rng: &mut StdRng, out: &mut [Score]) -> Option<&'static str> {
         for (s, &i) in out.iter_mut().zip(offered) {
             let (prefill, decode) = self.cost(req, &c[i]);
-            *s = Score { total: prefill + decode, terms: [prefill, decode, 0.0, 0.0, 0.0, 0.0] };
+            *s = Score { total: prefill + decode, terms: [prefill, decode, 0.0, 0.0, 0.0, 0.0, 0.0] };
         }
         let t = self.config.router_temperature;
         if t <= 0.0 {

@@ -19,6 +19,12 @@
 //!   taken in order until one no endpoint holds, and each endpoint counts the
 //!   ones it holds among those.
 //!
+//! - LoRA affinity, for a request that names an adapter
+//!   (`lora-affinity-scorer`): 1 where the adapter runs, 0.8 where a slot
+//!   is free for it (`max_loras` unknown counts as free), else 0. The
+//!   picker's 0.6 for an adapter only waiting there has no counterpart: the
+//!   router counts adapters by their requests in flight.
+//!
 //! The prefix scorer hashes [`crate::Request::text`] as
 //! [`TextKind::Serialized`] (the messages as JSON, or the prompt): blocks of
 //! `block_size` bytes (a last partial block is ignored), at most
@@ -43,7 +49,7 @@ use lru::LruCache;
 use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 
-use crate::{Candidate, Request, RoutingPolicy, Score, TextKind};
+use crate::{AdapterFit, Candidate, Request, RoutingPolicy, Score, TextKind};
 
 /// `gie_default` parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -55,6 +61,9 @@ pub struct Config {
     pub kv_weight: f64,
     /// Weight of the prefix cache scorer.
     pub prefix_weight: f64,
+    /// Weight of the LoRA affinity scorer (GIE's own tests weight it 1,
+    /// llm-d's configuration for adapters 4).
+    pub lora_weight: f64,
     /// Bytes of text per hashed block.
     pub block_size: usize,
     /// Most blocks hashed per request.
@@ -69,6 +78,7 @@ impl Default for Config {
             queue_weight: 2.0,
             kv_weight: 2.0,
             prefix_weight: 3.0,
+            lora_weight: 1.0,
             block_size: 64,
             max_prefix_blocks: 256,
             lru_capacity_per_server: 31250,
@@ -78,7 +88,13 @@ impl Default for Config {
 
 impl Config {
     pub(crate) fn validate(&self, at: &str, p: &mut Vec<String>) {
-        for (name, v) in [("queue_weight", self.queue_weight), ("kv_weight", self.kv_weight), ("prefix_weight", self.prefix_weight)] {
+        let weights = [
+            ("queue_weight", self.queue_weight),
+            ("kv_weight", self.kv_weight),
+            ("prefix_weight", self.prefix_weight),
+            ("lora_weight", self.lora_weight),
+        ];
+        for (name, v) in weights {
             if !(v.is_finite() && v >= 0.0) {
                 p.push(format!("{at}.{name}: {v} is not a non-negative number"));
             }
@@ -169,7 +185,9 @@ impl RoutingPolicy for GieDefault {
             let queue = if max > min { (max - waiting(&c[i])) / (max - min) } else { 1.0 };
             let kv = 1.0 - c[i].engine.map_or(0.0, |e| e.kv_usage.clamp(0.0, 1.0));
             let prefix = if hashes.is_empty() { 0.0 } else { m as f64 / hashes.len() as f64 };
-            let terms = [-cfg.queue_weight * queue, -cfg.kv_weight * kv, -cfg.prefix_weight * prefix, 0.0, 0.0, 0.0];
+            let lora = c[i].adapter.map_or(0.0, lora_affinity);
+            let terms =
+                [-cfg.queue_weight * queue, -cfg.kv_weight * kv, -cfg.prefix_weight * prefix, 0.0, 0.0, 0.0, -cfg.lora_weight * lora];
             *s = Score { total: terms.iter().sum(), terms };
         }
         None
@@ -189,6 +207,17 @@ impl RoutingPolicy for GieDefault {
     }
 }
 
+/// The LoRA affinity scorer's value for a replica where the adapter stands as `fit`.
+fn lora_affinity(fit: AdapterFit) -> f64 {
+    if fit.resident {
+        1.0
+    } else if fit.max_loras.is_none_or(|m| fit.others < m) {
+        0.8
+    } else {
+        0.0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,6 +229,18 @@ mod tests {
         let mut out = vec![Score::default(); c.len()];
         p.score(req, c, &offered, &mut rng(0), &mut out);
         out
+    }
+
+    #[test]
+    fn lora_affinity_scores_as_the_pickers_scorer() {
+        let p = GieDefault::new(Config::default());
+        let req = Request::default();
+        let fit = |resident, others| Some(AdapterFit { resident, others, max_loras: Some(2) });
+        let mut c = fleet(&[0, 0, 0]);
+        (c[0].adapter, c[1].adapter, c[2].adapter) = (fit(false, 2), fit(false, 1), fit(true, 1));
+        let lora: Vec<f64> = scores(&p, &req, &c).iter().map(|s| s.terms[6]).collect();
+        assert_eq!(lora, [-0.0, -0.8, -1.0], "full, a free slot, running there");
+        assert_eq!(decide(&p, &req, &c, &mut rng(1)).unwrap()[0], 2);
     }
 
     #[test]

@@ -76,6 +76,28 @@ pub struct Candidate {
     /// With several routers: this router's own requests there and its part
     /// of the limits, which it must stay within as well (ADR 0034).
     pub own: Option<Own>,
+    /// Where the request's LoRA adapter stands there, for a request that names one.
+    pub adapter: Option<AdapterFit>,
+}
+
+/// Where a request's LoRA adapter stands on a replica, by the requests in
+/// flight there (this router's and its peers').
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdapterFit {
+    /// Requests of this adapter are in flight there: it is in a slot.
+    pub resident: bool,
+    /// Other adapters with requests in flight there.
+    pub others: u32,
+    /// Adapters one engine step runs (the model's `max_loras`), when known.
+    pub max_loras: Option<u32>,
+}
+
+impl AdapterFit {
+    /// Whether a request of this adapter would wait for a slot: every one
+    /// is taken by other adapters' running requests.
+    pub fn must_wait(&self) -> bool {
+        !self.resident && self.max_loras.is_some_and(|m| self.others >= m)
+    }
 }
 
 /// One router's requests on a replica and its part of the replica's limits,
@@ -194,13 +216,13 @@ pub struct Score {
     /// What ranks it.
     pub total: f64,
     /// Its parts, for explanations and logs.
-    pub terms: [f64; 6],
+    pub terms: [f64; 7],
 }
 
 impl Score {
     /// A score that is its only term.
     pub fn single(total: f64) -> Self {
-        Self { total, terms: [total, 0.0, 0.0, 0.0, 0.0, 0.0] }
+        Self { total, terms: [total, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] }
     }
 }
 

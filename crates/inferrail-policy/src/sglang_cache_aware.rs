@@ -303,8 +303,10 @@ impl RoutingPolicy for SglangCacheAware {
         rest.sort_by_key(|&k| (c[offered[k]].in_flight, k));
         let chars = text.as_ref().map_or(0, Vec::len).max(1) as f64;
         for (rank, k) in std::iter::once(winner).chain(rest).enumerate() {
-            out[k] =
-                Score { total: rank as f64, terms: [matched[k] as f64 / chars, f64::from(c[offered[k]].in_flight), 0.0, 0.0, 0.0, 0.0] };
+            out[k] = Score {
+                total: rank as f64,
+                terms: [matched[k] as f64 / chars, f64::from(c[offered[k]].in_flight), 0.0, 0.0, 0.0, 0.0, 0.0],
+            };
         }
         why
     }

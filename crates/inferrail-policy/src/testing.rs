@@ -20,6 +20,7 @@ pub fn load(in_flight: u32) -> Candidate {
         unreported_kv_tokens: 0,
         engine: None,
         own: None,
+        adapter: None,
     }
 }
 

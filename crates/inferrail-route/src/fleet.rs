@@ -14,7 +14,7 @@ use std::time::Duration;
 use inferrail_config::{CacheShape, Health as HealthConfig, Limits, ReplicaKvEvents, Role};
 use inferrail_kv::index::Slot;
 use inferrail_kv::mode::{Mode, Reason};
-use inferrail_policy::{Candidate, Own, Prefill, Share};
+use inferrail_policy::{AdapterFit, Candidate, Own, Prefill, Share};
 
 use crate::kv::{Prediction, Record};
 use crate::{FRESH, Hold, Report};
@@ -59,6 +59,8 @@ pub struct Replica {
     prompt_tokens: AtomicU64,
     /// Estimated prefill of the requests still waiting for their first byte, microseconds.
     pending_prefill_us: AtomicU64,
+    /// LoRA adapters of the requests in flight, and how many of each.
+    adapters: Mutex<Vec<(Arc<str>, u32)>>,
     /// What each request sent lately takes, by decision time, as long as a
     /// fresh engine report may predate it.
     sent: Mutex<VecDeque<(Duration, Arc<Sent>)>>,
@@ -142,6 +144,7 @@ impl Replica {
             own_pending: AtomicU32::new(0),
             prompt_tokens: AtomicU64::new(0),
             pending_prefill_us: AtomicU64::new(0),
+            adapters: Mutex::new(Vec::new()),
             sent: Mutex::new(VecDeque::new()),
             probe_ok: AtomicBool::new(true),
             announced: AtomicBool::new(true),
@@ -319,6 +322,7 @@ impl Replica {
             unreported_kv_tokens,
             engine: engine.map(|e| e.load),
             own,
+            adapter: None,
         }
     }
 
@@ -406,6 +410,30 @@ impl Replica {
         length
     }
 
+    /// Where adapter `name` stands here, by the requests in flight, for a
+    /// model that runs at most `max_loras` adapters a step.
+    pub fn adapter_fit(&self, name: &str, max_loras: Option<u32>) -> AdapterFit {
+        let adapters = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
+        let resident = adapters.iter().any(|(a, _)| &**a == name);
+        AdapterFit { resident, others: (adapters.len() - usize::from(resident)) as u32, max_loras }
+    }
+
+    /// A request of adapter `name` came (`up`) or went.
+    fn count_adapter(&self, name: &Arc<str>, up: bool) {
+        let mut adapters = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
+        match adapters.iter().position(|(a, _)| a == name) {
+            Some(i) if up => adapters[i].1 += 1,
+            Some(i) => {
+                adapters[i].1 -= 1;
+                if adapters[i].1 == 0 {
+                    adapters.swap_remove(i);
+                }
+            }
+            None if up => adapters.push((name.clone(), 1)),
+            None => {}
+        }
+    }
+
     fn acquire(&self, prompt_tokens: u64, mine: bool) {
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         self.pending.fetch_add(1, Ordering::Relaxed);
@@ -447,6 +475,8 @@ pub struct Lease {
     prefill_us: AtomicU64,
     /// Its entry among its replica's requests sent lately.
     sent: OnceLock<Arc<Sent>>,
+    /// The LoRA adapter it asks for, counted on its replica while it holds.
+    adapter: OnceLock<Arc<str>>,
     /// What the decision recorded in the KV index, to take back if the engine refuses the request.
     pub kv: Mutex<Option<(Arc<Prediction>, Record)>>,
     /// The record once the request completed, for a first byte heard after
@@ -463,7 +493,19 @@ impl Lease {
     /// A slot on `to` for the same request (Envoy retried there):
     /// this router's or a peer's as this one is.
     pub fn moved(&self, to: Arc<Replica>) -> Self {
-        Self::held(to, self.model, self.prompt_tokens, self.mine)
+        let moved = Self::held(to, self.model, self.prompt_tokens, self.mine);
+        if let Some(a) = self.adapter.get() {
+            moved.set_adapter(a.clone());
+        }
+        moved
+    }
+
+    /// It asks for LoRA adapter `name`: counted on its replica until it is
+    /// released. Once; a later call changes nothing.
+    pub fn set_adapter(&self, name: Arc<str>) {
+        if !self.released() && self.adapter.set(name.clone()).is_ok() {
+            self.replica.count_adapter(&name, true);
+        }
     }
 
     /// Takes a slot on `replica` for a request a peer router decided: it
@@ -477,7 +519,8 @@ impl Lease {
         let (state, kv) = (AtomicU8::new(PENDING), Mutex::new(None));
         let (estimate_us, prefill_us) = (AtomicU64::new(0), AtomicU64::new(0));
         let sent = OnceLock::new();
-        Self { replica, model, prompt_tokens, mine, estimate_us, state, prefill_us, sent, kv, completed: OnceLock::new() }
+        let (adapter, completed) = (OnceLock::new(), OnceLock::new());
+        Self { replica, model, prompt_tokens, mine, estimate_us, state, prefill_us, sent, adapter, kv, completed }
     }
 
     /// What it holds now, as a peer is told to hold it: its prompt, the
@@ -549,6 +592,9 @@ impl Lease {
             self.replica.prompt_tokens.fetch_sub(self.prompt_tokens, Ordering::Relaxed);
             if let Some(sent) = self.sent.get() {
                 sent.kv_tokens.store(0, Ordering::Relaxed);
+            }
+            if let Some(a) = self.adapter.get() {
+                self.replica.count_adapter(a, false);
             }
         }
     }

@@ -12,7 +12,7 @@
 //! caches to the time of the decision.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use inferrail_config::Kv as KvConfig;
@@ -73,6 +73,8 @@ pub struct Prediction {
     /// replies it resends; empty for a prompt another router recorded.
     ids: Vec<u32>,
     special_at: Vec<usize>,
+    /// The LoRA adapter the prompt asks for.
+    pub adapter: Option<Arc<str>>,
 }
 
 impl Prediction {
@@ -96,6 +98,7 @@ impl Prediction {
             hashes: self.hashes.clone(),
             ids: self.ids.clone(),
             special_at: self.special_at.clone(),
+            adapter: self.adapter.clone(),
         }
     }
 
@@ -175,6 +178,7 @@ impl Kv {
             hashes,
             ids: prompt.ids.clone(),
             special_at: prompt.special_at.clone(),
+            adapter: prompt.adapter.as_deref().map(Arc::from),
         }
     }
 

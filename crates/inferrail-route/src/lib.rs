@@ -77,6 +77,8 @@ pub struct ModelRoute {
     pub aliases: Vec<String>,
     /// Its LoRA adapters' names.
     pub adapters: Vec<String>,
+    /// Adapters one engine step runs on its replicas, when known.
+    pub max_loras: Option<u32>,
     /// Its policy's parameters (the prefill cost among them).
     pub params: Params,
     policy: Box<dyn RoutingPolicy>,
@@ -109,6 +111,7 @@ fn model_route(config: &Config, i: usize, slot: usize) -> Result<ModelRoute, Bad
         name: m.name.clone(),
         aliases: m.aliases.clone(),
         adapters: m.adapters.clone(),
+        max_loras: m.max_loras,
         policy: inferrail_policy::build(m.policy, &params),
         prefill_policy: inferrail_policy::build(m.policy, &params),
         shadow: m.shadow_policy.map(|kind| inferrail_policy::build(kind, &params)),
@@ -322,13 +325,17 @@ impl Core {
         };
         let reports: Vec<Option<(Report, Duration)>> =
             replicas.iter().map(|r| reports(r).map(|rep| (rep, now.saturating_sub(rep.at)))).collect();
+        let adapter = view.prediction.as_ref().and_then(|p| p.adapter.as_deref());
+        let max_loras = self.model(view.model).max_loras;
         let candidates: Vec<Candidate> = replicas
             .iter()
             .zip(cached)
             .zip(&reports)
             .map(|((r, cached), report)| {
                 let fresh = report.filter(|(_, age)| *age <= FRESH).map(|(rep, _)| rep);
-                r.candidate(now, cached, fresh, view.share)
+                let mut c = r.candidate(now, cached, fresh, view.share);
+                c.adapter = adapter.map(|a| r.adapter_fit(a, max_loras));
+                c
             })
             .collect();
         let mut aside = vec![None; candidates.len()];
@@ -502,6 +509,9 @@ impl Core {
         lease.sent_kv(at, hold.kv_tokens);
         lease.set_estimate(hold.estimate);
         if let Some(prediction) = &hold.prediction {
+            if let Some(a) = &prediction.adapter {
+                lease.set_adapter(a.clone());
+            }
             let record = self.kv.record(prediction, self.place(replica));
             *lease.kv.lock().unwrap_or_else(|p| p.into_inner()) = Some((prediction.clone(), record));
         }

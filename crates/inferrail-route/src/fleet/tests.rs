@@ -155,3 +155,30 @@ fn never_more_than_the_allowed_share_is_ejected() {
     all[1].eject(0, &cfg);
     assert!(!may_eject(&all[2], &all, 0, &cfg));
 }
+
+#[test]
+fn a_replica_counts_the_adapters_of_its_requests_in_flight_until_they_are_released() {
+    let (r, other) = (replica(vec![0]), replica(vec![0]));
+    let (sql, chat): (Arc<str>, Arc<str>) = ("sql".into(), "chat".into());
+    let a = Lease::new(r.clone(), 0, 10);
+    a.set_adapter(sql.clone());
+    a.set_adapter(chat.clone()); // once only
+    let b = Lease::new(r.clone(), 0, 10);
+    b.set_adapter(sql.clone());
+    let c = Lease::new(r.clone(), 0, 10);
+    c.set_adapter(chat.clone());
+    let fit = |r: &Replica, name| r.adapter_fit(name, Some(2));
+    assert_eq!(fit(&r, "sql"), AdapterFit { resident: true, others: 1, max_loras: Some(2) });
+    assert_eq!(fit(&r, "other"), AdapterFit { resident: false, others: 2, max_loras: Some(2) });
+    assert!(fit(&r, "other").must_wait() && !fit(&r, "sql").must_wait());
+    a.release();
+    a.release();
+    assert!(fit(&r, "sql").resident, "b still runs it");
+    // Envoy retried c elsewhere: its adapter goes with it.
+    let moved = c.moved(other.clone());
+    c.release();
+    assert_eq!((fit(&r, "chat").resident, fit(&other, "chat").resident), (false, true));
+    b.release();
+    moved.release();
+    assert_eq!((fit(&r, "sql"), fit(&other, "chat").others), (AdapterFit { resident: false, others: 0, max_loras: Some(2) }, 0));
+}
