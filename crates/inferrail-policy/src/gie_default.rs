@@ -61,8 +61,8 @@ pub struct Config {
     pub kv_weight: f64,
     /// Weight of the prefix cache scorer.
     pub prefix_weight: f64,
-    /// Weight of the LoRA affinity scorer (GIE's own tests weight it 1,
-    /// llm-d's configuration for adapters 4).
+    /// Weight of the LoRA affinity scorer (GIE's own scheduler tests weight
+    /// it 1; KServe's LLMInferenceService adds it at 4 for adapters).
     pub lora_weight: f64,
     /// Bytes of text per hashed block.
     pub block_size: usize,

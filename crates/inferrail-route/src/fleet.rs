@@ -410,27 +410,36 @@ impl Replica {
         length
     }
 
-    /// Where adapter `name` stands here, by the requests in flight, for a
-    /// model that runs at most `max_loras` adapters a step.
+    /// Where adapter `name` stands here, for a model that runs at most
+    /// `max_loras` adapters a step. It is in a slot while requests of it
+    /// are in flight, and after they end while the slots the running
+    /// adapters leave hold it (the engine evicts the least recently used
+    /// first); with `max_loras` unknown, only while it runs.
     pub fn adapter_fit(&self, name: &str, max_loras: Option<u32>) -> AdapterFit {
         let adapters = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
-        let resident = adapters.iter().any(|(a, _)| &**a == name);
-        AdapterFit { resident, others: (adapters.len() - usize::from(resident)) as u32, max_loras }
+        let running = adapters.iter().filter(|(_, n)| *n > 0).count();
+        let idle_slots = max_loras.map_or(0, |m| (m as usize).saturating_sub(running));
+        let mut idle = adapters.iter().rev().filter(|(_, n)| *n == 0).take(idle_slots);
+        let resident = adapters.iter().any(|(a, n)| *n > 0 && &**a == name) || idle.any(|(a, _)| &**a == name);
+        let others = adapters.iter().filter(|(a, n)| *n > 0 && &**a != name).count() as u32;
+        AdapterFit { resident, others, max_loras }
     }
 
-    /// A request of adapter `name` came (`up`) or went.
+    /// A request of adapter `name` came (`up`) or went: it is the most
+    /// recently used. Adapters with none in flight are remembered, the
+    /// least recently used forgotten first past [`ADAPTERS_REMEMBERED`].
     fn count_adapter(&self, name: &Arc<str>, up: bool) {
         let mut adapters = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
-        match adapters.iter().position(|(a, _)| a == name) {
-            Some(i) if up => adapters[i].1 += 1,
-            Some(i) => {
-                adapters[i].1 -= 1;
-                if adapters[i].1 == 0 {
-                    adapters.swap_remove(i);
-                }
-            }
-            None if up => adapters.push((name.clone(), 1)),
-            None => {}
+        let (name, count) = match adapters.iter().position(|(a, _)| a == name) {
+            Some(i) => adapters.remove(i),
+            None if up => (name.clone(), 0),
+            None => return,
+        };
+        adapters.push((name, if up { count + 1 } else { count.saturating_sub(1) }));
+        if adapters.len() > ADAPTERS_REMEMBERED
+            && let Some(i) = adapters.iter().position(|(_, n)| *n == 0)
+        {
+            adapters.remove(i);
         }
     }
 
@@ -444,6 +453,10 @@ impl Replica {
         self.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
     }
 }
+
+/// Adapters a replica remembers, most recently used last, beyond those
+/// with requests in flight: more than any engine holds in its slots.
+const ADAPTERS_REMEMBERED: usize = 64;
 
 /// What a request sent lately still takes on its replica: KV tokens until
 /// it is over, its estimated prefill until its first byte.

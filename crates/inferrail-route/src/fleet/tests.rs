@@ -177,8 +177,18 @@ fn a_replica_counts_the_adapters_of_its_requests_in_flight_until_they_are_releas
     // Envoy retried c elsewhere: its adapter goes with it.
     let moved = c.moved(other.clone());
     c.release();
-    assert_eq!((fit(&r, "chat").resident, fit(&other, "chat").resident), (false, true));
+    assert!(fit(&other, "chat").resident, "it runs where it moved");
+    assert!(fit(&r, "chat").resident, "and stays in the slot it left, beside sql's");
     b.release();
     moved.release();
-    assert_eq!((fit(&r, "sql"), fit(&other, "chat").others), (AdapterFit { resident: false, others: 0, max_loras: Some(2) }, 0));
+    // Ended, but still in the slots the engine had free: no load to pay.
+    assert_eq!(fit(&r, "sql"), AdapterFit { resident: true, others: 0, max_loras: Some(2) });
+    assert!(!r.adapter_fit("sql", None).resident, "with the slots unknown, only a running adapter counts");
+    // Two more adapters run there: the slots are theirs, sql's was evicted.
+    let (x, y) = (Lease::new(r.clone(), 0, 10), Lease::new(r.clone(), 0, 10));
+    x.set_adapter("x".into());
+    y.set_adapter("y".into());
+    assert_eq!(fit(&r, "sql"), AdapterFit { resident: false, others: 2, max_loras: Some(2) });
+    x.release();
+    assert!(fit(&r, "x").resident && !fit(&r, "sql").resident, "the least recently used goes first");
 }
