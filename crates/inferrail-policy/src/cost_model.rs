@@ -112,11 +112,14 @@ pub struct Adapters {
     /// stand-in (half of a 256-token answer at 20 ms a token) for the
     /// forecast of when those requests end.
     pub slot_wait_ms: f64,
+    /// Taking a replica's last free slot: this share of `slot_wait_ms`,
+    /// for the next other adapter sent there, which must then wait.
+    pub last_slot_share: f64,
 }
 
 impl Default for Adapters {
     fn default() -> Self {
-        Self { load_ms: 55.0, slot_wait_ms: 2560.0 }
+        Self { load_ms: 55.0, slot_wait_ms: 2560.0, last_slot_share: 0.5 }
     }
 }
 
@@ -124,7 +127,17 @@ impl Adapters {
     /// Seconds the adapter adds on a replica where it stands as `fit`.
     pub fn secs(&self, fit: Option<AdapterFit>) -> f64 {
         match fit {
-            Some(f) if !f.resident => (self.load_ms + if f.must_wait() { self.slot_wait_ms } else { 0.0 }) * 1e-3,
+            Some(f) if !f.resident => {
+                let last = f.max_loras.is_some_and(|m| f.others + 1 == m);
+                let wait = if f.must_wait() {
+                    self.slot_wait_ms
+                } else if last {
+                    self.last_slot_share * self.slot_wait_ms
+                } else {
+                    0.0
+                };
+                (self.load_ms + wait) * 1e-3
+            }
             _ => 0.0,
         }
     }
@@ -185,6 +198,9 @@ impl Config {
             if !(v.is_finite() && v >= 0.0) {
                 p.push(format!("{at}.{name}: {v} is not a non-negative number"));
             }
+        }
+        if !(0.0..=1.0).contains(&self.adapters.last_slot_share) {
+            p.push(format!("{at}.adapters.last_slot_share: {} is not in [0, 1]", self.adapters.last_slot_share));
         }
         if !(self.kappa > 0.0 && self.kappa <= 1.0) {
             p.push(format!("{at}.kappa: {} is not in (0, 1]", self.kappa));

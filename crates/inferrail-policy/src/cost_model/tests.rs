@@ -349,24 +349,29 @@ fn each_replica_is_priced_by_its_own_engine_when_the_fleet_is_mixed() {
 }
 
 /// A request's adapter: a replica where it runs costs nothing more; one
-/// with a free slot costs its load; one whose slots every other adapter
-/// takes costs the wait for a slot too, and loses to a busier replica
-/// with room, but not to one whose queue is longer than that wait.
+/// with free slots costs its load, and its last free slot a share of the
+/// wait the next adapter there will have; one whose slots every other
+/// adapter takes costs the whole wait for a slot, and loses to a busier
+/// replica with room, but not to one whose queue is longer than that wait.
 #[test]
 fn an_adapters_load_and_its_wait_for_a_slot_are_priced() {
     let p = policy(Config::default());
     let a = Config::default().adapters;
     let req = Request { prompt_tokens: Some(500), ..Request::default() };
-    let fit = |resident, others| Some(AdapterFit { resident, others, max_loras: Some(2) });
-    let mut c = fleet(&[0, 0, 0]);
-    (c[0].adapter, c[1].adapter, c[2].adapter) = (fit(false, 2), fit(false, 1), fit(true, 1));
+    let fit = |resident, others| Some(AdapterFit { resident, others, max_loras: Some(3) });
+    let mut c = fleet(&[0, 0, 0, 0]);
+    (c[0].adapter, c[1].adapter, c[2].adapter, c[3].adapter) = (fit(false, 3), fit(false, 2), fit(true, 2), fit(false, 0));
     let costs: Vec<f64> = c.iter().map(|x| p.estimate(x, req.prompt_tokens, 0).terms[6]).collect();
-    assert_eq!(costs, [(a.load_ms + a.slot_wait_ms) * 1e-3, a.load_ms * 1e-3, 0.0]);
+    let last = (a.load_ms + a.last_slot_share * a.slot_wait_ms) * 1e-3;
+    assert_eq!(costs, [(a.load_ms + a.slot_wait_ms) * 1e-3, last, 0.0, a.load_ms * 1e-3]);
     let mut r = rng(1);
     assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 2, "where the adapter runs");
     c[2].queued_prefill_secs = 1.0;
-    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 1, "a free slot beats a second of queue");
-    c[1].queued_prefill_secs = 3.0;
-    c[2].queued_prefill_secs = 3.0;
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 3, "free slots beat a second of queue");
+    c[3].queued_prefill_secs = 1.0;
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 2, "the last free slot costs more than that");
+    for x in &mut c[1..] {
+        x.queued_prefill_secs = 3.0;
+    }
     assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 0, "the wait for a slot beats a longer queue");
 }
