@@ -194,11 +194,6 @@ impl Weights {
         }
         secs
     }
-
-    /// Whether adapter `id` is in a slot.
-    pub fn active(&self, id: u64) -> bool {
-        self.gpu.contains(&id)
-    }
 }
 
 /// Moves `id` to the most recent end of `lru`; false when it was not there.
@@ -257,6 +252,8 @@ mod tests {
         costs(1, 0.005, "still in host memory: only the copy");
         costs(4, 0.055, "host memory full: the least recent (2) leaves it");
         costs(2, 0.055, "read again");
-        assert!(w.active(2) && w.active(4) && !w.active(1));
+        costs(4, 0.0, "4 and 2 hold the slots");
+        costs(2, 0.0, "4 and 2 hold the slots");
+        costs(1, 0.005, "1 left its slot but not host memory");
     }
 }
