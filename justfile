@@ -87,7 +87,7 @@ stress *args: setup setup-clients
     cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-scraper -p inferrail-bench
     INFERRAIL_PROFILE=release "{{venv}}/bin/python" bench/stress.py {{args}}
 
-# Optional, not part of `test`: a real vLLM 0.32.0 on the CPU (.venv-vllm, 6 GB; minutes) checks the Qwen3 goldens' token counts and cached tokens, Inferrail's prediction headers through Envoy in front of it, and the simulator on the same goldens (target/debug binaries as built).
+# Optional, not part of `test`: a real vLLM 0.32.0 on the CPU (.venv-vllm, 6 GB; minutes) checks the Qwen3 goldens' token counts and cached tokens, Inferrail's prediction headers through Envoy in front of it (with KV events, LoRA adapters and replay), and the simulator on the same goldens and the same adapter requests (target/debug binaries as built).
 test-vllm: setup
     crates/inferrail/tests/vllm/setup.sh
     cargo build --quiet -p inferrail -p inferrail-sim

@@ -18,7 +18,9 @@
 //! The replay service, when `replay_endpoint` is set, is a ROUTER socket
 //! that binds. A client (REQ, or DEALER sending an empty delimiter frame)
 //! sends the first sequence number it wants as 8 bytes big-endian; it gets
-//! `[seq, payload]` for every buffered batch from there on, then `[-1, ""]`.
+//! `[topic, seq, payload]` for every buffered batch from there on, then
+//! `["", -1, ""]`, after the empty delimiter, as vLLM 0.32.0 sends them
+//! (`ZmqEventPublisher._service_replay`).
 //!
 //! [`Skip`] is a fault for tests: chosen sequence numbers are kept for
 //! replay but never sent, as if the network lost them.
@@ -182,7 +184,7 @@ impl Publisher {
             Some(e) => {
                 let mut router = RouterSocket::new();
                 let bound = endpoint::bind(&mut router, e).await?;
-                (Some(tokio::spawn(serve_replays(router, buffer.clone()))), Some(bound))
+                (Some(tokio::spawn(serve_replays(router, buffer.clone(), Bytes::from(config.topic.clone().into_bytes())))), Some(bound))
             }
             None => (None, None),
         };
@@ -412,7 +414,7 @@ fn message(frames: impl IntoIterator<Item = Bytes>) -> ZmqMessage {
 }
 
 /// Answers replay requests from the buffer until the publisher stops.
-async fn serve_replays(router: RouterSocket, buffer: Buffer) {
+async fn serve_replays(router: RouterSocket, buffer: Buffer, topic: Bytes) {
     let (mut tx, mut rx) = router.split();
     loop {
         let request = match rx.recv().await {
@@ -433,17 +435,17 @@ async fn serve_replays(router: RouterSocket, buffer: Buffer) {
         }
         let start = start.iter().fold(0u64, |n, &b| (n << 8) | u64::from(b));
         let batches: Vec<(u64, Bytes)> = lock(&buffer).iter().filter(|(seq, _)| *seq >= start).cloned().collect();
-        if let Err(e) = reply(&mut tx, client, batches).await {
+        if let Err(e) = reply(&mut tx, client, &topic, batches).await {
             tracing::debug!(error = %e, "KV event replay client went away");
         }
     }
 }
 
-async fn reply(tx: &mut RouterSendHalf, client: &Bytes, batches: Vec<(u64, Bytes)>) -> zeromq::ZmqResult<()> {
+async fn reply(tx: &mut RouterSendHalf, client: &Bytes, topic: &Bytes, batches: Vec<(u64, Bytes)>) -> zeromq::ZmqResult<()> {
     for (seq, payload) in batches {
-        tx.send(message([client.clone(), Bytes::new(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload])).await?;
+        tx.send(message([client.clone(), Bytes::new(), topic.clone(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload])).await?;
     }
-    tx.send(message([client.clone(), Bytes::new(), Bytes::from_static(&REPLAY_END_SEQ), Bytes::new()])).await
+    tx.send(message([client.clone(), Bytes::new(), Bytes::new(), Bytes::from_static(&REPLAY_END_SEQ), Bytes::new()])).await
 }
 
 #[cfg(test)]

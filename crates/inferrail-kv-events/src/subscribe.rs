@@ -170,7 +170,11 @@ async fn replay_from(endpoint: &str, target: &str, from_seq: u64, timeout: Durat
     let mut batches = Vec::new();
     loop {
         let reply = socket.recv().await.map_err(socket_error)?.into_vec();
-        let [delimiter, seq, payload] = reply.as_slice() else { return Err(garbage(WireError::Frames(reply.len()))) };
+        // vLLM 0.32.0 sends the topic before the sequence number; earlier vLLMs did not.
+        let (delimiter, seq, payload) = match reply.as_slice() {
+            [delimiter, _, seq, payload] | [delimiter, seq, payload] => (delimiter, seq, payload),
+            _ => return Err(garbage(WireError::Frames(reply.len()))),
+        };
         if !delimiter.is_empty() {
             return Err(garbage(WireError::Delimiter));
         }

@@ -8,11 +8,12 @@
 
 use std::time::Duration;
 
+use bytes::Bytes;
 use inferrail_kv_events::publish::{Publisher, PublisherConfig, Skip};
 use inferrail_kv_events::subscribe::{Subscriber, SubscriberConfig, replay};
 use inferrail_kv_events::wire::{self, BlockRemoved, EventBatch, KvEvent};
 use inferrail_kv_events::{ReplayError, SubscribeError};
-use zeromq::{PubSocket, RouterSocket, Socket, SocketSend, ZmqMessage};
+use zeromq::{DealerSocket, PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const TOPIC: &str = "kv-events";
 
@@ -134,6 +135,50 @@ async fn replay_serves_buffered_batches_from_the_asked_sequence_then_the_end_mar
     // Only the last five are kept.
     assert_eq!(got(0).await.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [3, 4, 5, 6, 7]);
     assert_eq!(got(8).await, []);
+}
+
+/// vLLM 0.32.0's replay frames, as a DEALER reads them after the empty
+/// delimiter: `[topic, seq, payload]` per batch, then `["", -1, ""]`.
+#[tokio::test]
+async fn replay_frames_are_vllms_and_the_client_also_reads_the_older_form_without_the_topic() {
+    let mut cfg = config("tcp://127.0.0.1:*");
+    cfg.replay_endpoint = Some("tcp://127.0.0.1:*".into());
+    let publisher = Publisher::start(cfg).await.unwrap_or_else(|e| panic!("{e}"));
+    publisher.publish(batch(7));
+    publisher.flush().await;
+    let mut dealer = DealerSocket::new();
+    dealer.connect(publisher.replay_endpoint().unwrap_or_default()).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut ask = ZmqMessage::from(Bytes::new());
+    ask.push_back(Bytes::copy_from_slice(&0u64.to_be_bytes()));
+    dealer.send(ask).await.unwrap_or_else(|e| panic!("{e}"));
+    let mut frames = Vec::new();
+    for _ in 0..2 {
+        let m = tokio::time::timeout(Duration::from_secs(10), dealer.recv()).await;
+        frames.push(m.ok().and_then(Result::ok).map(ZmqMessage::into_vec).unwrap_or_default());
+    }
+    assert_eq!(frames[0].len(), 4, "{:?}", frames[0]);
+    assert_eq!((&frames[0][0][..], &frames[0][1][..], &frames[0][2][..]), (&b""[..], TOPIC.as_bytes(), &0u64.to_be_bytes()[..]));
+    assert_eq!(wire::decode(&frames[0][3]).ok().as_ref().and_then(hash_of), Some(7));
+    assert_eq!(frames[1], [Bytes::new(), Bytes::new(), Bytes::from_static(&wire::REPLAY_END_SEQ), Bytes::new()]);
+
+    // A service that sends no topic, as vLLM did before 0.32.
+    let mut older = RouterSocket::new();
+    let bound = older.bind("tcp://127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}")).to_string();
+    let serve = tokio::spawn(async move {
+        let request = older.recv().await.unwrap_or_else(|e| panic!("{e}")).into_vec();
+        let client = request[0].clone();
+        let payload = wire::encode(&batch(9));
+        for frames in [
+            vec![client.clone(), Bytes::new(), Bytes::copy_from_slice(&4u64.to_be_bytes()), Bytes::from(payload)],
+            vec![client, Bytes::new(), Bytes::from_static(&wire::REPLAY_END_SEQ), Bytes::new()],
+        ] {
+            older.send(ZmqMessage::try_from(frames).unwrap_or_else(|e| panic!("{e}"))).await.unwrap_or_else(|e| panic!("{e}"));
+        }
+        older
+    });
+    let got = replay(&bound, 4, Duration::from_secs(10)).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(got.iter().map(|(seq, b)| (*seq, hash_of(b))).collect::<Vec<_>>(), [(4, Some(9))]);
+    drop(serve.await);
 }
 
 #[tokio::test]

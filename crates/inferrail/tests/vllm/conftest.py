@@ -72,12 +72,14 @@ class Server:
         # reads the output and leaves the prompt alone), and a request's own
         # chat_template needs the server's trust.
         self.flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-request-chat-template"]
+        # Environment variables a test's server needs besides the usual ones.
+        self.env = {}
 
     def start(self, timeout):
         if not VLLM.exists() or not (MODEL_DIR / "config.json").exists():
             pytest.fail(f"no vLLM in {VLLM.parent.parent} or no model in {MODEL_DIR}: run crates/inferrail/tests/vllm/setup.sh")
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_WORKER_MULTIPROC_METHOD="fork")
+                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_WORKER_MULTIPROC_METHOD="fork", **self.env)
         cmd = [VLLM, "serve", MODEL_DIR, "--served-model-name", SERVED, "--load-format", "dummy", "--enforce-eager",
                "--enable-prefix-caching", "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
                "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(self.port),

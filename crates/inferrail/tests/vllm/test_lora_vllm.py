@@ -1,0 +1,263 @@
+"""LoRA adapters on a real vLLM 0.32.0 against the simulator: both serve the
+same tiny adapters (built here: random weights in PEFT's layout for the tiny
+Qwen3's q_proj and v_proj), started with the same flags, and both are asked
+the same things in the same order. What each answers must be the same:
+`/v1/models` (ids, parents, roots, lengths), the cached tokens of adapter and
+base requests (each adapter's cache apart), runtime loading and unloading
+(status and body), `vllm:lora_requests_info` (the series and which is the
+newest), the replay service's frames and the KV events of adapter requests (every field but the hash
+values, whose links are compared instead). Then Inferrail, following vLLM's
+KV events in front of it, predicts vLLM's cached tokens exactly for adapter
+requests."""
+
+import json
+import random
+import re
+import struct
+import time
+from array import array
+
+import msgpack
+import pytest
+import zmq
+
+from conftest import MODEL_DIR, QWEN3, SERVED, TARGET, Front, Helper, Server, free_ports, http
+
+BLOCK_SIZE = 32
+RANK = 8
+FLAGS = ["--enable-lora", "--max-loras", "1", "--max-lora-rank", str(RANK)]
+
+
+def build_adapter(dest, config, seed):
+    """A PEFT LoRA adapter of rank RANK on every layer's q_proj and v_proj,
+    with random weights, written as adapter_config.json and
+    adapter_model.safetensors (the safetensors layout by hand: an 8-byte
+    little-endian header length, the JSON header, the raw float32 data)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    hidden, head = config["hidden_size"], config["head_dim"]
+    outs = {"q_proj": config["num_attention_heads"] * head, "v_proj": config["num_key_value_heads"] * head}
+    header, blobs, offset = {}, [], 0
+    for layer in range(config["num_hidden_layers"]):
+        for module, out in outs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            for part, shape in (("lora_A", (RANK, hidden)), ("lora_B", (out, RANK))):
+                data = array("f", (rng.gauss(0.0, 0.02) for _ in range(shape[0] * shape[1]))).tobytes()
+                header[f"{prefix}.{part}.weight"] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+                blobs.append(data)
+                offset += len(data)
+    header["__metadata__"] = {"format": "pt"}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    (dest / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    (dest / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": SERVED, "r": RANK,
+        "lora_alpha": 2 * RANK, "lora_dropout": 0.0, "target_modules": list(outs), "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True}))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    config = json.loads((MODEL_DIR / "config.json").read_text())
+    return {name: build_adapter(root / name, config, seed) for seed, name in enumerate(("ada", "adb", "adc"))}
+
+
+def events_config(port, replay):
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+                       "replay_endpoint": f"tcp://*:{replay}", "topic": "kv-events"})
+
+
+@pytest.fixture(scope="module")
+def lora_vllm(adapters, tmp_path_factory):
+    events, replay = free_ports(2)
+    server = Server(tmp_path_factory.mktemp("vllm-lora") / "vllm.log")
+    server.env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    server.flags = [*FLAGS, "--lora-modules", f"ada={adapters['ada']}", f"adb={adapters['adb']}",
+                    "--kv-events-config", events_config(events, replay)]
+    server.events, server.replay = events, replay
+    try:
+        yield server.start(900)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def lora_sim(adapters, tmp_path_factory):
+    port, events, replay = free_ports(3)
+    sim = Helper("inferrail-sim", [TARGET / "inferrail-sim", "--tokenizer", QWEN3, "--served-model-name", SERVED,
+                                   "--model", MODEL_DIR, "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
+                                   "--enable-prompt-tokens-details", "--zero-latency", "--port", str(port),
+                                   "--allow-runtime-lora-updating", *FLAGS,
+                                   "--lora-modules", f"ada={adapters['ada']}", f"adb={adapters['adb']}",
+                                   "--kv-events-config", events_config(events, replay)],
+                 tmp_path_factory.mktemp("sim-lora") / "sim.log")
+    sim.url = f"http://127.0.0.1:{port}"
+    sim.events, sim.replay = events, replay
+    try:
+        sim.wait_until(lambda: http("GET", sim.url + "/health", timeout=5).status == 200, "/health")
+        yield sim
+    finally:
+        sim.stop()
+
+
+class Events:
+    """A subscriber to one engine's KV events (the engine binds `*`)."""
+
+    def __init__(self, port):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def drain(self, quiet_s=1.5):
+        """Every event received until none came for `quiet_s`."""
+        got = []
+        while self.sock.poll(int(quiet_s * 1000)):
+            _topic, _seq, payload = self.sock.recv_multipart()
+            got.extend(msgpack.unpackb(payload)[1])
+        return got
+
+    def close(self):
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def lora_info(metrics):
+    """vllm:lora_requests_info's series as {(max_lora, running, waiting): value}."""
+    series = {}
+    for labels, value in re.findall(r"^vllm:lora_requests_info\{(.*)\} (\S+)$", metrics, re.M):
+        d = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        series[(d["max_lora"], d["running_lora_adapters"], d["waiting_lora_adapters"])] = float(value)
+    return series
+
+
+def normalized(events, names):
+    """KV events with each block hash replaced by the order it was first
+    seen in (`names`, shared across calls), so that two engines' events
+    compare by their links and not by their hash values."""
+    def name(h):
+        return None if h is None else names.setdefault(h, len(names))
+    out = []
+    for e in events:
+        e = dict(e)
+        e["block_hashes"] = [name(h) for h in e["block_hashes"]]
+        if "parent_block_hash" in e:
+            e["parent_block_hash"] = name(e["parent_block_hash"])
+        out.append(e)
+    return out
+
+
+def replay_frames(port, start):
+    """What the replay service sends from sequence `start` on, after the
+    empty delimiter: each message's frames, the payload as its length."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        got = []
+        while sock.poll(10_000):
+            frames = sock.recv_multipart()
+            got.append([f if i < len(frames) - 1 else len(f) for i, f in enumerate(frames)])
+            if len(frames) > 2 and frames[-2] == b"\xff" * 8:
+                break
+        return got
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def script(url, events_port, replay_port, adapter_path):
+    """What the engine at `url` answers to one fixed sequence of requests."""
+    seen = {}
+    sub = Events(events_port)
+    time.sleep(1.0)  # the subscription settles before the first event
+    try:
+        def post(path, body):
+            r = http("POST", url + path, body, timeout=120)
+            return r.status, r.body.decode(errors="replace")
+
+        def complete(model, prompt, max_tokens=2):
+            r = http("POST", url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, timeout=120)
+            assert r.status == 200, (model, r.status, r.body[:300])
+            body = r.json()
+            return body["model"], body["usage"]["prompt_tokens"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        cards = http("GET", url + "/v1/models").json()["data"]
+        seen["models"] = [{k: m[k] for k in ("id", "object", "owned_by", "root", "parent", "max_model_len")} for m in cards]
+        system = "You are the archivist of the lantern garden. " + " ".join(f"entry{i}" for i in range(150))
+        names, answers = {}, []
+        for model in ("ada", "ada", "adb", SERVED, "adb"):
+            answers.append(complete(model, system + f" Question for {model}?"))
+        seen["events"] = normalized(sub.drain(), names)
+        seen["load"] = post("/v1/load_lora_adapter", {"lora_name": "adc", "lora_path": str(adapter_path)})
+        seen["load_again"] = post("/v1/load_lora_adapter", {"lora_name": "adc", "lora_path": str(adapter_path)})
+        seen["models_loaded"] = [m["id"] for m in http("GET", url + "/v1/models").json()["data"]]
+        answers.append(complete("adc", system + " Question for adc?"))
+        answers.append(complete("adc", system + " Another question for adc?"))
+        seen["events_adc"] = normalized(sub.drain(), names)
+        seen["unload"] = post("/v1/unload_lora_adapter", {"lora_name": "adc"})
+        seen["unload_again"] = post("/v1/unload_lora_adapter", {"lora_name": "adc"})
+        seen["answers"] = answers
+        seen["replay"] = replay_frames(replay_port, 1)
+        info = lora_info(http("GET", url + "/metrics").body.decode())
+        seen["lora_info_series"] = sorted(info)
+        seen["lora_info_newest"] = max(info, key=info.get) if info else None
+        return seen
+    finally:
+        sub.close()
+
+
+def test_adapters_are_served_as_vllm_serves_them(lora_vllm, lora_sim, adapters):
+    vllm = script(lora_vllm.url, lora_vllm.events, lora_vllm.replay, adapters["adc"])
+    sim = script(lora_sim.url, lora_sim.events, lora_sim.replay, adapters["adc"])
+    # The run shows something: adapters cached apart, events carrying them, the newest info idle.
+    models, prompts, cached = zip(*vllm["answers"])
+    assert models == ("ada", "ada", "adb", SERVED, "adb", "adc", "adc"), models
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0 and cached[3] == 0 and cached[4] > 0, cached
+    assert {e.get("lora_name") for e in vllm["events"]} == {"ada", "adb", None}, vllm["events"]
+    assert vllm["lora_info_newest"] == ("1", "", ""), vllm["lora_info_series"]
+    assert len(vllm["replay"]) > 2 and vllm["replay"][-1][-2] == b"\xff" * 8, vllm["replay"]
+    for key in vllm:
+        assert sim[key] == vllm[key], f"{key}: simulator {sim[key]!r}\nvLLM {vllm[key]!r}"
+
+
+@pytest.fixture(scope="module")
+def lora_front(lora_vllm, tmp_path_factory):
+    """Envoy and the router in front of the LoRA vLLM, following its KV events
+    (the replay endpoint brings the history the first test's requests made)."""
+    f = Front(tmp_path_factory.mktemp("front-lora"), lora_vllm.port, SERVED)
+    text = f.config.read_text().replace(f"tokenizer: {QWEN3.resolve()}}}", f"tokenizer: {QWEN3.resolve()}, adapters: [ada, adb]}}")
+    assert "adapters: [ada, adb]" in text, text
+    f.config.write_text(text + f"kv_events: {{endpoint: 'tcp://127.0.0.1:{lora_vllm.events}', "
+                               f"replay_endpoint: 'tcp://127.0.0.1:{lora_vllm.replay}', topic: kv-events}}\n")
+    try:
+        yield f.start()
+    finally:
+        f.stop()
+
+
+def test_inferrail_predicts_vllms_cached_tokens_for_adapter_requests(lora_front):
+    front = lora_front
+    system = "The river keeper's log, kept for the lantern garden. " + " ".join(f"line{i}" for i in range(170))
+    wrong, checked, hits = [], 0, 0
+    for turn in range(3):
+        for model in ("ada", "adb", SERVED):
+            time.sleep(1.0)  # every event of the last request is applied before the next decision
+            body = {"model": model, "prompt": system + f" Turn {turn}, for {model}.", "max_tokens": 2, "temperature": 0}
+            r = front.post("/v1/completions", body)
+            assert r.status == 200, r.body[:500]
+            assert r.json()["model"] == model
+            engine = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            predicted = int(r.headers["x-inferrail-cached-tokens"])
+            checked += 1
+            hits += engine > 0
+            if predicted != engine:
+                wrong.append((turn, model, predicted, engine))
+    # After the first turn each of the three finds its own copy of the prefix.
+    assert hits == 6, f"{hits} of {checked} requests found cached tokens"
+    assert not wrong, f"{len(wrong)} of {checked} predictions differ (turn, model, predicted, vLLM): {wrong}"
+    mode = re.search(r'^inferrail_kv_mode\{[^}]*mode="([^"]+)"[^}]*\} 1$', front.metrics(), re.M)
+    assert mode and mode.group(1) == "exact", front.metrics()
