@@ -12,6 +12,6 @@ pub mod page;
 pub mod scrape;
 pub mod table;
 
-pub use page::{CacheInfo, Engine, EngineLoad, PageError, parse};
+pub use page::{CacheInfo, Engine, EngineLoad, LoraReport, PageError, parse};
 pub use scrape::{ClientError, ERRORS_METRIC, Scrape, ScrapeConfig, ScrapeError, Scraper};
 pub use table::{LoadTable, Snapshot};

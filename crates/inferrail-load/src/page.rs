@@ -14,6 +14,8 @@
 //! `sglang:`). Data-parallel ranks publish one series per rank: counts are
 //! summed over series, KV usage is their mean.
 
+use std::sync::Arc;
+
 #[cfg(test)]
 mod tests;
 
@@ -45,8 +47,21 @@ pub struct CacheInfo {
     pub blocks: usize,
 }
 
+/// The LoRA adapters an engine runs and has waiting, from the newest series
+/// of `vllm:lora_requests_info` (its value is the time it was set; vLLM
+/// keeps every combination it ever wrote, so the largest value is now).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LoraReport {
+    /// Adapters one engine step runs (`max_lora`).
+    pub max_loras: u32,
+    /// Adapters of the running requests.
+    pub running: Vec<String>,
+    /// Adapters of the waiting requests.
+    pub waiting: Vec<String>,
+}
+
 /// What an engine says about its own load at one moment.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct EngineLoad {
     /// Which engine said it.
     pub engine: Engine,
@@ -63,6 +78,9 @@ pub struct EngineLoad {
     pub prefix_hits: Option<u64>,
     /// KV cache geometry, where the engine publishes it.
     pub cache: Option<CacheInfo>,
+    /// LoRA adapters, where the engine serves them (vLLM with `--enable-lora`);
+    /// shared, so that a snapshot stays cheap to copy out of the load table.
+    pub lora: Option<Arc<LoraReport>>,
 }
 
 /// Why a page could not be read as an engine's load.
@@ -104,6 +122,7 @@ struct Families {
     prefix_queries: Option<&'static str>,
     prefix_hits: Option<&'static str>,
     cache_info: Option<&'static str>,
+    lora_info: Option<&'static str>,
 }
 
 const VLLM: Families = Families {
@@ -115,6 +134,7 @@ const VLLM: Families = Families {
     prefix_queries: Some("vllm:prefix_cache_queries_total"),
     prefix_hits: Some("vllm:prefix_cache_hits_total"),
     cache_info: Some("vllm:cache_config_info"),
+    lora_info: Some("vllm:lora_requests_info"),
 };
 
 const SGLANG: Families = Families {
@@ -125,6 +145,7 @@ const SGLANG: Families = Families {
     prefix_queries: None,
     prefix_hits: None,
     cache_info: None,
+    lora_info: None,
 };
 
 /// Which of the families routing reads a sample belongs to.
@@ -137,6 +158,7 @@ enum Read {
     PrefixQueries,
     PrefixHits,
     CacheInfo,
+    LoraInfo,
 }
 
 impl Families {
@@ -155,6 +177,8 @@ impl Families {
             Some(Read::PrefixHits)
         } else if is(self.cache_info) {
             Some(Read::CacheInfo)
+        } else if is(self.lora_info) {
+            Some(Read::LoraInfo)
         } else {
             None
         }
@@ -187,6 +211,8 @@ pub fn parse(page: &str) -> Result<EngineLoad, PageError> {
     let mut block_size: Option<usize> = None;
     let mut blocks: Option<usize> = Some(0);
     let mut cache_series = 0u32;
+    // The newest lora_requests_info series: its value and labels.
+    let mut lora: Option<(f64, &str)> = None;
 
     for (i, line) in page.lines().enumerate() {
         let line_no = i + 1;
@@ -221,6 +247,11 @@ pub fn parse(page: &str) -> Result<EngineLoad, PageError> {
                     _ => None,
                 };
             }
+            Read::LoraInfo => {
+                if lora.is_none_or(|(newest, _)| sample.value > newest) {
+                    lora = Some((sample.value, sample.labels));
+                }
+            }
         }
     }
 
@@ -246,7 +277,19 @@ pub fn parse(page: &str) -> Result<EngineLoad, PageError> {
         prefix_queries: total(fams.prefix_queries, prefix_q)?,
         prefix_hits: total(fams.prefix_hits, prefix_h)?,
         cache,
+        lora: lora.map(|(_, labels)| Arc::new(lora_report(labels))),
     })
+}
+
+/// A `vllm:lora_requests_info` series' labels: `max_lora` and the
+/// comma-joined adapter names of the running and the waiting requests.
+fn lora_report(labels: &str) -> LoraReport {
+    let names = |key| label(labels, key).map_or_else(Vec::new, |v| v.split(',').filter(|n| !n.is_empty()).map(str::to_owned).collect());
+    LoraReport {
+        max_loras: label(labels, "max_lora").and_then(|v| v.parse().ok()).unwrap_or(0),
+        running: names("running_lora_adapters"),
+        waiting: names("waiting_lora_adapters"),
+    }
 }
 
 /// A gauge of requests as a whole number.

@@ -212,7 +212,7 @@ impl Worker {
             let outcome = outcome.map(|load| Snapshot { at: Instant::now(), load });
             match &outcome {
                 Ok(snapshot) => {
-                    self.table.insert(&self.id, *snapshot);
+                    self.table.insert(&self.id, snapshot.clone());
                     if last_failure.take().is_some() {
                         tracing::info!(replica = %self.id, addr = %self.addr, "metrics scrape recovered");
                     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crate::page::EngineLoad;
 
 /// One replica's load as read at one moment.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Snapshot {
     /// When the scrape that read it completed.
     pub at: Instant,
@@ -39,13 +39,17 @@ impl LoadTable {
 
     /// The latest snapshot of `id`, however old.
     pub fn get(&self, id: &str) -> Option<Snapshot> {
-        self.map.pin().get(id).copied()
+        self.map.pin().get(id).cloned()
     }
 
     /// Records `snapshot` as `id`'s latest, unless the table holds a newer one.
     pub fn insert(&self, id: &str, snapshot: Snapshot) {
         let map = self.map.pin();
-        map.update_or_insert_with(id.to_string(), |old| if old.at > snapshot.at { *old } else { snapshot }, || snapshot);
+        map.update_or_insert_with(
+            id.to_string(),
+            |old| if old.at > snapshot.at { old.clone() } else { snapshot.clone() },
+            || snapshot.clone(),
+        );
     }
 
     /// Forgets `id` (it left the fleet).

@@ -1,9 +1,10 @@
 //! The one place protobuf meets the domain: `inferrail-load` types to and from
 //! `inferrail.load.v1` messages.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use inferrail_load::{CacheInfo, Engine, EngineLoad, Scrape, ScrapeError};
+use inferrail_load::{CacheInfo, Engine, EngineLoad, LoraReport, Scrape, ScrapeError};
 
 use crate::load::v1 as pb;
 
@@ -40,6 +41,7 @@ impl From<&EngineLoad> for pb::EngineLoad {
             prefix_queries: l.prefix_queries,
             prefix_hits: l.prefix_hits,
             cache: l.cache.map(|c| pb::CacheInfo { block_size: c.block_size as u64, blocks: c.blocks as u64 }),
+            lora: l.lora.as_ref().map(|a| pb::LoraInfo { max_loras: a.max_loras, running: a.running.clone(), waiting: a.waiting.clone() }),
         }
     }
 }
@@ -70,6 +72,10 @@ impl TryFrom<&pb::EngineLoad> for EngineLoad {
             prefix_queries: m.prefix_queries,
             prefix_hits: m.prefix_hits,
             cache,
+            lora: m
+                .lora
+                .as_ref()
+                .map(|a| Arc::new(LoraReport { max_loras: a.max_loras, running: a.running.clone(), waiting: a.waiting.clone() })),
         })
     }
 }
@@ -145,14 +151,15 @@ mod tests {
             prefix_queries: Some(100),
             prefix_hits: None,
             cache: Some(CacheInfo { block_size: 16, blocks: 4096 }),
+            lora: Some(Arc::new(LoraReport { max_loras: 2, running: vec!["sql".into()], waiting: vec!["sql".into(), "chat".into()] })),
         }
     }
 
     #[test]
     fn a_load_survives_the_round_trip() {
         let l = load();
-        assert_eq!(EngineLoad::try_from(&pb::EngineLoad::from(&l)), Ok(l));
-        let sg = EngineLoad { engine: Engine::Sglang, cache: None, prefix_queries: None, ..l };
+        assert_eq!(EngineLoad::try_from(&pb::EngineLoad::from(&l)), Ok(l.clone()));
+        let sg = EngineLoad { engine: Engine::Sglang, cache: None, prefix_queries: None, lora: None, ..l };
         assert_eq!(EngineLoad::try_from(&pb::EngineLoad::from(&sg)), Ok(sg));
     }
 

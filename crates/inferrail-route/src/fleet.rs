@@ -61,6 +61,8 @@ pub struct Replica {
     pending_prefill_us: AtomicU64,
     /// LoRA adapters of the requests in flight, and how many of each.
     adapters: Mutex<Vec<(Arc<str>, u32)>>,
+    /// The engine's last word on its adapters (`vllm:lora_requests_info`).
+    engine_adapters: Mutex<Option<EngineAdapters>>,
     /// What each request sent lately takes, by decision time, as long as a
     /// fresh engine report may predate it.
     sent: Mutex<VecDeque<(Duration, Arc<Sent>)>>,
@@ -145,6 +147,7 @@ impl Replica {
             prompt_tokens: AtomicU64::new(0),
             pending_prefill_us: AtomicU64::new(0),
             adapters: Mutex::new(Vec::new()),
+            engine_adapters: Mutex::new(None),
             sent: Mutex::new(VecDeque::new()),
             probe_ok: AtomicBool::new(true),
             announced: AtomicBool::new(true),
@@ -410,19 +413,46 @@ impl Replica {
         length
     }
 
-    /// Where adapter `name` stands here, for a model that runs at most
-    /// `max_loras` adapters a step. It is in a slot while requests of it
-    /// are in flight, and after they end while the slots the running
-    /// adapters leave hold it (the engine evicts the least recently used
-    /// first); with `max_loras` unknown, only while it runs.
-    pub fn adapter_fit(&self, name: &str, max_loras: Option<u32>) -> AdapterFit {
-        let adapters = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
-        let running = adapters.iter().filter(|(_, n)| *n > 0).count();
-        let idle_slots = max_loras.map_or(0, |m| (m as usize).saturating_sub(running));
-        let mut idle = adapters.iter().rev().filter(|(_, n)| *n == 0).take(idle_slots);
-        let resident = adapters.iter().any(|(a, n)| *n > 0 && &**a == name) || idle.any(|(a, _)| &**a == name);
-        let others = adapters.iter().filter(|(a, n)| *n > 0 && &**a != name).count() as u32;
-        AdapterFit { resident, others, max_loras }
+    /// Where adapter `name` stands here at `now`, for a model that runs at
+    /// most `max_loras` adapters a step (configured; else as the engine
+    /// reports): see [`Replica::adapters`].
+    pub fn adapter_fit(&self, name: &str, max_loras: Option<u32>, now: Duration) -> AdapterFit {
+        let view = self.adapters(max_loras, now);
+        let running = view.running.iter().any(|a| &**a == name);
+        AdapterFit {
+            resident: running || view.idle.iter().any(|a| &**a == name),
+            others: (view.running.len() - usize::from(running)) as u32,
+            max_loras: view.max_loras,
+        }
+    }
+
+    /// Its adapters at `now`. Running: those of the requests in flight
+    /// (this router's and its peers'), and those the engine's fresh report
+    /// names. Idle in a slot: those whose requests ended, most recently
+    /// used first, while the slots the running ones leave hold them (the
+    /// engine evicts the least recently used first); none with `max_loras`
+    /// unknown. Waiting: as the engine's fresh report names them.
+    pub fn adapters(&self, max_loras: Option<u32>, now: Duration) -> Adapters {
+        let engine = self.engine_adapters.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let max_loras = max_loras.or(engine.as_ref().map(|e| e.max_loras).filter(|&m| m > 0));
+        let fresh = engine.filter(|e| now.saturating_sub(e.at) <= FRESH);
+        let ours = self.adapters.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut running: Vec<Arc<str>> = ours.iter().filter(|(_, n)| *n > 0).map(|(a, _)| a.clone()).collect();
+        for a in fresh.iter().flat_map(|e| &e.running) {
+            if !running.contains(a) {
+                running.push(a.clone());
+            }
+        }
+        let idle_slots = max_loras.map_or(0, |m| (m as usize).saturating_sub(running.len()));
+        let idle = ours.iter().rev().filter(|(a, n)| *n == 0 && !running.contains(a)).take(idle_slots).map(|(a, _)| a.clone()).collect();
+        Adapters { running, idle, waiting: fresh.map(|e| e.waiting).unwrap_or_default(), max_loras }
+    }
+
+    /// Keeps what the engine reported of its adapters at `at` (router clock).
+    pub fn learn_adapters(&self, at: Duration, max_loras: u32, running: &[String], waiting: &[String]) {
+        let names = |v: &[String]| v.iter().map(|n| Arc::from(n.as_str())).collect();
+        let report = EngineAdapters { at, max_loras, running: names(running), waiting: names(waiting) };
+        *self.engine_adapters.lock().unwrap_or_else(|p| p.into_inner()) = Some(report);
     }
 
     /// A request of adapter `name` came (`up`) or went: it is the most
@@ -452,6 +482,29 @@ impl Replica {
         }
         self.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
     }
+}
+
+/// An engine's report of its adapters.
+#[derive(Debug, Clone)]
+struct EngineAdapters {
+    /// When it was read, on the router's clock.
+    at: Duration,
+    max_loras: u32,
+    running: Vec<Arc<str>>,
+    waiting: Vec<Arc<str>>,
+}
+
+/// A replica's LoRA adapters as the router sees them ([`Replica::adapters`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Adapters {
+    /// Adapters of the requests running there.
+    pub running: Vec<Arc<str>>,
+    /// Adapters with nothing running that still hold a slot, most recently used first.
+    pub idle: Vec<Arc<str>>,
+    /// Adapters of the requests the engine has waiting.
+    pub waiting: Vec<Arc<str>>,
+    /// Adapters one engine step runs, when known.
+    pub max_loras: Option<u32>,
 }
 
 /// Adapters a replica remembers, most recently used last, beyond those

@@ -334,7 +334,7 @@ impl Core {
             .map(|((r, cached), report)| {
                 let fresh = report.filter(|(_, age)| *age <= FRESH).map(|(rep, _)| rep);
                 let mut c = r.candidate(now, cached, fresh, view.share);
-                c.adapter = adapter.map(|a| r.adapter_fit(a, max_loras));
+                c.adapter = adapter.map(|a| r.adapter_fit(a, max_loras, now));
                 c
             })
             .collect();

@@ -202,6 +202,13 @@ fn candidates(plan: &Plan) -> Vec<pb::Candidate> {
                 kv_mode: r.kv_mode().as_str().to_string(),
                 held_cached_tokens: c.held_cached_tokens as u64,
                 free_kv_tokens: c.free_kv_tokens(),
+                adapter: c.adapter.map(|fit| pb::AdapterFit {
+                    name: plan.prediction.as_ref().and_then(|p| p.adapter.as_deref()).unwrap_or_default().to_string(),
+                    resident: fit.resident,
+                    others: fit.others,
+                    max_loras: fit.max_loras.unwrap_or(0),
+                    must_wait: fit.must_wait(),
+                }),
             }
         })
         .collect()
@@ -225,6 +232,21 @@ fn deciding_term(plan: &Plan) -> &'static str {
         // No term ahead: the tie-break (fewer in flight, then the prompt's last full block, else a draw) decided.
         _ => "tie_break",
     }
+}
+
+/// A replica's adapters, with its models' `max_loras` (the largest, where
+/// they differ); none when it knows of no adapter and no slot count.
+fn adapters(router: &Router, r: &Replica, now: Duration) -> Option<pb::Adapters> {
+    let configured = r.models.iter().filter_map(|&m| router.core.model(m).max_loras).max();
+    let view = r.adapters(configured, now);
+    let names = |v: &[Arc<str>]| v.iter().map(|a| a.to_string()).collect();
+    let known = view.max_loras.is_some() || !(view.running.is_empty() && view.idle.is_empty() && view.waiting.is_empty());
+    known.then(|| pb::Adapters {
+        running: names(&view.running),
+        idle: names(&view.idle),
+        waiting: names(&view.waiting),
+        max_loras: view.max_loras.unwrap_or(0),
+    })
 }
 
 /// The fleet as the router sees it now.
@@ -254,6 +276,7 @@ fn fleet(router: &Router) -> pb::ReplicasResponse {
                 kv_blocks: r.blocks(defaults.blocks) as u64,
                 kv_mode: r.kv_mode().as_str().to_string(),
                 draining: r.draining(),
+                adapters: adapters(router, r, now),
             }
         })
         .collect();

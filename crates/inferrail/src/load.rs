@@ -47,7 +47,7 @@ pub async fn run(router: Arc<Router>) {
 }
 
 /// Reads each replica's newest report as it comes and learns its cache
-/// shape and restarts from it; publishes report ages.
+/// shape, restarts and adapters from it; publishes report ages.
 pub async fn learn_loop(router: Arc<Router>) {
     let mut seen: HashMap<String, Instant> = HashMap::new();
     let mut tick = tokio::time::interval(Duration::from_millis(router.config().load.interval_ms));
@@ -65,6 +65,9 @@ pub async fn learn_loop(router: Arc<Router>) {
             seen.insert(r.id.clone(), s.at);
             if let Some(cache) = s.load.cache {
                 router.core.learned(r, cache.block_size, cache.blocks);
+            }
+            if let Some(lora) = &s.load.lora {
+                r.learn_adapters(router.clock.since_start(s.at), lora.max_loras, &lora.running, &lora.waiting);
             }
             if let Some(q) = s.load.prefix_queries
                 && router.core.prefix_cache_queries(r, q)

@@ -18,6 +18,7 @@ fn a_recorded_vllm_page_under_load() {
             prefix_queries: Some(9249),
             prefix_hits: Some(3808),
             cache: Some(CacheInfo { block_size: 32, blocks: 32768 }),
+            lora: None,
         }
     );
 }
@@ -48,6 +49,27 @@ vllm:prefix_cache_hits_total{engine="1",model_name="m"} 200.0
 vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
 vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0
 "#;
+
+/// `vllm:lora_requests_info` as vLLM 0.32.0 (CPU, `--enable-lora --max-loras 1`)
+/// wrote it after requests for adapters `ada`, then `adb`, then the base
+/// model: one series per combination, the newest (largest value) idle.
+const LORA_SERIES: &str = r#"# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="1",running_lora_adapters="ada",waiting_lora_adapters="ada"} 1.7965977510017333e+09
+vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""} 1.796597752769435e+09
+vllm:lora_requests_info{max_lora="1",running_lora_adapters="adb",waiting_lora_adapters="adb"} 1.7965977516016312e+09
+"#;
+
+#[test]
+fn the_newest_lora_series_names_the_running_and_waiting_adapters() {
+    let idle = parse(&format!("{TWO_RANKS}{LORA_SERIES}")).unwrap();
+    assert_eq!(idle.lora.as_deref(), Some(&LoraReport { max_loras: 1, running: vec![], waiting: vec![] }));
+    let busy = LORA_SERIES.replace("adb\"} 1.7965977516016312e+09", "adb,ada\"} 1.8e+09").replace("=\"adb\",w", "=\"adb,sql\",w");
+    let load = parse(&format!("{TWO_RANKS}{busy}")).unwrap();
+    let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    assert_eq!(load.lora.as_deref(), Some(&LoraReport { max_loras: 1, running: names(&["adb", "sql"]), waiting: names(&["adb", "ada"]) }));
+    assert_eq!(parse(TWO_RANKS).unwrap().lora, None, "no series, no adapters");
+}
 
 #[test]
 fn data_parallel_ranks_sum_counts_and_average_kv_usage() {

@@ -167,7 +167,7 @@ fn a_replica_counts_the_adapters_of_its_requests_in_flight_until_they_are_releas
     b.set_adapter(sql.clone());
     let c = Lease::new(r.clone(), 0, 10);
     c.set_adapter(chat.clone());
-    let fit = |r: &Replica, name| r.adapter_fit(name, Some(2));
+    let fit = |r: &Replica, name| r.adapter_fit(name, Some(2), Duration::ZERO);
     assert_eq!(fit(&r, "sql"), AdapterFit { resident: true, others: 1, max_loras: Some(2) });
     assert_eq!(fit(&r, "other"), AdapterFit { resident: false, others: 2, max_loras: Some(2) });
     assert!(fit(&r, "other").must_wait() && !fit(&r, "sql").must_wait());
@@ -183,7 +183,7 @@ fn a_replica_counts_the_adapters_of_its_requests_in_flight_until_they_are_releas
     moved.release();
     // Ended, but still in the slots the engine had free: no load to pay.
     assert_eq!(fit(&r, "sql"), AdapterFit { resident: true, others: 0, max_loras: Some(2) });
-    assert!(!r.adapter_fit("sql", None).resident, "with the slots unknown, only a running adapter counts");
+    assert!(!r.adapter_fit("sql", None, Duration::ZERO).resident, "with the slots unknown, only a running adapter counts");
     // Two more adapters run there: the slots are theirs, sql's was evicted.
     let (x, y) = (Lease::new(r.clone(), 0, 10), Lease::new(r.clone(), 0, 10));
     x.set_adapter("x".into());
@@ -191,4 +191,26 @@ fn a_replica_counts_the_adapters_of_its_requests_in_flight_until_they_are_releas
     assert_eq!(fit(&r, "sql"), AdapterFit { resident: false, others: 2, max_loras: Some(2) });
     x.release();
     assert!(fit(&r, "x").resident && !fit(&r, "sql").resident, "the least recently used goes first");
+}
+
+#[test]
+fn the_engines_fresh_report_adds_its_running_and_waiting_adapters_and_its_slots() {
+    let r = replica(vec![0]);
+    let a = Lease::new(r.clone(), 0, 10);
+    a.set_adapter("sql".into());
+    let at = Duration::from_secs(10);
+    let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    r.learn_adapters(at, 2, &names(&["sql", "chat"]), &names(&["chat", "code"]));
+    let arcs = |v: &[&str]| v.iter().map(|s| Arc::<str>::from(*s)).collect::<Vec<_>>();
+    // The router's own request and the engine's report, each adapter once; the slots as the engine says.
+    let view = r.adapters(None, at);
+    assert_eq!(view, Adapters { running: arcs(&["sql", "chat"]), idle: vec![], waiting: arcs(&["chat", "code"]), max_loras: Some(2) });
+    assert_eq!(r.adapter_fit("code", None, at), AdapterFit { resident: false, others: 2, max_loras: Some(2) });
+    assert!(r.adapter_fit("code", None, at).must_wait(), "both slots run others");
+    assert_eq!(r.adapter_fit("chat", Some(4), at), AdapterFit { resident: true, others: 1, max_loras: Some(4) }, "configured slots win");
+    // A stale report names no adapters; its slot count still holds.
+    let later = at + FRESH + Duration::from_millis(1);
+    assert_eq!(r.adapters(None, later), Adapters { running: arcs(&["sql"]), idle: vec![], waiting: vec![], max_loras: Some(2) });
+    a.release();
+    assert_eq!(r.adapters(None, later).idle, arcs(&["sql"]), "ended, still in a slot");
 }

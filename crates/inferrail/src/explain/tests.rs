@@ -1,5 +1,6 @@
-//! What an explanation shows of the KV room check: the cached tokens a
-//! request in flight holds and the free tokens as the check counts them.
+//! What an explanation shows of the KV room check (the cached tokens a
+//! request in flight holds and the free tokens as the check counts them)
+//! and of LoRA adapters.
 
 use std::time::Instant;
 
@@ -27,10 +28,18 @@ replicas:
   - {id: b, address: 127.0.0.1:2, models: [m], block_size: 4, kv_blocks: 64}
 ";
     let r = Router::new(Config::parse(yaml).unwrap()).unwrap();
-    let load =
-        EngineLoad { engine: Engine::Vllm, running: 0, waiting: 0, kv_usage: 0.5, prefix_queries: None, prefix_hits: None, cache: None };
+    let load = EngineLoad {
+        engine: Engine::Vllm,
+        running: 0,
+        waiting: 0,
+        kv_usage: 0.5,
+        prefix_queries: None,
+        prefix_hits: None,
+        cache: None,
+        lora: None,
+    };
     for id in ["a", "b"] {
-        r.loads.insert(id, Snapshot { at: Instant::now(), load });
+        r.loads.insert(id, Snapshot { at: Instant::now(), load: load.clone() });
     }
     let first = r.decide(BODY, Endpoint::Completions, "1", None, None).await.unwrap();
     let (took, other) = (first.targets[0].id.clone(), first.targets[1].id.clone());
@@ -55,4 +64,30 @@ replicas:
     r.loads.remove(&took);
     let out = explanation(&r, &r.explain(BODY, Endpoint::Completions, None, &Default::default()).await.unwrap());
     assert_eq!(candidate(&out, &took).free_kv_tokens, None);
+}
+
+#[tokio::test]
+async fn replicas_and_candidates_show_the_adapters_the_engine_reports_and_the_slots() {
+    let yaml = "
+models: [{name: m, adapters: [sql, chat], max_loras: 1, policy: cost_model, tokenizer: builtin:sim}]
+replicas:
+  - {id: a, address: 127.0.0.1:1, models: [m]}
+  - {id: b, address: 127.0.0.1:2, models: [m]}
+";
+    let r = Router::new(Config::parse(yaml).unwrap()).unwrap();
+    let b = r.fleet().replicas.iter().find(|x| x.id == "b").cloned().unwrap();
+    b.learn_adapters(r.now(), 1, &["chat".to_string()], &["sql".to_string()]);
+    let body = String::from_utf8_lossy(BODY).replace(r#""model": "m""#, r#""model": "sql""#);
+    let out = explanation(&r, &r.explain(body.as_bytes(), Endpoint::Completions, None, &Default::default()).await.unwrap());
+    let fit = |id| candidate(&out, id).adapter.clone().unwrap();
+    assert_eq!(fit("a"), pb::AdapterFit { name: "sql".into(), resident: false, others: 0, max_loras: 1, must_wait: false });
+    assert_eq!(fit("b"), pb::AdapterFit { name: "sql".into(), resident: false, others: 1, max_loras: 1, must_wait: true });
+    assert_eq!(out.winner, "a", "b's one slot runs chat");
+    let shown = super::fleet(&r);
+    let adapters = |id| shown.replicas.iter().find(|x| x.id == id).unwrap().adapters.clone().unwrap();
+    assert_eq!(adapters("b"), pb::Adapters { running: vec!["chat".into()], idle: vec![], waiting: vec!["sql".into()], max_loras: 1 });
+    assert_eq!(adapters("a"), pb::Adapters { max_loras: 1, ..Default::default() });
+    // A request of the base model has no adapter to place.
+    let out = explanation(&r, &r.explain(BODY, Endpoint::Completions, None, &Default::default()).await.unwrap());
+    assert!(out.candidates.iter().all(|c| c.adapter.is_none()));
 }

@@ -4,6 +4,8 @@ model), and the router predicts each adapter's cache apart from the base
 model's and the other adapters', as the engine hashes them, in approximate
 mode and when it follows the engines' KV events."""
 
+import json
+
 import pytest
 
 from conftest import MODEL, Fleet, http, wait_until
@@ -48,3 +50,28 @@ def test_the_model_list_names_the_adapters_under_their_model(fleet):
     adapters = {m["id"]: m for m in data if m["id"] in ("sql", "chat")}
     assert set(adapters) == {"sql", "chat"}
     assert all(m["parent"] == MODEL and m["max_model_len"] is None for m in adapters.values())
+
+
+def test_explain_shows_each_replicas_adapters_and_the_slots_the_engine_reports(fleet):
+    from test_explain import SERVICE, explain, grpcurl
+
+    for model in ("sql", "chat"):
+        body = {"model": model, "prompt": f"A short question for {model}.", "max_tokens": 2}
+        assert http("POST", f"{fleet.url}/v1/completions", body).status == 200
+
+    # The configuration names no max_loras: the two slots are the engines' own word (vllm:lora_requests_info).
+    def shown():
+        code, out = grpcurl(fleet, f"{SERVICE}/Replicas", data={})
+        assert code == 0, out
+        return {r["id"]: r.get("adapters") for r in json.loads(out)["replicas"]}
+
+    wait_until(lambda: all(a and a["maxLoras"] == 2 for a in shown().values()), "every replica's slots learned")
+    # Nothing runs now; each adapter whose request ended still holds the slot where it ran.
+    replicas = shown()
+    assert {name for a in replicas.values() for name in a["idle"]} == {"chat", "sql"}, replicas
+    assert not any(a["running"] for a in replicas.values()), replicas
+    out = explain(fleet, "/v1/completions", {"model": "sql", "prompt": "Which slot?", "max_tokens": 1})
+    fits = {c["id"]: c["adapter"] for c in out["candidates"]}
+    assert all(f["name"] == "sql" and f["maxLoras"] == 2 and not f["mustWait"] for f in fits.values()), fits
+    # Resident exactly where sql holds a slot.
+    assert {i for i, f in fits.items() if f["resident"]} == {i for i, a in replicas.items() if "sql" in a["idle"]}, (fits, replicas)
