@@ -198,6 +198,7 @@ impl StepEvents {
             extra_keys: Some(run.map(|k| extra_keys(s.lora, s.cache_salt.filter(|_| k == 0))).collect()),
             group_idx: Some(0),
             kv_cache_spec_kind: Some("full_attention".into()),
+            lookahead_token_ids: None,
         }
     }
 

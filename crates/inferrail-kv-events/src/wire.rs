@@ -7,7 +7,7 @@
 //! out when nil as msgspec's `omit_defaults` does). Each event is a msgpack
 //! map whose first key is `"type"`, followed by the fields in vLLM's
 //! declaration order; the fields vLLM gives a default (`extra_keys`,
-//! `group_idx`, `kv_cache_spec_kind`) are left out when they are nil, the
+//! `group_idx`, `kv_cache_spec_kind`, and 0.33's `lookahead_token_ids`) are left out when they are nil, the
 //! others are always written. Integers take msgpack's smallest encoding, so a
 //! large block hash is a `uint 64` (`0xcf`) as in the recordings.
 //!
@@ -79,6 +79,10 @@ pub struct BlockStored {
     pub group_idx: Option<u32>,
     /// The attention kind of the group, e.g. `"full_attention"`.
     pub kv_cache_spec_kind: Option<String>,
+    /// vLLM 0.33 and later, with lookahead hashing (EAGLE or MTP drafts and
+    /// prefix caching): per block, the tokens after it that its hash also
+    /// covers; `None` when the engine hashes blocks alone (ADR 0058).
+    pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
 }
 
 /// Blocks the engine evicted (vLLM sends one event per block).
@@ -247,7 +251,7 @@ fn write_u64s(w: &mut ByteBuf, values: impl ExactSizeIterator<Item = u64>) {
 fn write_event(w: &mut ByteBuf, event: &KvEvent) {
     match event {
         KvEvent::BlockStored(s) => {
-            let optional = [s.extra_keys.is_some(), s.group_idx.is_some(), s.kv_cache_spec_kind.is_some()];
+            let optional = [s.extra_keys.is_some(), s.group_idx.is_some(), s.kv_cache_spec_kind.is_some(), s.lookahead_token_ids.is_some()];
             ok(mp::write_map_len(w, 8 + optional.iter().filter(|&&b| b).count() as u32));
             write_str(w, "type");
             write_str(w, "BlockStored");
@@ -285,6 +289,13 @@ fn write_event(w: &mut ByteBuf, event: &KvEvent) {
             if let Some(kind) = &s.kv_cache_spec_kind {
                 write_str(w, "kv_cache_spec_kind");
                 write_str(w, kind);
+            }
+            if let Some(lists) = &s.lookahead_token_ids {
+                write_str(w, "lookahead_token_ids");
+                ok(mp::write_array_len(w, len32(lists.len())));
+                for tokens in lists {
+                    write_u64s(w, tokens.iter().map(|&t| u64::from(t)));
+                }
             }
         }
         KvEvent::BlockRemoved(r) => {
@@ -415,6 +426,7 @@ enum Key {
     ExtraKeys,
     GroupIdx,
     KvCacheSpecKind,
+    LookaheadTokenIds,
     Ts,
     Events,
     DpRank,
@@ -442,6 +454,7 @@ impl<'de> Deserialize<'de> for Key {
                     "extra_keys" => Key::ExtraKeys,
                     "group_idx" => Key::GroupIdx,
                     "kv_cache_spec_kind" => Key::KvCacheSpecKind,
+                    "lookahead_token_ids" => Key::LookaheadTokenIds,
                     "ts" => Key::Ts,
                     "events" => Key::Events,
                     "data_parallel_rank" | "dp_rank" => Key::DpRank,
@@ -475,6 +488,7 @@ struct Fields {
     extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
     group_idx: Option<u32>,
     kv_cache_spec_kind: Option<String>,
+    lookahead_token_ids: Option<Vec<Vec<u32>>>,
 }
 
 impl<'de> Visitor<'de> for EventVisitor {
@@ -499,6 +513,7 @@ impl<'de> Visitor<'de> for EventVisitor {
                 Key::ExtraKeys => f.extra_keys = value(&mut map, "extra_keys")?,
                 Key::GroupIdx => f.group_idx = value(&mut map, "group_idx")?,
                 Key::KvCacheSpecKind => f.kv_cache_spec_kind = value(&mut map, "kv_cache_spec_kind")?,
+                Key::LookaheadTokenIds => f.lookahead_token_ids = value(&mut map, "lookahead_token_ids")?,
                 _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
@@ -516,6 +531,7 @@ impl<'de> Visitor<'de> for EventVisitor {
                 extra_keys: f.extra_keys,
                 group_idx: f.group_idx,
                 kv_cache_spec_kind: f.kv_cache_spec_kind,
+                lookahead_token_ids: f.lookahead_token_ids,
             })),
             Some("BlockRemoved") => Ok(KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: f.block_hashes.ok_or_else(|| de::Error::missing_field("block_hashes"))?,

@@ -49,7 +49,7 @@ fn setup_with(n: usize, more: &str) -> (Core, Arc<Fleet>, Prompt) {
     let prompt = Prompt { ids: (0..8_000).collect(), max_tokens: Some(64), cache_salt: None, adapter: None, special_at: Vec::new() };
     let half = core.prepare(0, &Prompt { ids: (0..4_000).collect(), ..prompt.clone() }, &fleet);
     for r in fleet.replicas.iter().step_by(4) {
-        core.kv.record(&half, Place { slot: r.slot, block_size: 16 });
+        core.kv.record(&half, Place { slot: r.slot, block_size: 16, lookahead: 0 });
     }
     (core, fleet, prompt)
 }

@@ -44,6 +44,8 @@ pub struct Replica {
     pub key: u64,
     learned_block_size: AtomicUsize,
     learned_blocks: AtomicUsize,
+    /// Tokens after each block its engine's hashes cover, from its KV events.
+    learned_lookahead: AtomicUsize,
     /// The engine's prefix-cache query counter when last read.
     pub prefix_queries: AtomicU64,
     /// Times the engine's counters went back (it restarted), for its KV events' follower.
@@ -137,6 +139,7 @@ impl Replica {
             key: xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
             learned_block_size: AtomicUsize::new(0),
             learned_blocks: AtomicUsize::new(0),
+            learned_lookahead: AtomicUsize::new(0),
             prefix_queries: AtomicU64::new(0),
             restarts: AtomicU64::new(0),
             kv_mode: AtomicU8::new(mode_code(Mode::Approximate(Reason::NoEventsConfigured))),
@@ -214,6 +217,17 @@ impl Replica {
     pub fn learn_cache(&self, block_size: usize, blocks: usize) -> bool {
         let before = (self.learned_block_size.swap(block_size, Ordering::Relaxed), self.learned_blocks.swap(blocks, Ordering::Relaxed));
         before != (block_size, blocks)
+    }
+
+    /// Tokens after each block that its engine's block hashes also cover
+    /// (vLLM 0.33's lookahead hashing), as its KV events show; 0 without.
+    pub fn lookahead(&self) -> usize {
+        self.learned_lookahead.load(Ordering::Relaxed)
+    }
+
+    /// Keeps the lookahead its KV events show; true when it changed.
+    pub fn learn_lookahead(&self, tokens: usize) -> bool {
+        self.learned_lookahead.swap(tokens, Ordering::Relaxed) != tokens
     }
 
     /// Requests in flight now.

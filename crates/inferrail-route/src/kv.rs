@@ -42,6 +42,10 @@ pub struct Place {
     pub slot: Slot,
     /// Tokens per block.
     pub block_size: usize,
+    /// Tokens after a block that its engine hash also covers (vLLM 0.33's
+    /// lookahead hashing, ADR 0058): the engine finds no block of a prompt
+    /// that ends fewer than this many tokens before the prompt does.
+    pub lookahead: usize,
 }
 
 /// The index and the slots replicas hold in it.
@@ -228,7 +232,9 @@ impl Kv {
             let depths: Vec<(Slot, usize)> = slots.iter().copied().zip(self.index.kept_through_wait(hashes, &waits, now)).collect();
             for ((i, &(slot, matched)), held) in at.zip(&depths).zip(self.index.held(hashes, &depths)) {
                 let matched = matched + self.reply_blocks(p, slot, *bs, matched);
-                let tokens = predicted_cached_tokens(matched, p.prompt_tokens, *bs);
+                // The last prompt token is never cached; with lookahead, the last `lookahead`.
+                let hashed = p.prompt_tokens.saturating_sub(places[i].lookahead.saturating_sub(1));
+                let tokens = predicted_cached_tokens(matched, hashed, *bs);
                 cached[i] = (tokens, (held * bs).min(tokens));
             }
         }
@@ -321,7 +327,7 @@ mod tests {
         let (a, b) = (kv.slot("a"), kv.slot("b"));
         kv.reset(a, 100);
         kv.reset(b, 100);
-        (kv, Place { slot: a, block_size: sizes[0] }, Place { slot: b, block_size: sizes[1] })
+        (kv, Place { slot: a, block_size: sizes[0], lookahead: 0 }, Place { slot: b, block_size: sizes[1], lookahead: 0 })
     }
 
     #[test]
@@ -352,6 +358,19 @@ mod tests {
         let salted = kv.prepare("m", &Prompt { cache_salt: Some("s".into()), ..prompt(100) }, [16]);
         kv.record(&p, pa);
         assert_eq!(kv.cached(&salted, &[pa], Duration::ZERO), [(0, 0)], "a cache salt keeps blocks apart");
+    }
+
+    #[test]
+    fn with_lookahead_hashing_the_blocks_ending_within_the_last_tokens_are_not_found() {
+        let (kv, pa, _) = two_replicas(KvConfig::default(), [4, 4]);
+        // 18 tokens: blocks end at 4, 8, 12, 16. Without lookahead (or with
+        // EAGLE's one token) the last token alone is never cached: 16; with
+        // three tokens of lookahead the block ending at 16 is not hashed yet: 12.
+        let p = kv.prepare("m", &prompt(18), [4]);
+        kv.complete(&kv.record(&p, pa), Duration::ZERO);
+        let cached = |lookahead| kv.cached(&p, &[Place { lookahead, ..pa }], Duration::ZERO)[0].0;
+        assert_eq!((cached(0), cached(1), cached(2), cached(3), cached(6)), (16, 16, 16, 12, 12));
+        assert_eq!(cached(100), 0, "more lookahead than prompt");
     }
 
     /// `prompt` then `reply`, the end of the turn (a special token), and `more`.

@@ -187,7 +187,7 @@ impl Core {
     }
 
     fn place(&self, r: &Replica) -> Place {
-        Place { slot: r.slot, block_size: r.block_size(self.kv.defaults.block_size) }
+        Place { slot: r.slot, block_size: r.block_size(self.kv.defaults.block_size), lookahead: r.lookahead() }
     }
 
     /// Starts tracking a replica that just joined, empty.

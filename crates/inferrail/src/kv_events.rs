@@ -135,6 +135,13 @@ impl Follow {
     fn apply(&mut self, router: &Router, events: &[KvEvent]) {
         let index = router.core.kv.index();
         for event in events {
+            // Each stored run says whether its hashes cover tokens past the blocks (ADR 0058).
+            if let KvEvent::BlockStored(s) = event {
+                let ahead = s.lookahead_token_ids.as_ref().and_then(|l| l.first()).map_or(0, Vec::len);
+                if self.replica.learn_lookahead(ahead) {
+                    tracing::info!(replica = %self.replica.id, tokens = ahead, "lookahead tokens in the engine's block hashes");
+                }
+            }
             let applied = self.pieces(event).try_for_each(|e| index.apply(self.replica.slot, &e));
             if let Err(e) = applied {
                 tracing::warn!(replica = %self.replica.id, error = %e, "KV event refused; the replica's index is approximate");

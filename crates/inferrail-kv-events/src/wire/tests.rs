@@ -63,6 +63,7 @@ fn event_from_json(e: &Value) -> KvEvent {
             extra_keys: e["extra_keys"].as_array().map(|a| a.iter().map(|k| k.as_array().map(|_| vec![])).collect()),
             group_idx: e["group_idx"].as_u64().map(|g| g as u32),
             kv_cache_spec_kind: text("kv_cache_spec_kind"),
+            lookahead_token_ids: None,
         }),
         Some("BlockRemoved") => KvEvent::BlockRemoved(BlockRemoved {
             block_hashes: u64s(&e["block_hashes"]),
@@ -90,6 +91,7 @@ fn stored(hashes: Vec<u64>, parent: Option<u64>) -> BlockStored {
         extra_keys: None,
         group_idx: Some(0),
         kv_cache_spec_kind: Some("full_attention".into()),
+        lookahead_token_ids: None,
     }
 }
 
@@ -225,6 +227,27 @@ fn older_and_newer_engines_decode_fields_in_any_order_and_skip_unknown_ones() {
 }
 
 #[test]
+fn lookahead_tokens_of_vllm_0_33_are_read_and_written_after_the_other_fields() {
+    // vLLM 0.33 with EAGLE and prefix caching: each block's hash also covers
+    // the one token after it, listed per block; 0.32's newer defaults too.
+    let payload = mp(&json!([1.5, [
+        {"type": "BlockStored", "block_hashes": [11, 12], "parent_block_hash": null, "token_ids": [1, 2, 3, 4], "block_size": 2,
+         "lora_id": null, "medium": "GPU", "lora_name": null, "extra_keys": [null, null], "group_idx": 0,
+         "kv_cache_spec_kind": "full_attention", "session_id": "s", "lookahead_token_ids": [[3], [5]]},
+    ], 0]));
+    let batch = decode(&payload).unwrap_or_else(|e| panic!("{e}"));
+    let KvEvent::BlockStored(s) = &batch.events[0] else { panic!("{batch:?}") };
+    assert_eq!(s.lookahead_token_ids, Some(vec![vec![3], vec![5]]));
+    assert_eq!(decode(&encode(&batch)).ok(), Some(batch.clone()));
+    // Without lookahead hashing the field is left out, as vLLM omits a nil default.
+    let mut plain = batch;
+    let KvEvent::BlockStored(s) = &mut plain.events[0] else { unreachable!() };
+    s.lookahead_token_ids = None;
+    let bytes = encode(&plain);
+    assert!(!bytes.windows(19).any(|w| w == b"lookahead_token_ids"), "written though nil");
+}
+
+#[test]
 fn extra_keys_round_trip_whatever_values_they_hold() {
     let mut s = stored(vec![1, 2, 3], Some(5));
     s.extra_keys = Some(vec![
@@ -343,10 +366,19 @@ fn arb_event() -> impl Strategy<Value = KvEvent> {
         any::<Option<i64>>(),
         (text.clone(), text.clone(), text.clone()),
         proptest::option::of(proptest::collection::vec(proptest::option::of(proptest::collection::vec(arb_extra_key(), 0..3)), 0..4)),
-        any::<Option<u32>>(),
+        (any::<Option<u32>>(), proptest::option::of(proptest::collection::vec(proptest::collection::vec(any::<u32>(), 0..3), 0..4))),
     )
         .prop_map(
-            |(block_hashes, parent_block_hash, token_ids, block_size, lora_id, (medium, lora_name, kind), extra_keys, group_idx)| {
+            |(
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                lora_id,
+                (medium, lora_name, kind),
+                extra_keys,
+                (group_idx, lookahead_token_ids),
+            )| {
                 KvEvent::BlockStored(BlockStored {
                     block_hashes,
                     parent_block_hash,
@@ -358,6 +390,7 @@ fn arb_event() -> impl Strategy<Value = KvEvent> {
                     extra_keys,
                     group_idx,
                     kv_cache_spec_kind: kind,
+                    lookahead_token_ids,
                 })
             },
         );

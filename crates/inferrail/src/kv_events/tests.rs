@@ -37,6 +37,7 @@ fn stored(first: usize, n: usize, lora: Option<&str>, extra: Option<Vec<Option<V
         extra_keys: extra,
         group_idx: Some(0),
         kv_cache_spec_kind: Some("full_attention".into()),
+        lookahead_token_ids: None,
     })
 }
 
@@ -78,6 +79,21 @@ fn adapters_and_cache_salts_seed_their_own_chains() {
     assert_eq!(matched(&router, "adapter", Some("s3cret"), 2), 2);
     assert_eq!(matched(&router, "adapter", None, 2), 0);
     assert_eq!(matched(&router, "m", Some("s3cret"), 2), 0);
+}
+
+#[test]
+fn lookahead_tokens_in_stored_events_set_the_replicas_lookahead_until_they_stop() {
+    let router = router();
+    let mut f = follow(&router, false);
+    let replica = router.fleet().replicas[0].clone();
+    let KvEvent::BlockStored(mut ahead) = stored(0, 2, None, None) else { unreachable!() };
+    ahead.lookahead_token_ids = Some(vec![vec![4, 5, 6], vec![8, 9, 10]]);
+    f.message(&router, 0, &batch(vec![KvEvent::BlockStored(ahead)]));
+    assert_eq!((replica.lookahead(), mode(&router)), (3, Mode::Exact));
+    assert_eq!(matched(&router, "m", None, 2), 2, "the blocks are the router's own by their tokens");
+    // The engine restarted without speculative decoding.
+    f.message(&router, 1, &batch(vec![stored(2, 1, None, None)]));
+    assert_eq!(replica.lookahead(), 0);
 }
 
 #[test]
