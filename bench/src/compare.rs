@@ -551,7 +551,7 @@ fn write_table(path: &Path, header: &str, rows: impl Iterator<Item = String>) ->
 }
 
 /// The engines' columns count the warmup too; the others only the measured requests.
-const HEADER: &str = "| contender | workload | ok / measured | completed/s | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | ITL p99 ms | cached (usage) | cached (engines, with warmup) | busiest share (engines, with warmup) | goodput | predicted exactly (over / under) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|";
+const HEADER: &str = "| contender | workload | ok / measured | completed/s | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | ITL p99 ms | cached (usage) | cached (engines, with warmup) | busiest share (engines, with warmup) | goodput | predicted exactly (over / under) | deferred, mean / most (engines, with warmup) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// One run as a Markdown table row.
 fn row(contender: &str, kind: Kind, m: &Measured) -> String {
@@ -562,8 +562,9 @@ fn row(contender: &str, kind: Kind, m: &Measured) -> String {
         0 => "n/a".to_string(),
         n => format!("{:.1}% ({} / {})", p.exact as f64 * 100.0 / n as f64, p.over, p.under),
     };
+    let deferred = m.deferred.map_or("n/a".to_string(), |d| format!("{:.2} / {:.0}", d.mean, d.max));
     format!(
-        "| {contender} | {} | {} / {} | {:.2} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} | {} | {} | {predicted} |",
+        "| {contender} | {} | {} / {} | {:.2} | {:.0} | {:.0} | {:.1} | {:.1} | {} | {} | {} | {} | {predicted} | {deferred} |",
         format!("{kind:?}").to_lowercase(),
         s.ok,
         s.requests,

@@ -3,13 +3,25 @@
 //! `vllm:prefix_cache_queries_total` and `vllm:request_success_total`
 //! summed over their lines. The requests each engine served give every
 //! router's replica shares the same way, whether or not it names the replica.
+//! While a run goes on, the requests the engines hold deferred (waiting on a
+//! LoRA slot or a KV transfer, `vllm:num_requests_waiting_by_reason` with
+//! reason `deferred`) are sampled: vLLM counts no deferrals, so their mean
+//! number over the run stands for how many were deferred and for how long.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use anyhow::Context;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 const HITS: &str = "vllm:prefix_cache_hits_total";
 const QUERIES: &str = "vllm:prefix_cache_queries_total";
 const REQUESTS: &str = "vllm:request_success_total";
+const WAITING_BY_REASON: &str = "vllm:num_requests_waiting_by_reason";
+
+/// How often the deferred requests are sampled during a run.
+const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 
 /// Prefix cache counters of one engine at one moment, tokens.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
@@ -63,21 +75,69 @@ pub fn parse(page: &str) -> Counters {
     c
 }
 
+/// Requests an engine holds deferred, summed over its lines.
+pub fn deferred(page: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.strip_prefix(WAITING_BY_REASON).is_some_and(|rest| rest.starts_with('{') && rest.contains(r#"reason="deferred""#)))
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+async fn page(http: &reqwest::Client, url: &str) -> anyhow::Result<String> {
+    Ok(http
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .with_context(|| format!("scraping {url}/metrics"))?
+        .text()
+        .await?)
+}
+
 /// Scrapes every engine.
 pub async fn scrape(http: &reqwest::Client, urls: &[String]) -> anyhow::Result<Vec<Counters>> {
     let mut out = Vec::with_capacity(urls.len());
     for url in urls {
-        let page = http
-            .get(format!("{url}/metrics"))
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .with_context(|| format!("scraping {url}/metrics"))?
-            .text()
-            .await?;
-        out.push(parse(&page));
+        out.push(parse(&page(http, url).await?));
     }
     Ok(out)
+}
+
+/// The requests the engines held deferred, sampled over a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Deferred {
+    /// Samples taken (every engine answered).
+    pub samples: usize,
+    /// Mean over the samples of the deferred requests, summed over the engines.
+    pub mean: f64,
+    /// The most at one sample.
+    pub max: f64,
+}
+
+/// Samples the engines' deferred requests every [`SAMPLE_EVERY`] until
+/// `stop` is set; a sample that some engine did not answer is skipped.
+pub async fn sample_deferred(http: reqwest::Client, urls: Vec<String>, stop: Arc<AtomicBool>) -> Deferred {
+    let mut d = Deferred::default();
+    let mut total = 0.0;
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    while !stop.load(Ordering::Relaxed) {
+        tick.tick().await;
+        let mut now = 0.0;
+        let mut answered = true;
+        for url in &urls {
+            match page(&http, url).await {
+                Ok(p) => now += deferred(&p),
+                Err(_) => answered = false,
+            }
+        }
+        if answered {
+            d.samples += 1;
+            total += now;
+            d.max = d.max.max(now);
+        }
+    }
+    d.mean = if d.samples > 0 { total / d.samples as f64 } else { 0.0 };
+    d
 }
 
 /// The counters' growth between two scrapes of the same engines.
@@ -119,5 +179,16 @@ mod tests {
         let run = over_run(&["a".into(), "b".into()], &[before, before], &[parse(page), Counters { requests: 2.0, ..before }]);
         assert_eq!(run.hit_rate, Some(20.0 / 30.0));
         assert_eq!(run.busiest_share, Some(6.0 / 8.0));
+    }
+
+    #[test]
+    fn deferred_requests_are_the_deferred_reasons_lines_summed() {
+        let page = "# TYPE vllm:num_requests_waiting_by_reason gauge\n\
+            vllm:num_requests_waiting_by_reason{engine=\"0\",model_name=\"m\",reason=\"capacity\"} 4.0\n\
+            vllm:num_requests_waiting_by_reason{engine=\"0\",model_name=\"m\",reason=\"deferred\"} 2.0\n\
+            vllm:num_requests_waiting_by_reason{engine=\"1\",model_name=\"m\",reason=\"deferred\"} 1.0\n\
+            vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 7.0\n";
+        assert_eq!(deferred(page), 3.0);
+        assert_eq!(deferred("vllm:num_requests_waiting 3\n"), 0.0);
     }
 }

@@ -3,12 +3,14 @@
 //! result is stamped with the commit and the exact command line.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use clap::Args;
 use serde::Serialize;
 
-use crate::engines::{self, FleetHits};
+use crate::engines::{self, Deferred, FleetHits};
 use crate::summary::{self, Prefix, Slo, Summary};
 use crate::{harness, report};
 use inferrail_workload::{self as workload, Spec};
@@ -67,6 +69,9 @@ pub struct Measured {
     pub prefix_all: Prefix,
     /// The engines' own counters over the run.
     pub engines: Option<FleetHits>,
+    /// The requests the engines held deferred, sampled over the run (warmup included).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deferred: Option<Deferred>,
     /// Every measured request's time to first token, milliseconds, in
     /// scheduled order: the distribution the report draws.
     pub ttft_ms: Vec<f64>,
@@ -121,7 +126,16 @@ pub async fn measure(
     progress: bool,
 ) -> anyhow::Result<Measured> {
     let before = engines::scrape(http, engine_urls).await?;
-    let outcomes = harness::send_all(http, url.trim_end_matches('/'), requests, progress).await?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler =
+        (!engine_urls.is_empty()).then(|| tokio::spawn(engines::sample_deferred(http.clone(), engine_urls.to_vec(), stop.clone())));
+    let sent = harness::send_all(http, url.trim_end_matches('/'), requests, progress).await;
+    stop.store(true, Ordering::Relaxed);
+    let deferred = match sampler {
+        Some(task) => task.await.ok(),
+        None => None,
+    };
+    let outcomes = sent?;
     // An engine that died under load costs its counters, not the run's results.
     let after = match engines::scrape(http, engine_urls).await {
         Ok(after) => Some(after),
@@ -136,7 +150,7 @@ pub async fn measure(
     let ttft_ms = measured(&outcomes, warmup).filter_map(|o| o.ttft).map(|t| t.as_secs_f64() * 1e3).collect();
     let slowest = slowest(&outcomes, warmup);
     let mispredicted = mispredicted(&outcomes, warmup);
-    Ok(Measured { sent: requests.len(), summary, prefix_all, engines, ttft_ms, slowest, mispredicted })
+    Ok(Measured { sent: requests.len(), summary, prefix_all, engines, deferred, ttft_ms, slowest, mispredicted })
 }
 
 #[derive(Debug, Serialize)]

@@ -110,7 +110,9 @@ pub struct Adapters {
     /// Waiting for a slot when the model's `max_loras` other adapters run
     /// there: until one of them has no request left, milliseconds. A coarse
     /// stand-in (half of a 256-token answer at 20 ms a token) for the
-    /// forecast of when those requests end.
+    /// forecast of when those requests end. Adapters waiting there already
+    /// (more others in flight than slots) are served first: each adds one
+    /// such wait.
     pub slot_wait_ms: f64,
     /// Taking a replica's last free slot: this share of `slot_wait_ms`,
     /// for the next other adapter sent there, which must then wait.
@@ -130,7 +132,8 @@ impl Adapters {
             Some(f) if !f.resident => {
                 let last = f.max_loras.is_some_and(|m| f.others + 1 == m);
                 let wait = if f.must_wait() {
-                    self.slot_wait_ms
+                    let ahead = f.max_loras.map_or(0, |m| f.others.saturating_sub(m));
+                    self.slot_wait_ms * f64::from(1 + ahead)
                 } else if last {
                     self.last_slot_share * self.slot_wait_ms
                 } else {

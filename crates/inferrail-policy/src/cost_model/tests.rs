@@ -374,4 +374,8 @@ fn an_adapters_load_and_its_wait_for_a_slot_are_priced() {
         x.queued_prefill_secs = 3.0;
     }
     assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 0, "the wait for a slot beats a longer queue");
+    // Two more adapters in flight than slots there: they wait first, each for a slot.
+    c[0].adapter = fit(false, 5);
+    assert_eq!(p.estimate(&c[0], req.prompt_tokens, 0).terms[6], (a.load_ms + 3.0 * a.slot_wait_ms) * 1e-3);
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 2, "behind two waiting adapters, the longer queue where it runs is shorter");
 }
