@@ -411,7 +411,10 @@ impl<'a> World<'a> {
             over_under: (0, 0),
             missed_by: 0,
             measured: 0,
-            reports: vec![Report { at: Duration::ZERO, load: EngineReport { running: 0, waiting: 0, kv_usage: 0.0 } }; setup.replicas],
+            reports: vec![
+                Report { at: Duration::ZERO, load: EngineReport { running: 0, waiting: 0, deferred: 0, kv_usage: 0.0 } };
+                setup.replicas
+            ],
             root_blocks: inferrail_policy::cost_model::HotPrefix::default().blocks,
             arrived: 0,
             rejected: 0,
@@ -572,9 +575,14 @@ impl<'a> World<'a> {
         for (report, e) in self.reports.iter_mut().zip(&self.engines) {
             let blocks = e.blocks as f64;
             let running = e.decoding.len() + usize::from(e.prefilling.is_some());
+            // Waiting on an adapter slot: every slot runs another adapter.
+            let active = active_adapters(&self.jobs, &e.decoding);
+            let full = self.setup.max_loras > 0 && active.len() >= self.setup.max_loras;
+            let slotless = |j: &&usize| self.jobs.get(j).and_then(|job| job.adapter).is_some_and(|a| full && !active.contains(&a));
             let load = EngineReport {
                 running: running as u32,
                 waiting: e.queue.len() as u32,
+                deferred: e.queue.iter().filter(slotless).count() as u32,
                 kv_usage: (blocks - e.pool.num_free() as f64) / blocks,
             };
             *report = Report { at: now, load };

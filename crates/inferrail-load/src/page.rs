@@ -69,6 +69,9 @@ pub struct EngineLoad {
     pub running: u32,
     /// Requests waiting for a slot, summed over ranks.
     pub waiting: u32,
+    /// Of those, the ones passed over until a LoRA adapter slot (or a KV
+    /// transfer) frees: `vllm:num_requests_waiting_by_reason{reason="deferred"}`, summed; 0 where absent.
+    pub deferred: u32,
     /// Share of the KV cache in use (0.0 to 1.0), the mean over ranks.
     pub kv_usage: f64,
     /// Prompt tokens looked up in the prefix cache since start
@@ -123,6 +126,7 @@ struct Families {
     prefix_hits: Option<&'static str>,
     cache_info: Option<&'static str>,
     lora_info: Option<&'static str>,
+    waiting_by_reason: Option<&'static str>,
 }
 
 const VLLM: Families = Families {
@@ -135,6 +139,7 @@ const VLLM: Families = Families {
     prefix_hits: Some("vllm:prefix_cache_hits_total"),
     cache_info: Some("vllm:cache_config_info"),
     lora_info: Some("vllm:lora_requests_info"),
+    waiting_by_reason: Some("vllm:num_requests_waiting_by_reason"),
 };
 
 const SGLANG: Families = Families {
@@ -146,6 +151,7 @@ const SGLANG: Families = Families {
     prefix_hits: None,
     cache_info: None,
     lora_info: None,
+    waiting_by_reason: None,
 };
 
 /// Which of the families routing reads a sample belongs to.
@@ -159,6 +165,7 @@ enum Read {
     PrefixHits,
     CacheInfo,
     LoraInfo,
+    WaitingByReason,
 }
 
 impl Families {
@@ -179,6 +186,8 @@ impl Families {
             Some(Read::CacheInfo)
         } else if is(self.lora_info) {
             Some(Read::LoraInfo)
+        } else if is(self.waiting_by_reason) {
+            Some(Read::WaitingByReason)
         } else {
             None
         }
@@ -213,6 +222,7 @@ pub fn parse(page: &str) -> Result<EngineLoad, PageError> {
     let mut cache_series = 0u32;
     // The newest lora_requests_info series: its value and labels.
     let mut lora: Option<(f64, &str)> = None;
+    let mut deferred = Acc::default();
 
     for (i, line) in page.lines().enumerate() {
         let line_no = i + 1;
@@ -247,6 +257,11 @@ pub fn parse(page: &str) -> Result<EngineLoad, PageError> {
                     _ => None,
                 };
             }
+            Read::WaitingByReason => {
+                if label(sample.labels, "reason") == Some("deferred") {
+                    deferred.add(sample.value);
+                }
+            }
             Read::LoraInfo => {
                 if lora.is_none_or(|(newest, _)| sample.value > newest) {
                     lora = Some((sample.value, sample.labels));
@@ -272,6 +287,7 @@ pub fn parse(page: &str) -> Result<EngineLoad, PageError> {
         engine: fams.engine,
         running: count(fams.running, running.sum)?,
         waiting: count(fams.waiting, waiting.sum)?,
+        deferred: deferred.get().map_or(Ok(0), |d| count("vllm:num_requests_waiting_by_reason", d.sum))?,
         // Engines report usage a hair over 1.0 at times; the share is what routing needs.
         kv_usage: kv_usage.min(1.0),
         prefix_queries: total(fams.prefix_queries, prefix_q)?,

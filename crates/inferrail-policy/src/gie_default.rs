@@ -247,9 +247,9 @@ mod tests {
     fn the_weighted_sum_of_queue_kv_and_prefix() {
         let p = GieDefault::new(Config::default());
         let mut c = fleet(&[0, 0, 0]);
-        c[0].engine = Some(EngineReport { running: 3, waiting: 4, kv_usage: 0.5 });
+        c[0].engine = Some(EngineReport { running: 3, waiting: 4, deferred: 0, kv_usage: 0.5 });
         c[1].pending = 2; // no report: pending counts, KV usage 0
-        c[2].engine = Some(EngineReport { running: 1, waiting: 0, kv_usage: 0.9 });
+        c[2].engine = Some(EngineReport { running: 1, waiting: 0, deferred: 0, kv_usage: 0.9 });
         let s = scores(&p, &Request::default(), &c);
         let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
         // queue: (4-4)/4 = 0, (4-2)/4 = 0.5, 1; kv: 0.5, 1, 0.1.

@@ -188,6 +188,9 @@ pub struct EngineReport {
     pub running: u32,
     /// Requests waiting.
     pub waiting: u32,
+    /// Of those, the ones passed over until a LoRA adapter slot frees
+    /// (deferred): they hold no place in the queue the others wait in.
+    pub deferred: u32,
     /// Share of its KV cache in use, 0 to 1.
     pub kv_usage: f64,
 }

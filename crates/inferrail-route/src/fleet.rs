@@ -271,10 +271,12 @@ impl Replica {
     /// started, so those and the ones sent since are queued (the router
     /// hears a first byte only at the response's end, ADR 0035, and long
     /// generations would otherwise count as queued to the end; the prefill
-    /// under way is not counted). `None` when the engine waits on more than
-    /// the router remembers sending: the router's own count stands.
+    /// under way is not counted). Requests it passes over until an adapter
+    /// slot frees (deferred) hold no place in that queue. `None` when the
+    /// engine waits on more than the router remembers sending: the
+    /// router's own count stands.
     fn unreported(&self, report: Report) -> (u64, Option<Duration>) {
-        let (mut kv, mut queued, mut waiting) = (0, 0, report.load.waiting);
+        let (mut kv, mut queued, mut waiting) = (0, 0, report.load.waiting.saturating_sub(report.load.deferred));
         // Newest first: the sends since the report, then the newest waiting ones before it.
         for (at, sent) in self.sent.lock().unwrap_or_else(|p| p.into_inner()).iter().rev() {
             let prefill = sent.prefill_us.load(Ordering::Relaxed);

@@ -162,7 +162,7 @@ proptest! {
         let now = Duration::from_secs(10);
         let reports = |r: &Replica| {
             let i: usize = r.id[1..].parse().ok()?;
-            Some(Report { at: now - Duration::from_millis(ages[i]), load: EngineReport { running: 7, waiting: 3, kv_usage: usage } })
+            Some(Report { at: now - Duration::from_millis(ages[i]), load: EngineReport { running: 7, waiting: 3, deferred: 0, kv_usage: usage } })
         };
         let plan = core.plan(&view(&core, &fleet, &prompt(0, 100)), &fleet, &reports, now).unwrap();
         for ((c, report), &age) in plan.candidates.iter().zip(&plan.reports).zip(&ages) {

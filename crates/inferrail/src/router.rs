@@ -169,7 +169,7 @@ impl Router {
     /// Replica `id`'s latest engine report, however old, on the router's clock.
     pub fn report(&self, id: &str) -> Option<Report> {
         let s = self.loads.get(id)?;
-        let load = EngineReport { running: s.load.running, waiting: s.load.waiting, kv_usage: s.load.kv_usage };
+        let load = EngineReport { running: s.load.running, waiting: s.load.waiting, deferred: s.load.deferred, kv_usage: s.load.kv_usage };
         Some(Report { at: self.clock.since_start(s.at), load })
     }
 

@@ -14,6 +14,7 @@ fn a_recorded_vllm_page_under_load() {
             engine: Engine::Vllm,
             running: 4,
             waiting: 0,
+            deferred: 0,
             kv_usage: 0.0016174810022278052,
             prefix_queries: Some(9249),
             prefix_hits: Some(3808),
@@ -69,6 +70,11 @@ fn the_newest_lora_series_names_the_running_and_waiting_adapters() {
     let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     assert_eq!(load.lora.as_deref(), Some(&LoraReport { max_loras: 1, running: names(&["adb", "sql"]), waiting: names(&["adb", "ada"]) }));
     assert_eq!(parse(TWO_RANKS).unwrap().lora, None, "no series, no adapters");
+    assert_eq!(load.deferred, 0);
+    let by_reason = "vllm:num_requests_waiting_by_reason{engine=\"0\",model_name=\"m\",reason=\"capacity\"} 1.0\n\
+        vllm:num_requests_waiting_by_reason{engine=\"0\",model_name=\"m\",reason=\"deferred\"} 1.0\n\
+        vllm:num_requests_waiting_by_reason{engine=\"1\",model_name=\"m\",reason=\"deferred\"} 0.0\n";
+    assert_eq!(parse(&format!("{TWO_RANKS}{by_reason}")).unwrap().deferred, 1, "deferred, summed over ranks");
 }
 
 #[test]

@@ -40,7 +40,7 @@ fn a_cached_replica_behind_a_long_queue_loses_to_an_idle_cold_one_and_wins_once_
 #[test]
 fn kv_pressure_sets_aside_a_full_cache_for_long_uncached_prompts_unless_every_replica_is_full() {
     let p = policy(Config::default());
-    let full = Some(EngineReport { running: 3, waiting: 0, kv_usage: 0.97 });
+    let full = Some(EngineReport { running: 3, waiting: 0, deferred: 0, kv_usage: 0.97 });
     let mut c = fleet(&[0, 5]);
     c[0].engine = full;
     let long = Request { prompt_tokens: Some(2_000), ..Request::default() };
@@ -65,7 +65,7 @@ fn kv_pressure_sets_aside_a_replica_without_room_for_the_prompt() {
     // 8,000 prompt tokens; both caches hold 14,000 tokens, the first half in
     // use (7,000 free), far below kappa, the other empty.
     let req = Request { prompt_tokens: Some(8_000), ..Request::default() };
-    let used = |kv_usage| Some(EngineReport { running: 1, waiting: 0, kv_usage });
+    let used = |kv_usage| Some(EngineReport { running: 1, waiting: 0, deferred: 0, kv_usage });
     let mut c = fleet(&[1, 1]);
     for x in &mut c {
         (x.engine, x.kv_capacity_tokens) = (used(0.5), 14_000);
@@ -98,7 +98,7 @@ fn kv_pressure_sets_aside_a_replica_without_room_for_the_prompt() {
 #[test]
 fn kv_pressure_never_turns_a_hit_into_a_miss_but_a_few_shared_blocks_are_not_a_hit() {
     let p = policy(Config::default());
-    let full = Some(EngineReport { running: 9, waiting: 2, kv_usage: 0.97 });
+    let full = Some(EngineReport { running: 9, waiting: 2, deferred: 0, kv_usage: 0.97 });
     // 8,000 prompt tokens: the full replica holds the 7,600-token system
     // prompt, the other none of it; 400 new tokens is past `short_prompt_tokens`.
     let req = Request { prompt_tokens: Some(8_000), ..Request::default() };

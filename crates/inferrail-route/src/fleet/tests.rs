@@ -16,7 +16,7 @@ fn counts(r: &Replica) -> (u32, u32, u64) {
 fn a_candidate_counts_the_kv_tokens_sent_after_its_engine_report() {
     let r = replica(vec![0]);
     let ms = Duration::from_millis;
-    let report = |at| Some(Report { at, load: inferrail_policy::EngineReport { running: 0, waiting: 0, kv_usage: 0.0 } });
+    let report = |at| Some(Report { at, load: inferrail_policy::EngineReport { running: 0, waiting: 0, deferred: 0, kv_usage: 0.0 } });
     r.sent(ms(1_000), 300, 0);
     r.sent(ms(1_050), 200, 0);
     assert_eq!(
@@ -42,7 +42,8 @@ fn a_candidate_counts_the_kv_tokens_sent_after_its_engine_report() {
 fn an_engine_has_started_all_but_the_newest_requests_it_reports_waiting() {
     let r = replica(vec![0]);
     let ms = Duration::from_millis;
-    let report = |at, waiting| Some(Report { at, load: inferrail_policy::EngineReport { running: 2, waiting, kv_usage: 0.0 } });
+    let report =
+        |at, waiting| Some(Report { at, load: inferrail_policy::EngineReport { running: 2, waiting, deferred: 0, kv_usage: 0.0 } });
     let a = Lease::new(r.clone(), 0, 100);
     a.queue_prefill(ms(300));
     a.sent_kv(ms(1_000), 100);
@@ -56,6 +57,10 @@ fn an_engine_has_started_all_but_the_newest_requests_it_reports_waiting() {
     assert_eq!(queued(report(ms(1_060), 0)), 0.0);
     assert_eq!(queued(report(ms(1_060), 1)), 0.2, "one waiting at 1,060 ms: the newest");
     assert_eq!(queued(report(ms(1_060), 2)), 0.5);
+    let deferring =
+        |deferred| Some(Report { at: ms(1_060), load: inferrail_policy::EngineReport { running: 2, waiting: 2, deferred, kv_usage: 0.0 } });
+    assert_eq!(queued(deferring(1)), 0.2, "of two waiting, one is passed over until an adapter slot frees: it holds no place");
+    assert_eq!(queued(deferring(2)), 0.0);
     b.first_byte();
     assert_eq!(queued(report(ms(900), 0)), 0.3, "a first byte takes its prefill out of the sent ones too");
     assert_eq!(r.queued_prefill(), ms(300), "the queue itself is the router's own count");

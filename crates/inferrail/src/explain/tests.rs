@@ -32,6 +32,7 @@ replicas:
         engine: Engine::Vllm,
         running: 0,
         waiting: 0,
+        deferred: 0,
         kv_usage: 0.5,
         prefix_queries: None,
         prefix_hits: None,
