@@ -622,6 +622,10 @@ impl Core {
                 self.waiting.pop_front();
                 continue;
             }
+            // Its prompt's full blocks are cached as they are scheduled, as
+            // vLLM's `allocate_slots` does: a request scheduled after it,
+            // in this step or the next, finds them.
+            cache_blocks(&mut self.pool, &mut self.events, id, seq, len / bs);
             plan.work.push((uncached, cached));
             plan.tokens += uncached;
             budget = budget.saturating_sub(uncached);

@@ -220,6 +220,28 @@ async fn a_prefill_leg_keeps_its_blocks_until_released_and_a_decode_leg_computes
     assert_eq!(start.elapsed(), Duration::from_millis(7) + crate::cost::secs(latency().decode_secs(1)));
 }
 
+/// Two requests with one prefix admitted in the same step: the second finds
+/// the blocks the first was scheduled to compute, as vLLM caches a prompt's
+/// full blocks when it allocates them (`KVCacheManager::allocate_slots`).
+#[tokio::test(start_paused = true)]
+async fn a_request_scheduled_after_another_in_the_same_step_finds_its_prompt_blocks() {
+    let e = engine(64, 8);
+    let shared: Vec<u32> = (0..16).collect();
+    let with = |tail: u32| shared.iter().copied().chain([100 + tail]).collect::<Vec<_>>();
+    let (a, b) = (e.submit(request(with(0), 2)), e.submit(request(with(1), 2)));
+    let scheduled = |mut sub: Submitted| async move {
+        while let Some(ev) = sub.next().await {
+            if let Event::Scheduled { cached_tokens } = ev {
+                return (cached_tokens, Instant::now());
+            }
+        }
+        (usize::MAX, Instant::now())
+    };
+    let ((a_cached, a_at), (b_cached, b_at)) = tokio::join!(scheduled(a), scheduled(b));
+    assert_eq!(a_at, b_at, "both admitted in one step");
+    assert_eq!((a_cached, b_cached), (0, 16), "the second finds the first's four full blocks");
+}
+
 fn adapter(id: u64) -> Adapter {
     Adapter { id, name: format!("a{id}").into(), path: format!("/w/a{id}"), parent: "m".into() }
 }

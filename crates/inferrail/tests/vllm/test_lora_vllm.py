@@ -88,7 +88,7 @@ def lora_sim(adapters, tmp_path_factory):
     port, events, replay = free_ports(3)
     sim = Helper("inferrail-sim", [TARGET / "inferrail-sim", "--tokenizer", QWEN3, "--served-model-name", SERVED,
                                    "--model", MODEL_DIR, "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
-                                   "--enable-prompt-tokens-details", "--zero-latency", "--port", str(port),
+                                   "--enable-prompt-tokens-details", "--port", str(port),
                                    "--allow-runtime-lora-updating", *FLAGS,
                                    "--lora-modules", f"ada={adapters['ada']}", f"adb={adapters['adb']}",
                                    "--kv-events-config", events_config(events, replay)],
@@ -222,6 +222,44 @@ def test_adapters_are_served_as_vllm_serves_them(lora_vllm, lora_sim, adapters):
     assert len(vllm["replay"]) > 2 and vllm["replay"][-1][-2] == b"\xff" * 8, vllm["replay"]
     for key in vllm:
         assert sim[key] == vllm[key], f"{key}: simulator {sim[key]!r}\nvLLM {vllm[key]!r}"
+
+
+def deferred_together(url, tag):
+    """Adapter `ada` runs a long answer in the one slot; three requests of
+    `adb` with one 1,500-token prefix arrive meanwhile and wait for the slot
+    (deferred), then are admitted together. Returns, per adb request, its
+    cached tokens and whether it ended after ada's answer."""
+    import threading
+    done, got = {}, {}
+
+    def send(name, body):
+        r = http("POST", url + "/v1/completions", dict(body, temperature=0), timeout=300)
+        assert r.status == 200, (name, r.status, r.body[:300])
+        got[name] = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        done[name] = time.monotonic()
+
+    busy = threading.Thread(target=send, args=("ada", {"model": "ada", "prompt": f"Busy {tag} " + "b " * 50, "max_tokens": 200, "ignore_eos": True}))
+    busy.start()
+    time.sleep(0.5)
+    prefix = f"The lantern archive, volume {tag}. " + " ".join(f"w{i}" for i in range(400))
+    waiting = [threading.Thread(target=send, args=(f"b{k}", {"model": "adb", "prompt": prefix + f" question {k}?", "max_tokens": 2}))
+               for k in range(3)]
+    for t in waiting:
+        t.start()
+        time.sleep(0.02)
+    for t in [*waiting, busy]:
+        t.join()
+    return [(got[f"b{k}"], done[f"b{k}"] > done["ada"]) for k in range(3)]
+
+
+def test_requests_admitted_together_find_the_first_ones_prompt_blocks(lora_vllm, lora_sim):
+    # vLLM caches a prompt's full blocks when it schedules them: the second
+    # and third of one step find the first's (allocate_slots, cache_blocks).
+    vllm = deferred_together(lora_vllm.url, "v")
+    sim = deferred_together(lora_sim.url, "v")
+    assert all(after for _, after in vllm), f"adb did not wait for the slot on vLLM: {vllm}"
+    assert vllm[0][0] == 0 and vllm[1][0] > 0 and vllm[2][0] == vllm[1][0], vllm
+    assert sim == vllm, f"simulator {sim}, vLLM {vllm}"
 
 
 @pytest.fixture(scope="module")
