@@ -133,18 +133,20 @@ def test_the_stream_has_the_shape_of_vllms(sim_and_subscriber):
             seen.add(e["type"])
     assert seen == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
 
-    # vLLM's replay protocol: [empty, start seq] in; [empty, seq, payload]... then [empty, -1, ""].
+    # vLLM 0.32's replay protocol: [empty, start seq] in; [empty, topic, seq,
+    # payload]... then [empty, "", -1, ""] (as a real vLLM sends them, test_lora_vllm.py).
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(replay_endpoint)
     dealer.send_multipart([b"", seqs[0].to_bytes(8, "big")])
     replayed = []
     while True:
         assert dealer.poll(10_000), "no replay reply"
-        empty, seq, payload = dealer.recv_multipart()
+        empty, topic, seq, payload = dealer.recv_multipart()
         assert empty == b""
         if int.from_bytes(seq, "big", signed=True) == -1:
-            assert payload == b""
+            assert (topic, payload) == (b"", b"")
             break
+        assert topic == TOPIC
         replayed.append((int.from_bytes(seq, "big"), payload))
     dealer.close(linger=0)
     assert replayed[: len(messages)] == [(seq, payload) for _, seq, payload in messages]
