@@ -109,10 +109,11 @@ pub struct Adapters {
     pub load_ms: f64,
     /// Waiting for a slot when the model's `max_loras` other adapters run
     /// there: until one of them has no request left, milliseconds. A coarse
-    /// stand-in (half of a 256-token answer at 20 ms a token) for the
-    /// forecast of when those requests end. Adapters waiting there already
-    /// (more others in flight than slots) are served first: each adds one
-    /// such wait.
+    /// stand-in for the forecast of when those requests end: a whole
+    /// 256-token answer at 20 ms a token, since a slot frees only when the
+    /// last of an adapter's requests in flight ends. Adapters waiting there
+    /// already (more others in flight than slots) are served first: each
+    /// adds one such wait.
     pub slot_wait_ms: f64,
     /// Taking a replica's last free slot: this share of `slot_wait_ms`,
     /// for the next other adapter sent there, which must then wait.
@@ -121,7 +122,7 @@ pub struct Adapters {
 
 impl Default for Adapters {
     fn default() -> Self {
-        Self { load_ms: 55.0, slot_wait_ms: 2560.0, last_slot_share: 0.5 }
+        Self { load_ms: 55.0, slot_wait_ms: 5120.0, last_slot_share: 0.5 }
     }
 }
 

@@ -371,7 +371,7 @@ fn an_adapters_load_and_its_wait_for_a_slot_are_priced() {
     c[3].queued_prefill_secs = 1.0;
     assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 2, "the last free slot costs more than that");
     for x in &mut c[1..] {
-        x.queued_prefill_secs = 3.0;
+        x.queued_prefill_secs = 6.0;
     }
     assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 0, "the wait for a slot beats a longer queue");
     // Two more adapters in flight than slots there: they wait first, each for a slot.
