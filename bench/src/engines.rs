@@ -75,12 +75,13 @@ pub fn parse(page: &str) -> Counters {
     c
 }
 
-/// Requests an engine holds deferred, summed over its lines.
-pub fn deferred(page: &str) -> f64 {
+/// Requests an engine holds deferred, summed over its lines; `None` when
+/// the page has no such line (an engine that does not say).
+pub fn deferred(page: &str) -> Option<f64> {
     page.lines()
         .filter(|l| l.strip_prefix(WAITING_BY_REASON).is_some_and(|rest| rest.starts_with('{') && rest.contains(r#"reason="deferred""#)))
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
+        .map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0))
+        .fold(None, |sum, v| Some(sum.unwrap_or(0.0) + v))
 }
 
 async fn page(http: &reqwest::Client, url: &str) -> anyhow::Result<String> {
@@ -115,29 +116,28 @@ pub struct Deferred {
 }
 
 /// Samples the engines' deferred requests every [`SAMPLE_EVERY`] until
-/// `stop` is set; a sample that some engine did not answer is skipped.
-pub async fn sample_deferred(http: reqwest::Client, urls: Vec<String>, stop: Arc<AtomicBool>) -> Deferred {
+/// `stop` is set; a sample that some engine did not answer (within ten
+/// sampling intervals) or answered without the family is skipped. `None`
+/// when no sample was taken.
+pub async fn sample_deferred(http: reqwest::Client, urls: Vec<String>, stop: Arc<AtomicBool>) -> Option<Deferred> {
     let mut d = Deferred::default();
     let mut total = 0.0;
     let mut tick = tokio::time::interval(SAMPLE_EVERY);
     while !stop.load(Ordering::Relaxed) {
         tick.tick().await;
-        let mut now = 0.0;
-        let mut answered = true;
+        let mut now = Some(0.0);
         for url in &urls {
-            match page(&http, url).await {
-                Ok(p) => now += deferred(&p),
-                Err(_) => answered = false,
-            }
+            let read = tokio::time::timeout(SAMPLE_EVERY * 10, page(&http, url)).await;
+            let found = read.ok().and_then(Result::ok).and_then(|p| deferred(&p));
+            now = now.zip(found).map(|(sum, v)| sum + v);
         }
-        if answered {
+        if let Some(now) = now {
             d.samples += 1;
             total += now;
             d.max = d.max.max(now);
         }
     }
-    d.mean = if d.samples > 0 { total / d.samples as f64 } else { 0.0 };
-    d
+    (d.samples > 0).then(|| Deferred { mean: total / d.samples as f64, ..d })
 }
 
 /// The counters' growth between two scrapes of the same engines.
@@ -188,7 +188,7 @@ mod tests {
             vllm:num_requests_waiting_by_reason{engine=\"0\",model_name=\"m\",reason=\"deferred\"} 2.0\n\
             vllm:num_requests_waiting_by_reason{engine=\"1\",model_name=\"m\",reason=\"deferred\"} 1.0\n\
             vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 7.0\n";
-        assert_eq!(deferred(page), 3.0);
-        assert_eq!(deferred("vllm:num_requests_waiting 3\n"), 0.0);
+        assert_eq!(deferred(page), Some(3.0));
+        assert_eq!(deferred("vllm:num_requests_waiting 3\n"), None, "an engine that does not say");
     }
 }

@@ -132,7 +132,7 @@ pub async fn measure(
     let sent = harness::send_all(http, url.trim_end_matches('/'), requests, progress).await;
     stop.store(true, Ordering::Relaxed);
     let deferred = match sampler {
-        Some(task) => task.await.ok(),
+        Some(task) => task.await.ok().flatten(),
         None => None,
     };
     let outcomes = sent?;

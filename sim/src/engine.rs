@@ -625,7 +625,7 @@ impl Core {
             // Its prompt's full blocks are cached as they are scheduled, as
             // vLLM's `allocate_slots` does: a request scheduled after it,
             // in this step or the next, finds them.
-            cache_blocks(&mut self.pool, &mut self.events, id, seq, len / bs);
+            cache_blocks(&mut self.pool, &mut self.events, id, seq, seq.tokens.len() / bs);
             plan.work.push((uncached, cached));
             plan.tokens += uncached;
             budget = budget.saturating_sub(uncached);

@@ -577,8 +577,8 @@ impl<'a> World<'a> {
             let running = e.decoding.len() + usize::from(e.prefilling.is_some());
             // Waiting on an adapter slot: every slot runs another adapter.
             let active = active_adapters(&self.jobs, &e.decoding);
-            let full = self.setup.max_loras > 0 && active.len() >= self.setup.max_loras;
-            let slotless = |j: &&usize| self.jobs.get(j).and_then(|job| job.adapter).is_some_and(|a| full && !active.contains(&a));
+            let max = self.setup.max_loras;
+            let slotless = |j: &&usize| max > 0 && !fits_slots(&self.jobs, **j, &active, max);
             let load = EngineReport {
                 running: running as u32,
                 waiting: e.queue.len() as u32,
@@ -672,9 +672,7 @@ impl<'a> World<'a> {
         let engine = &mut self.engines[r];
         let active = active_adapters(&self.jobs, &engine.decoding);
         let max = self.setup.max_loras;
-        let jobs = &self.jobs;
-        let fits = |j: &usize| jobs.get(j).and_then(|job| job.adapter).is_none_or(|a| active.contains(&a) || active.len() < max);
-        let Some(i) = engine.queue.iter().position(fits) else {
+        let Some(i) = engine.queue.iter().position(|&j| fits_slots(&self.jobs, j, &active, max)) else {
             self.defer(r, usize::MAX);
             return false;
         };
@@ -1008,6 +1006,12 @@ const ADAPTER_LOAD_SECS: f64 = (LORA_LOAD_MS + LORA_SLOT_MS) * 1e-3;
 /// The adapters of the requests `decoding`.
 fn active_adapters(jobs: &HashMap<usize, Job>, decoding: &[usize]) -> HashSet<usize> {
     decoding.iter().filter_map(|d| jobs.get(d)?.adapter).collect()
+}
+
+/// Whether request `j` could run in a step beside the `active` adapters,
+/// `max` at most: it has no adapter, or its adapter runs, or a slot is free.
+fn fits_slots(jobs: &HashMap<usize, Job>, j: usize, active: &HashSet<usize>, max: usize) -> bool {
+    jobs.get(&j).and_then(|job| job.adapter).is_none_or(|a| active.contains(&a) || active.len() < max)
 }
 
 /// Puts adapter `a` in `slots` (least recently used first), evicting the

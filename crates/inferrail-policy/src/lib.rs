@@ -81,14 +81,16 @@ pub struct Candidate {
 }
 
 /// Where a request's LoRA adapter stands on a replica, by the requests in
-/// flight there (this router's and its peers').
+/// flight there (this router's and its peers') and the engine's fresh
+/// report of the adapters it runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdapterFit {
-    /// Requests of this adapter are in flight there: it is in a slot.
+    /// It runs there, or still holds a slot its requests left: no load.
     pub resident: bool,
-    /// Other adapters with requests in flight there.
+    /// Other adapters running there (requests in flight, or the engine's report).
     pub others: u32,
-    /// Adapters one engine step runs (the model's `max_loras`), when known.
+    /// Adapters one engine step runs (the model's `max_loras`, else the
+    /// engine's `max_lora`), when known.
     pub max_loras: Option<u32>,
 }
 

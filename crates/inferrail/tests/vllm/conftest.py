@@ -95,7 +95,8 @@ class Server:
                 raise AssertionError(f"vLLM exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
             try:
                 if self.get("/health", timeout=5).status == 200:
-                    STATS["startup_s"] = time.monotonic() - started
+                    if self is _server:  # the session's server: others start beside it
+                        STATS["startup_s"] = time.monotonic() - started
                     return self
             except OSError:
                 pass
@@ -107,7 +108,7 @@ class Server:
         if self.proc is None:
             return
         pgid = self.proc.pid
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and self is _server:
             STATS["rss_kib"], STATS["peak_rss_kib"] = group_rss_kib(pgid)
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
             try:
