@@ -449,10 +449,11 @@ impl Replica {
     /// engine evicts the least recently used first); none with `max_loras`
     /// unknown. Waiting: as the engine's fresh report names them.
     pub fn adapters(&self, max_loras: Option<u32>, now: Duration) -> Adapters {
-        let engine = self.engine_adapters.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        // Locked in this order only here; each is otherwise locked alone.
+        let engine = self.engine_adapters.lock().unwrap_or_else(|p| p.into_inner());
         let max_loras = max_loras.or(engine.as_ref().map(|e| e.max_loras).filter(|&m| m > 0));
-        let fresh = engine.filter(|e| now.saturating_sub(e.at) <= FRESH);
-        let ours = self.adapters.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let fresh = engine.as_ref().filter(|e| now.saturating_sub(e.at) <= FRESH);
+        let ours = self.adapters.lock().unwrap_or_else(|p| p.into_inner());
         let mut running: Vec<Arc<str>> = ours.iter().filter(|(_, n)| *n > 0).map(|(a, _)| a.clone()).collect();
         for a in fresh.iter().flat_map(|e| &e.running) {
             if !running.contains(a) {
@@ -461,7 +462,7 @@ impl Replica {
         }
         let idle_slots = max_loras.map_or(0, |m| (m as usize).saturating_sub(running.len()));
         let idle = ours.iter().rev().filter(|(a, n)| *n == 0 && !running.contains(a)).take(idle_slots).map(|(a, _)| a.clone()).collect();
-        Adapters { running, idle, waiting: fresh.map(|e| e.waiting).unwrap_or_default(), max_loras }
+        Adapters { running, idle, waiting: fresh.map(|e| e.waiting.clone()).unwrap_or_default(), max_loras }
     }
 
     /// Keeps what the engine reported of its adapters at `at` (router clock).

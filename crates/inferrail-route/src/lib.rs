@@ -326,7 +326,7 @@ impl Core {
         let reports: Vec<Option<(Report, Duration)>> =
             replicas.iter().map(|r| reports(r).map(|rep| (rep, now.saturating_sub(rep.at)))).collect();
         let adapter = view.prediction.as_ref().and_then(|p| p.adapter.as_deref());
-        let max_loras = self.model(view.model).max_loras;
+        let max_loras = model.max_loras;
         let candidates: Vec<Candidate> = replicas
             .iter()
             .zip(cached)
