@@ -22,6 +22,8 @@ import pytest
 import zmq
 
 from conftest import MODEL_DIR, QWEN3, SERVED, TARGET, Front, Helper, Server, free_ports, http
+from harness import wait_until
+from test_kv_events_vllm import settled
 
 BLOCK_SIZE = 32
 RANK = 8
@@ -94,34 +96,12 @@ def lora_sim(adapters, tmp_path_factory):
                                    "--kv-events-config", events_config(events, replay)],
                  tmp_path_factory.mktemp("sim-lora") / "sim.log")
     sim.url = f"http://127.0.0.1:{port}"
-    sim.events, sim.replay = events, replay
+    sim.replay = replay
     try:
         sim.wait_until(lambda: http("GET", sim.url + "/health", timeout=5).status == 200, "/health")
         yield sim
     finally:
         sim.stop()
-
-
-class Events:
-    """A subscriber to one engine's KV events (the engine binds `*`)."""
-
-    def __init__(self, port):
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
-
-    def drain(self, quiet_s=1.5):
-        """Every event received until none came for `quiet_s`."""
-        got = []
-        while self.sock.poll(int(quiet_s * 1000)):
-            _topic, _seq, payload = self.sock.recv_multipart()
-            got.extend(msgpack.unpackb(payload)[1])
-        return got
-
-    def close(self):
-        self.sock.close(linger=0)
-        self.ctx.term()
 
 
 def lora_info(metrics):
@@ -149,70 +129,79 @@ def normalized(events, names):
     return out
 
 
-def replay_frames(port, start):
-    """What the replay service sends from sequence `start` on, after the
-    empty delimiter: each message's frames, the payload as its length."""
+def replay(port, start):
+    """Every message the engine's replay service sends from sequence
+    `start` on, up to and with its end marker, as frames after the empty
+    delimiter. The engine buffers every batch it published, so this reads
+    them all, in order, with no subscription racing the first ones."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     try:
         sock.connect(f"tcp://127.0.0.1:{port}")
         sock.send_multipart([b"", start.to_bytes(8, "big")])
         got = []
-        while sock.poll(10_000):
+        while True:
+            assert sock.poll(10_000), f"no replay from {start} within 10 s: {got}"
             frames = sock.recv_multipart()
-            got.append([f if i < len(frames) - 1 else len(f) for i, f in enumerate(frames)])
+            got.append(frames)
             if len(frames) > 2 and frames[-2] == b"\xff" * 8:
-                break
-        return got
+                return got
     finally:
         sock.close(linger=0)
         ctx.term()
 
 
-def script(url, events_port, replay_port, adapter_path):
-    """What the engine at `url` answers to one fixed sequence of requests."""
+def events_of(messages):
+    """The events of replayed messages `[topic, seq, payload]`, and the
+    sequence number after the last."""
+    batches = [m for m in messages if m[-2] != b"\xff" * 8]
+    events = [e for m in batches for e in msgpack.unpackb(m[-1])[1]]
+    return events, int.from_bytes(batches[-1][-2], "big") + 1 if batches else None
+
+
+def script(url, replay_port, adapter_path):
+    """What the engine at `url` answers to one fixed sequence of requests;
+    its KV events are read back from its replay service."""
     seen = {}
-    sub = Events(events_port)
-    time.sleep(1.0)  # the subscription settles before the first event
-    try:
-        def post(path, body):
-            r = http("POST", url + path, body, timeout=120)
-            return r.status, r.body.decode(errors="replace")
 
-        def complete(model, prompt, max_tokens=2):
-            r = http("POST", url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, timeout=120)
-            assert r.status == 200, (model, r.status, r.body[:300])
-            body = r.json()
-            return body["model"], body["usage"]["prompt_tokens"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    def post(path, body):
+        r = http("POST", url + path, body, timeout=120)
+        return r.status, r.body.decode(errors="replace")
 
-        cards = http("GET", url + "/v1/models").json()["data"]
-        seen["models"] = [{k: m[k] for k in ("id", "object", "owned_by", "root", "parent", "max_model_len")} for m in cards]
-        system = "You are the archivist of the lantern garden. " + " ".join(f"entry{i}" for i in range(150))
-        names, answers = {}, []
-        for model in ("ada", "ada", "adb", SERVED, "adb"):
-            answers.append(complete(model, system + f" Question for {model}?"))
-        seen["events"] = normalized(sub.drain(), names)
-        seen["load"] = post("/v1/load_lora_adapter", {"lora_name": "adc", "lora_path": str(adapter_path)})
-        seen["load_again"] = post("/v1/load_lora_adapter", {"lora_name": "adc", "lora_path": str(adapter_path)})
-        seen["models_loaded"] = [m["id"] for m in http("GET", url + "/v1/models").json()["data"]]
-        answers.append(complete("adc", system + " Question for adc?"))
-        answers.append(complete("adc", system + " Another question for adc?"))
-        seen["events_adc"] = normalized(sub.drain(), names)
-        seen["unload"] = post("/v1/unload_lora_adapter", {"lora_name": "adc"})
-        seen["unload_again"] = post("/v1/unload_lora_adapter", {"lora_name": "adc"})
-        seen["answers"] = answers
-        seen["replay"] = replay_frames(replay_port, 1)
-        info = lora_info(http("GET", url + "/metrics").body.decode())
-        seen["lora_info_series"] = sorted(info)
-        seen["lora_info_newest"] = max(info, key=info.get) if info else None
-        return seen
-    finally:
-        sub.close()
+    def complete(model, prompt, max_tokens=2):
+        r = http("POST", url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, timeout=120)
+        assert r.status == 200, (model, r.status, r.body[:300])
+        body = r.json()
+        return body["model"], body["usage"]["prompt_tokens"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cards = http("GET", url + "/v1/models").json()["data"]
+    seen["models"] = [{k: m[k] for k in ("id", "object", "owned_by", "root", "parent", "max_model_len")} for m in cards]
+    system = "You are the archivist of the lantern garden. " + " ".join(f"entry{i}" for i in range(150))
+    names, answers = {}, []
+    for model in ("ada", "ada", "adb", SERVED, "adb"):
+        answers.append(complete(model, system + f" Question for {model}?"))
+    events, after = events_of(replay(replay_port, 0))
+    seen["events"] = normalized(events, names)
+    seen["load"] = post("/v1/load_lora_adapter", {"lora_name": "adc", "lora_path": str(adapter_path)})
+    seen["load_again"] = post("/v1/load_lora_adapter", {"lora_name": "adc", "lora_path": str(adapter_path)})
+    seen["models_loaded"] = [m["id"] for m in http("GET", url + "/v1/models").json()["data"]]
+    answers.append(complete("adc", system + " Question for adc?"))
+    answers.append(complete("adc", system + " Another question for adc?"))
+    seen["events_adc"] = normalized(events_of(replay(replay_port, after))[0], names)
+    seen["unload"] = post("/v1/unload_lora_adapter", {"lora_name": "adc"})
+    seen["unload_again"] = post("/v1/unload_lora_adapter", {"lora_name": "adc"})
+    seen["answers"] = answers
+    # The frames as sent, each payload by its length.
+    seen["replay"] = [[*m[:-1], len(m[-1])] for m in replay(replay_port, 1)]
+    info = lora_info(http("GET", url + "/metrics").body.decode())
+    seen["lora_info_series"] = sorted(info)
+    seen["lora_info_newest"] = max(info, key=info.get) if info else None
+    return seen
 
 
 def test_adapters_are_served_as_vllm_serves_them(lora_vllm, lora_sim, adapters):
-    vllm = script(lora_vllm.url, lora_vllm.events, lora_vllm.replay, adapters["adc"])
-    sim = script(lora_sim.url, lora_sim.events, lora_sim.replay, adapters["adc"])
+    vllm = script(lora_vllm.url, lora_vllm.replay, adapters["adc"])
+    sim = script(lora_sim.url, lora_sim.replay, adapters["adc"])
     # The run shows something: adapters cached apart, events carrying them, the newest info idle.
     models, prompts, cached = zip(*vllm["answers"])
     assert models == ("ada", "ada", "adb", SERVED, "adb", "adc", "adc"), models
@@ -227,8 +216,9 @@ def test_adapters_are_served_as_vllm_serves_them(lora_vllm, lora_sim, adapters):
 def deferred_together(url, tag):
     """Adapter `ada` runs a long answer in the one slot; three requests of
     `adb` with one 1,500-token prefix arrive meanwhile and wait for the slot
-    (deferred), then are admitted together. Returns, per adb request, its
-    cached tokens and whether it ended after ada's answer."""
+    (deferred), then are admitted together. Returns the adb requests'
+    cached tokens, in increasing order (the one admitted first finds none),
+    and whether each ended after ada's answer."""
     import threading
     done, got = {}, {}
 
@@ -240,16 +230,17 @@ def deferred_together(url, tag):
 
     busy = threading.Thread(target=send, args=("ada", {"model": "ada", "prompt": f"Busy {tag} " + "b " * 50, "max_tokens": 200, "ignore_eos": True}))
     busy.start()
-    time.sleep(0.5)
+    # adb's requests go once ada runs: the engine's newest adapter info says so.
+    wait_until(lambda: (lambda i: bool(i) and max(i, key=i.get)[1] == "ada")(lora_info(http("GET", url + "/metrics").body.decode())),
+               "the engine to run adapter ada", timeout=60)
     prefix = f"The lantern archive, volume {tag}. " + " ".join(f"w{i}" for i in range(400))
     waiting = [threading.Thread(target=send, args=(f"b{k}", {"model": "adb", "prompt": prefix + f" question {k}?", "max_tokens": 2}))
                for k in range(3)]
     for t in waiting:
         t.start()
-        time.sleep(0.02)
     for t in [*waiting, busy]:
         t.join()
-    return [(got[f"b{k}"], done[f"b{k}"] > done["ada"]) for k in range(3)]
+    return sorted((got[f"b{k}"], done[f"b{k}"] > done["ada"]) for k in range(3))
 
 
 def test_requests_admitted_together_find_the_first_ones_prompt_blocks(lora_vllm, lora_sim):
@@ -283,7 +274,7 @@ def test_inferrail_predicts_vllms_cached_tokens_for_adapter_requests(lora_front)
     wrong, checked, hits = [], 0, 0
     for turn in range(3):
         for model in ("ada", "adb", SERVED):
-            time.sleep(1.0)  # every event of the last request is applied before the next decision
+            settled(front)  # every event of the last request is applied before the next decision
             body = {"model": model, "prompt": system + f" Turn {turn}, for {model}.", "max_tokens": 2, "temperature": 0}
             r = front.post("/v1/completions", body)
             assert r.status == 200, r.body[:500]
