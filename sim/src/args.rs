@@ -11,6 +11,7 @@ use crate::cost::{self, LatencyModel};
 use crate::events::KvEventsConfig;
 use crate::fault::Fault;
 use crate::lora::{self, Module};
+use crate::offload::OffloadConfig;
 
 /// A CPU mock of a vLLM 0.32.0 OpenAI-compatible server.
 #[derive(Debug, Clone, Parser)]
@@ -80,6 +81,23 @@ pub struct Args {
     /// `recompute`) and `kv_connector_extra_config.kv_lease_duration` (seconds).
     #[arg(long)]
     pub kv_transfer_config: Option<String>,
+    /// Offload KV blocks to a host tier of this many GiB, as vLLM's native
+    /// `OffloadingConnector` does (also through `--kv-transfer-config` with
+    /// `"kv_connector":"OffloadingConnector"` and `cpu_bytes_to_use`).
+    #[arg(long)]
+    pub kv_offloading_size: Option<f64>,
+    /// The offloading backend; only `native` is simulated.
+    #[arg(long, default_value = "native")]
+    pub kv_offloading_backend: String,
+    /// Bytes of KV one token takes, over all layers (the default is an 8B
+    /// model's in 16 bits: 32 layers, 8 KV heads of 128, keys and values).
+    /// Sizes the host tier in blocks.
+    #[arg(long, default_value_t = 131_072)]
+    pub kv_cache_bytes_per_token: usize,
+    /// Speed of copies between the GPU and the host tier, GB/s (an
+    /// assumption: about what PCIe 4.0 x16 sustains).
+    #[arg(long, default_value_t = 25.0)]
+    pub kv_offload_bandwidth_gbs: f64,
     /// Serve LoRA adapters (`--lora-modules`, and at run time with
     /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`).
     #[arg(long)]
@@ -211,6 +229,20 @@ impl Args {
             return Ok(None);
         }
         Ok(Some(config.publisher(skip)))
+    }
+
+    /// The host tier the flags ask for, if any.
+    pub fn offload(&self) -> anyhow::Result<Option<OffloadConfig>> {
+        let bytes = self.block_size * self.kv_cache_bytes_per_token;
+        let config = OffloadConfig::from_flags(
+            self.kv_offloading_size,
+            &self.kv_offloading_backend,
+            self.kv_transfer_config.as_deref(),
+            self.block_size,
+            bytes,
+            self.kv_offload_bandwidth_gbs,
+        )?;
+        Ok(config.map(|c| if self.zero_latency { OffloadConfig { block_secs: 0.0, ..c } } else { c }))
     }
 
     /// The engine's adapter weights the flags ask for, if adapters are on.

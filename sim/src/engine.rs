@@ -22,6 +22,11 @@
 //! batch while its handler reads the blocks it lacks (`Event::Read`), and
 //! joins the running sequences when told they arrived (`Submitted::loaded`),
 //! its full prompt blocks cached then.
+//!
+//! With a host tier (`crate::offload`) every step offers the prompt blocks
+//! of the sequences it scheduled for storing, and a new sequence whose
+//! prompt continues past its GPU hit in that tier waits outside the batch
+//! while those blocks load (`Load`), then is scheduled with them cached.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,6 +47,7 @@ use crate::events::{StepEvents, Stored, process_key};
 use crate::lora::{Adapter, Weights};
 use crate::metrics::{EngineInfo, FinishReason, LoraInfo, Stats};
 use crate::nixl::FailurePolicy;
+use crate::offload::{CpuTier, Found, OffloadConfig};
 
 /// How the engine is sized and timed.
 #[derive(Debug, Clone)]
@@ -70,6 +76,8 @@ pub struct EngineConfig {
     pub failure: FailurePolicy,
     /// Adapter weights and slots, when adapters are on (`crate::lora`).
     pub lora: Option<Weights>,
+    /// The host tier, when offloading is on.
+    pub offload: Option<OffloadConfig>,
 }
 
 /// A request's part in a disaggregated pair, if any.
@@ -207,6 +215,7 @@ impl Engine {
         let mut cfg = cfg;
         let mut stats = Stats::new(cfg.info.max_model_len);
         stats.lora = cfg.lora.as_ref().map(|w| LoraInfo::new(w.max_loras as u64));
+        stats.offload = cfg.offload.as_ref().map(|_| Default::default());
         let stats = Arc::new(Mutex::new(stats));
         let weights = cfg.lora.take();
         let info = Arc::new(cfg.info.clone());
@@ -218,6 +227,8 @@ impl Engine {
         });
         let core = Core {
             pool,
+            cpu: cfg.offload.clone().map(|c| CpuTier::new(c, Instant::now())),
+            step: 0,
             events,
             kept: HashMap::new(),
             me: tx.downgrade(),
@@ -308,6 +319,12 @@ struct Seq {
     registered: usize,
     rng: StdRng,
     events: mpsc::UnboundedSender<Event>,
+    /// A load from the host tier under way.
+    load: Option<Load>,
+    /// Prompt blocks offered to the host tier so far.
+    offered: usize,
+    /// The first block it stored, loaded or found in the host tier.
+    host_from: usize,
     arrival: Instant,
     scheduled: Option<Instant>,
     first_token: Option<Instant>,
@@ -318,6 +335,30 @@ struct Seq {
 impl Seq {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// The blocks it stored, loaded or found in the host tier.
+    fn host_keys(&self) -> &[BlockHash] {
+        &self.hashes[self.host_from.min(self.offered)..self.offered]
+    }
+}
+
+/// Prompt blocks being loaded from the host tier into a sequence's blocks.
+#[derive(Debug, Clone, Copy)]
+struct Load {
+    /// Its first block (the GPU hit's length).
+    from: usize,
+    /// Blocks loaded.
+    blocks: usize,
+    /// When the copy ends.
+    done: Instant,
+    /// A step saw it end: the sequence may be scheduled.
+    ready: bool,
+}
+
+impl Load {
+    fn range(&self) -> std::ops::Range<usize> {
+        self.from..self.from + self.blocks
     }
 }
 
@@ -344,6 +385,10 @@ struct Core {
     /// To end leases; weak, so the engine still stops when its handles go.
     me: mpsc::WeakUnboundedSender<Command>,
     pool: BlockPool,
+    /// The host tier, when offloading is on.
+    cpu: Option<CpuTier>,
+    /// Steps scheduled so far (copies offered in one are seen done in a later one).
+    step: u64,
     events: Option<StepEvents>,
     seqs: HashMap<u64, Seq>,
     waiting: VecDeque<u64>,
@@ -360,20 +405,36 @@ impl Core {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
         let mut clock = Instant::now();
         loop {
-            if self.seqs.is_empty() {
-                let Some(cmd) = rx.recv().await else { return };
-                clock = clock.max(Instant::now());
-                self.apply(cmd);
-                continue;
-            }
-            while let Ok(cmd) = rx.try_recv() {
-                self.apply(cmd);
-            }
-            let plan = self.schedule(clock);
+            let plan = if self.seqs.is_empty() {
+                Plan::default()
+            } else {
+                while let Ok(cmd) = rx.try_recv() {
+                    self.apply(cmd);
+                }
+                self.schedule(clock)
+            };
             if plan.prefill.is_empty() && plan.decode.is_empty() {
-                // Every sequence waits: for blocks that nothing will free
-                // (until an abort or a new request), or for its KV to be read.
-                let Some(cmd) = rx.recv().await else { return };
+                // Nothing to compute. Every sequence waits: for blocks that
+                // nothing will free (until an abort or a new request), for
+                // its KV to be read, or for a copy from the host tier; the
+                // engine steps on, empty, while a copy is under way.
+                let cmd = match self.copy_due() {
+                    None => rx.recv().await,
+                    Some(due) => tokio::select! {
+                        biased;
+                        cmd = rx.recv() => cmd,
+                        () = tokio::time::sleep_until(due) => {
+                            clock = clock.max(due);
+                            self.step += 1;
+                            self.copies_done(clock);
+                            if let Some(events) = &mut self.events {
+                                events.publish();
+                            }
+                            continue;
+                        }
+                    },
+                };
+                let Some(cmd) = cmd else { return };
                 clock = clock.max(Instant::now());
                 self.apply(cmd);
                 continue;
@@ -422,6 +483,9 @@ impl Core {
                         registered: 0,
                         rng: StdRng::seed_from_u64(seed),
                         events,
+                        load: None,
+                        offered: 0,
+                        host_from: 0,
                         arrival,
                         scheduled: None,
                         first_token: None,
@@ -437,6 +501,12 @@ impl Core {
                     self.running.retain(|&r| r != id);
                     self.deferred.remove(&id);
                     self.pool.release(seq.blocks.iter().rev().copied());
+                    if let Some(cpu) = &mut self.cpu {
+                        if let Some(load) = seq.load {
+                            cpu.loaded(&seq.hashes[load.range()]);
+                        }
+                        cpu.finished(seq.host_keys());
+                    }
                     let mut st = lock(&self.stats);
                     st.count_finish(FinishReason::Abort);
                     ended_output(&mut st, &seq);
@@ -513,6 +583,7 @@ impl Core {
     }
 
     fn schedule(&mut self, start: Instant) -> Plan {
+        self.step += 1;
         let bs = self.cfg.block_size;
         let mut plan = Plan::default();
         let stats = self.stats.clone();
@@ -572,6 +643,31 @@ impl Core {
                 continue;
             }
             let len = seq.tokens.len().max(1);
+            if let Some(load) = seq.load {
+                if !load.ready {
+                    passed.push(id);
+                    self.waiting.pop_front();
+                    continue;
+                }
+                // Its loaded blocks join the prefix cache; it computes the
+                // rest, at least the last token, with no new lookup.
+                let cached = (load.range().end * bs).min(len - 1);
+                if len - cached > budget && !plan.prefill.is_empty() {
+                    break;
+                }
+                seq.load = None;
+                if let Some(cpu) = &mut self.cpu {
+                    cpu.loaded(&seq.hashes[load.range()]);
+                }
+                if let Some(events) = &mut self.events {
+                    events.scheduled(id);
+                }
+                cache_blocks(&mut self.pool, &mut self.events, id, seq, load.range().end);
+                self.waiting.pop_front();
+                budget = budget.saturating_sub(len - cached);
+                self.start_prefill(id, (len - cached, cached), &mut loras, &mut lora_secs, &mut plan);
+                continue;
+            }
             extend_block_hashes(&mut seq.hashes, seq.salt, &seq.tokens, bs);
             // The last token is always computed, so a fully cached prompt
             // still recomputes its last block.
@@ -579,8 +675,23 @@ impl Core {
             let hit = self.pool.lookup(&seq.hashes[..limit]);
             let cached = hit.len() * bs;
             let read = seq.transfer == Transfer::Read;
-            // A decode leg reads what it lacks rather than computing it.
-            let uncached = if read { 0 } else { len - cached };
+            // Past the GPU hit, the host tier may hold more, up to the last
+            // full block: loaded before the sequence computes anything.
+            let host = match &self.cpu {
+                Some(cpu) if !read => cpu.lookup(&seq.hashes[hit.len()..]),
+                _ => Found::Hit(0),
+            };
+            let host = match host {
+                Found::Busy => {
+                    passed.push(id);
+                    self.waiting.pop_front();
+                    continue;
+                }
+                Found::Hit(n) => n,
+            };
+            // A decode leg reads what it lacks rather than computing it, and a
+            // load from the host tier computes nothing in this step.
+            let uncached = if read || host > 0 { 0 } else { len - cached };
             if uncached > budget && !plan.prefill.is_empty() {
                 break;
             }
@@ -598,22 +709,23 @@ impl Core {
             seq.registered = seq.blocks.len();
             seq.blocks.extend(fresh);
             self.deferred.remove(&id);
-            if let (Some(a), Some(w)) = (&seq.lora, &mut self.weights) {
-                loras.insert(a.id);
-                lora_secs += w.activate(a.id);
-            }
+            // Tokens the engine reports cached: a decode leg counts what it
+            // reads, as vLLM does, and a load what it loads.
+            let found = if read { len } else { cached + host * bs };
             if seq.scheduled.is_none() {
                 seq.scheduled = Some(start);
                 st.prompt_tokens += len as u64;
                 st.prefix_queries += len as u64;
                 st.prefix_hits += cached as u64;
                 st.queue.observe(start.saturating_duration_since(seq.arrival).as_secs_f64());
-                st.prefill_computed_tokens.observe(uncached as f64);
-                if read {
-                    st.external_hits += (len - cached) as u64;
+                st.prefill_computed_tokens.observe(if read { 0.0 } else { (len - found.min(len - 1)) as f64 });
+                if read || self.cpu.is_some() {
+                    st.external_queries += (len - cached) as u64;
+                    st.external_hits += (found - cached) as u64;
                 }
-                // A decode leg counts what it reads as cached, as vLLM does.
-                let found = if read { len } else { cached };
+                if host > 0 {
+                    st.host_hits += (host * bs) as u64;
+                }
                 // A receiver that went away is aborted by its drop.
                 let _ = seq.events.send(Event::Scheduled { cached_tokens: found });
             }
@@ -622,16 +734,22 @@ impl Core {
                 self.waiting.pop_front();
                 continue;
             }
-            // Its prompt's full blocks are cached as they are scheduled, as
-            // vLLM's `allocate_slots` does: a request scheduled after it,
-            // in this step or the next, finds them.
-            cache_blocks(&mut self.pool, &mut self.events, id, seq, seq.tokens.len() / bs);
-            plan.work.push((uncached, cached));
-            plan.tokens += uncached;
-            budget = budget.saturating_sub(uncached);
+            if let Some(cpu) = &mut self.cpu {
+                let from = seq.registered;
+                if host > 0 {
+                    // It offers only what follows its hit, and waits for the load.
+                    let done = cpu.load(&seq.hashes[from..from + host], start);
+                    seq.load = Some(Load { from, blocks: host, done, ready: false });
+                    (seq.host_from, seq.offered) = (from, from + host);
+                    passed.push(id);
+                    self.waiting.pop_front();
+                    continue;
+                }
+                (seq.host_from, seq.offered) = (0, 0);
+            }
             self.waiting.pop_front();
-            self.running.push(id);
-            plan.prefill.push(id);
+            budget = budget.saturating_sub(uncached);
+            self.start_prefill(id, (uncached, cached), &mut loras, &mut lora_secs, &mut plan);
         }
         for id in passed.into_iter().rev() {
             self.waiting.push_front(id);
@@ -640,8 +758,99 @@ impl Core {
         plan.secs = self.cfg.latency.step_secs(&plan.work, plan.decode.len()) + lora_secs;
         plan.tokens += plan.decode.len();
         drop(st);
+        self.offer(&plan, start + secs(plan.secs));
         self.publish_gauges();
         plan
+    }
+
+    /// Admits a waiting sequence (taken off the queue) into the step:
+    /// its adapter, then its prompt's full blocks cached as they are
+    /// scheduled, as vLLM's `allocate_slots` does (a request scheduled
+    /// after it, in this step or the next, finds them).
+    fn start_prefill(&mut self, id: u64, work: (usize, usize), loras: &mut HashSet<u64>, lora_secs: &mut f64, plan: &mut Plan) {
+        let Some(seq) = self.seqs.get_mut(&id) else { return };
+        if let (Some(a), Some(w)) = (&seq.lora, &mut self.weights) {
+            loras.insert(a.id);
+            *lora_secs += w.activate(a.id);
+        }
+        cache_blocks(&mut self.pool, &mut self.events, id, seq, seq.tokens.len() / self.cfg.block_size);
+        plan.work.push(work);
+        plan.tokens += work.0;
+        self.running.push(id);
+        plan.prefill.push(id);
+    }
+
+    /// Every sequence the step runs offers the host tier the full prompt
+    /// blocks it has not offered yet, to be copied from `start` (the step's
+    /// end); a failed offer is made again next step.
+    fn offer(&mut self, plan: &Plan, start: Instant) {
+        let Some(cpu) = &mut self.cpu else { return };
+        let bs = self.cfg.block_size;
+        let self_describing = cpu.config.self_describing;
+        for &id in plan.prefill.iter().chain(&plan.decode) {
+            let Some(seq) = self.seqs.get_mut(&id) else { continue };
+            let full = (seq.prompt_len / bs).min(seq.hashes.len());
+            if seq.offered >= full {
+                continue;
+            }
+            let (from, events) = (seq.offered, &self.events);
+            let offered = cpu.offer(&seq.hashes[from..full], self.step, start, |fresh| match events {
+                Some(events) => {
+                    let blocks: Vec<usize> = fresh.iter().map(|i| from + i).collect();
+                    events.offloaded(&stored(seq, &blocks), self_describing)
+                }
+                None => Vec::new(),
+            });
+            match offered {
+                Some(evicted) => {
+                    seq.offered = full;
+                    if let Some(events) = &mut self.events
+                        && !evicted.is_empty()
+                    {
+                        events.offload_evicted(evicted);
+                    }
+                }
+                None => {
+                    if let Some(o) = &mut lock(&self.stats).offload {
+                        o.allocation_failures += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// When the next copy to or from the host tier ends, if one is under way.
+    fn copy_due(&self) -> Option<Instant> {
+        let store = self.cpu.as_ref().and_then(CpuTier::next_store);
+        let loads = self.waiting.iter().filter_map(|id| self.seqs.get(id)?.load.filter(|l| !l.ready).map(|l| l.done));
+        store.into_iter().chain(loads).min()
+    }
+
+    /// The copies a step ending at `end` sees done: stored blocks become
+    /// loadable (and are announced), loaded sequences may be scheduled.
+    fn copies_done(&mut self, end: Instant) {
+        let Some(cpu) = &mut self.cpu else { return };
+        let done = cpu.finish(self.step, end);
+        let (block_secs, block_bytes) = (cpu.config.block_secs, cpu.config.block_bytes as u64);
+        let mut st = lock(&self.stats);
+        let Some(o) = &mut st.offload else { return };
+        o.store_bytes += done.stored.0 as u64 * block_bytes;
+        o.store_secs += done.stored.1;
+        for id in &self.waiting {
+            if let Some(load) = self.seqs.get_mut(id).and_then(|s| s.load.as_mut())
+                && !load.ready
+                && load.done <= end
+            {
+                load.ready = true;
+                o.load_bytes += load.blocks as u64 * block_bytes;
+                o.load_secs += load.blocks as f64 * block_secs;
+            }
+        }
+        if let Some(events) = &mut self.events
+            && !done.events.is_empty()
+        {
+            events.offload_stored(done.events);
+        }
     }
 
     fn preempt(&mut self, id: u64, st: &mut Stats) {
@@ -657,6 +866,7 @@ impl Core {
     fn complete(&mut self, plan: Plan, end: Instant) {
         let bs = self.cfg.block_size;
         let stats = self.stats.clone();
+        self.copies_done(end);
         let mut st = lock(&stats);
         st.iteration_tokens.observe(plan.tokens as f64);
         let mut finished = Vec::new();
@@ -713,6 +923,9 @@ impl Core {
     fn finish(&mut self, id: u64, end: Instant, st: &mut Stats) {
         let Some(seq) = self.seqs.remove(&id) else { return };
         self.running.retain(|&r| r != id);
+        if let Some(cpu) = &mut self.cpu {
+            cpu.finished(seq.host_keys());
+        }
         if let Transfer::Keep(key) = &seq.transfer {
             self.keep(key.clone(), seq.blocks.clone());
         } else {
@@ -779,16 +992,14 @@ fn cache_blocks(pool: &mut BlockPool, events: &mut Option<StepEvents>, id: u64, 
     if let Some(events) = events
         && !cached.is_empty()
     {
-        let stored = Stored {
-            hashes: &seq.hashes,
-            tokens: &seq.tokens,
-            blocks: &cached,
-            cache_salt: seq.cache_salt.as_deref(),
-            lora: seq.lora.as_ref(),
-        };
-        events.stored(id, &stored);
+        events.stored(id, &stored(seq, &cached));
     }
     seq.registered = full.max(seq.registered);
+}
+
+/// `blocks` of `seq`, as the events describe them.
+fn stored<'a>(seq: &'a Seq, blocks: &'a [usize]) -> Stored<'a> {
+    Stored { hashes: &seq.hashes, tokens: &seq.tokens, blocks, cache_salt: seq.cache_salt.as_deref(), lora: seq.lora.as_ref() }
 }
 
 #[cfg(test)]

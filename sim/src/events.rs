@@ -5,7 +5,9 @@
 //! to [`StepEvents`], which makes one batch per engine step, in vLLM's order:
 //! for each sequence in the order the step scheduled it, one `BlockRemoved`
 //! per block its allocation evicted, then one `BlockStored` for the blocks it
-//! filled. A `POST /reset_prefix_cache` queues `AllBlocksCleared`, which goes
+//! filled; then the host tier's events (`crate::offload`): one `BlockRemoved`
+//! per batch of blocks it evicted, one `BlockStored` per block whose store
+//! a step saw done. A `POST /reset_prefix_cache` queues `AllBlocksCleared`, which goes
 //! out first in the next step's batch, as vLLM's does: an idle engine sends
 //! it with its next request. Steps that change nothing send nothing.
 //!
@@ -121,6 +123,8 @@ pub struct StepEvents {
     /// This step's events per sequence, in scheduling order.
     seqs: Vec<Vec<KvEvent>>,
     index: HashMap<u64, usize>,
+    /// This step's host tier events, sent after the sequences'.
+    host: Vec<KvEvent>,
 }
 
 /// The blocks of one sequence that a step cached.
@@ -147,7 +151,7 @@ fn extra_keys(lora: Option<&Adapter>, salt: Option<&str>) -> Option<Vec<ExtraKey
 impl StepEvents {
     /// Events for `publisher`, naming blocks with `key`.
     pub fn new(publisher: Arc<Publisher>, key: u64, block_size: usize) -> Self {
-        Self { publisher, key, block_size, pending: Vec::new(), seqs: Vec::new(), index: HashMap::new() }
+        Self { publisher, key, block_size, pending: Vec::new(), seqs: Vec::new(), index: HashMap::new(), host: Vec::new() }
     }
 
     /// The publisher, for its counters.
@@ -202,6 +206,48 @@ impl StepEvents {
         }
     }
 
+    /// The events announcing `stored`'s blocks in the host tier, one per
+    /// block: self-describing (tokens, parent, adapter, as the GPU's), or
+    /// vLLM's placeholder, which names the block's hash and nothing else.
+    pub fn offloaded(&self, s: &Stored<'_>, self_describing: bool) -> Vec<KvEvent> {
+        s.blocks
+            .iter()
+            .map(|&k| {
+                let event = if self_describing {
+                    let mut e = self.block_stored(s, k..k + 1);
+                    e.extra_keys = None;
+                    e
+                } else {
+                    BlockStored {
+                        block_hashes: vec![engine_hash(self.key, s.hashes[k])],
+                        parent_block_hash: None,
+                        token_ids: Vec::new(),
+                        block_size: 0,
+                        lora_id: None,
+                        medium: None,
+                        lora_name: None,
+                        extra_keys: None,
+                        group_idx: Some(0),
+                        kv_cache_spec_kind: None,
+                        lookahead_token_ids: None,
+                    }
+                };
+                KvEvent::BlockStored(BlockStored { medium: Some("CPU".into()), ..event })
+            })
+            .collect()
+    }
+
+    /// The host tier evicted these blocks to make room for a store.
+    pub fn offload_evicted(&mut self, hashes: Vec<BlockHash>) {
+        let block_hashes = hashes.into_iter().map(|h| engine_hash(self.key, h)).collect();
+        self.host.push(KvEvent::BlockRemoved(BlockRemoved { block_hashes, medium: Some("CPU".into()), group_idx: Some(0) }));
+    }
+
+    /// Stores into the host tier are done: their events (from [`Self::offloaded`]).
+    pub fn offload_stored(&mut self, events: Vec<KvEvent>) {
+        self.host.extend(events);
+    }
+
     /// The prefix cache was reset.
     pub fn cleared(&mut self) {
         self.pending.push(KvEvent::AllBlocksCleared);
@@ -211,6 +257,7 @@ impl StepEvents {
     pub fn publish(&mut self) {
         let mut events = std::mem::take(&mut self.pending);
         events.extend(self.seqs.drain(..).flatten());
+        events.append(&mut self.host);
         self.index.clear();
         if events.is_empty() {
             return;

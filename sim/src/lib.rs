@@ -7,7 +7,8 @@
 //! misbehave on demand (`fault`). With `--kv-events-config` it publishes
 //! vLLM's KV cache events over ZMQ (`events`); with `--kv-transfer-config`
 //! it serves either leg of a disaggregated request (`nixl`); with
-//! `--enable-lora`, LoRA adapters (`lora`). `api` routes HTTP requests;
+//! `--enable-lora`, LoRA adapters (`lora`); with `--kv-offloading-size`, a
+//! host tier for KV blocks (`offload`). `api` routes HTTP requests;
 //! `server` accepts connections. [`Sim::start`] runs one inside any tokio
 //! program or test.
 
@@ -22,6 +23,7 @@ pub mod fault;
 pub mod lora;
 pub mod metrics;
 pub mod nixl;
+pub mod offload;
 pub mod server;
 pub mod wire;
 
@@ -75,7 +77,10 @@ impl Sim {
         let listener = TcpListener::bind((args.host, args.port)).await.with_context(|| format!("binding {}:{}", args.host, args.port))?;
         let addr = listener.local_addr()?;
         let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(args.seed);
-        let transfer = args.kv_transfer_config.as_deref().map(|json| TransferConfig::parse(json, &mut rng)).transpose()?;
+        let offload = args.offload()?;
+        // A transfer config that names the offloading connector is not a NIXL one.
+        let nixl = args.kv_transfer_config.as_deref().filter(|_| offload.is_none());
+        let transfer = nixl.map(|json| TransferConfig::parse(json, &mut rng)).transpose()?;
         let engine = Engine::start(EngineConfig {
             block_size: args.block_size,
             num_blocks: args.num_gpu_blocks_override,
@@ -91,11 +96,13 @@ impl Sim {
                 max_model_len: args.max_model_len,
                 created,
                 kv_transfer: transfer.is_some(),
+                kv_offloading_size: args.kv_offloading_size,
             },
             kv_events,
             lease: transfer.as_ref().map_or(std::time::Duration::from_secs(30), |t| t.lease),
             failure: transfer.as_ref().map_or(FailurePolicy::Fail, |t| t.failure),
             lora: args.lora()?,
+            offload,
         });
         let connector = transfer.map(|cfg| Connector::new(cfg, side_channel(&args, addr), args.latency(), args.block_size));
         let app = Arc::new(App::new(

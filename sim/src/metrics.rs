@@ -94,6 +94,8 @@ pub struct EngineInfo {
     pub created: f64,
     /// A KV connector is configured: the NIXL metrics are on the page.
     pub kv_transfer: bool,
+    /// `--kv-offloading-size`, GiB, when given.
+    pub kv_offloading_size: Option<f64>,
 }
 
 /// What `vllm:lora_requests_info` tells, as vLLM 0.32 keeps it: the
@@ -181,10 +183,17 @@ pub struct Stats {
     pub generation_tokens: u64,
     /// Finished requests: stop, length, abort, error.
     pub finished: [u64; 4],
-    /// Prompt tokens read from a remote prefill.
+    /// Prompt tokens a connector supplied: read from a remote prefill or
+    /// loaded from the host tier.
     pub external_hits: u64,
+    /// Of those, the ones loaded from the host tier.
+    pub host_hits: u64,
+    /// Prompt tokens looked up through a connector (past the GPU hit).
+    pub external_queries: u64,
     /// The NIXL connector's metrics.
     pub nixl: Nixl,
+    /// The offloading connector's counters, when it is on.
+    pub offload: Option<Offload>,
     /// Per-request prompt tokens.
     pub request_prompt_tokens: Histogram,
     /// Per-request generated tokens.
@@ -237,7 +246,10 @@ impl Stats {
             generation_tokens: 0,
             finished: [0; 4],
             external_hits: 0,
+            host_hits: 0,
+            external_queries: 0,
             nixl: Nixl::default(),
+            offload: None,
             request_prompt_tokens: tokens(),
             request_generation_tokens: tokens(),
             iteration_tokens: Histogram::new(ITERATION_TOKENS.to_vec()),
@@ -312,7 +324,7 @@ impl Stats {
         p.counter(
             "vllm:external_prefix_cache_queries_total",
             &format!("{external} queries {sharing} queried tokens."),
-            &[(&[], self.external_hits as f64)],
+            &[(&[], self.external_queries as f64)],
         );
         p.counter(
             "vllm:external_prefix_cache_hits_total",
@@ -344,8 +356,8 @@ impl Stats {
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM instance) or external_unspecified. Counted at admission; sums to vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
             &[
                 (&[("source", "device")], self.prefix_hits as f64),
-                (&[("source", "host")], 0.0),
-                (&[("source", "p2p")], external),
+                (&[("source", "host")], self.host_hits as f64),
+                (&[("source", "p2p")], external - self.host_hits as f64),
                 (&[("source", "disk")], 0.0),
                 (&[("source", "external_unspecified")], 0.0),
             ],
@@ -395,8 +407,49 @@ impl Stats {
         if info.kv_transfer {
             self.nixl.render(&mut p);
         }
+        if let Some(o) = &self.offload {
+            o.render(&mut p);
+        }
         p.cache_config(info);
         p.out
+    }
+}
+
+/// The offloading connector's transfer counters (vLLM 0.32's
+/// `vllm:kv_offload_*`; its histograms are left out).
+#[derive(Debug, Clone, Default)]
+pub struct Offload {
+    /// Bytes loaded from the host tier.
+    pub load_bytes: u64,
+    /// Seconds spent loading.
+    pub load_secs: f64,
+    /// Bytes stored into the host tier.
+    pub store_bytes: u64,
+    /// Seconds spent storing.
+    pub store_secs: f64,
+    /// Offers that could not make room.
+    pub allocation_failures: u64,
+}
+
+impl Offload {
+    fn render(&self, p: &mut Page<'_>) {
+        p.counter("vllm:kv_offload_load_bytes_total", "Total bytes loaded from offload storage to GPU.", &[(&[], self.load_bytes as f64)]);
+        p.counter("vllm:kv_offload_load_time_total", "Total load time from offload storage to GPU, in seconds.", &[(&[], self.load_secs)]);
+        p.counter(
+            "vllm:kv_offload_store_bytes_total",
+            "Total bytes stored from GPU to offload storage.",
+            &[(&[], self.store_bytes as f64)],
+        );
+        p.counter(
+            "vllm:kv_offload_store_time_total",
+            "Total store time from GPU to offload storage, in seconds.",
+            &[(&[], self.store_secs)],
+        );
+        p.counter(
+            "vllm:kv_offload_allocation_failure_total",
+            "Number of KV offload store allocation attempts that failed.",
+            &[(&[], self.allocation_failures as f64)],
+        );
     }
 }
 
@@ -554,6 +607,7 @@ impl Page<'_> {
     fn cache_config(&mut self, info: &EngineInfo) {
         self.header("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", "gauge");
         let bs = info.block_size.to_string();
+        let offloading = info.kv_offloading_size.map_or_else(|| "None".to_owned(), go_float);
         let blocks = info.num_gpu_blocks.to_string();
         let tokens = (info.block_size * info.num_gpu_blocks).to_string();
         let concurrency = go_float((info.block_size * info.num_gpu_blocks) as f64 / info.max_model_len.max(1) as f64);
@@ -574,7 +628,7 @@ impl Page<'_> {
             ("kv_cache_memory_bytes", "None"),
             ("kv_cache_size_tokens", &tokens),
             ("kv_offloading_backend", "native"),
-            ("kv_offloading_size", "None"),
+            ("kv_offloading_size", &offloading),
             ("kv_sharing_fast_prefill", "False"),
             ("mamba_block_size", "None"),
             ("mamba_cache_dtype", "auto"),
@@ -676,6 +730,7 @@ mod tests {
             max_model_len: 2048,
             created: 1.0,
             kv_transfer: false,
+            kv_offloading_size: None,
         };
         let page = s.render(&info);
         assert!(page.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"0.04\",model_name=\"m\"} 1.0\n"));

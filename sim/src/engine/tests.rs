@@ -1,6 +1,7 @@
 //! Engine behaviour on tokio's paused clock: exact virtual times, no sleeps.
 
 use super::*;
+use crate::offload::OffloadConfig;
 
 fn latency() -> LatencyModel {
     crate::cost::DEFAULT
@@ -11,7 +12,11 @@ fn engine(num_blocks: usize, max_num_seqs: usize) -> Engine {
 }
 
 fn engine_with(num_blocks: usize, max_num_seqs: usize, lora: Option<Weights>) -> Engine {
-    Engine::start(EngineConfig {
+    Engine::start(EngineConfig { lora, ..config(num_blocks, max_num_seqs) })
+}
+
+fn config(num_blocks: usize, max_num_seqs: usize) -> EngineConfig {
+    EngineConfig {
         block_size: 4,
         num_blocks,
         max_num_seqs,
@@ -26,12 +31,14 @@ fn engine_with(num_blocks: usize, max_num_seqs: usize, lora: Option<Weights>) ->
             max_model_len: 1024,
             created: 0.0,
             kv_transfer: false,
+            kv_offloading_size: None,
         },
         kv_events: None,
         lease: std::time::Duration::from_secs(30),
         failure: crate::nixl::FailurePolicy::Fail,
-        lora,
-    })
+        lora: None,
+        offload: None,
+    }
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
@@ -300,4 +307,98 @@ async fn deferred_requests_are_counted_by_reason_while_they_wait() {
     assert_eq!((by_reason("deferred"), by_reason("capacity")), (Some(1.0), Some(0.0)));
     assert_eq!(sample(&e, "vllm:num_requests_waiting"), 1.0);
     drop((a, b));
+}
+
+fn offloading(num_blocks: usize, host_blocks: usize) -> Engine {
+    offloading_at(num_blocks, host_blocks, 0.001)
+}
+
+/// With copies of `block_secs` a block.
+fn offloading_at(num_blocks: usize, host_blocks: usize, block_secs: f64) -> Engine {
+    let offload = OffloadConfig { blocks: host_blocks, block_secs, block_bytes: 64, self_describing: false };
+    Engine::start(EngineConfig { offload: Some(offload), ..config(num_blocks, 8) })
+}
+
+/// A labelled sample of the metrics page.
+fn labelled(e: &Engine, name: &str, label: &str) -> f64 {
+    let prefix = format!("{name}{{engine=\"0\",model_name=\"m\",{label}}} ");
+    e.metrics_page().lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.parse().ok()).unwrap_or(f64::NAN)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_prompt_evicted_from_the_gpu_is_loaded_back_from_the_host_tier() {
+    // Four GPU blocks of 4 tokens: the second prompt evicts the first.
+    let e = offloading(4, 64);
+    let a: Vec<u32> = (0..12).collect();
+    let b: Vec<u32> = (100..116).collect();
+    assert_eq!(run(&e, a.clone(), 1).await.0, 0);
+    assert_eq!(run(&e, b, 1).await.0, 0);
+    // Both prompts' full blocks were stored (the copies end during the next run).
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(sample(&e, "vllm:kv_offload_store_bytes_total"), 7.0 * 64.0);
+    let mut longer = a;
+    longer.extend([7, 7]);
+    let before = sample(&e, "vllm:time_to_first_token_seconds_sum");
+    let (cached, _, _, _) = run(&e, longer, 1).await;
+    assert_eq!(cached, 12, "none on the GPU, all three blocks from the host");
+    assert_eq!(labelled(&e, "vllm:prompt_tokens_cached_by_source_total", "source=\"host\""), 12.0);
+    assert_eq!(labelled(&e, "vllm:prompt_tokens_cached_by_source_total", "source=\"device\""), 0.0);
+    assert_eq!(sample(&e, "vllm:external_prefix_cache_hits_total"), 12.0);
+    assert_eq!(sample(&e, "vllm:external_prefix_cache_queries_total"), 12.0 + 16.0 + 14.0);
+    assert_eq!(sample(&e, "vllm:kv_offload_load_bytes_total"), 3.0 * 64.0);
+    // It waited for its load (3 ms) outside the batch, then computed 2 tokens after 12.
+    let ttft = sample(&e, "vllm:time_to_first_token_seconds_sum") - before;
+    let computed = latency().prefill_secs(2, 12);
+    assert!(ttft >= 0.003 + computed - 1e-9 && ttft < 0.003 + computed + 0.001, "{ttft}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_host_lookup_reaches_the_last_full_block_the_gpu_lookup_stops_short_of() {
+    let e = offloading(64, 64);
+    let prompt: Vec<u32> = (0..16).collect();
+    run(&e, prompt.clone(), 1).await;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    // The GPU lookup stops a token short (3 blocks); the host has the fourth,
+    // so the engine reports the whole prompt cached, and computes its last token.
+    let (cached, _, _, _) = run(&e, prompt, 1).await;
+    assert_eq!(cached, 16);
+    assert_eq!(labelled(&e, "vllm:prompt_tokens_cached_by_source_total", "source=\"device\""), 12.0);
+    assert_eq!(labelled(&e, "vllm:prompt_tokens_cached_by_source_total", "source=\"host\""), 4.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hit_on_blocks_still_being_stored_waits_for_the_store() {
+    // Copies of 100 ms a block: the second prompt evicts the first from the
+    // GPU long before the first one's store ends. The third request waits
+    // for that store, then for its own load, rather than compute.
+    let e = offloading_at(4, 64, 0.1);
+    let a: Vec<u32> = (0..12).collect();
+    run(&e, a.clone(), 1).await;
+    let (cached, _, _, _) = run(&e, (100..116).collect(), 1).await;
+    assert_eq!(cached, 0);
+    assert_eq!(sample(&e, "vllm:kv_offload_store_bytes_total"), 0.0, "no store is done yet");
+    let mut longer = a;
+    longer.push(9);
+    let (cached, ttft, _, _) = run(&e, longer, 1).await;
+    assert_eq!(cached, 12);
+    assert!(ttft > Duration::from_millis(300 + 250), "the store's 300 ms (some passed) and the load's 300: {ttft:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_host_tier_evicts_the_least_recent_and_a_failed_store_is_counted() {
+    // Room for one prompt's 4 blocks: the second prompt's store evicts the first.
+    let e = offloading(64, 4);
+    run(&e, (0..16).collect(), 1).await;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    run(&e, (100..116).collect(), 1).await;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(sample(&e, "vllm:kv_offload_store_bytes_total"), 8.0 * 64.0);
+    // Two prompts at once: the first one's offer evicts the second prompt's
+    // blocks; the other finds no room while those are being stored.
+    let mut one = e.submit(request((200..216).collect(), 3));
+    let mut two = e.submit(request((300..316).collect(), 3));
+    for s in [&mut one, &mut two] {
+        while !matches!(s.next().await, Some(Event::Token { finish: Some(_), .. })) {}
+    }
+    assert!(sample(&e, "vllm:kv_offload_allocation_failure_total") >= 1.0);
 }
