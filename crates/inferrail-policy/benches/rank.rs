@@ -4,7 +4,7 @@
 #![allow(missing_docs)]
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use inferrail_policy::{ALL, Candidate, Params, Request, build, decide};
+use inferrail_policy::{ALL, Candidate, Offloaded, Params, Request, build, decide};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
@@ -27,6 +27,8 @@ fn fleet(n: usize) -> Vec<Candidate> {
             engine: None,
             own: None,
             adapter: None,
+            // Every fourth replica holds the next 512 tokens in host memory.
+            offloaded: Offloaded { host: if i % 4 == 0 { 512 } else { 0 }, disk: 0 },
         })
         .collect()
 }

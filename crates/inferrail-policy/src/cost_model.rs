@@ -16,6 +16,13 @@
 //! where there is room. Lowest wins; ties go to fewer requests in flight,
 //! then by the prompt ([`crate::order`]).
 //!
+//! Offloaded tokens (ADR 0059): the `o` prompt tokens a replica's engine
+//! holds right after its GPU prefix in host memory or on disk are loaded,
+//! not computed, so the prefill is `P(u - o, c + o)` and the load `X` is
+//! added: each tier's tokens at its `offload` time per token. vLLM loads
+//! every such hit whatever it costs, so `X` is priced as the engine will
+//! pay it; a tier slower than recomputing makes its replica lose.
+//!
 //! Guards, before scoring:
 //! - bounded load: never a replica that would hold more than
 //!   `ceil((1 + epsilon) * (in_flight + 1) / n)` requests, `in_flight` summed
@@ -72,7 +79,7 @@ use rand::rngs::StdRng;
 use serde::{Deserialize, Serialize};
 
 use crate::sketch::Sketch;
-use crate::{AdapterFit, Candidate, Prefill, Request, RoutingPolicy, Score, SetAside};
+use crate::{AdapterFit, Candidate, Offloaded, Prefill, Request, RoutingPolicy, Score, SetAside};
 
 /// `cost_model` parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -98,6 +105,34 @@ pub struct Config {
     pub hot_prefix: HotPrefix,
     /// LoRA adapters: their load and the wait for a slot.
     pub adapters: Adapters,
+    /// Loading offloaded KV: time per token from each tier.
+    pub offload: Offload,
+}
+
+/// How long loading a prompt token's KV from an offload tier takes, on the
+/// engine's copy stream beside its steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Offload {
+    /// From host memory, microseconds per token: an 8B model's 128 KiB a
+    /// token over 25 GB/s (PCIe 4.0 x16).
+    pub host_token_us: f64,
+    /// From disk or remote storage, microseconds per token: the same over
+    /// 2.5 GB/s (one NVMe drive).
+    pub disk_token_us: f64,
+}
+
+impl Default for Offload {
+    fn default() -> Self {
+        Self { host_token_us: 5.24, disk_token_us: 52.4 }
+    }
+}
+
+impl Offload {
+    /// Seconds to load `o`.
+    pub fn secs(&self, o: Offloaded) -> f64 {
+        (self.host_token_us * o.host as f64 + self.disk_token_us * o.disk as f64) * 1e-6
+    }
 }
 
 /// What a request's LoRA adapter adds to its first token on a replica
@@ -177,6 +212,7 @@ impl Default for Config {
             copy_weight: 0.0,
             hot_prefix: HotPrefix::default(),
             adapters: Adapters::default(),
+            offload: Offload::default(),
         }
     }
 }
@@ -197,6 +233,8 @@ impl Config {
             ("copy_weight", self.copy_weight),
             ("adapters.load_ms", self.adapters.load_ms),
             ("adapters.slot_wait_ms", self.adapters.slot_wait_ms),
+            ("offload.host_token_us", self.offload.host_token_us),
+            ("offload.disk_token_us", self.offload.disk_token_us),
         ];
         for (name, v) in non_negative {
             if !(v.is_finite() && v >= 0.0) {
@@ -315,13 +353,15 @@ impl CostModel {
         if shares > h.fair_shares { (shares / h.fair_shares).ceil() as usize } else { 1 }
     }
 
-    /// The estimated time to first token of a prompt on `c`, as if it held `cached` tokens.
-    fn estimate(&self, c: &Candidate, prompt: Option<usize>, cached: usize) -> Score {
+    /// The estimated time to first token of a prompt on `c`, as if it held
+    /// `cached` tokens on the GPU and then `offloaded` in other tiers.
+    fn estimate(&self, c: &Candidate, prompt: Option<usize>, cached: usize, offloaded: Offloaded) -> Score {
         let queue = c.queued_prefill_secs;
         let decode = self.config.decode_interference_ms * 1e-3 * f64::from(c.running());
-        let prefill = c.prompt_prefill_secs(self.prefill, prompt, cached);
+        let prefill = c.prompt_prefill_secs(self.prefill, prompt, cached + offloaded.tokens());
         let adapter = self.config.adapters.secs(c.adapter);
-        Score { total: queue + decode + prefill + adapter, terms: [queue, decode, prefill, 0.0, 0.0, 0.0, adapter] }
+        let load = self.config.offload.secs(offloaded);
+        Score { total: queue + decode + prefill + adapter + load, terms: [queue, decode, prefill, 0.0, 0.0, 0.0, adapter, load] }
     }
 }
 
@@ -331,7 +371,7 @@ impl RoutingPolicy for CostModel {
     }
 
     fn terms(&self) -> &'static [&'static str] {
-        &["queue", "decode", "prefill", "hot_credit", "share", "copy", "adapter"]
+        &["queue", "decode", "prefill", "hot_credit", "share", "copy", "adapter", "offload"]
     }
 
     fn guard(&self, req: &Request, c: &[Candidate], aside: &mut [Option<SetAside>]) -> Option<&'static str> {
@@ -351,7 +391,7 @@ impl RoutingPolicy for CostModel {
         }
         let prompt = req.prompt_tokens?;
         // Tokens the prompt would compute on a replica.
-        let new = |x: &Candidate| prompt.saturating_sub(x.cached_tokens);
+        let new = |x: &Candidate| prompt.saturating_sub(x.engine_cached_tokens());
         let long = |x: &Candidate| new(x) > self.config.short_prompt_tokens;
         // Above kappa, or without free room for the prompt (it would wait
         // for running requests to finish): its cached blocks leave the free
@@ -405,7 +445,7 @@ impl RoutingPolicy for CostModel {
             })
             .collect();
         for (s, &i) in out.iter_mut().zip(offered) {
-            *s = self.estimate(&c[i], req.prompt_tokens, c[i].cached_tokens);
+            *s = self.estimate(&c[i], req.prompt_tokens, c[i].cached_tokens, c[i].offloaded);
         }
         if let Some((root, root_tokens)) = self.root(req) {
             // Roots sent within the window are the ones a replica serves.
@@ -456,10 +496,10 @@ impl RoutingPolicy for CostModel {
                     (0..offered.len()).filter(|&k| c[offered[k]].cached_tokens < root_tokens && room(&c[offered[k]])).collect();
                 others.sort_by(|&a, &b| load(a).total_cmp(&load(b)));
                 for k in others.into_iter().take(owners - holders) {
-                    let credited = self.estimate(&c[offered[k]], req.prompt_tokens, held);
+                    let credited = self.estimate(&c[offered[k]], req.prompt_tokens, held, Offloaded::default());
                     let saved = out[k].total - credited.total;
-                    let [queue, decode, prefill, .., adapter] = credited.terms;
-                    out[k] = Score { terms: [queue, decode, prefill, saved, 0.0, 0.0, adapter], ..credited };
+                    let [queue, decode, prefill, .., adapter, load] = credited.terms;
+                    out[k] = Score { terms: [queue, decode, prefill, saved, 0.0, 0.0, adapter, load], ..credited };
                 }
             }
         }

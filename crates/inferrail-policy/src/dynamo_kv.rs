@@ -15,7 +15,10 @@
 //! (uniform when all are equal).
 //!
 //! The mapping from what the router knows of a replica ([`Candidate`]):
-//! - uncached = prompt tokens - `cached_tokens` (the KV index's prediction);
+//! - uncached = prompt tokens - `cached_tokens` (the KV index's
+//!   prediction), less `host_hit_weight` times the offloaded tokens in host
+//!   memory and `disk_hit_weight` times those on disk: Dynamo's fixed
+//!   weights for hits in lower tiers, against a GPU hit's 1;
 //! - queued prefill tokens = `prompt_tokens_in_flight * pending /
 //!   max(in_flight, 1)`, the pending share of its prompt tokens in flight;
 //! - active blocks = `prompt_tokens_in_flight / block_size`;
@@ -34,7 +37,8 @@
 //!
 //! Defaults, Dynamo's (`KvRouterConfig`, `--router-kv-overlap-score-weight`,
 //! `--router-temperature`): `overlap_score_weight` 1.0,
-//! `router_temperature` 0.0.
+//! `router_temperature` 0.0; and its tier weights, `host_hit_weight` 0.75,
+//! `disk_hit_weight` 0.25.
 
 use rand::Rng;
 use rand::rngs::StdRng;
@@ -53,17 +57,27 @@ pub struct Config {
     pub overlap_score_weight: f64,
     /// Softmax temperature over normalized costs (0: the lowest wins).
     pub router_temperature: f64,
+    /// What an offloaded token in host memory saves, in GPU hits.
+    pub host_hit_weight: f64,
+    /// What an offloaded token on disk saves, in GPU hits.
+    pub disk_hit_weight: f64,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Self { overlap_score_weight: 1.0, router_temperature: 0.0 }
+        Self { overlap_score_weight: 1.0, router_temperature: 0.0, host_hit_weight: 0.75, disk_hit_weight: 0.25 }
     }
 }
 
 impl Config {
     pub(crate) fn validate(&self, at: &str, p: &mut Vec<String>) {
-        for (name, v) in [("overlap_score_weight", self.overlap_score_weight), ("router_temperature", self.router_temperature)] {
+        let values = [
+            ("overlap_score_weight", self.overlap_score_weight),
+            ("router_temperature", self.router_temperature),
+            ("host_hit_weight", self.host_hit_weight),
+            ("disk_hit_weight", self.disk_hit_weight),
+        ];
+        for (name, v) in values {
             if !(v.is_finite() && v >= 0.0) {
                 p.push(format!("{at}.{name}: {v} is not a non-negative number"));
             }
@@ -87,7 +101,9 @@ impl DynamoKv {
     fn cost(&self, req: &Request, c: &Candidate) -> (f64, f64) {
         let bs = if req.block_size > 0 { req.block_size } else { DEFAULT_BLOCK_SIZE } as f64;
         let prompt = req.prompt_tokens.unwrap_or(0);
-        let uncached = prompt.saturating_sub(c.cached_tokens) as f64;
+        let o = c.offloaded;
+        let tiers = self.config.host_hit_weight * o.host as f64 + self.config.disk_hit_weight * o.disk as f64;
+        let uncached = (prompt.saturating_sub(c.cached_tokens) as f64 - tiers).max(0.0);
         let in_flight_tokens = c.prompt_tokens_in_flight as f64;
         let queued = in_flight_tokens * f64::from(c.pending) / f64::from(c.in_flight.max(1));
         let prefill = (queued + uncached) / bs;
@@ -108,7 +124,7 @@ impl RoutingPolicy for DynamoKv {
     fn score(&self, req: &Request, c: &[Candidate], offered: &[usize], rng: &mut StdRng, out: &mut [Score]) -> Option<&'static str> {
         for (s, &i) in out.iter_mut().zip(offered) {
             let (prefill, decode) = self.cost(req, &c[i]);
-            *s = Score { total: prefill + decode, terms: [prefill, decode, 0.0, 0.0, 0.0, 0.0, 0.0] };
+            *s = Score { total: prefill + decode, terms: [prefill, decode, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] };
         }
         let t = self.config.router_temperature;
         if t <= 0.0 {
@@ -164,6 +180,11 @@ mod tests {
         // Without a prompt, only the replica's own load counts.
         c[1].prompt_tokens_in_flight = 16;
         assert_eq!(p.cost(&Request::default(), &c[1]), (0.0, 1.0));
+        // Offloaded hits count at the fixed tier weights: 160 in host memory
+        // save 120 tokens (0.75), 64 on disk 16 (0.25): (320 - 136) / 16 = 11.5.
+        c[1].prompt_tokens_in_flight = 0;
+        c[1].offloaded = crate::Offloaded { host: 160, disk: 64 };
+        assert_eq!(p.cost(&req, &c[1]), (11.5, 11.5));
     }
 
     #[test]

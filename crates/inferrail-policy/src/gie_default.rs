@@ -187,7 +187,7 @@ impl RoutingPolicy for GieDefault {
             let prefix = if hashes.is_empty() { 0.0 } else { m as f64 / hashes.len() as f64 };
             let lora = c[i].adapter.map_or(0.0, lora_affinity);
             let terms =
-                [-cfg.queue_weight * queue, -cfg.kv_weight * kv, -cfg.prefix_weight * prefix, 0.0, 0.0, 0.0, -cfg.lora_weight * lora];
+                [-cfg.queue_weight * queue, -cfg.kv_weight * kv, -cfg.prefix_weight * prefix, 0.0, 0.0, 0.0, -cfg.lora_weight * lora, 0.0];
             *s = Score { total: terms.iter().sum(), terms };
         }
         None

@@ -66,7 +66,7 @@ impl RoutingPolicy for KvAware {
         for (s, &i) in out.iter_mut().zip(offered) {
             let cache = if prompt == 0 { 0.0 } else { self.config.cache_weight * c[i].cached_tokens as f64 / prompt as f64 };
             let load = self.config.load_weight * f64::from(c[i].in_flight) / f64::from(busiest);
-            *s = Score { total: load - cache, terms: [-cache, load, 0.0, 0.0, 0.0, 0.0, 0.0] };
+            *s = Score { total: load - cache, terms: [-cache, load, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] };
         }
         None
     }

@@ -78,6 +78,26 @@ pub struct Candidate {
     pub own: Option<Own>,
     /// Where the request's LoRA adapter stands there, for a request that names one.
     pub adapter: Option<AdapterFit>,
+    /// Prompt tokens past `cached_tokens` its engine holds offloaded, which
+    /// it loads rather than computes (known in exact mode only).
+    pub offloaded: Offloaded,
+}
+
+/// Prompt tokens a replica's engine holds right after its GPU prefix in
+/// offload tiers, consecutive; vLLM loads every such hit before computing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Offloaded {
+    /// In host memory (the `CPU` medium).
+    pub host: usize,
+    /// In other tiers (disk, remote storage), after the host's.
+    pub disk: usize,
+}
+
+impl Offloaded {
+    /// All of them.
+    pub fn tokens(&self) -> usize {
+        self.host + self.disk
+    }
 }
 
 /// Where a request's LoRA adapter stands on a replica, by the requests in
@@ -154,6 +174,12 @@ impl Candidate {
         self.prefill.unwrap_or(model).secs(prompt.saturating_sub(cached), cached.min(prompt))
     }
 
+    /// Prompt tokens its engine will report cached: its GPU prefix, then
+    /// what it loads from offload tiers.
+    pub fn engine_cached_tokens(&self) -> usize {
+        self.cached_tokens + self.offloaded.tokens()
+    }
+
     /// Seconds to prefill a prompt of `prompt` tokens here past the `cached`
     /// ones it holds (an untokenized prompt's: its fixed cost alone).
     pub fn prompt_prefill_secs(&self, model: Prefill, prompt: Option<usize>, cached: usize) -> f64 {
@@ -221,13 +247,13 @@ pub struct Score {
     /// What ranks it.
     pub total: f64,
     /// Its parts, for explanations and logs.
-    pub terms: [f64; 7],
+    pub terms: [f64; 8],
 }
 
 impl Score {
     /// A score that is its only term.
     pub fn single(total: f64) -> Self {
-        Self { total, terms: [total, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] }
+        Self { total, terms: [total, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0] }
     }
 }
 

@@ -305,7 +305,7 @@ impl RoutingPolicy for SglangCacheAware {
         for (rank, k) in std::iter::once(winner).chain(rest).enumerate() {
             out[k] = Score {
                 total: rank as f64,
-                terms: [matched[k] as f64 / chars, f64::from(c[offered[k]].in_flight), 0.0, 0.0, 0.0, 0.0, 0.0],
+                terms: [matched[k] as f64 / chars, f64::from(c[offered[k]].in_flight), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
             };
         }
         why

@@ -21,6 +21,7 @@ pub fn load(in_flight: u32) -> Candidate {
         engine: None,
         own: None,
         adapter: None,
+        offloaded: Offloaded::default(),
     }
 }
 

@@ -14,7 +14,7 @@ use std::time::Duration;
 use inferrail_config::{CacheShape, Health as HealthConfig, Limits, ReplicaKvEvents, Role};
 use inferrail_kv::index::Slot;
 use inferrail_kv::mode::{Mode, Reason};
-use inferrail_policy::{AdapterFit, Candidate, Own, Prefill, Share};
+use inferrail_policy::{AdapterFit, Candidate, Offloaded, Own, Prefill, Share};
 
 use crate::kv::{Prediction, Record};
 use crate::{FRESH, Hold, Report};
@@ -342,6 +342,7 @@ impl Replica {
             engine: engine.map(|e| e.load),
             own,
             adapter: None,
+            offloaded: Offloaded::default(),
         }
     }
 

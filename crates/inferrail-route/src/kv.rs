@@ -18,6 +18,7 @@ use std::time::Duration;
 use inferrail_config::Kv as KvConfig;
 use inferrail_kv::hash::{BlockHash, block_hashes, salt};
 use inferrail_kv::index::{KvIndex, Pace, Recorded, Reply, Slot, predicted_cached_tokens};
+use inferrail_policy::Offloaded;
 
 /// A prompt as the engine will see it, and what the KV index needs besides.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -239,6 +240,23 @@ impl Kv {
             }
         }
         cached
+    }
+
+    /// What each place's engine holds of the prompt right after the GPU
+    /// prefix `cached` says it has (its tokens, as [`Self::cached`] gives
+    /// them), in offload tiers: tokens it will load, up to the prompt's last
+    /// full block (the engine's lookup there reaches it). Known where the
+    /// engine's events are followed.
+    pub fn offloaded(&self, p: &Prediction, places: &[Place], cached: &[(usize, usize)]) -> Vec<Offloaded> {
+        let mut out = vec![Offloaded::default(); places.len()];
+        for (bs, hashes) in &p.hashes {
+            let at: Vec<usize> = (0..places.len()).filter(|&i| places[i].block_size == *bs).collect();
+            let from: Vec<(Slot, usize)> = at.iter().map(|&i| (places[i].slot, cached[i].0 / bs)).collect();
+            for (&i, (host, disk)) in at.iter().zip(self.index.offloaded(hashes, &from)) {
+                out[i] = Offloaded { host: host * bs, disk: disk * bs };
+            }
+        }
+        out
     }
 
     /// Records the prompt at the place it goes to.

@@ -44,7 +44,7 @@ use inferrail_kv::mode::{Mode, Reason};
 pub use inferrail_policy::Share;
 use inferrail_policy::panicking;
 use inferrail_policy::{
-    Candidate, EngineReport, NoReplica, Params, Prefill, Request, RoutingPolicy, SetAside, TextKind, eligibility, rank,
+    Candidate, EngineReport, NoReplica, Offloaded, Params, Prefill, Request, RoutingPolicy, SetAside, TextKind, eligibility, rank,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -323,6 +323,10 @@ impl Core {
             Some(p) => self.kv.cached(p, &places, now),
             None => vec![(0, 0); replicas.len()],
         };
+        let offloaded = match &view.prediction {
+            Some(p) => self.kv.offloaded(p, &places, &cached),
+            None => vec![Offloaded::default(); replicas.len()],
+        };
         let reports: Vec<Option<(Report, Duration)>> =
             replicas.iter().map(|r| reports(r).map(|rep| (rep, now.saturating_sub(rep.at)))).collect();
         let adapter = view.prediction.as_ref().and_then(|p| p.adapter.as_deref());
@@ -331,10 +335,12 @@ impl Core {
             .iter()
             .zip(cached)
             .zip(&reports)
-            .map(|((r, cached), report)| {
+            .zip(offloaded)
+            .map(|(((r, cached), report), offloaded)| {
                 let fresh = report.filter(|(_, age)| *age <= FRESH).map(|(rep, _)| rep);
                 let mut c = r.candidate(now, cached, fresh, view.share);
                 c.adapter = adapter.map(|a| r.adapter_fit(a, max_loras, now));
+                c.offloaded = offloaded;
                 c
             })
             .collect();
@@ -478,7 +484,7 @@ impl Core {
     fn hold_for(&self, plan: &Plan, i: usize, model_prefill: Prefill, computes: bool) -> Hold {
         let prompt_tokens = plan.prompt_tokens();
         let c = &plan.candidates[i];
-        let prefill = if computes { c.prompt_prefill_secs(model_prefill, prompt_tokens, c.cached_tokens) } else { 0.0 };
+        let prefill = if computes { c.prompt_prefill_secs(model_prefill, prompt_tokens, c.engine_cached_tokens()) } else { 0.0 };
         Hold {
             prompt_tokens,
             prefill: Duration::from_secs_f64(prefill),
@@ -493,7 +499,7 @@ impl Core {
         let picked = &plan.order[..plan.order.len().min(1 + self.fallbacks)];
         let targets = picked.iter().map(|&i| plan.replica(i).clone()).collect();
         let cached_tokens = match &plan.prediction {
-            Some(_) => picked.iter().map(|&i| plan.candidates[i].cached_tokens).collect(),
+            Some(_) => picked.iter().map(|&i| plan.candidates[i].engine_cached_tokens()).collect(),
             None => Vec::new(),
         };
         (targets, cached_tokens)

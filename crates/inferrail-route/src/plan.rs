@@ -135,7 +135,7 @@ impl Plan {
     /// model's), whatever the policy.
     pub fn estimate(&self, i: usize, model_prefill: Prefill) -> Duration {
         let c = &self.candidates[i];
-        Duration::from_secs_f64(c.ttft_secs(model_prefill, self.prompt_tokens(), c.cached_tokens))
+        Duration::from_secs_f64(c.ttft_secs(model_prefill, self.prompt_tokens(), c.engine_cached_tokens()))
     }
 
     /// The request's estimated time to first token as decided: split, the

@@ -94,7 +94,7 @@ fn a_committed_prompt_is_predicted_cached_and_its_prefill_queued_on_the_winner()
     let on = |id: &str| (0..3).find(|&i| plan.replica(i).id == id).unwrap();
     assert_eq!(plan.candidates[on(&winner.id)].cached_tokens, 2_000);
     assert!((0..3).filter(|&i| plan.replica(i).id != winner.id).all(|i| plan.candidates[i].cached_tokens == 0));
-    assert_eq!(plan.terms, ["queue", "decode", "prefill", "hot_credit", "share", "copy", "adapter"]);
+    assert_eq!(plan.terms, ["queue", "decode", "prefill", "hot_credit", "share", "copy", "adapter", "offload"]);
     let score = plan.scores[on(&winner.id)].unwrap();
     assert!((score.terms[0] - queued.as_secs_f64()).abs() < 1e-6, "the queued prefill is the queue term");
     // Its first byte empties the queue; the lease's end the counters.

@@ -192,7 +192,10 @@ fn candidates(plan: &Plan) -> Vec<pb::Candidate> {
                 prompt_tokens_in_flight: c.prompt_tokens_in_flight,
                 queued_prefill_ms: c.queued_prefill_secs * 1e3,
                 engine: engine(plan.reports[i]),
-                predicted_cached_tokens: c.cached_tokens as u64,
+                predicted_cached_tokens: c.engine_cached_tokens() as u64,
+                gpu_cached_tokens: c.cached_tokens as u64,
+                host_cached_tokens: c.offloaded.host as u64,
+                disk_cached_tokens: c.offloaded.disk as u64,
                 set_aside: plan.set_aside[i].map(|a| a.label().to_string()).unwrap_or_default(),
                 score: score.map(|s| s.total),
                 terms: score.map_or_else(Vec::new, |s| {

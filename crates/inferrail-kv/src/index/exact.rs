@@ -11,6 +11,15 @@
 //! medium, GPU or an offload tier such as CPU, and the KV cache group); only
 //! the GPU tier of group 0 answers routing lookups, the others are kept apart.
 //!
+//! An offload tier holds blocks, not prefixes: it evicts its least recently
+//! used blocks, a parent before its child at times, and is read only past
+//! the GPU prefix ([`Exact::offloaded`]). So its events never end exact mode.
+//! A stored block is named by the router hash its engine hash has in any
+//! tier (vLLM's placeholder events carry nothing else: no tokens, no
+//! parent, block size 0), else by its tokens after its parent; one it
+//! cannot name is left out, and its removal ignored. Clearing the GPU cache
+//! leaves the offload tiers as they are, as the engine does.
+//!
 //! The engine always holds whole prefixes (it frees a request's blocks last
 //! first and evicts the least recently freed), and the index's lookup relies
 //! on it: a stored block whose parent is unknown, a removed block that is
@@ -59,6 +68,11 @@ pub struct Tier<'a> {
 impl Tier<'_> {
     /// The tier routing lookups count: the engine's GPU blocks of group 0.
     pub const ROUTING: Tier<'static> = Tier { medium: "GPU", group: 0 };
+
+    /// Whether it is the engine's GPU memory (any group), which holds whole prefixes.
+    fn routes(&self) -> bool {
+        self.medium == "GPU"
+    }
 }
 
 /// One engine KV event, borrowed from the decoded message.
@@ -251,6 +265,11 @@ impl Exact {
     }
 
     fn store(&mut self, s: &Stored<'_>, changes: &mut Vec<Change>) -> Result<(), EventError> {
+        if !s.tier.routes() {
+            let t = self.tier_index(s.tier);
+            self.store_offloaded(t, s);
+            return Ok(());
+        }
         if s.block_size != self.block_size {
             return Err(EventError::BlockSizeMismatch { event: s.block_size, replica: self.block_size });
         }
@@ -258,17 +277,11 @@ impl Exact {
             return Err(EventError::Malformed { tokens: s.tokens.len(), blocks: s.hashes.len(), block_size: s.block_size });
         }
         let t = self.tier_index(s.tier);
-        // The chain so far: the parent's engine hash (when in this tier), router hash and depth.
+        // The chain so far: the parent's engine hash, router hash and depth.
         let (parent, mut router, depth) = match s.parent {
             None => (None, s.seed, 0),
             Some(p) => match self.tiers[t].engine.get(&p) {
                 Some(b) => (Some(p), b.router, b.depth + 1),
-                // An offload tier may hold a block whose parent is elsewhere;
-                // the routing tier holds whole prefixes.
-                None if t > 0 => {
-                    let b = self.tiers.iter().find_map(|tb| tb.engine.get(&p)).ok_or(EventError::UnknownParent(p))?;
-                    (None, b.router, b.depth + 1)
-                }
                 None => return Err(EventError::UnknownParent(p)),
             },
         };
@@ -320,6 +333,49 @@ impl Exact {
         Ok(())
     }
 
+    /// Blocks an offload tier `t` stored (see the module doc).
+    fn store_offloaded(&mut self, t: usize, s: &Stored<'_>) {
+        let bs = self.block_size;
+        let described = s.block_size == bs && bs > 0 && s.tokens.len() == s.hashes.len() * bs;
+        let mut router = match s.parent {
+            None => Some(s.seed),
+            Some(p) => self.named(p),
+        };
+        for (i, &e) in s.hashes.iter().enumerate() {
+            let by_tokens = router.filter(|_| described).map(|r| next(r, &s.tokens[i * bs..(i + 1) * bs]));
+            router = self.named(e).or(by_tokens);
+            let Some(r) = router else { continue };
+            let TierBlocks { engine, routed, .. } = &mut self.tiers[t];
+            match engine.entry(e) {
+                std::collections::hash_map::Entry::Occupied(mut b) => b.get_mut().copies += 1,
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(Block { router: r, parent: None, copies: 1, children: 0, depth: 0 });
+                    *routed.entry(r).or_insert(0) += 1;
+                }
+            }
+        }
+    }
+
+    /// The router hash an engine hash has in any tier.
+    fn named(&self, e: u64) -> Option<BlockHash> {
+        self.tiers.iter().find_map(|tb| tb.engine.get(&e).map(|b| b.router))
+    }
+
+    /// Of `keys`, the blocks past the GPU prefix held in offload tiers of
+    /// group 0, consecutive from the first: (in host memory, elsewhere).
+    pub(super) fn offloaded(&self, keys: &[BlockHash]) -> (usize, usize) {
+        let (mut host, mut other) = (0, 0);
+        for k in keys {
+            let tier = self.tiers[1..].iter().filter(|tb| tb.group == 0 && tb.routed.contains_key(k)).map(|tb| tb.medium == "CPU").max();
+            match tier {
+                Some(true) => host += 1,
+                Some(false) => other += 1,
+                None => break,
+            }
+        }
+        (host, other)
+    }
+
     /// Newly held blocks of one chain enter the eviction order, or stop
     /// counting as allocations to come when claimed. A free block goes just
     /// before the free block it follows (same tick, deeper), so it is
@@ -369,6 +425,25 @@ impl Exact {
 
     fn remove(&mut self, hashes: &[u64], tier: Tier<'_>, changes: &mut Vec<Change>) -> Result<(), EventError> {
         let t = self.tiers.iter().position(|tb| tb.is(tier));
+        if !tier.routes() {
+            // Blocks, not prefixes; one never named was left out.
+            let Some(TierBlocks { engine, routed, .. }) = t.map(|t| &mut self.tiers[t]) else { return Ok(()) };
+            for e in hashes {
+                let Some(b) = engine.get_mut(e) else { continue };
+                b.copies -= 1;
+                if b.copies == 0 {
+                    let router = b.router;
+                    engine.remove(e);
+                    if let Some(n) = routed.get_mut(&router) {
+                        *n -= 1;
+                        if *n == 0 {
+                            routed.remove(&router);
+                        }
+                    }
+                }
+            }
+            return Ok(());
+        }
         let routing = t == Some(0);
         for &e in hashes {
             let Some(TierBlocks { engine, routed, .. }) = t.map(|t| &mut self.tiers[t]) else {
@@ -405,7 +480,8 @@ impl Exact {
 
     fn clear(&mut self, changes: &mut Vec<Change>) {
         changes.extend(self.tiers[0].routed.keys().filter(|h| !self.claims.contains_key(*h)).map(|&h| (h, false)));
-        for tb in &mut self.tiers {
+        // The GPU's tiers; offloaded blocks stay.
+        for tb in self.tiers.iter_mut().filter(|tb| tb.medium == "GPU") {
             tb.engine.clear();
             tb.routed.clear();
         }

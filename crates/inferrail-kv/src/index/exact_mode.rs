@@ -3,6 +3,7 @@
 
 use super::exact::Exact;
 use super::{Event, EventError, KvIndex, Slot};
+use crate::hash::BlockHash;
 
 impl KvIndex {
     /// Puts a replica in exact mode, empty: its engine's cache is known to
@@ -59,6 +60,20 @@ impl KvIndex {
     /// Whether a replica is in exact mode.
     pub fn is_exact(&self, slot: Slot) -> bool {
         self.lock().get(&slot).is_some_and(|r| r.exact.is_some())
+    }
+
+    /// For each of `at` (a slot, and its GPU prefix of `keys` in blocks), the
+    /// blocks after that prefix its engine holds in offload tiers,
+    /// consecutive: (in host memory, elsewhere). Only replicas in exact mode
+    /// know them; the others hold none.
+    pub fn offloaded(&self, keys: &[BlockHash], at: &[(Slot, usize)]) -> Vec<(usize, usize)> {
+        let replicas = self.lock();
+        at.iter()
+            .map(|&(slot, from)| match replicas.get(&slot).and_then(|r| r.exact.as_ref()) {
+                Some(exact) if from < keys.len() => exact.offloaded(&keys[from..]),
+                _ => (0, 0),
+            })
+            .collect()
     }
 
     /// Blocks an exact replica's engine holds in each tier: medium, group, blocks.

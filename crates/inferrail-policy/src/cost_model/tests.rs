@@ -227,7 +227,7 @@ proptest! {
         let (lo, hi) = (a.min(b), a.max(b));
         let mut c = fleet(&[running])[0].clone();
         c.queued_prefill_secs = queue;
-        prop_assert!(p.estimate(&c, Some(prompt), hi).total <= p.estimate(&c, Some(prompt), lo).total + 1e-12);
+        prop_assert!(p.estimate(&c, Some(prompt), hi, Offloaded::default()).total <= p.estimate(&c, Some(prompt), lo, Offloaded::default()).total + 1e-12);
     }
 }
 
@@ -361,7 +361,7 @@ fn an_adapters_load_and_its_wait_for_a_slot_are_priced() {
     let fit = |resident, others| Some(AdapterFit { resident, others, max_loras: Some(3) });
     let mut c = fleet(&[0, 0, 0, 0]);
     (c[0].adapter, c[1].adapter, c[2].adapter, c[3].adapter) = (fit(false, 3), fit(false, 2), fit(true, 2), fit(false, 0));
-    let costs: Vec<f64> = c.iter().map(|x| p.estimate(x, req.prompt_tokens, 0).terms[6]).collect();
+    let costs: Vec<f64> = c.iter().map(|x| p.estimate(x, req.prompt_tokens, 0, Offloaded::default()).terms[6]).collect();
     let last = (a.load_ms + a.last_slot_share * a.slot_wait_ms) * 1e-3;
     assert_eq!(costs, [(a.load_ms + a.slot_wait_ms) * 1e-3, last, 0.0, a.load_ms * 1e-3]);
     let mut r = rng(1);
@@ -376,6 +376,32 @@ fn an_adapters_load_and_its_wait_for_a_slot_are_priced() {
     assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 0, "the wait for a slot beats a longer queue");
     // Two more adapters in flight than slots there: they wait first, each for a slot.
     c[0].adapter = fit(false, 5);
-    assert_eq!(p.estimate(&c[0], req.prompt_tokens, 0).terms[6], (a.load_ms + 3.0 * a.slot_wait_ms) * 1e-3);
+    assert_eq!(p.estimate(&c[0], req.prompt_tokens, 0, Offloaded::default()).terms[6], (a.load_ms + 3.0 * a.slot_wait_ms) * 1e-3);
     assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 2, "behind two waiting adapters, the longer queue where it runs is shorter");
+}
+
+/// Offloaded tokens are loaded, not computed: a replica whose engine holds
+/// the prompt in host memory beats a cold one by the prefill it saves less
+/// the load; a tier slower than computing loses, since the engine loads anyway.
+#[test]
+fn offloaded_tokens_cost_their_load_instead_of_their_prefill() {
+    let p = policy(Config::default());
+    let o = Config::default().offload;
+    let req = Request { prompt_tokens: Some(4_000), ..Request::default() };
+    let mut c = fleet(&[0, 0, 0]);
+    c[0].cached_tokens = 1_000;
+    c[1].cached_tokens = 1_000;
+    c[1].offloaded = Offloaded { host: 2_000, disk: 1_000 };
+    let (gpu, tiers) =
+        (p.estimate(&c[0], req.prompt_tokens, 1_000, c[0].offloaded), p.estimate(&c[1], req.prompt_tokens, 1_000, c[1].offloaded));
+    let load = (2_000.0 * o.host_token_us + 1_000.0 * o.disk_token_us) * 1e-6;
+    assert!((tiers.terms[7] - load).abs() < 1e-12 && gpu.terms[7] == 0.0, "{tiers:?}");
+    assert!((tiers.terms[2] - Prefill::default().secs(0, 4_000)).abs() < 1e-12, "nothing left to compute but the fixed cost: {tiers:?}");
+    let mut r = rng(1);
+    assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 1, "{gpu:?} {tiers:?}");
+    // A storage tier slower than prefill: the engine still loads, and the replica loses.
+    let slow = policy(Config { offload: Offload { host_token_us: 5.24, disk_token_us: 10_000.0 }, ..Config::default() });
+    assert_eq!(decide(&slow, &req, &c, &mut r).unwrap()[0], 0);
+    // Tokens the engine will load shorten what it computes under KV pressure too.
+    assert_eq!(c[1].engine_cached_tokens(), 4_000);
 }

@@ -129,7 +129,7 @@ pub fn decision_line(request_id: &str, model: &str, plan: &Plan, fallbacks: usiz
                     "kv_usage": rep.load.kv_usage,
                     "age_ms": age.as_secs_f64() * 1e3,
                 })),
-                "predicted_cached_tokens": c.cached_tokens,
+                "predicted_cached_tokens": c.engine_cached_tokens(),
                 "held_cached_tokens": c.held_cached_tokens,
                 "free_kv_tokens": c.free_kv_tokens(),
                 "set_aside": plan.set_aside[i].map(|a| a.label()),
@@ -147,7 +147,7 @@ pub fn decision_line(request_id: &str, model: &str, plan: &Plan, fallbacks: usiz
         "prompt_tokens": plan.prompt_tokens(),
         "winner": plan.winner().id,
         "fallbacks": plan.order.iter().skip(1).take(fallbacks).map(|&i| plan.replica(i).id.clone()).collect::<Vec<_>>(),
-        "predicted_cached_tokens": plan.candidates[plan.order[0]].cached_tokens,
+        "predicted_cached_tokens": plan.candidates[plan.order[0]].engine_cached_tokens(),
         "steer": plan.steer,
         "waived": plan.waived,
         "shadow": plan.shadow.as_ref().map(|sh| json!({

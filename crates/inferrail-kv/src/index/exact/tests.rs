@@ -93,6 +93,46 @@ fn adapters_and_media_are_kept_apart() {
 }
 
 #[test]
+fn offloaded_blocks_continue_the_gpu_prefix_from_placeholders_or_their_tokens() {
+    let index = index();
+    let seed = salt(&["m", ""]);
+    let cpu = Tier { medium: "CPU", group: 0 };
+    let router = block_hashes(seed, &tokens(6, 0), BS);
+    let keys = |from: usize| index.offloaded(&router, &[(0, from), (1, from)]);
+    // The GPU stored six blocks; placeholders (a hash, nothing else) say four reached the host.
+    store(&index, seed, 0, 0, 6, Tier::ROUTING).unwrap();
+    for &h in &router[..4] {
+        let hash = [engine(h)];
+        index.apply(0, &Event::Stored(Stored { hashes: &hash, parent: None, tokens: &[], block_size: 0, seed, tier: cpu })).unwrap();
+    }
+    // The GPU evicts from the tail: the last four go, the host still has the first four.
+    for k in (2..6).rev() {
+        index.apply(0, &Event::Removed { hashes: &[engine(router[k])], tier: Tier::ROUTING }).unwrap();
+    }
+    assert_eq!(matched(&index, seed, 0, 6), 2);
+    assert_eq!(keys(2), [(2, 0), (0, 0)], "past the GPU's two, the host's next two; an approximate replica knows none");
+    assert_eq!(keys(0), [(4, 0), (0, 0)]);
+    // A block the host evicts before its parent ends the run there, and is no error.
+    index.apply(0, &Event::Removed { hashes: &[engine(router[1])], tier: cpu }).unwrap();
+    assert_eq!(keys(0), [(1, 0), (0, 0)]);
+    assert_eq!(keys(2), [(2, 0), (0, 0)]);
+    // Self-describing events name blocks by their tokens when the GPU never held them;
+    // a storage tier counts apart, after the host.
+    let disk = Tier { medium: "STORAGE", group: 0 };
+    let t = tokens(6, 0);
+    let tail: Vec<u64> = router[4..].iter().map(|&h| engine(h)).collect();
+    index.apply(0, &stored(&tail, Some(engine(router[3])), &t[4 * BS..], seed, disk)).unwrap();
+    assert_eq!(keys(2), [(2, 2), (0, 0)]);
+    // A placeholder for a block no tier knows, and its removal, change nothing.
+    index.apply(0, &Event::Stored(Stored { hashes: &[77], parent: None, tokens: &[], block_size: 0, seed, tier: cpu })).unwrap();
+    index.apply(0, &Event::Removed { hashes: &[77, 78], tier: cpu }).unwrap();
+    // Clearing the GPU leaves the host's blocks.
+    index.apply(0, &Event::Cleared).unwrap();
+    assert_eq!(keys(0), [(1, 0), (0, 0)]);
+    assert!(index.is_exact(0));
+}
+
+#[test]
 fn bad_events_are_errors() {
     let index = index();
     let seed = salt(&["m", ""]);
