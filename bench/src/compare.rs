@@ -37,7 +37,9 @@ pub struct CompareArgs {
     /// `sglang` (PyPI `sglang-router`), `smg` and `vllm-router`; and on a
     /// fleet split by `--prefill-replicas`, `pd:<policy>` for Inferrail
     /// routing it disaggregated and `vllm-router-pd:<policy>` for vLLM's
-    /// router in its disaggregated mode.
+    /// router in its disaggregated mode; and `<policy>+<variant>` for a
+    /// variant of a policy's parameters (`cost_model+gpu_only`: offloaded
+    /// KV priced as computed).
     #[arg(
         long,
         value_delimiter = ',',
@@ -280,6 +282,7 @@ async fn start(
     prefill: &[Option<Prefill>],
 ) -> anyhow::Result<(Processes, Option<u64>)> {
     let peer = processes::Peer::of(contender);
+    let (contender, overrides) = processes::variant(contender, args.policy_params.as_ref())?;
     let split = contender.strip_prefix("pd:");
     let mut fleet = start_sims(args, logs, http, split.is_some() || peer.is_some_and(|(p, _)| p.disaggregated())).await?;
     let load_interval_ms = match peer {
@@ -301,8 +304,8 @@ async fn start(
                     (&args.tokenizer, &adapters(args)),
                     seed,
                     ports(k),
-                    (&SIMS, prefill, if split.is_some() { args.prefill_replicas } else { 0 }),
-                    (args.time_scale, args.policy_params.as_ref()),
+                    (&SIMS, prefill, if split.is_some() { args.prefill_replicas } else { 0 }, processes::host_blocks(&args.sim_flags)?),
+                    (args.time_scale, overrides.as_ref()),
                     args.kv_events.then_some(&KV_EVENTS[..]),
                 )?;
                 let name = if k == 0 { "inferrail".to_string() } else { format!("inferrail-{}", k + 1) };

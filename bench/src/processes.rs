@@ -171,7 +171,7 @@ pub fn router_config(
     (tokenizer, adapters): (&str, &[String]),
     seed: u64,
     ports: RouterPorts,
-    (sims, prefill, prefills): (&[u16], &[Option<inferrail_policy::Prefill>], usize),
+    (sims, prefill, prefills, host_blocks): (&[u16], &[Option<inferrail_policy::Prefill>], usize, Option<usize>),
     (time_scale, overrides): (f64, Option<&serde_json::Value>),
     kv_events: Option<&[KvEventPorts]>,
 ) -> anyhow::Result<(String, inferrail_config::Config)> {
@@ -191,11 +191,18 @@ pub fn router_config(
         (_, true) => ", role: prefill",
         (_, false) => ", role: decode",
     };
+    let host = host_blocks.map_or_else(String::new, |b| format!(", host_kv_blocks: {b}"));
     let replicas: String = sims
         .iter()
         .enumerate()
         .map(|(i, p)| {
-            format!("  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]{}{}{}}}\n", i + 1, cost(i), events(i), role(i))
+            format!(
+                "  - {{id: sim-{}, address: 127.0.0.1:{p}, models: [inferrail/sim-8b]{}{}{}{host}}}\n",
+                i + 1,
+                cost(i),
+                events(i),
+                role(i)
+            )
         })
         .collect();
     let RouterPorts { ext_proc, admin, admin_grpc } = ports;
@@ -217,6 +224,47 @@ pub fn router_config(
     );
     let config = inferrail_config::Config::parse(&yaml).map_err(|e| anyhow::anyhow!("the router's config: {e}"))?;
     Ok((yaml, config))
+}
+
+/// Blocks the simulators' flags give their host tier, as the simulator
+/// sizes it: `--kv-offloading-size` GiB over a block's KV bytes rounded up
+/// to a page; `None` without the flag.
+pub fn host_blocks(sim_flags: &str) -> anyhow::Result<Option<usize>> {
+    let flags: Vec<&str> = sim_flags.split_whitespace().collect();
+    let value = |name: &str| flags.iter().position(|f| *f == name).and_then(|i| flags.get(i + 1)).map(|v| v.parse::<f64>());
+    let Some(gib) = value("--kv-offloading-size").transpose()? else { return Ok(None) };
+    let block_size = value("--block-size").transpose()?.unwrap_or(16.0);
+    let per_token = value("--kv-cache-bytes-per-token").transpose()?.unwrap_or(inferrail_engine::cost::KV_BYTES_PER_TOKEN as f64);
+    let block = ((block_size * per_token) as usize).next_multiple_of(4096);
+    Ok(Some((gib * f64::from(1u32 << 30)) as usize / block))
+}
+
+/// Named variants of a policy's parameters: a contender `<policy>+<name>`.
+const VARIANTS: [(&str, &str, &str); 1] = [("cost_model", "gpu_only", r#"{"offload": {"aware": false}}"#)];
+
+/// The policy a contender names and the parameters it runs with: the
+/// run's `--policy-params` (`overrides`), with a variant's laid over its policy's.
+pub fn variant<'a>(contender: &'a str, overrides: Option<&serde_json::Value>) -> anyhow::Result<(&'a str, Option<serde_json::Value>)> {
+    let Some((policy, name)) = contender.split_once('+') else { return Ok((contender, overrides.cloned())) };
+    let Some((_, _, params)) = VARIANTS.iter().find(|(p, n, _)| *p == policy && *n == name) else {
+        let known: Vec<String> = VARIANTS.iter().map(|(p, n, _)| format!("{p}+{n}")).collect();
+        anyhow::bail!("unknown variant {contender} (known: {})", known.join(", "));
+    };
+    let mut all = overrides.cloned().unwrap_or_else(|| serde_json::json!({}));
+    lay_over(&mut all[policy], serde_json::from_str(params)?);
+    Ok((policy, Some(all)))
+}
+
+/// Lays `over`'s fields over `base`'s, object by object.
+fn lay_over(base: &mut serde_json::Value, over: serde_json::Value) {
+    match (base, over) {
+        (serde_json::Value::Object(b), serde_json::Value::Object(o)) => {
+            for (k, v) in o {
+                lay_over(b.entry(k).or_insert(serde_json::Value::Null), v);
+            }
+        }
+        (b, o) => *b = o,
+    }
 }
 
 /// A peer router the benchmarks run in front of the same simulators.
@@ -317,6 +365,35 @@ mod tests {
     }
 
     #[test]
+    fn the_host_tier_is_sized_from_the_simulators_flags() -> anyhow::Result<()> {
+        assert_eq!(host_blocks("--block-size 16 --kv-offloading-size 4")?, Some(2048), "4 GiB of 2 MiB blocks");
+        assert_eq!(host_blocks("--kv-offloading-size 0.5 --block-size 64 --kv-cache-bytes-per-token 1000")?, Some(8192));
+        assert_eq!(host_blocks("--block-size 16")?, None);
+        assert!(host_blocks("--kv-offloading-size lots").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_variant_lays_its_parameters_over_the_runs() -> anyhow::Result<()> {
+        let run = serde_json::json!({"cost_model": {"epsilon": 1.0, "offload": {"host_token_us": 1.0}}, "kv_aware": {"load_weight": 2.0}});
+        let (policy, params) = variant("cost_model+gpu_only", Some(&run))?;
+        let expected = serde_json::json!({"cost_model": {"epsilon": 1.0, "offload": {"host_token_us": 1.0, "aware": false}}, "kv_aware": {"load_weight": 2.0}});
+        assert_eq!((policy, params), ("cost_model", Some(expected)));
+        assert_eq!(variant("cost_model", Some(&run))?, ("cost_model", Some(run.clone())));
+        assert_eq!(
+            variant("dynamo_kv+gpu_only", None).err().map(|e| e.to_string()),
+            Some("unknown variant dynamo_kv+gpu_only (known: cost_model+gpu_only)".into())
+        );
+        // The variant's router config is valid.
+        let (_, params) = variant("cost_model+gpu_only", None)?;
+        let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
+        let (_, config) =
+            router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001], &[], 0, None), (0.1, params.as_ref()), None)?;
+        assert_eq!(config.models[0].policies["cost_model"]["offload"]["aware"], serde_yaml::Value::Bool(false));
+        Ok(())
+    }
+
+    #[test]
     fn envoy_ports_move_as_whole_numbers() -> anyhow::Result<()> {
         let text = envoy_config("../envoy/local.yaml", &[(8001, 18001), (9002, 19002)])?;
         assert!(text.contains("port_value: 18001") && text.contains("port_value: 19002") && text.contains("port_value: 8002"));
@@ -330,7 +407,7 @@ mod tests {
         let events = [KvEventPorts { publish: 7001, replay: 7101 }, KvEventPorts { publish: 7002, replay: 7102 }];
         let params = inferrail_fleet::timescale::params(0.1);
         let (yaml, config) =
-            router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001, 8002], &[], 0), (0.1, None), Some(&events))?;
+            router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001, 8002], &[], 0, None), (0.1, None), Some(&events))?;
         assert_eq!(inferrail_config::Config::parse(&yaml)?, config, "the YAML reads as the configuration returned");
         let ip = "127.0.0.1".parse()?;
         let own = |c: &inferrail_config::Config, id: &str| c.replicas.iter().find(|r| r.id == id).and_then(|r| r.kv_events.clone());
@@ -339,7 +416,7 @@ mod tests {
         assert_eq!(second.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:7102"));
         assert_eq!(config.routing.policies, params);
         assert_eq!(config.load.interval_ms, 10, "the engines' load is read ten times as often at a tenth of the time");
-        let (_, plain) = router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001], &[], 0), (0.1, None), None)?;
+        let (_, plain) = router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001], &[], 0, None), (0.1, None), None)?;
         assert_eq!(plain.event_source(own(&plain, "sim-1").as_ref(), ip), None, "no events: approximate mode");
         // The simulator binds what the router connects to, as vLLM does for `*`.
         let [flag, json] = events[1].sim_flags();
@@ -354,7 +431,7 @@ mod tests {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let slow = inferrail_policy::Prefill { prefill_token_us: 21.5, prefill_pair_ns: 0.61, prefill_fixed_ms: 1.0 };
         let (yaml, config) =
-            router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001, 8002], &[None, Some(slow)], 0), (0.1, None), None)?;
+            router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001, 8002], &[None, Some(slow)], 0, None), (0.1, None), None)?;
         assert_eq!(inferrail_config::Config::parse(&yaml)?, config);
         assert_eq!(config.replicas.iter().map(|r| r.serving.prefill).collect::<Vec<_>>(), [None, Some(slow)]);
         Ok(())
@@ -392,7 +469,7 @@ mod tests {
         let ports = RouterPorts { ext_proc: 1, admin: 2, admin_grpc: 3 };
         let with = |over: &str| -> anyhow::Result<inferrail_config::Config> {
             let over = inferrail_fleet::timescale::parse_overrides(over).map_err(anyhow::Error::msg)?;
-            Ok(router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001], &[], 0), (0.1, Some(&over)), None)?.1)
+            Ok(router_config("cost_model", ("builtin:sim", &[]), 1, ports, (&[8001], &[], 0, None), (0.1, Some(&over)), None)?.1)
         };
         let config = with(r#"{"cost_model": {"share_weight": 0, "hot_prefix": {"enabled": false}}}"#)?;
         let (base, p) = (inferrail_fleet::timescale::params(0.1), config.params(0).map_err(|e| anyhow::anyhow!(e.join("; ")))?);

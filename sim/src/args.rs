@@ -92,11 +92,11 @@ pub struct Args {
     /// Bytes of KV one token takes, over all layers (the default is an 8B
     /// model's in 16 bits: 32 layers, 8 KV heads of 128, keys and values).
     /// Sizes the host tier in blocks.
-    #[arg(long, default_value_t = 131_072)]
+    #[arg(long, default_value_t = cost::KV_BYTES_PER_TOKEN)]
     pub kv_cache_bytes_per_token: usize,
     /// Speed of copies between the GPU and the host tier, GB/s (an
     /// assumption: about what PCIe 4.0 x16 sustains).
-    #[arg(long, default_value_t = 25.0)]
+    #[arg(long, default_value_t = cost::OFFLOAD_GBS)]
     pub kv_offload_bandwidth_gbs: f64,
     /// Serve LoRA adapters (`--lora-modules`, and at run time with
     /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`).

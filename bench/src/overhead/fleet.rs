@@ -132,8 +132,16 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
                 // Zero-latency simulators: the default time scale prices nothing they do.
                 std::fs::write(
                     &path,
-                    processes::router_config(&args.policy, (&args.tokenizer, &[]), args.seed, ROUTER, (&SIMS, &[], 0), (1.0, None), None)?
-                        .0,
+                    processes::router_config(
+                        &args.policy,
+                        (&args.tokenizer, &[]),
+                        args.seed,
+                        ROUTER,
+                        (&SIMS, &[], 0, None),
+                        (1.0, None),
+                        None,
+                    )?
+                    .0,
                 )?;
                 let flags = ["--config".into(), path.display().to_string()];
                 pids.push((Role::Inferrail, fleet.spawn("inferrail", logs, &args.programs.bin_dir.join("inferrail"), &flags)?));

@@ -72,6 +72,12 @@ pub struct Serving {
     pub block_size: Option<usize>,
     /// KV blocks it holds; learned from the engine's metrics when unset.
     pub kv_blocks: Option<usize>,
+    /// KV blocks its engine offloads to host memory (vLLM's
+    /// `--kv-offloading-size` over the KV bytes of a block, ADR 0059): its
+    /// view of that tier in approximate mode, and the tier's size in exact
+    /// mode. Unset: no tier in approximate mode; in exact mode its events
+    /// show it and its size is the most it held.
+    pub host_kv_blocks: Option<usize>,
     /// Its engine's prefill cost, as `inferrail-calibrate` fits it, for a
     /// fleet whose engines differ; unset, its model's `policies.prefill`.
     pub prefill: Option<Prefill>,
@@ -88,6 +94,7 @@ impl Default for Serving {
             max_pending: l.max_pending,
             block_size: None,
             kv_blocks: None,
+            host_kv_blocks: None,
             prefill: None,
             role: Role::Both,
         }
@@ -102,7 +109,7 @@ impl Serving {
 
     /// Its cache shape as configured.
     pub fn cache(&self) -> CacheShape {
-        CacheShape { block_size: self.block_size, blocks: self.kv_blocks }
+        CacheShape { block_size: self.block_size, blocks: self.kv_blocks, host_blocks: self.host_kv_blocks }
     }
 }
 
@@ -130,6 +137,8 @@ pub struct CacheShape {
     pub block_size: Option<usize>,
     /// Blocks.
     pub blocks: Option<usize>,
+    /// Blocks in host memory (never learned).
+    pub host_blocks: Option<usize>,
 }
 
 /// Replicas found by resolving a DNS name; members are named `<group>-<ip>-<port>`.

@@ -205,8 +205,8 @@ impl Serving {
         if self.max_concurrency == 0 || self.max_pending == 0 {
             p.push(format!("{at}: max_concurrency and max_pending must be at least 1"));
         }
-        if self.block_size == Some(0) || self.kv_blocks == Some(0) {
-            p.push(format!("{at}: block_size and kv_blocks must be at least 1 when set"));
+        if self.block_size == Some(0) || self.kv_blocks == Some(0) || self.host_kv_blocks == Some(0) {
+            p.push(format!("{at}: block_size, kv_blocks and host_kv_blocks must be at least 1 when set"));
         }
         if let Some(prefill) = &self.prefill {
             prefill.validate(&format!("{at}.prefill"), p);

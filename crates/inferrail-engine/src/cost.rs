@@ -37,6 +37,14 @@ pub const LORA_LOAD_MS: f64 = 50.0;
 /// milliseconds: an assumption (tens of megabytes over PCIe).
 pub const LORA_SLOT_MS: f64 = 5.0;
 
+/// Bytes of KV one token takes over all layers: an 8B model's in 16 bits
+/// (32 layers, 8 KV heads of 128 dimensions, keys and values).
+pub const KV_BYTES_PER_TOKEN: usize = 131_072;
+
+/// Speed of KV copies between the GPU and host memory, GB/s: an assumption,
+/// about what PCIe 4.0 x16 sustains.
+pub const OFFLOAD_GBS: f64 = 25.0;
+
 /// Defaults that approximate an 8B model on one 24 GB GPU.
 pub const DEFAULT: LatencyModel = LatencyModel {
     prefill_token_us: 100.0,

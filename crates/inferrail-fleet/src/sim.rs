@@ -340,7 +340,7 @@ fn router(setup: &Setup, policy: PolicyKind, share: Share) -> anyhow::Result<Rou
             let id = format!("sim-{i}");
             let addr = SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8000));
             let (latency, blocks) = setup.engine(i);
-            let cache = CacheShape { block_size: Some(setup.block_size), blocks: Some(blocks) };
+            let cache = CacheShape { block_size: Some(setup.block_size), blocks: Some(blocks), host_blocks: None };
             let r = Arc::new(Replica::new(id.clone(), addr, vec![0], setup.limits, cache, core.kv.slot(&id)));
             r.set_role(setup.role(i));
             if !setup.mixed.is_empty() {

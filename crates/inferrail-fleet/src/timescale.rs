@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use inferrail_engine::cost::{DEFAULT, LORA_LOAD_MS, LORA_SLOT_MS, LatencyModel};
+use inferrail_engine::cost::{DEFAULT, LORA_LOAD_MS, LORA_SLOT_MS, LatencyModel, OFFLOAD_GBS};
 use inferrail_policy::{Params, Prefill};
 
 /// A time scale flag: a positive, finite number.
@@ -45,6 +45,8 @@ pub fn params(s: f64) -> Params {
     p.kv_transfer.block_us = l.transfer_block_us;
     p.cost_model.adapters.load_ms *= s;
     p.cost_model.adapters.slot_wait_ms *= s;
+    p.cost_model.offload.host_token_us *= s;
+    p.cost_model.offload.disk_token_us *= s;
     p
 }
 
@@ -78,6 +80,7 @@ pub fn sim_flags(s: f64) -> Vec<String> {
         ("--kv-transfer-block-us", l.transfer_block_us),
         ("--lora-load-ms", LORA_LOAD_MS * s),
         ("--lora-slot-ms", LORA_SLOT_MS * s),
+        ("--kv-offload-bandwidth-gbs", OFFLOAD_GBS / s),
     ]
     .into_iter()
     .flat_map(|(flag, v)| [flag.to_string(), v.to_string()])

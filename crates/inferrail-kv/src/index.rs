@@ -43,12 +43,14 @@ use ahead::Ahead;
 use exact::{Change, Exact};
 pub use exact::{Event, EventError, Stored, Tier};
 use holders::Holders;
+use host::HostOrder;
 use shadow::Shadow;
 
 mod ahead;
 mod exact;
 mod exact_mode;
 mod holders;
+mod host;
 mod lookup;
 mod shadow;
 
@@ -100,6 +102,10 @@ struct Replica {
     shadow: Shadow,
     /// The engine's blocks from its events, in exact mode.
     exact: Option<Exact>,
+    /// Blocks its engine keeps in host memory, when configured.
+    host_blocks: Option<usize>,
+    /// Approximate mode's shadow of that tier (with `host_blocks`).
+    host: Option<HostOrder>,
     /// Requests recorded and not yet completed or taken back.
     requests: HashMap<u64, Request>,
     /// Requests waiting for room, first come first, as in the engine's queue.
@@ -486,7 +492,7 @@ impl KvIndex {
     /// Adds a replica that holds nothing and can hold `capacity` blocks (at least one).
     pub fn add_replica(&self, slot: Slot, capacity: usize) {
         let mut replicas = self.lock();
-        if let Some(old) = replicas.insert(slot, self.new_replica(capacity)) {
+        if let Some(old) = replicas.insert(slot, self.new_replica(capacity, None)) {
             self.drop_all(slot, old);
         }
         // The map holds no more blocks than the replicas together: room for
@@ -494,12 +500,14 @@ impl KvIndex {
         self.holders.reserve(room_up_front(&replicas));
     }
 
-    fn new_replica(&self, capacity: usize) -> Replica {
+    fn new_replica(&self, capacity: usize, host_blocks: Option<usize>) -> Replica {
         let id = self.ids.fetch_add(1, Ordering::Relaxed);
         Replica {
             id,
             shadow: Shadow::new(capacity),
             exact: None,
+            host_blocks,
+            host: host_blocks.map(|b| HostOrder::new(Some(b))),
             requests: HashMap::new(),
             queue: VecDeque::new(),
             ahead: Ahead::default(),
@@ -524,12 +532,27 @@ impl KvIndex {
         }
     }
 
+    /// Sets how many blocks `slot`'s engine keeps in host memory (`None`:
+    /// none, or unknown), starting its view of them from empty.
+    pub fn set_host(&self, slot: Slot, blocks: Option<usize>) {
+        let mut replicas = self.lock();
+        let Some(rep) = replicas.get_mut(&slot) else { return };
+        if rep.host_blocks == blocks {
+            return;
+        }
+        rep.host_blocks = blocks;
+        rep.host = blocks.map(|b| HostOrder::new(Some(b)));
+        if let Some(exact) = &mut rep.exact {
+            exact.set_host(blocks);
+        }
+    }
+
     /// Empties a replica whose engine restarted, keeping its capacity and mode.
     pub fn clear_replica(&self, slot: Slot) {
         let mut replicas = self.lock();
         let Some(entry) = replicas.get_mut(&slot) else { return };
-        let mut fresh = self.new_replica(entry.shadow.cap());
-        fresh.exact = entry.exact.as_ref().map(|e| Exact::new(e.block_size(), entry.shadow.cap()));
+        let mut fresh = self.new_replica(entry.shadow.cap(), entry.host_blocks);
+        fresh.exact = entry.exact.as_ref().map(|e| Exact::new(e.block_size(), entry.shadow.cap(), entry.host_blocks));
         let old = std::mem::replace(entry, fresh);
         self.drop_all(slot, old);
     }
@@ -593,6 +616,10 @@ impl KvIndex {
             rep.prefills(request, fresh);
             rep.foretell(request, pace, 0);
             return Recorded { slot, replica: rep.id, request };
+        }
+        // Its full prompt blocks are stored in host memory when it starts.
+        if let Some(host) = &mut rep.host {
+            host.sent(prompt);
         }
         // Behind a queue it waits its turn; before one, it runs if it fits.
         let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };

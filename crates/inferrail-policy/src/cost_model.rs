@@ -120,11 +120,14 @@ pub struct Offload {
     /// From disk or remote storage, microseconds per token: the same over
     /// 2.5 GB/s (one NVMe drive).
     pub disk_token_us: f64,
+    /// Price offloaded tokens at all; without, they are computed as far as
+    /// the estimate knows (the GPU-only cost model, for comparisons).
+    pub aware: bool,
 }
 
 impl Default for Offload {
     fn default() -> Self {
-        Self { host_token_us: 5.24, disk_token_us: 52.4 }
+        Self { host_token_us: 5.24, disk_token_us: 52.4, aware: true }
     }
 }
 
@@ -132,6 +135,11 @@ impl Offload {
     /// Seconds to load `o`.
     pub fn secs(&self, o: Offloaded) -> f64 {
         (self.host_token_us * o.host as f64 + self.disk_token_us * o.disk as f64) * 1e-6
+    }
+
+    /// What the estimate counts of `c`'s offloaded tokens.
+    fn of(&self, c: &Candidate) -> Offloaded {
+        if self.aware { c.offloaded } else { Offloaded::default() }
     }
 }
 
@@ -391,7 +399,7 @@ impl RoutingPolicy for CostModel {
         }
         let prompt = req.prompt_tokens?;
         // Tokens the prompt would compute on a replica.
-        let new = |x: &Candidate| prompt.saturating_sub(x.engine_cached_tokens());
+        let new = |x: &Candidate| prompt.saturating_sub(x.cached_tokens + self.config.offload.of(x).tokens());
         let long = |x: &Candidate| new(x) > self.config.short_prompt_tokens;
         // Above kappa, or without free room for the prompt (it would wait
         // for running requests to finish): its cached blocks leave the free
@@ -445,7 +453,7 @@ impl RoutingPolicy for CostModel {
             })
             .collect();
         for (s, &i) in out.iter_mut().zip(offered) {
-            *s = self.estimate(&c[i], req.prompt_tokens, c[i].cached_tokens, c[i].offloaded);
+            *s = self.estimate(&c[i], req.prompt_tokens, c[i].cached_tokens, self.config.offload.of(&c[i]));
         }
         if let Some((root, root_tokens)) = self.root(req) {
             // Roots sent within the window are the ones a replica serves.

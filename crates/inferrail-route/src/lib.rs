@@ -193,6 +193,7 @@ impl Core {
     /// Starts tracking a replica that just joined, empty.
     pub fn join(&self, r: &Replica) {
         self.kv.reset(r.slot, r.blocks(self.kv.defaults.blocks));
+        self.kv.index().set_host(r.slot, r.cache.host_blocks);
     }
 
     /// Forgets a replica that left.

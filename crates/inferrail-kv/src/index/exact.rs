@@ -53,6 +53,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use foldhash::fast::FixedState;
 
+use super::host::HostOrder;
 use super::{FoldState, Slot};
 use crate::hash::{BlockHash, next};
 
@@ -68,6 +69,9 @@ pub struct Tier<'a> {
 impl Tier<'_> {
     /// The tier routing lookups count: the engine's GPU blocks of group 0.
     pub const ROUTING: Tier<'static> = Tier { medium: "GPU", group: 0 };
+
+    /// Host memory, where vLLM's offloading connector keeps blocks.
+    pub const HOST: Tier<'static> = Tier { medium: "CPU", group: 0 };
 
     /// Whether it is the engine's GPU memory (any group), which holds whole prefixes.
     fn routes(&self) -> bool {
@@ -220,6 +224,11 @@ pub(super) struct Exact {
     anchor: HashMap<BlockHash, BlockHash, FoldState>,
     /// The last tick given out.
     tick: u64,
+    /// The host memory tier (medium `CPU`, group 0) in eviction order.
+    host: HostOrder,
+    /// Claimed blocks the host tier lacks: what the requests sent will
+    /// store there when the engine admits them.
+    incoming: usize,
 }
 
 /// A change in what the routing tier presents: the block, and whether it is now present.
@@ -228,7 +237,7 @@ pub(super) type Change = (BlockHash, bool);
 impl Exact {
     /// An empty view of a cache of `blocks` blocks of `block_size` tokens
     /// (room for them is taken at once, up to 65,536).
-    pub(super) fn new(block_size: usize, blocks: usize) -> Self {
+    pub(super) fn new(block_size: usize, blocks: usize, host_blocks: Option<usize>) -> Self {
         Self {
             block_size,
             capacity: blocks,
@@ -242,6 +251,8 @@ impl Exact {
             trailing: HashMap::default(),
             anchor: HashMap::default(),
             tick: 0,
+            host: HostOrder::new(host_blocks),
+            incoming: 0,
         }
     }
 
@@ -341,6 +352,7 @@ impl Exact {
             None => Some(s.seed),
             Some(p) => self.named(p),
         };
+        let host = self.tiers[t].is(Tier::HOST);
         for (i, &e) in s.hashes.iter().enumerate() {
             let by_tokens = router.filter(|_| described).map(|r| next(r, &s.tokens[i * bs..(i + 1) * bs]));
             router = self.named(e).or(by_tokens);
@@ -350,7 +362,14 @@ impl Exact {
                 std::collections::hash_map::Entry::Occupied(mut b) => b.get_mut().copies += 1,
                 std::collections::hash_map::Entry::Vacant(v) => {
                     v.insert(Block { router: r, parent: None, copies: 1, children: 0, depth: 0 });
-                    *routed.entry(r).or_insert(0) += 1;
+                    let n = routed.entry(r).or_insert(0);
+                    *n += 1;
+                    if host && *n == 1 {
+                        self.host.stored(r);
+                        if self.claims.contains_key(&r) {
+                            self.incoming = self.incoming.saturating_sub(1);
+                        }
+                    }
                 }
             }
         }
@@ -361,19 +380,19 @@ impl Exact {
         self.tiers.iter().find_map(|tb| tb.engine.get(&e).map(|b| b.router))
     }
 
-    /// Of `keys`, the blocks past the GPU prefix held in offload tiers of
-    /// group 0, consecutive from the first: (in host memory, elsewhere).
+    /// Sets the host tier's size (`None`: learned from what it holds).
+    pub(super) fn set_host(&mut self, blocks: Option<usize>) {
+        self.host.resize(blocks);
+    }
+
+    /// Of `keys` (those past the GPU prefix), the blocks the engine will
+    /// find in offload tiers of group 0, consecutive from the first: in host
+    /// memory, as many as the requests sent leave there ([`HostOrder::run`]),
+    /// then elsewhere (disk, remote storage).
     pub(super) fn offloaded(&self, keys: &[BlockHash]) -> (usize, usize) {
-        let (mut host, mut other) = (0, 0);
-        for k in keys {
-            let tier = self.tiers[1..].iter().filter(|tb| tb.group == 0 && tb.routed.contains_key(k)).map(|tb| tb.medium == "CPU").max();
-            match tier {
-                Some(true) => host += 1,
-                Some(false) => other += 1,
-                None => break,
-            }
-        }
-        (host, other)
+        let host = self.host.run(keys, self.incoming);
+        let others = |k: &BlockHash| self.tiers[1..].iter().any(|tb| tb.group == 0 && tb.medium != "CPU" && tb.routed.contains_key(k));
+        (host, keys[host..].iter().take_while(|k| others(k)).count())
     }
 
     /// Newly held blocks of one chain enter the eviction order, or stop
@@ -427,6 +446,7 @@ impl Exact {
         let t = self.tiers.iter().position(|tb| tb.is(tier));
         if !tier.routes() {
             // Blocks, not prefixes; one never named was left out.
+            let host = tier == Tier::HOST;
             let Some(TierBlocks { engine, routed, .. }) = t.map(|t| &mut self.tiers[t]) else { return Ok(()) };
             for e in hashes {
                 let Some(b) = engine.get_mut(e) else { continue };
@@ -438,6 +458,10 @@ impl Exact {
                         *n -= 1;
                         if *n == 0 {
                             routed.remove(&router);
+                            if host {
+                                self.host.removed(router);
+                                self.incoming += usize::from(self.claims.contains_key(&router));
+                            }
                         }
                     }
                 }
@@ -514,6 +538,7 @@ impl Exact {
             if *n > 1 {
                 continue;
             }
+            self.incoming += usize::from(!self.host.contains(h));
             if !self.tiers[0].routed.contains_key(&h) {
                 self.unheld += 1;
                 changes.push((h, true));
@@ -588,6 +613,7 @@ impl Exact {
     pub(super) fn unclaim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) {
         self.live = self.live.saturating_sub(1);
         self.tick += 1;
+        self.host.finished(keys);
         for (depth, h) in keys.iter().enumerate() {
             let Some(n) = self.claims.get_mut(h) else { continue };
             *n -= 1;
@@ -595,6 +621,9 @@ impl Exact {
                 continue;
             }
             self.claims.remove(h);
+            if !self.host.contains(*h) {
+                self.incoming = self.incoming.saturating_sub(1);
+            }
             // What the request generated after this block goes with it, first.
             for t in self.trailing.remove(h).unwrap_or_default() {
                 if let Some(old) = self.stamps.get(&t).copied().filter(|_| self.anchor.get(&t) == Some(h)) {

@@ -2,7 +2,7 @@
 //! holds) and back in approximate mode, and applying those events.
 
 use super::exact::Exact;
-use super::{Event, EventError, KvIndex, Slot};
+use super::{Event, EventError, KvIndex, Replica, Slot};
 use crate::hash::BlockHash;
 
 impl KvIndex {
@@ -13,8 +13,8 @@ impl KvIndex {
     pub fn enter_exact(&self, slot: Slot, block_size: usize) -> bool {
         let mut replicas = self.lock();
         let Some(entry) = replicas.get_mut(&slot) else { return false };
-        let mut fresh = self.new_replica(entry.shadow.cap());
-        fresh.exact = Some(Exact::new(block_size, entry.shadow.cap()));
+        let mut fresh = self.new_replica(entry.shadow.cap(), entry.host_blocks);
+        fresh.exact = Some(Exact::new(block_size, entry.shadow.cap(), entry.host_blocks));
         let old = std::mem::replace(entry, fresh);
         self.drop_all(slot, old);
         true
@@ -29,7 +29,7 @@ impl KvIndex {
         let mut replicas = self.lock();
         let Some(entry) = replicas.get_mut(&slot) else { return };
         let Some(exact) = &entry.exact else { return };
-        let mut fresh = self.new_replica(entry.shadow.cap());
+        let mut fresh = self.new_replica(entry.shadow.cap(), entry.host_blocks);
         if keep {
             for h in exact.deepest_first() {
                 if !fresh.shadow.contains(h) && fresh.shadow.push(h).is_err() {
@@ -64,13 +64,16 @@ impl KvIndex {
 
     /// For each of `at` (a slot, and its GPU prefix of `keys` in blocks), the
     /// blocks after that prefix its engine holds in offload tiers,
-    /// consecutive: (in host memory, elsewhere). Only replicas in exact mode
-    /// know them; the others hold none.
+    /// consecutive: (in host memory, elsewhere). Replicas in exact mode know
+    /// them from their events; in approximate mode, a replica whose host
+    /// tier is configured from the requests sent there; others hold none.
     pub fn offloaded(&self, keys: &[BlockHash], at: &[(Slot, usize)]) -> Vec<(usize, usize)> {
         let replicas = self.lock();
         at.iter()
-            .map(|&(slot, from)| match replicas.get(&slot).and_then(|r| r.exact.as_ref()) {
-                Some(exact) if from < keys.len() => exact.offloaded(&keys[from..]),
+            .map(|&(slot, from)| match replicas.get(&slot) {
+                _ if from >= keys.len() => (0, 0),
+                Some(Replica { exact: Some(exact), .. }) => exact.offloaded(&keys[from..]),
+                Some(Replica { host: Some(host), .. }) => (host.run(&keys[from..], 0), 0),
                 _ => (0, 0),
             })
             .collect()

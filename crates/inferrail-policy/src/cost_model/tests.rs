@@ -400,8 +400,13 @@ fn offloaded_tokens_cost_their_load_instead_of_their_prefill() {
     let mut r = rng(1);
     assert_eq!(decide(&p, &req, &c, &mut r).unwrap()[0], 1, "{gpu:?} {tiers:?}");
     // A storage tier slower than prefill: the engine still loads, and the replica loses.
-    let slow = policy(Config { offload: Offload { host_token_us: 5.24, disk_token_us: 10_000.0 }, ..Config::default() });
+    let slow = policy(Config { offload: Offload { disk_token_us: 10_000.0, ..o.clone() }, ..Config::default() });
     assert_eq!(decide(&slow, &req, &c, &mut r).unwrap()[0], 0);
+    // Unaware, both replicas compute 3,000 tokens as far as it knows: a tie by the prompt, and no offload term.
+    let unaware = policy(Config { offload: Offload { aware: false, ..o.clone() }, ..Config::default() });
+    let mut out = [Score::default(); 3];
+    unaware.score(&req, &c, &[0, 1, 2], &mut r, &mut out);
+    assert_eq!((out[0].total, out[1].terms[7]), (out[1].total, 0.0), "{out:?}");
     // Tokens the engine will load shorten what it computes under KV pressure too.
     assert_eq!(c[1].engine_cached_tokens(), 4_000);
 }

@@ -133,6 +133,54 @@ fn offloaded_blocks_continue_the_gpu_prefix_from_placeholders_or_their_tokens() 
 }
 
 #[test]
+fn requests_sent_and_not_yet_admitted_will_evict_the_least_recent_host_blocks() {
+    let index = index();
+    index.set_host(0, Some(4));
+    let seed = salt(&["m", ""]);
+    let cpu = Tier::HOST;
+    let (a, b) = (block_hashes(seed, &tokens(4, 0), BS), block_hashes(seed, &tokens(4, 1), BS));
+    let to_host = |keys: &[BlockHash]| {
+        for &h in keys {
+            index
+                .apply(0, &Event::Stored(Stored { hashes: &[engine(h)], parent: None, tokens: &[], block_size: 0, seed, tier: cpu }))
+                .unwrap();
+        }
+    };
+    store(&index, seed, 0, 0, 4, Tier::ROUTING).unwrap();
+    to_host(&a);
+    index.apply(0, &Event::Cleared).unwrap();
+    assert_eq!(index.offloaded(&a, &[(0, 0)]), [(4, 0)]);
+    // A request for b is sent: when admitted it stores b's four blocks, evicting a's.
+    let rec = index.record(0, &b, 4, 0, 1, false, None);
+    assert_eq!(index.offloaded(&a, &[(0, 0)]), [(0, 0)], "a's blocks are as good as gone");
+    // The engine admits it: b stored, a evicted, as foretold.
+    store(&index, seed, 1, 0, 4, Tier::ROUTING).unwrap();
+    to_host(&b);
+    let gone: Vec<u64> = a.iter().rev().map(|&h| engine(h)).collect();
+    index.apply(0, &Event::Removed { hashes: &gone, tier: cpu }).unwrap();
+    assert_eq!(index.offloaded(&a, &[(0, 0)]), [(0, 0)]);
+    assert_eq!(index.offloaded(&b, &[(0, 0)]), [(4, 0)]);
+    index.complete(&rec, Duration::ZERO);
+    assert_eq!(index.offloaded(&b, &[(0, 2)]), [(2, 0)]);
+}
+
+#[test]
+fn an_approximate_replica_with_a_host_tier_keeps_the_prompts_sent_there() {
+    let index = index();
+    let seed = salt(&["m", ""]);
+    let (a, b) = (block_hashes(seed, &tokens(4, 0), BS), block_hashes(seed, &tokens(4, 1), BS));
+    index.record(1, &a, 4, 0, 1, false, None);
+    assert_eq!(index.offloaded(&a, &[(1, 0)]), [(0, 0)], "no host tier configured");
+    index.set_host(1, Some(6));
+    index.record(1, &a, 4, 0, 1, false, None);
+    assert_eq!(index.offloaded(&a, &[(1, 0), (1, 3)]), [(4, 0), (1, 0)]);
+    // Six blocks: b's four push out a's last two.
+    index.record(1, &b, 4, 0, 1, false, None);
+    assert_eq!(index.offloaded(&a, &[(1, 0)]), [(2, 0)]);
+    assert_eq!(index.offloaded(&b, &[(1, 0)]), [(4, 0)]);
+}
+
+#[test]
 fn bad_events_are_errors() {
     let index = index();
     let seed = salt(&["m", ""]);
