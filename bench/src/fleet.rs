@@ -70,6 +70,10 @@ pub struct FleetArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// Blocks each engine keeps in host memory (vLLM's `--kv-offloading-size`
+    /// in blocks), which the router is told of; 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub host_blocks: usize,
     /// Most requests in flight the router sends one replica.
     #[arg(long, default_value_t = Limits::default().max_concurrency)]
     pub max_concurrency: u32,
@@ -157,6 +161,7 @@ pub(crate) fn setup(args: &FleetArgs, replicas: usize) -> anyhow::Result<Setup> 
         mixed,
         block_size: args.block_size,
         max_loras: args.max_loras,
+        host_blocks: args.host_blocks,
         time_scale: args.time_scale,
         policies: args.policy_params.as_ref().map_or(Ok(serde_yaml::Value::Null), serde_yaml::to_value)?,
         limits: Limits { max_concurrency: args.max_concurrency, max_pending: args.max_concurrency },

@@ -36,6 +36,9 @@ pub struct Outcome {
     pub deferred: usize,
     /// Times an engine loaded an adapter into a slot.
     pub adapter_loads: u64,
+    /// Prompt tokens the engines loaded from host memory (in `hit_rate`).
+    #[serde(default)]
+    pub host_tokens: u64,
     /// Leases the routers still held once every request had ended (each
     /// leg's, for a split request): zero unless a life was left unfinished.
     pub leases_at_end: u32,
@@ -129,7 +132,7 @@ pub fn prefixes_served<'a>(engines: impl Iterator<Item = &'a HashMap<u128, u64>>
 /// One line per simulation, for the terminal.
 pub fn line(o: &Outcome) -> String {
     format!(
-        "{:<20} {:>4} replicas{}, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}% ({} over, {} under, off by {:.0} tokens on average), {} preemptions, {} deferred, {} adapter loads, {:.1} virtual s in {:.2} s",
+        "{:<20} {:>4} replicas{}, {} router(s){}: hit {:.1}% (replicas {:.1}-{:.1}%), busiest {:.1}%, shared prefixes per replica {:.2} (most {:.2}), TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms (slowest 1%: queued {:.0}, KV wait {:.0}, prefill {:.0} ms), {} refused, predicted exactly {:.1}% ({} over, {} under, off by {:.0} tokens on average), {} preemptions, {} deferred, {} adapter loads, {} tokens from host memory, {:.1} virtual s in {:.2} s",
         o.policy,
         o.replicas,
         if o.prefill_replicas > 0 {
@@ -159,6 +162,7 @@ pub fn line(o: &Outcome) -> String {
         o.preemptions,
         o.deferred,
         o.adapter_loads,
+        o.host_tokens,
         o.virtual_s,
         o.wall_s
     )

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use inferrail_config::{Config, Limits, Model, Role};
-use inferrail_engine::cost::LatencyModel;
+use inferrail_engine::cost::{KV_BYTES_PER_TOKEN, LatencyModel, OFFLOAD_GBS};
 use inferrail_policy::PolicyKind;
 use inferrail_route::lifecycle::Timing;
 
@@ -30,6 +30,9 @@ pub struct Setup {
     pub block_size: usize,
     /// LoRA adapters one engine step runs (`--max-loras`); 0: no limit.
     pub max_loras: usize,
+    /// Blocks each engine keeps in host memory (vLLM's offloading
+    /// connector), which the router is told of (`host_kv_blocks`); 0: none.
+    pub host_blocks: usize,
     /// The engines' latency model is the simulator's default times this
     /// ([`crate::timescale`]); the router's costs are set to match.
     pub time_scale: f64,
@@ -64,6 +67,12 @@ impl Setup {
     pub fn engine(&self, i: usize) -> (LatencyModel, usize) {
         let (speed, blocks) = self.mixed.get(i % self.mixed.len().max(1)).copied().unwrap_or((1.0, self.kv_blocks));
         (timescale::latency(self.time_scale * speed), blocks)
+    }
+
+    /// Seconds to load one token's KV from host memory: an 8B model's KV
+    /// bytes over the host link, as the simulator and `cost_model` take them.
+    pub fn host_token_secs(&self) -> f64 {
+        KV_BYTES_PER_TOKEN as f64 / (OFFLOAD_GBS * 1e9) * self.time_scale
     }
 
     /// Replica `i`'s role.

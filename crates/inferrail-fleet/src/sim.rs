@@ -71,6 +71,7 @@ use inferrail_config::CacheShape;
 use inferrail_engine::cache::{BlockId, BlockPool};
 use inferrail_engine::cost::{LORA_LOAD_MS, LORA_SLOT_MS, LatencyModel};
 use inferrail_kv::hash::{BlockHash, extend_block_hashes};
+use inferrail_kv::host::HostOrder;
 use inferrail_policy::{EngineReport, PolicyKind};
 use inferrail_route::fleet::{Fleet, Replica};
 use inferrail_route::kv::{Prediction, Prompt, seed};
@@ -100,6 +101,8 @@ struct Job {
     /// Blocks it holds, and how many of them were cache hits.
     blocks: Vec<BlockId>,
     hit: usize,
+    /// Its first prompt block it loaded from host memory (0 when none).
+    host_from: usize,
     /// When it first found no room for its blocks at the head of the queue.
     blocked_ns: Option<u64>,
     /// A split request's wait for room on its decoder: since when, and in all.
@@ -179,6 +182,10 @@ struct Engine {
     /// many times one was loaded.
     slots: Vec<usize>,
     adapter_loads: u64,
+    /// Its host memory tier, when it has one.
+    host: Option<HostOrder>,
+    /// Prompt tokens it loaded from there.
+    host_tokens: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -314,6 +321,7 @@ pub fn simulate(setup: &Setup, policy: PolicyKind, arrivals: impl Iterator<Item 
         split: world.split,
         deferred: world.deferred,
         adapter_loads: world.engines.iter().map(|e| e.adapter_loads).sum(),
+        host_tokens: world.engines.iter().map(|e| e.host_tokens).sum(),
         leases_at_end: world.routers.iter().flat_map(|r| &r.fleet.replicas).map(|r| r.in_flight()).sum(),
         hit_rate: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
         replica_hit_rate: if replica_hits.is_empty() { (0.0, 0.0) } else { (min(&replica_hits), max(&replica_hits)) },
@@ -340,7 +348,11 @@ fn router(setup: &Setup, policy: PolicyKind, share: Share) -> anyhow::Result<Rou
             let id = format!("sim-{i}");
             let addr = SocketAddr::from(([10, (i >> 16) as u8, (i >> 8) as u8, i as u8], 8000));
             let (latency, blocks) = setup.engine(i);
-            let cache = CacheShape { block_size: Some(setup.block_size), blocks: Some(blocks), host_blocks: None };
+            let cache = CacheShape {
+                block_size: Some(setup.block_size),
+                blocks: Some(blocks),
+                host_blocks: (setup.host_blocks > 0).then_some(setup.host_blocks),
+            };
             let r = Arc::new(Replica::new(id.clone(), addr, vec![0], setup.limits, cache, core.kv.slot(&id)));
             r.set_role(setup.role(i));
             if !setup.mixed.is_empty() {
@@ -394,6 +406,8 @@ impl<'a> World<'a> {
                 roots: HashMap::new(),
                 slots: Vec::new(),
                 adapter_loads: 0,
+                host: (setup.host_blocks > 0).then(|| HostOrder::new(Some(setup.host_blocks))),
+                host_tokens: 0,
             })
             .collect();
         Ok(Self {
@@ -539,6 +553,7 @@ impl<'a> World<'a> {
             predicted,
             blocks: Vec::new(),
             hit: 0,
+            host_from: 0,
             blocked_ns: None,
             read_blocked_ns: None,
             read_wait_ns: 0,
@@ -618,6 +633,9 @@ impl<'a> World<'a> {
         // The last token is always computed.
         let limit = ((len - 1) / bs).min(hashes.len());
         let hit = engine.pool.lookup(&hashes[..limit]);
+        // Past the GPU hit, host memory may hold more, up to the last full
+        // block; those are loaded, and the rest of the prompt is stored there.
+        let host = engine.host.as_ref().map_or(0, |h| h.run(&hashes[hit.len()..]));
         let cached = if len.div_ceil(bs) > engine.blocks {
             // It can never fit: computed from scratch, cached nowhere.
             0
@@ -635,8 +653,15 @@ impl<'a> World<'a> {
             job.hit = hit.len();
             job.blocks = hit;
             job.blocks.extend(fresh);
-            job.hit * bs
+            (job.hit + host) * bs
         };
+        let loaded = cached.saturating_sub(job.hit * bs);
+        if let Some(h) = &mut engine.host {
+            // A request that loads stores only what follows, and refreshes from its first block loaded.
+            let full = &hashes[..(job.prompt_tokens / bs).min(hashes.len())];
+            job.host_from = if loaded > 0 { job.hit } else { 0 };
+            h.sent(&full[if loaded > 0 { job.hit + host } else { 0 }.min(full.len())..]);
+        }
         engine.queue.pop_front();
         engine.prefilling = Some(j);
         if first {
@@ -647,13 +672,16 @@ impl<'a> World<'a> {
             }
             engine.prompt_tokens += len as u64;
             engine.cached_tokens += cached as u64;
+            engine.host_tokens += loaded as u64;
             self.measured += 1;
             self.exact += usize::from(job.predicted == cached);
             self.over_under.0 += usize::from(job.predicted > cached);
             self.over_under.1 += usize::from(job.predicted < cached);
             self.missed_by += job.predicted.abs_diff(cached) as u64;
         }
-        let mut secs = engine.latency.prefill_secs(len - cached, cached);
+        // A loaded prompt computes at least its last token, after its load.
+        let computed = len - cached.min(len - 1);
+        let mut secs = engine.latency.prefill_secs(computed, len - computed) + loaded as f64 * self.setup.host_token_secs();
         if let Some(a) = job.adapter.filter(|_| self.setup.max_loras > 0) {
             let active = active_adapters(&self.jobs, &engine.decoding);
             if load_adapter(&mut engine.slots, a, &active, self.setup.max_loras) {
@@ -896,6 +924,10 @@ impl<'a> World<'a> {
         self.completed += 1;
         let engine = &mut self.engines[job.replica];
         cache_blocks(&mut engine.pool, &job.blocks, &hashes, job.hit);
+        if let Some(h) = &mut engine.host {
+            let full = &hashes[..(job.prompt_tokens / self.setup.block_size).min(hashes.len())];
+            h.finished(&full[job.host_from.min(full.len())..]);
+        }
         let next = match job.agent {
             Some((agent, _)) => {
                 let reply = agent.reply(job.max_tokens);

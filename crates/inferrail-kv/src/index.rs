@@ -39,18 +39,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::hash::BlockHash;
+use crate::host::HostOrder;
 use ahead::Ahead;
-use exact::{Change, Exact};
+use exact::{Change, Exact, HostUse};
 pub use exact::{Event, EventError, Stored, Tier};
 use holders::Holders;
-use host::HostOrder;
 use shadow::Shadow;
 
 mod ahead;
 mod exact;
 mod exact_mode;
 mod holders;
-mod host;
 mod lookup;
 mod shadow;
 
@@ -106,6 +105,9 @@ struct Replica {
     host_blocks: Option<usize>,
     /// Approximate mode's shadow of that tier (with `host_blocks`).
     host: Option<HostOrder>,
+    /// Requests sent there, their prompts and what of them they use in
+    /// host memory, and whether they were heard started (and stored).
+    host_coming: HashMap<u64, (Vec<BlockHash>, HostUse, bool)>,
     /// Requests recorded and not yet completed or taken back.
     requests: HashMap<u64, Request>,
     /// Requests waiting for room, first come first, as in the engine's queue.
@@ -167,6 +169,26 @@ const ENDED_KEPT: usize = 1024;
 const ESTIMATED_AT_MOST: usize = 64;
 
 impl Replica {
+    /// Request `id`, sent in approximate mode to a replica with a host
+    /// tier, was heard started (its prompt stored there), or is `over`
+    /// (it refreshes what it used there) or taken back (`!stored`).
+    fn host_heard(&mut self, id: u64, stored: bool, over: bool) {
+        let (Some(host), Some((keys, used, started))) = (&mut self.host, self.host_coming.get_mut(&id)) else { return };
+        if !*started {
+            *started = true;
+            host.expected(&keys[used.stores..]);
+            if stored {
+                host.sent(&keys[used.stores..]);
+            }
+        }
+        if over {
+            if stored {
+                host.finished(&keys[used.from..]);
+            }
+            self.host_coming.remove(&id);
+        }
+    }
+
     /// Blocks held for it: its shadow's, and in exact mode the engine's in every tier.
     fn entries(&self) -> usize {
         self.shadow.len() + self.exact.as_ref().map_or(0, Exact::len)
@@ -428,7 +450,8 @@ enum Request {
     /// Sent to a replica in exact mode: claims its prompt blocks; its
     /// `output` blocks grow from its first token (`since`, `heard` as for
     /// `Running`), which the wait forecast follows.
-    Claiming { keys: Vec<BlockHash>, output: usize, since: Option<(Duration, Pace)>, heard: bool },
+    /// `host`: what of its prompt the engine will load from and store in host memory.
+    Claiming { keys: Vec<BlockHash>, host: HostUse, output: usize, since: Option<(Duration, Pace)>, heard: bool },
 }
 
 /// Hashes a block hash with two multiplies: a block hash is uniform already
@@ -456,7 +479,7 @@ impl std::hash::Hasher for Fold {
     }
 }
 
-type FoldState = std::hash::BuildHasherDefault<Fold>;
+pub(crate) type FoldState = std::hash::BuildHasherDefault<Fold>;
 
 /// The index; see the module doc.
 #[derive(Debug)]
@@ -508,6 +531,7 @@ impl KvIndex {
             exact: None,
             host_blocks,
             host: host_blocks.map(|b| HostOrder::new(Some(b))),
+            host_coming: HashMap::new(),
             requests: HashMap::new(),
             queue: VecDeque::new(),
             ahead: Ahead::default(),
@@ -610,16 +634,22 @@ impl KvIndex {
         if let Some(exact) = &mut rep.exact {
             let mut changes = Vec::new();
             let fresh = prompt.len() - exact.held_prefix(prompt) + partial;
-            exact.claim(prompt, &mut changes);
-            rep.requests.insert(request, Request::Claiming { keys: prompt.to_vec(), output, since: None, heard: false });
+            let host = exact.claim(prompt, &mut changes);
+            rep.requests.insert(request, Request::Claiming { keys: prompt.to_vec(), host, output, since: None, heard: false });
             self.present(slot, &changes);
             rep.prefills(request, fresh);
             rep.foretell(request, pace, 0);
             return Recorded { slot, replica: rep.id, request };
         }
-        // Its full prompt blocks are stored in host memory when it starts.
+        // Its full prompt blocks are stored in host memory when it starts
+        // (past those it loads from there): taken as done once its first
+        // token is heard, or it ends.
         if let Some(host) = &mut rep.host {
-            host.sent(prompt);
+            let gpu = prompt.iter().take_while(|&&h| rep.shadow.contains(h)).count();
+            let loads = host.run(&prompt[gpu..]);
+            let used = if loads > 0 { HostUse { from: gpu, stores: gpu + loads } } else { HostUse::default() };
+            host.expect(&prompt[used.stores..]);
+            rep.host_coming.insert(request, (prompt.to_vec(), used, false));
         }
         // Behind a queue it waits its turn; before one, it runs if it fits.
         let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };
@@ -824,6 +854,7 @@ impl KvIndex {
     pub fn complete(&self, recorded: &Recorded, at: Duration) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        rep.host_heard(recorded.request, true, true);
         // The engine took the blocks the others' outputs filled before this
         // one ended (this one, done, is no victim), then freed its own.
         let request = rep.requests.remove(&recorded.request);
@@ -842,9 +873,9 @@ impl KvIndex {
                 let keys = self.admit(&mut rep.shadow, recorded.slot, &prompt, reusable, partial, true).map(|(k, _)| k).unwrap_or_default();
                 (keys, self.take_fresh(&mut rep.shadow, recorded.slot, output, &[]), ends_partial)
             }
-            Some(Request::Claiming { keys, since, heard, .. }) => {
+            Some(Request::Claiming { keys, host, since, heard, .. }) => {
                 rep.learn_end(recorded.request, since, heard, prefill, at);
-                return self.unclaim(recorded.slot, rep, &keys);
+                return self.unclaim(recorded.slot, rep, &keys, host);
             }
             None => return,
         };
@@ -890,6 +921,7 @@ impl KvIndex {
             return;
         }
         rep.clock = rep.clock.max(at);
+        rep.host_heard(recorded.request, true, false);
         if matches!(rep.requests.get(&recorded.request), Some(Request::Waiting { .. }))
             && let Some(Request::Waiting { prompt, reusable, partial, output, ends_partial, resume, .. }) =
                 rep.requests.remove(&recorded.request)
@@ -1034,6 +1066,7 @@ impl KvIndex {
     pub fn take_back(&self, recorded: &Recorded) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        rep.host_heard(recorded.request, false, true);
         rep.coming.remove(&recorded.request);
         rep.growing.remove(&recorded.request);
         rep.prefilling.retain(|p| p.0 != recorded.request);
@@ -1051,7 +1084,7 @@ impl KvIndex {
                 }
             }
             Some(Request::Waiting { .. }) => rep.queue.retain(|&r| r != recorded.request),
-            Some(Request::Claiming { keys, .. }) => return self.unclaim(recorded.slot, rep, &keys),
+            Some(Request::Claiming { keys, host, .. }) => return self.unclaim(recorded.slot, rep, &keys, host),
             None => return,
         }
         self.admit_waiting(recorded.slot, rep);
@@ -1069,17 +1102,17 @@ impl KvIndex {
         if !matches!(rep.requests.get(&recorded.request), Some(Request::Claiming { .. })) {
             return false;
         }
-        let Some(Request::Claiming { keys, .. }) = rep.requests.remove(&recorded.request) else { return false };
+        let Some(Request::Claiming { keys, host, .. }) = rep.requests.remove(&recorded.request) else { return false };
         rep.prefilling.retain(|p| p.0 != recorded.request);
-        self.unclaim(recorded.slot, rep, &keys);
+        self.unclaim(recorded.slot, rep, &keys, host);
         true
     }
 
     /// A request sent to an exact replica ends its claims.
-    fn unclaim(&self, slot: Slot, rep: &mut Replica, keys: &[BlockHash]) {
+    fn unclaim(&self, slot: Slot, rep: &mut Replica, keys: &[BlockHash], host: HostUse) {
         let Some(exact) = &mut rep.exact else { return };
         let mut changes = Vec::new();
-        exact.unclaim(keys, &mut changes);
+        exact.unclaim(keys, host, &mut changes);
         self.present(slot, &changes);
     }
 

@@ -398,8 +398,9 @@ impl RoutingPolicy for CostModel {
             }
         }
         let prompt = req.prompt_tokens?;
-        // Tokens the prompt would compute on a replica.
-        let new = |x: &Candidate| prompt.saturating_sub(x.cached_tokens + self.config.offload.of(x).tokens());
+        // Tokens the prompt would take new KV blocks for on a replica:
+        // offloaded ones too, since they are loaded into fresh blocks.
+        let new = |x: &Candidate| prompt.saturating_sub(x.cached_tokens);
         let long = |x: &Candidate| new(x) > self.config.short_prompt_tokens;
         // Above kappa, or without free room for the prompt (it would wait
         // for running requests to finish): its cached blocks leave the free

@@ -53,9 +53,9 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use foldhash::fast::FixedState;
 
-use super::host::HostOrder;
 use super::{FoldState, Slot};
 use crate::hash::{BlockHash, next};
+use crate::host::HostOrder;
 
 /// Where an engine keeps a block: its medium and its KV cache group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -224,11 +224,22 @@ pub(super) struct Exact {
     anchor: HashMap<BlockHash, BlockHash, FoldState>,
     /// The last tick given out.
     tick: u64,
-    /// The host memory tier (medium `CPU`, group 0) in eviction order.
+    /// The host memory tier (medium `CPU`, group 0) in eviction order,
+    /// and what the requests sent will store there when admitted: each
+    /// request's prompt past what it loads from there.
     host: HostOrder,
-    /// Claimed blocks the host tier lacks: what the requests sent will
-    /// store there when the engine admits them.
-    incoming: usize,
+}
+
+/// What of a request's prompt the engine uses in host memory (vLLM's
+/// offloading connector): a request that loads blocks from there stores
+/// only the blocks after them, and refreshes those it loaded and stored;
+/// any other stores and refreshes its whole prompt.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct HostUse {
+    /// Its first block loaded (the GPU hit's length), else 0.
+    pub from: usize,
+    /// Its first block stored.
+    pub stores: usize,
 }
 
 /// A change in what the routing tier presents: the block, and whether it is now present.
@@ -252,7 +263,6 @@ impl Exact {
             anchor: HashMap::default(),
             tick: 0,
             host: HostOrder::new(host_blocks),
-            incoming: 0,
         }
     }
 
@@ -366,9 +376,6 @@ impl Exact {
                     *n += 1;
                     if host && *n == 1 {
                         self.host.stored(r);
-                        if self.claims.contains_key(&r) {
-                            self.incoming = self.incoming.saturating_sub(1);
-                        }
                     }
                 }
             }
@@ -390,7 +397,7 @@ impl Exact {
     /// memory, as many as the requests sent leave there ([`HostOrder::run`]),
     /// then elsewhere (disk, remote storage).
     pub(super) fn offloaded(&self, keys: &[BlockHash]) -> (usize, usize) {
-        let host = self.host.run(keys, self.incoming);
+        let host = self.host.run(keys);
         let others = |k: &BlockHash| self.tiers[1..].iter().any(|tb| tb.group == 0 && tb.medium != "CPU" && tb.routed.contains_key(k));
         (host, keys[host..].iter().take_while(|k| others(k)).count())
     }
@@ -460,7 +467,6 @@ impl Exact {
                             routed.remove(&router);
                             if host {
                                 self.host.removed(router);
-                                self.incoming += usize::from(self.claims.contains_key(&router));
                             }
                         }
                     }
@@ -530,7 +536,12 @@ impl Exact {
 
     /// A request routed here claims its prompt's blocks: the held ones leave
     /// the eviction order, the others are allocations to come.
-    pub(super) fn claim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) {
+    /// Returns what of it the engine will use in host memory.
+    pub(super) fn claim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) -> HostUse {
+        let gpu = self.held_prefix(keys);
+        let loads = self.host.run(&keys[gpu..]);
+        let host = if loads > 0 { HostUse { from: gpu, stores: gpu + loads } } else { HostUse::default() };
+        self.host.expect(&keys[host.stores..]);
         self.live += 1;
         for &h in keys {
             let n = self.claims.entry(h).or_insert(0);
@@ -538,7 +549,6 @@ impl Exact {
             if *n > 1 {
                 continue;
             }
-            self.incoming += usize::from(!self.host.contains(h));
             if !self.tiers[0].routed.contains_key(&h) {
                 self.unheld += 1;
                 changes.push((h, true));
@@ -550,6 +560,7 @@ impl Exact {
             }
         }
         self.settle(changes);
+        host
     }
 
     /// A held block claimed again that was waiting, as a generated block,
@@ -610,10 +621,11 @@ impl Exact {
     /// frees a request's blocks last first, so its held blocks enter the
     /// eviction order at a new tick, deepest first (a partial last block it
     /// frees unnamed is room).
-    pub(super) fn unclaim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) {
+    pub(super) fn unclaim(&mut self, keys: &[BlockHash], host: HostUse, changes: &mut Vec<Change>) {
         self.live = self.live.saturating_sub(1);
         self.tick += 1;
-        self.host.finished(keys);
+        self.host.finished(&keys[host.from.min(keys.len())..]);
+        self.host.expected(&keys[host.stores.min(keys.len())..]);
         for (depth, h) in keys.iter().enumerate() {
             let Some(n) = self.claims.get_mut(h) else { continue };
             *n -= 1;
@@ -621,9 +633,6 @@ impl Exact {
                 continue;
             }
             self.claims.remove(h);
-            if !self.host.contains(*h) {
-                self.incoming = self.incoming.saturating_sub(1);
-            }
             // What the request generated after this block goes with it, first.
             for t in self.trailing.remove(h).unwrap_or_default() {
                 if let Some(old) = self.stamps.get(&t).copied().filter(|_| self.anchor.get(&t) == Some(h)) {

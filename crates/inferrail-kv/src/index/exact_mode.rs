@@ -73,7 +73,7 @@ impl KvIndex {
             .map(|&(slot, from)| match replicas.get(&slot) {
                 _ if from >= keys.len() => (0, 0),
                 Some(Replica { exact: Some(exact), .. }) => exact.offloaded(&keys[from..]),
-                Some(Replica { host: Some(host), .. }) => (host.run(&keys[from..], 0), 0),
+                Some(Replica { host: Some(host), .. }) => (host.run(&keys[from..]), 0),
                 _ => (0, 0),
             })
             .collect()

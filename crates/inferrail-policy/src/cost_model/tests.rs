@@ -407,6 +407,5 @@ fn offloaded_tokens_cost_their_load_instead_of_their_prefill() {
     let mut out = [Score::default(); 3];
     unaware.score(&req, &c, &[0, 1, 2], &mut r, &mut out);
     assert_eq!((out[0].total, out[1].terms[7]), (out[1].total, 0.0), "{out:?}");
-    // Tokens the engine will load shorten what it computes under KV pressure too.
     assert_eq!(c[1].engine_cached_tokens(), 4_000);
 }
