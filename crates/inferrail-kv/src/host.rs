@@ -13,6 +13,7 @@
 //! good as gone ([`HostOrder::run`]). The fleet
 //! simulation's engines keep their own host tier with it too.
 
+use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 
 use crate::hash::BlockHash;
@@ -33,6 +34,9 @@ pub struct HostOrder {
     pending: HashMap<BlockHash, u32, FoldState>,
     /// Of those, the ones it lacks.
     incoming: usize,
+    /// The rank below which blocks are as good as gone, once found: found
+    /// again only after a change, as lookups far outnumber changes.
+    kept_from: Cell<Option<u64>>,
 }
 
 impl HostOrder {
@@ -43,6 +47,7 @@ impl HostOrder {
 
     /// Sets its size (`None`: the most it held).
     pub fn resize(&mut self, size: Option<usize>) {
+        self.kept_from.set(None);
         self.size = size;
     }
 
@@ -58,12 +63,14 @@ impl HostOrder {
 
     /// `h` was stored: the most recent.
     pub fn stored(&mut self, h: BlockHash) {
+        self.kept_from.set(None);
         self.touch(h);
         self.peak = self.peak.max(self.rank.len());
     }
 
     /// `h` was evicted.
     pub fn removed(&mut self, h: BlockHash) {
+        self.kept_from.set(None);
         if let Some(r) = self.rank.remove(&h) {
             self.order.remove(&r);
             self.incoming += usize::from(self.pending.contains_key(&h));
@@ -72,6 +79,7 @@ impl HostOrder {
 
     /// A request sent will store `keys` when the engine admits it.
     pub fn expect(&mut self, keys: &[BlockHash]) {
+        self.kept_from.set(None);
         for &h in keys {
             let n = self.pending.entry(h).or_insert(0);
             *n += 1;
@@ -81,6 +89,7 @@ impl HostOrder {
 
     /// A request [`Self::expect`] named `keys` for is admitted or over.
     pub fn expected(&mut self, keys: &[BlockHash]) {
+        self.kept_from.set(None);
         for h in keys {
             let Some(n) = self.pending.get_mut(h) else { continue };
             *n -= 1;
@@ -96,6 +105,7 @@ impl HostOrder {
     /// A request that used `keys` (its prompt's blocks, first first)
     /// finished: those held become the most recent, the first one last.
     pub fn finished(&mut self, keys: &[BlockHash]) {
+        self.kept_from.set(None);
         for &h in keys.iter().rev() {
             if self.rank.contains_key(&h) {
                 self.touch(h);
@@ -107,6 +117,7 @@ impl HostOrder {
     /// They are stored (the most recent, the first one last) and the least
     /// recent others go past the tier's size.
     pub fn sent(&mut self, keys: &[BlockHash]) {
+        self.kept_from.set(None);
         for &h in keys.iter().rev() {
             self.touch(h);
         }
@@ -123,13 +134,21 @@ impl HostOrder {
     /// ahead of it will store first evict the least recent past the tier's
     /// size.
     pub fn run(&self, keys: &[BlockHash]) -> usize {
-        let doomed = (self.rank.len() + self.incoming).saturating_sub(self.size()).min(self.rank.len());
+        if keys.first().is_none_or(|h| !self.rank.contains_key(h)) {
+            return 0;
+        }
         // Blocks ranked below this one are gone by then.
-        let kept_from = self.order.keys().nth(doomed).copied().unwrap_or(u64::MAX);
+        let kept_from = self.kept_from.get().unwrap_or_else(|| {
+            let doomed = (self.rank.len() + self.incoming).saturating_sub(self.size()).min(self.rank.len());
+            let from = self.order.keys().nth(doomed).copied().unwrap_or(u64::MAX);
+            self.kept_from.set(Some(from));
+            from
+        });
         keys.iter().take_while(|h| self.rank.get(h).is_some_and(|&r| r >= kept_from)).count()
     }
 
     fn touch(&mut self, h: BlockHash) {
+        self.kept_from.set(None);
         self.next += 1;
         match self.rank.insert(h, self.next) {
             Some(old) => {

@@ -3,12 +3,13 @@
 //! and 256 replicas, a quarter of which hold the prompt's first half; and
 //! `prepare` (cutting the prompt into block hashes) apart; and `decide`
 //! (plan and commit, the lease released) at 64 replicas with and without a
-//! `kv_aware` shadow policy, for what shadow mode adds; and `plan+host` over
-//! 64 and 256 replicas in exact mode with host memory tiers (ADR 0059): a
-//! quarter hold the first half on the GPU and the next quarter in host
-//! memory, every host tier is full of other blocks, and requests sent and
-//! not yet admitted will store more there. Prints the p50 and p99 of
-//! 20,000 timed plans besides criterion's means.
+//! `kv_aware` shadow policy, for what shadow mode adds; and over 64 and 256
+//! replicas in exact mode, `plan+exact` (a quarter hold the first half on
+//! the GPU, as their events said) and `plan+host` with host memory tiers
+//! besides (ADR 0059): those hold the next quarter in host memory, every
+//! host tier is full of other blocks, and requests sent and not yet
+//! admitted will store more there. Prints the p50 and p99 of 20,000 timed
+//! plans besides criterion's means.
 #![allow(missing_docs, clippy::expect_used)]
 
 use std::time::Duration;
@@ -59,9 +60,9 @@ fn setup_with(n: usize, more: &str) -> (Core, Arc<Fleet>, Prompt) {
     (core, fleet, prompt)
 }
 
-/// The same fleet in exact mode with host tiers of 2,048 blocks, as the
-/// engines' events would fill them; see the module doc.
-fn setup_tiered(n: usize) -> (Core, Arc<Fleet>, Prompt) {
+/// The same fleet in exact mode, with host tiers of 2,048 blocks when
+/// `host`, as the engines' events would fill them; see the module doc.
+fn setup_exact(n: usize, host: bool) -> (Core, Arc<Fleet>, Prompt) {
     let (core, fleet, prompt) = setup_with(n, "");
     let index = core.kv.index();
     let chain = seed("m", None);
@@ -72,14 +73,18 @@ fn setup_tiered(n: usize) -> (Core, Arc<Fleet>, Prompt) {
         index.apply(slot, &event).expect("event");
     };
     for (i, r) in fleet.replicas.iter().enumerate() {
-        index.set_host(r.slot, Some(2_048));
+        index.set_host(r.slot, host.then_some(2_048));
         assert!(index.enter_exact(r.slot, 16));
         // Other prompts fill most of the host tier.
         let filler: Vec<u32> = (0..1_600 * 16).map(|t| 1_000_000 + t).collect();
-        stored(r.slot, &filler, 1, None, Tier::HOST);
+        if host {
+            stored(r.slot, &filler, 1, None, Tier::HOST);
+        }
         if i % 4 == 0 {
             stored(r.slot, &prompt.ids[..4_000], 2, None, Tier::ROUTING);
-            stored(r.slot, &prompt.ids[..6_000], 3, None, Tier::HOST);
+            if host {
+                stored(r.slot, &prompt.ids[..6_000], 3, None, Tier::HOST);
+            }
         }
         // Requests sent and not yet admitted: each will store 64 blocks there.
         for k in 0..4u32 {
@@ -121,18 +126,21 @@ fn decide(c: &mut Criterion) {
         });
         group.bench_function(format!("plan/{n}"), |b| b.iter(plan));
     }
-    for n in [64usize, 256] {
-        let (core, fleet, prompt) = setup_tiered(n);
-        let prediction = core.prepare(0, &prompt, &fleet);
-        let view = whole(prediction);
-        let reports = |_: &Replica| None::<Report>;
-        let plan = core.plan(&view, &fleet, &reports, Duration::from_secs(1)).expect("plan");
-        assert!(plan.candidates.iter().step_by(4).all(|c| c.cached_tokens == 4_000 && c.offloaded.host == 2_000), "the tiers are seen");
-        let plan = || std::hint::black_box(core.plan(&view, &fleet, &reports, Duration::from_secs(1)).expect("plan"));
-        percentiles(&format!("plan+host/{n}"), || {
-            plan();
-        });
-        group.bench_function(format!("plan+host/{n}"), |b| b.iter(plan));
+    for (name, host) in [("plan+exact", false), ("plan+host", true)] {
+        for n in [64usize, 256] {
+            let (core, fleet, prompt) = setup_exact(n, host);
+            let prediction = core.prepare(0, &prompt, &fleet);
+            let view = whole(prediction);
+            let reports = |_: &Replica| None::<Report>;
+            let plan = core.plan(&view, &fleet, &reports, Duration::from_secs(1)).expect("plan");
+            let held = if host { 2_000 } else { 0 };
+            assert!(plan.candidates.iter().step_by(4).all(|c| c.cached_tokens == 4_000 && c.offloaded.host == held), "the tiers are seen");
+            let plan = || std::hint::black_box(core.plan(&view, &fleet, &reports, Duration::from_secs(1)).expect("plan"));
+            percentiles(&format!("{name}/{n}"), || {
+                plan();
+            });
+            group.bench_function(format!("{name}/{n}"), |b| b.iter(plan));
+        }
     }
     let (core, fleet, prompt) = setup(8);
     group.bench_function("prepare", |b| b.iter(|| std::hint::black_box(core.prepare(0, &prompt, &fleet))));
