@@ -337,6 +337,18 @@ bench-reuse which="rag burst long agent" *args: setup setup-sglang setup-peers
         esac
     done
 
+# KV offloaded to host memory (issue 58, ADR 0059): W1 over three simulators with host tiers, tier-aware cost_model against itself with offload.aware off and the Dynamo stand-in; exact mode (3 repetitions), approximate mode (2), and prompts that overflow GPU and host memory (2, at 12 req/s). Results: bench/results/offload/.
+bench-offload *args: setup
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench
+    sims="--block-size 16 --num-gpu-blocks-override 1500 --max-model-len 10240 --kv-offloading-size 4"
+    run() { target/release/inferrail-bench compare --time-scale 0.1 --warmup-s 5 --duration-s 20 --sim-flags "$sims" --workloads w1 \
+        --system-tokens 5000-6400 --contenders cost_model,cost_model+gpu_only,dynamo_kv "$@" {{args}}; }
+    run --reps 3 --system-prompts 24 --rate 20 --kv-events --out-dir bench/results/offload/w1-exact
+    run --reps 2 --system-prompts 24 --rate 20 --out-dir bench/results/offload/w1-approx
+    run --reps 2 --system-prompts 48 --rate 12 --kv-events --out-dir bench/results/offload/w1-overflow
+
 # Issue 55's pressure workloads against every peer router on the same requests: three simulators at time scale 0.1 whose caches the working set outgrows (the engines preempt), two repetitions each, Inferrail in approximate mode; then cost_model in exact mode (KV events) on the same requests. `w1`: 16 system prompts of 5,000-6,400 tokens over 1,500-block caches at 12 req/s; `agent`: closed-loop agents of 10 steps resending tool outputs of 200-600 tokens over 800-block caches, 25 steps/s; `agent-wide`: another shape, three frameworks' prompts, 6 steps, tool outputs of 400-1,200 tokens, longer think times, 20 steps/s. Pick some with `which`; flags go to `inferrail-bench compare`. Results: bench/results/pressure/<workload>/ (`table.md`, `paired.md`) and <workload>-exact/.
 bench-pressure which="w1 agent agent-wide" *args: setup setup-sglang setup-peers
     #!/usr/bin/env bash
