@@ -62,7 +62,7 @@ def test_explain_a_chat_and_a_completion(fleet):
     assert len(holder) == 1 and e["winner"] == holder[0]["id"], e
     assert e["decidingTerm"] == "prefill", e
     names = [t["name"] for t in holder[0]["terms"]]
-    assert names == ["queue", "decode", "prefill", "hot_credit", "share", "copy", "adapter"]
+    assert names == ["queue", "decode", "prefill", "hot_credit", "share", "copy", "adapter", "offload"]
     assert holder[0]["rank"] == 1 and all(c["engine"]["fresh"] for c in e["candidates"])
 
     completion = explain(fleet, "/v1/completions", {"model": "inferrail/sim-8b", "prompt": "one two three", "max_tokens": 1})

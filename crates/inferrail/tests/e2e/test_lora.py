@@ -59,7 +59,11 @@ def test_explain_shows_each_replicas_adapters_and_the_slots_the_engine_reports(f
         body = {"model": model, "prompt": f"A short question for {model}.", "max_tokens": 2}
         assert http("POST", f"{fleet.url}/v1/completions", body).status == 200
 
-    # The configuration names no max_loras: the two slots are the engines' own word (vllm:lora_requests_info).
+    # The configuration names no max_loras: the two slots are the engines' own word (vllm:lora_requests_info),
+    # which an engine publishes once it has run a step: one that the router sent nothing yet gets a request of its own.
+    for i in range(3):
+        assert http("POST", f"{fleet.sim_url(i)}/v1/completions", {"model": MODEL, "prompt": "warm", "max_tokens": 1}).status == 200
+
     def shown():
         code, out = grpcurl(fleet, f"{SERVICE}/Replicas", data={})
         assert code == 0, out
