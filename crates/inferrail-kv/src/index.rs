@@ -169,6 +169,21 @@ const ENDED_KEPT: usize = 1024;
 const ESTIMATED_AT_MOST: usize = 64;
 
 impl Replica {
+    /// Requests whose first token is estimated to have come by `now` (its
+    /// first token heard late, ADR 0055): their prompts are in host memory
+    /// by then, as the engine stores them when it admits them and they are
+    /// loadable a step later.
+    fn host_estimated(&mut self, now: Duration) {
+        if self.host.is_none() {
+            return;
+        }
+        let started = |id: &u64| matches!(self.requests.get(id), Some(Request::Running { since: Some((first, _)), .. }) if *first <= now);
+        let due: Vec<u64> = self.host_coming.iter().filter(|(id, (_, _, heard))| !heard && started(id)).map(|(&id, _)| id).collect();
+        for id in due {
+            self.host_heard(id, true, false);
+        }
+    }
+
     /// Request `id`, sent in approximate mode to a replica with a host
     /// tier, was heard started (its prompt stored there), or is `over`
     /// (it refreshes what it used there) or taken back (`!stored`).
@@ -980,6 +995,7 @@ impl KvIndex {
     /// are taken in the order they fall due, each at its time, so that a
     /// preemption happens when the engine's would.
     fn grow(&self, slot: Slot, rep: &mut Replica, now: Duration) {
+        rep.host_estimated(now);
         let Some(per_block) = rep.per_block() else {
             rep.clock = rep.clock.max(now);
             return;

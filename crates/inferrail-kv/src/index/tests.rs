@@ -1007,3 +1007,30 @@ fn a_prefill_takes_a_fixed_part_and_a_part_per_block() {
     let cold = fit.secs(356).unwrap_or_default();
     assert!((cold - 0.0812).abs() < 1e-9, "{cold}");
 }
+
+/// With first tokens heard only after the end (the shipped layout), an
+/// approximate replica's host tier takes a prompt as stored once the
+/// request's first token is estimated to have come, not when it is heard.
+#[test]
+fn a_prompt_is_in_host_memory_once_its_first_token_is_estimated() {
+    let ms = Duration::from_millis;
+    let index = KvIndex::new();
+    index.add_replica(0, 6);
+    index.set_host(0, Some(8));
+    let pace = |span: f64| Some(Pace { lead: 0.0, span });
+    // Taught as above: 100 ms a computed block, first tokens heard late.
+    let first = index.record(0, &chain(0, 2), 2, 0, 2, false, pace(2.0));
+    index.complete(&first, ms(400));
+    index.decoding(&first, ms(200), Pace { lead: 0.0, span: 2.0 });
+    // Admitted at 1,000 ms with two fresh blocks: first token estimated at 1,200.
+    index.advance(&[0], ms(1_000));
+    let second = index.record(0, &chain(1, 2), 2, 0, 4, false, pace(4.0));
+    let host_at = |at: u64| {
+        index.advance(&[0], ms(at));
+        index.offloaded(&chain(1, 2), &[(0, 0)])[0].0
+    };
+    assert_eq!(host_at(1_150), 0, "not admitted yet, as far as the index knows");
+    assert_eq!(host_at(1_250), 2);
+    index.complete(&second, ms(1_600));
+    assert_eq!(host_at(1_700), 2);
+}
