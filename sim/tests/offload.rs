@@ -47,19 +47,22 @@ async fn cached(sim: &Sim, prompt: &[u32]) -> u64 {
 }
 
 /// Every batch the simulator published, read back from its replay service
-/// once the engine has gone quiet.
-async fn batches(sim: &Sim) -> Vec<EventBatch> {
+/// once it holds `host_stores` host stores: the last copies end in steps
+/// the engine takes after the last answer went out.
+async fn batches(sim: &Sim, host_stores: usize) -> Vec<EventBatch> {
     let publisher = sim.app.engine.kv_events().unwrap_or_else(|| panic!("events are on"));
-    let mut published = u64::MAX;
-    while published != publisher.stats().published {
-        published = publisher.stats().published;
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
     let at = publisher.replay_endpoint().unwrap_or_default().to_owned();
-    let batches: Vec<EventBatch> =
-        replay(&at, 0, Duration::from_secs(10)).await.unwrap_or_else(|e| panic!("{e}")).into_iter().map(|(_, b)| b).collect();
-    assert_eq!(batches.len() as u64, published);
-    batches
+    for _ in 0..200 {
+        let published = publisher.stats().published;
+        let batches: Vec<EventBatch> =
+            replay(&at, 0, Duration::from_secs(10)).await.unwrap_or_else(|e| panic!("{e}")).into_iter().map(|(_, b)| b).collect();
+        assert!(batches.len() as u64 >= published, "replay holds every batch published");
+        if stored(&batches, "CPU").len() >= host_stores {
+            return batches;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("fewer than {host_stores} host stores were published");
 }
 
 fn stored(batches: &[EventBatch], medium: &str) -> Vec<BlockStored> {
@@ -94,7 +97,7 @@ async fn evict_and_reload(sim: &Sim) {
 async fn placeholders_name_the_gpu_blocks_hashes_after_the_gpu_events() {
     let (sim, _sub) = offloading(&[]).await;
     evict_and_reload(&sim).await;
-    let batches = batches(&sim).await;
+    let batches = batches(&sim, 11).await;
     let gpu = stored(&batches, "GPU");
     let host = stored(&batches, "CPU");
     // A's 3 blocks, B's 4 and C's 4, one event a block, no tokens, no parent, no block size.
@@ -147,7 +150,7 @@ async fn self_describing_events_carry_the_gpu_events_tokens_and_parents() {
     let transfer = json!({"kv_connector_extra_config": {"self_describing_kv_events": true}}).to_string();
     let (sim, _sub) = offloading(&["--kv-transfer-config", &transfer]).await;
     evict_and_reload(&sim).await;
-    let batches = batches(&sim).await;
+    let batches = batches(&sim, 11).await;
     let mut gpu: HashMap<u64, (Option<u64>, Vec<u32>)> = HashMap::new();
     for s in stored(&batches, "GPU") {
         for (i, &h) in s.block_hashes.iter().enumerate() {
@@ -170,7 +173,7 @@ async fn a_full_host_tier_evicts_and_says_so() {
     for f in 0..5u32 {
         cached(&sim, &(f * 100..f * 100 + 16).collect::<Vec<u32>>()).await;
     }
-    let batches = batches(&sim).await;
+    let batches = batches(&sim, 20).await;
     let removed: Vec<u64> = batches
         .iter()
         .flat_map(|b| &b.events)

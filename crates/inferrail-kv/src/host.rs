@@ -63,7 +63,6 @@ impl HostOrder {
 
     /// `h` was stored: the most recent.
     pub fn stored(&mut self, h: BlockHash) {
-        self.kept_from.set(None);
         self.touch(h);
         self.peak = self.peak.max(self.rank.len());
     }
@@ -105,7 +104,6 @@ impl HostOrder {
     /// A request that used `keys` (its prompt's blocks, first first)
     /// finished: those held become the most recent, the first one last.
     pub fn finished(&mut self, keys: &[BlockHash]) {
-        self.kept_from.set(None);
         for &h in keys.iter().rev() {
             if self.rank.contains_key(&h) {
                 self.touch(h);
@@ -147,6 +145,8 @@ impl HostOrder {
         keys.iter().take_while(|h| self.rank.get(h).is_some_and(|&r| r >= kept_from)).count()
     }
 
+    /// `h` becomes the most recent; every change to the order passes here
+    /// or clears the rank found ([`Self::run`]) itself.
     fn touch(&mut self, h: BlockHash) {
         self.kept_from.set(None);
         self.next += 1;
