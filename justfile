@@ -57,7 +57,7 @@ setup-compose:
 # Run the whole test suite: lints, Rust tests, the OpenAI SDK and a pyzmq KV event subscriber against the simulator, the fleet through a real Envoy, the Kubernetes manifests (kustomize builds, schemas), and the compose fleet in containers (podman) with its dashboards.
 test: setup setup-compose lint
     cargo nextest run --workspace --no-fail-fast
-    cargo build --quiet -p inferrail -p inferrail-sim -p inferrail-scraper
+    cargo build --quiet -p inferrail -p inferrail-sim -p inferrail-scraper -p inferrail-module
     INFERRAIL_SIM=target/debug/inferrail-sim "{{venv}}/bin/pytest" -q sim/tests/sdk sim/tests/events
     "{{venv}}/bin/pytest" -q crates/inferrail/tests/e2e
     "{{venv}}/bin/pytest" -q k8s/tests
@@ -122,12 +122,13 @@ bench-sim:
     target/release/inferrail-bench throughput --engine "inferrail-sim --zero-latency ($commit)" --out "$out/throughput-zero-latency.json"
     stop_sim
 
-# Bring up the local fleet: three simulators (8001-8003), inferrail (ext_proc 9002, admin 9090, admin gRPC 9091) and Envoy (8080, admin 9901); `just up sidecar` reads engine load through the inferrail-scraper sidecar (9095) instead of in the router.
+# Bring up the local fleet: three simulators (8001-8003), inferrail (ext_proc 9002, admin 9090, admin gRPC 9091) and Envoy (8080, admin 9901); `just up sidecar` reads engine load through the inferrail-scraper sidecar (9095) instead of in the router; `just up module` runs inferrail inside Envoy as its dynamic module (envoy/module.yaml), the same ports served from Envoy's process.
 up LOAD="embedded": setup
     #!/usr/bin/env bash
     set -euo pipefail
-    case "{{LOAD}}" in embedded|sidecar) ;; *) echo "just up [embedded|sidecar]" >&2; exit 2;; esac
-    cargo build --quiet -p inferrail -p inferrail-sim -p inferrail-scraper
+    case "{{LOAD}}" in embedded|sidecar|module) ;; *) echo "just up [embedded|sidecar|module]" >&2; exit 2;; esac
+    if [ "{{LOAD}}" = module ] && [ "{{ROUTERS}}" -gt 1 ]; then echo "just up module runs one Envoy, with one router inside" >&2; exit 2; fi
+    cargo build --quiet -p inferrail -p inferrail-sim -p inferrail-scraper -p inferrail-module
     run="{{cache}}/fleet"
     mkdir -p "$run"
     "{{just_executable()}}" --justfile "{{justfile()}}" down > /dev/null
@@ -157,6 +158,10 @@ up LOAD="embedded": setup
               printf 'peers:\n  addresses: [%s]\n' "${peers%, }"; } > "$run/inferrail-$k.yaml"
             start "inferrail-$k" target/debug/inferrail --config "$run/inferrail-$k.yaml"
         done
+    elif [ "{{LOAD}}" = module ]; then
+        # The router starts inside Envoy, from the routing file envoy/module.yaml names.
+        envoy=envoy/module.yaml
+        export ENVOY_DYNAMIC_MODULES_SEARCH_PATH=target/debug
     else
         start inferrail target/debug/inferrail --config "$config"
     fi

@@ -22,7 +22,7 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::logs::v1::LogRecord;
 use tonic::{Request, Response, Status};
 
-use crate::reply::decider_id;
+use crate::decision::decider_id;
 use crate::router::Router;
 
 /// The attribute names `envoy/local.yaml`'s access log gives each record.

@@ -1,7 +1,9 @@
 //! What a routing decision comes to, as plain data: the decision, why a
 //! request was refused ([`RouteError`], with its HTTP status and OpenAI error
-//! type), what an explanation shows and what a reload did. Everything that
-//! names a result imports it from here, not from the router.
+//! type), an answer the router gives itself ([`Answer`]), what an
+//! explanation shows and what a reload did. Everything that names a result
+//! imports it from here, not from the router; each transport turns it into
+//! its own messages.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +12,10 @@ use inferrail_policy::NoReplica;
 use inferrail_route::Plan;
 use inferrail_route::fleet::Replica;
 
+use inferrail_tokenize::chat::Endpoint as Generation;
+
 use crate::admission::{Placed, Shed};
+use crate::request::{self, Endpoint, Head};
 
 /// A routing decision.
 #[derive(Debug)]
@@ -45,6 +50,77 @@ pub struct Decision {
     pub waited: Duration,
     /// A split request's prefill leg; `targets` then decode it.
     pub prefill: Option<PrefillLeg>,
+}
+
+/// The header (and `envoy.lb` key) naming the chosen replicas.
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+
+/// The header naming a split request's prefill replica to the sidecar in
+/// front of its decoder (llm-d's).
+pub const PREFILLER: &str = "x-prefiller-host-port";
+
+impl Decision {
+    /// The headers it sets on the request: the destination (winner first,
+    /// then the fallbacks), the prefill replica for a decoder's sidecar, the
+    /// new request id when it was `renamed`, the `traceparent` the engine's
+    /// work continues.
+    pub fn headers(&self, renamed: bool, traceparent: Option<&str>) -> Vec<(&'static str, String)> {
+        let mut set = vec![(DESTINATION, self.destination())];
+        if let Some(leg) = self.prefill.as_ref().filter(|leg| leg.sidecar) {
+            set.push((PREFILLER, leg.targets[0].addr.to_string()));
+        }
+        if renamed {
+            set.push(("x-request-id", self.request_id.clone()));
+        }
+        if let Some(tp) = traceparent {
+            set.push(("traceparent", tp.to_string()));
+        }
+        set
+    }
+
+    /// The targets as Envoy's override-host balancer reads them: `ip:port`, comma-separated.
+    pub fn destination(&self) -> String {
+        let targets: Vec<String> = self.targets.iter().map(|r| r.addr.to_string()).collect();
+        targets.join(",")
+    }
+
+    /// Its dynamic metadata, namespace by namespace: `envoy.lb` for the
+    /// override-host balancer (the destination header's value), `inferrail`
+    /// for the route's response headers and for what is heard of it
+    /// elsewhere (the replica, policy, model, request id, the router that
+    /// decided, the predicted tokens, a split request's prefill replica).
+    pub fn metadata(&self) -> Vec<(&'static str, Vec<(&'static str, String)>)> {
+        let mut ours = vec![
+            ("replica", self.targets[0].id.clone()),
+            ("policy", self.policy.to_string()),
+            ("model", self.model.clone()),
+            ("request_id", self.request_id.clone()),
+            ("router", router_text(self.decider)),
+        ];
+        // A split request's engine reports the prefill replica's cached tokens.
+        let cached = match &self.prefill {
+            Some(leg) => leg.cached_tokens.first(),
+            None => self.cached_tokens.first(),
+        };
+        if let (Some(n), Some(cached)) = (self.prompt_tokens, cached) {
+            ours.push(("prompt_tokens", n.to_string()));
+            ours.push(("cached_tokens", cached.to_string()));
+        }
+        if let Some(leg) = &self.prefill {
+            ours.push(("prefill_replica", leg.targets[0].id.clone()));
+        }
+        vec![("envoy.lb", vec![(DESTINATION, self.destination())]), ("inferrail", ours)]
+    }
+}
+
+/// How the `router` metadata names the router that decided.
+fn router_text(id: u64) -> String {
+    format!("{id:016x}")
+}
+
+/// The router the `router` metadata names.
+pub fn decider_id(text: &str) -> Option<u64> {
+    u64::from_str_radix(text, 16).ok()
 }
 
 /// A split request's prefill leg.
@@ -163,6 +239,65 @@ impl RouteError {
             Self::Shed(shed) => shed.label(),
         }
     }
+}
+
+/// An answer the router gives a request itself, in place of a replica's:
+/// its models, its health, or an error in the OpenAI shape vLLM uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// The HTTP status.
+    pub status: u16,
+    /// The JSON body.
+    pub body: String,
+    /// Headers besides `content-type` (`application/json`).
+    pub headers: Vec<(&'static str, String)>,
+    /// Why, as Envoy's response code details name it (`inferrail_...`).
+    pub details: String,
+}
+
+impl Answer {
+    /// An error in the OpenAI shape vLLM uses.
+    pub fn error(status: u16, kind: &str, message: &str, param: Option<&str>, details: &str) -> Self {
+        Self { status, body: error_body(status, kind, message, param), headers: Vec::new(), details: details.into() }
+    }
+
+    /// The answer to a refused request, with `Retry-After` (whole seconds,
+    /// at least one) when the client should try again later.
+    pub fn refused(e: &RouteError) -> Self {
+        let (status, kind, param) = e.http();
+        let mut answer = Self::error(status, kind, &e.to_string(), param, &format!("inferrail_{}", e.reason()));
+        if let Some(d) = e.retry_after() {
+            answer.headers.push(("retry-after", d.as_secs_f64().ceil().max(1.0).to_string()));
+        }
+        answer
+    }
+
+    /// What the router answers itself for the request `head` names (models,
+    /// health, a wrong method or path; `models` gives the `/v1/models`
+    /// answer), or the generation endpoint the request goes on to.
+    pub fn own(head: &Head, models: impl FnOnce() -> String) -> Result<Generation, Self> {
+        let ok = |body, details: &str| Self { status: 200, body, headers: Vec::new(), details: details.into() };
+        Err(match request::endpoint(&head.method, &head.path) {
+            Endpoint::Generate(generation) => return Ok(generation),
+            Endpoint::Models => ok(models(), "inferrail_models"),
+            Endpoint::Health => ok(String::new(), "inferrail_health"),
+            Endpoint::WrongMethod(allow) => {
+                let message = format!("Method {} is not allowed for {}.", head.method, head.path);
+                let mut answer = Self::error(405, "MethodNotAllowed", &message, None, "inferrail_wrong_method");
+                answer.headers.push(("allow", allow.to_string()));
+                answer
+            }
+            Endpoint::NotFound => {
+                let message = format!("No route for {} {}.", head.method, head.path);
+                Self::error(404, "NotFoundError", &message, None, "inferrail_not_found")
+            }
+        })
+    }
+}
+
+/// An error body in the OpenAI shape vLLM uses.
+pub fn error_body(status: u16, kind: &str, message: &str, param: Option<&str>) -> String {
+    serde_json::json!({"error": {"message": message, "type": kind, "param": param, "code": status}}).to_string()
 }
 
 /// What a reload did to the models and the listed replicas.

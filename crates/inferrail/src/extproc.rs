@@ -50,7 +50,7 @@ impl ExternalProcessor for ExtProc {
             let Ok(Some(first)) = inbound.message().await else { return };
             let full_duplex = |mode: i32| mode == BodySendMode::FullDuplexStreamed as i32;
             if first.observability_mode {
-                observe::follow(&this.router, first, inbound).await;
+                observe::follow(&this.front.router, first, inbound).await;
             } else if first.protocol_config.as_ref().is_some_and(|c| full_duplex(c.request_body_mode)) {
                 picker::serve(&this, first, inbound, tx).await;
             } else {

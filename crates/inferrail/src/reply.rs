@@ -8,7 +8,7 @@
 //! among them), and, when the model was rewritten or a prefill leg ran, the
 //! new body. On a full-duplex stream the same decision answers the held
 //! request headers and the body is echoed back in chunks. Answers the router
-//! gives itself are ImmediateResponses in the OpenAI error shape vLLM uses.
+//! gives itself ([`Answer`]) are ImmediateResponses.
 
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
@@ -20,12 +20,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-use serde_json::json;
 
-use crate::decision::{Decision, RouteError};
-
-/// The header (and `envoy.lb` key) naming the chosen replicas.
-pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+use crate::decision::{Answer, Decision};
 
 fn header(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
@@ -43,34 +39,20 @@ fn object(fields: impl IntoIterator<Item = (&'static str, Value)>) -> Value {
     Value { kind: Some(Kind::StructValue(Struct { fields: fields.into_iter().map(|(k, v)| (k.to_string(), v)).collect() })) }
 }
 
-/// An error body in the OpenAI shape vLLM uses.
-pub fn error_body(status: u16, kind: &str, message: &str, param: Option<&str>) -> String {
-    json!({"error": {"message": message, "type": kind, "param": param, "code": status}}).to_string()
-}
-
 /// The router answers the request itself.
-pub fn immediate(status: u16, body: String, headers: &[(&str, &str)], details: &str) -> ProcessingResponse {
+pub fn immediate(answer: &Answer) -> ProcessingResponse {
     let mut set = vec![header("content-type", "application/json")];
-    set.extend(headers.iter().map(|(k, v)| header(k, v)));
+    set.extend(answer.headers.iter().map(|(k, v)| header(k, v)));
     ProcessingResponse {
         response: Some(Response::ImmediateResponse(ImmediateResponse {
-            status: Some(HttpStatus { code: i32::from(status) }),
+            status: Some(HttpStatus { code: i32::from(answer.status) }),
             headers: Some(HeaderMutation { set_headers: set, ..Default::default() }),
-            body: body.into_bytes(),
-            details: details.into(),
+            body: answer.body.clone().into_bytes(),
+            details: answer.details.clone(),
             ..Default::default()
         })),
         ..Default::default()
     }
-}
-
-/// An error the router answers, in the OpenAI shape, with `Retry-After`
-/// (whole seconds, at least one) when the client should try again later.
-pub fn route_error(e: &RouteError) -> ProcessingResponse {
-    let (status, kind, param) = e.http();
-    let retry = e.retry_after().map(|d| d.as_secs_f64().ceil().max(1.0).to_string());
-    let headers: Vec<(&str, &str)> = retry.iter().map(|s| ("retry-after", s.as_str())).collect();
-    immediate(status, error_body(status, kind, &e.to_string(), param), &headers, &format!("inferrail_{}", e.reason()))
 }
 
 /// Asks Envoy to wait up to `wait` for the answer to the message in hand:
@@ -190,68 +172,13 @@ pub fn continue_trailers(response: bool) -> ProcessingResponse {
     ProcessingResponse { response: Some(response), ..Default::default() }
 }
 
-/// The header naming a split request's prefill replica to the sidecar in
-/// front of its decoder (llm-d's).
-pub const PREFILLER: &str = "x-prefiller-host-port";
-
-/// The headers a decision sets: the destination (winner first, then the
-/// fallbacks), the prefill replica for a decoder's sidecar, the new request
-/// id when it was renamed, the traceparent.
+/// The headers a decision sets.
 fn decision_headers(d: &Decision, renamed: bool, traceparent: Option<&str>) -> Vec<HeaderValueOption> {
-    let mut set = vec![header(DESTINATION, &targets(d))];
-    if let Some(leg) = d.prefill.as_ref().filter(|leg| leg.sidecar) {
-        set.push(header(PREFILLER, &leg.targets[0].addr.to_string()));
-    }
-    if renamed {
-        set.push(header("x-request-id", &d.request_id));
-    }
-    if let Some(tp) = traceparent {
-        set.push(header("traceparent", tp));
-    }
-    set
+    d.headers(renamed, traceparent).iter().map(|(k, v)| header(k, v)).collect()
 }
 
-fn targets(d: &Decision) -> String {
-    let targets: Vec<String> = d.targets.iter().map(|r| r.addr.to_string()).collect();
-    targets.join(",")
-}
-
-/// How the `router` metadata names the router that decided.
-fn router_text(id: u64) -> String {
-    format!("{id:016x}")
-}
-
-/// The router the `router` metadata names.
-pub fn decider_id(text: &str) -> Option<u64> {
-    u64::from_str_radix(text, 16).ok()
-}
-
-/// The decision as dynamic metadata: `envoy.lb` for the override-host load
-/// balancer (the same value as the destination header), `inferrail` for the
-/// route's response headers.
+/// The decision as dynamic metadata, namespace by namespace.
 fn decision_metadata(d: &Decision) -> Struct {
-    let mut ours = vec![
-        ("replica", string(&d.targets[0].id)),
-        ("policy", string(d.policy)),
-        ("model", string(&d.model)),
-        ("request_id", string(&d.request_id)),
-        ("router", string(&router_text(d.decider))),
-    ];
-    // A split request's engine reports the prefill replica's cached tokens.
-    let cached = match &d.prefill {
-        Some(leg) => leg.cached_tokens.first(),
-        None => d.cached_tokens.first(),
-    };
-    if let (Some(n), Some(cached)) = (d.prompt_tokens, cached) {
-        ours.push(("prompt_tokens", string(&n.to_string())));
-        ours.push(("cached_tokens", string(&cached.to_string())));
-    }
-    if let Some(leg) = &d.prefill {
-        ours.push(("prefill_replica", string(&leg.targets[0].id)));
-    }
-    Struct {
-        fields: [("envoy.lb".to_string(), object([(DESTINATION, string(&targets(d)))])), ("inferrail".to_string(), object(ours))]
-            .into_iter()
-            .collect(),
-    }
+    let namespace = |fields: Vec<(&'static str, String)>| object(fields.into_iter().map(|(k, v)| (k, string(&v))));
+    Struct { fields: d.metadata().into_iter().map(|(ns, fields)| (ns.to_string(), namespace(fields))).collect() }
 }

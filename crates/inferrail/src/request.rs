@@ -4,6 +4,7 @@
 //! rewritten, in place, when the client used an alias or none.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use serde::Deserialize;
@@ -11,6 +12,13 @@ use serde_json::value::RawValue;
 
 use crate::admission::Asked;
 use crate::decision::BodyError;
+
+/// A request id for a request that came without one.
+pub fn new_request_id() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    format!("inferrail-{nanos:x}-{:x}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
 
 /// The request line and the headers the router cares about.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -41,10 +49,15 @@ pub fn header(headers: Option<&HeaderMap>, key: &str) -> Option<String> {
 
 /// Reads the head from Envoy's header map.
 pub fn head(headers: Option<&HeaderMap>) -> Head {
+    let all = headers.map(|m| m.headers.as_slice()).unwrap_or_default();
+    head_of(all.iter().map(|hv| (hv.key.as_str(), header_value(hv))))
+}
+
+/// Reads the head from headers as (lowercase name, value) pairs, pseudo-headers included.
+pub fn head_of<'a>(headers: impl Iterator<Item = (&'a str, String)>) -> Head {
     let mut h = Head::default();
-    for hv in headers.map(|m| m.headers.as_slice()).unwrap_or_default() {
-        let value = header_value(hv);
-        match hv.key.as_str() {
+    for (key, value) in headers {
+        match key {
             ":method" => h.method = value,
             ":path" => h.path = value.split('?').next().unwrap_or_default().to_string(),
             "x-request-id" => h.request_id = Some(value),

@@ -19,6 +19,7 @@ use tokio_stream::wrappers::TcpListenerStream;
 use crate::access_log::AccessLog;
 use crate::discovery::{dns, eds, kubernetes};
 use crate::extproc::ExtProc;
+use crate::front::Front;
 use crate::health::{cards, grpc, probe};
 use crate::peers::dial::{self, Dns};
 use crate::peers::service::PeerService;
@@ -35,6 +36,9 @@ pub struct Running {
     pub admin_grpc: SocketAddr,
     /// The router, for tests that look inside.
     pub router: Arc<Router>,
+    /// The router with what a transport needs beside it, for a transport in
+    /// the same process (the dynamic module).
+    pub front: Front,
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
     stopping: tokio::sync::oneshot::Receiver<()>,
     grace: Duration,
@@ -91,11 +95,12 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
     let (probe_client, cards_client) = (probe::client(&config)?, cards::client()?);
     let router = Arc::new(Router::new(config)?);
     let models = Arc::new(ArcSwap::from_pointee(cards::models_json(&router, &[])));
+    let front = Front::new(router.clone(), models.clone());
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     let ready = router.ready();
     grpc::publish_grpc_health(&health_reporter, ready).await;
-    let ext_proc = ExternalProcessorServer::new(ExtProc::new(router.clone(), models.clone())).max_decoding_message_size(64 << 20);
+    let ext_proc = ExternalProcessorServer::new(ExtProc::new(front.clone())).max_decoding_message_size(64 << 20);
     // Envoy sends every request's whole body on one HTTP/2 connection: with
     // hyper's 1 MiB connection window, twenty 220 KB bodies in flight would
     // wait for window updates, and 16 KB frames cut each into fourteen.
@@ -142,7 +147,7 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         tokio::spawn(dial::run(router.clone(), peer_dns)),
         tokio::spawn(grpc::grpc_health_loop(router.clone(), health_reporter, ready)),
     ];
-    Ok(Running { grpc, admin, admin_grpc, router, server, stopping, grace, background })
+    Ok(Running { grpc, admin, admin_grpc, router, front, server, stopping, grace, background })
 }
 
 /// How a service stopped.

@@ -30,8 +30,8 @@ use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use tokio::net::TcpListener;
 
+use crate::decision::{PREFILLER, error_body};
 use crate::legs;
-use crate::reply::{PREFILLER, error_body};
 
 /// Tries of a prefill replica that answers 502-504 or not at all.
 pub const TRIES: usize = 3;

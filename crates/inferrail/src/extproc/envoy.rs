@@ -1,33 +1,19 @@
 //! What Envoy's messages carry besides headers and bodies, read in the
 //! router's terms: attributes (`request.id`, `upstream.address`), the
 //! gateway's subset hint and served endpoint, the `inferrail` metadata a
-//! decision set, and a response's status.
+//! decision set.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use envoy_types::pb::envoy::config::core::v3::Metadata;
-use envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders;
 use envoy_types::pb::google::protobuf::Struct;
 use envoy_types::pb::google::protobuf::value::Kind;
-use inferrail_route::lifecycle::Event;
-
-use crate::reply;
-use crate::request;
-use crate::router::Router;
 
 /// Where the gateway reports the endpoint that served.
 const SERVED: &str = "x-gateway-destination-endpoint-served";
 
 /// Attributes as Envoy sends them, keyed by the filter's name.
 pub type Attributes = std::collections::HashMap<String, Struct>;
-
-/// A request id for a request that came without one.
-pub fn new_request_id() -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
-    format!("inferrail-{nanos:x}-{:x}", NEXT.fetch_add(1, Ordering::Relaxed))
-}
 
 /// A string attribute Envoy sent (`request.id`, `upstream.address`, ...),
 /// keyed by the filter's name; the value is looked up under any key.
@@ -70,29 +56,6 @@ pub fn served(metadata: &Option<Metadata>) -> Option<String> {
     }
 }
 
-/// The status response headers carry, from the replica at `served`
-/// (`ip:port`) when known. A `:status` that is missing or not a number
-/// from 100 to 999 is no answer: `None`, counted by reason in
-/// `inferrail_bad_events_total`.
-pub fn status(router: &Router, h: &HttpHeaders, served: Option<String>) -> Option<Event> {
-    let Some(text) = request::header(h.headers.as_ref(), ":status") else {
-        metrics::counter!("inferrail_bad_events_total", "source" => "envoy", "reason" => "no_status").increment(1);
-        return None;
-    };
-    let Some(code) = text.trim().parse::<u16>().ok().filter(|c| (100..=999).contains(c)) else {
-        metrics::counter!("inferrail_bad_events_total", "source" => "envoy", "reason" => "bad_status").increment(1);
-        tracing::debug!(status = text, "a response status that is not an HTTP status");
-        return None;
-    };
-    Some(Event::Status { code, served_by: served.and_then(|a| served_by(router, &a)) })
-}
-
-/// The replica at `addr` (`ip:port`, as Envoy names an upstream host), by its key.
-fn served_by(router: &Router, addr: &str) -> Option<u64> {
-    let addr: SocketAddr = addr.parse().ok()?;
-    router.fleet().replicas.iter().find(|r| r.addr == addr).map(|r| r.key)
-}
-
 /// The router that decided a request and the id it knows it by, from the
 /// `inferrail` metadata its decision set (the observe filter forwards that
 /// namespace).
@@ -102,5 +65,5 @@ pub fn decided_by(metadata: &Option<Metadata>) -> Option<(u64, String)> {
         Some(Kind::StringValue(s)) => Some(s.clone()),
         _ => None,
     };
-    Some((reply::decider_id(&text("router")?)?, text("request_id")?))
+    Some((crate::decision::decider_id(&text("router")?)?, text("request_id")?))
 }

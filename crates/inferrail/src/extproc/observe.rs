@@ -9,7 +9,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use inferrail_route::lifecycle::Event;
 use tonic::Streaming;
 
-use super::envoy::{attribute, decided_by, status};
+use super::envoy::{attribute, decided_by};
+use crate::request;
+use crate::response::status_event;
 use crate::router::Router;
 
 /// Follows one request's upstream response until its first byte.
@@ -28,7 +30,11 @@ pub async fn follow(router: &Router, first: ProcessingRequest, mut inbound: Stre
                     },
                 };
                 // A status that is not one tells nothing; the first byte still counts.
-                let heard = match status(router, &h, found("upstream.address")) {
+                let heard = match status_event(
+                    router,
+                    request::header(h.headers.as_ref(), ":status").as_deref(),
+                    found("upstream.address").as_deref(),
+                ) {
                     Some(status) => router.hear_for(decider, &id, status, Duration::ZERO),
                     None => router.lease(&id).is_some() || decider.is_some(),
                 };

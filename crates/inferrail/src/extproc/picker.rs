@@ -19,7 +19,7 @@ use inferrail_route::lifecycle::Event;
 use tokio::sync::mpsc;
 use tonic::Streaming;
 
-use super::envoy::{new_request_id, subset};
+use super::envoy::subset;
 use super::front::{ExtProc, Out, answer_and_drain};
 use super::response::{self, Mode};
 use crate::{reply, request};
@@ -33,7 +33,7 @@ pub async fn serve(ext: &ExtProc, first: ProcessingRequest, mut inbound: Streami
         Ok(generation) => generation,
         Err(answer) => return answer_and_drain(*answer, inbound, tx).await,
     };
-    let request_id = head.request_id.clone().unwrap_or_else(new_request_id);
+    let request_id = head.request_id.clone().unwrap_or_else(request::new_request_id);
     let mut body = Vec::new();
     let mut trailers = false;
     let mut ended = h.end_of_stream;
@@ -62,9 +62,9 @@ pub async fn serve(ext: &ExtProc, first: ProcessingRequest, mut inbound: Streami
     drop(body);
     for answer in answers {
         if tx.send(Ok(answer)).await.is_err() {
-            ext.router.hear(&d.request_id, Event::Gone);
+            ext.front.router.hear(&d.request_id, Event::Gone);
             return;
         }
     }
-    response::follow(&ext.router, &d.request_id, Mode::Picker, &mut inbound, &tx).await;
+    response::follow(&ext.front.router, &d.request_id, Mode::Picker, &mut inbound, &tx).await;
 }

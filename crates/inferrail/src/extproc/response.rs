@@ -1,24 +1,20 @@
 //! The response phase, one path for the route and the picker stream: each
-//! response message Envoy sends becomes the lifecycle events it tells (the
-//! status and who served, the first byte once, the usage in the response's
-//! last bytes, the end) and the answer Envoy waits for. The two streams
-//! differ only in what they answer and in what their closing means
+//! response message Envoy sends becomes the lifecycle events it tells
+//! ([`crate::response::Phase`]) and the answer Envoy waits for. The two
+//! streams differ only in what they answer and in what their closing means
 //! ([`Mode`]).
 
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
-use inferrail_route::lifecycle::{Event, Usage};
-use serde::Deserialize;
+use inferrail_route::lifecycle::Event;
 use tokio::sync::mpsc;
 use tonic::Streaming;
 
-use super::envoy::{attribute, served, status};
+use super::envoy::{attribute, served};
 use super::front::Out;
-use crate::reply;
+use crate::response::Phase;
 use crate::router::Router;
-
-/// How much of the response's end is kept to read its usage from.
-const TAIL: usize = 8 << 10;
+use crate::{reply, request};
 
 /// Which stream follows the response.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,14 +36,13 @@ pub enum Mode {
 /// What the response phase has shown so far.
 pub struct ResponsePhase {
     mode: Mode,
-    first_byte: bool,
-    tail: Tail,
+    phase: Phase,
 }
 
 impl ResponsePhase {
     /// Nothing shown yet.
     pub fn new(mode: Mode) -> Self {
-        Self { mode, first_byte: false, tail: Tail::default() }
+        Self { mode, phase: Phase::default() }
     }
 
     /// The answer to one response-phase message, adding what it says of the
@@ -56,12 +51,9 @@ impl ResponsePhase {
         Some(match m.request {
             Some(Request::ResponseHeaders(h)) => {
                 let served = served(&m.metadata_context).or_else(|| attribute(&m.attributes, "upstream.address"));
-                events.extend(status(router, &h, served));
-                if h.end_of_stream {
-                    self.first_byte(events);
-                    events.push(Event::End);
-                    reply::continue_response_headers()
-                } else if self.mode == (Mode::Route { wants_usage: true }) {
+                let status = request::header(h.headers.as_ref(), ":status");
+                self.phase.headers(router, status.as_deref(), served.as_deref(), h.end_of_stream, events);
+                if !h.end_of_stream && self.mode == (Mode::Route { wants_usage: true }) {
                     // A limited tenant's output tokens are in the body's last bytes.
                     reply::continue_response_headers_then_body()
                 } else {
@@ -69,12 +61,7 @@ impl ResponsePhase {
                 }
             }
             Some(Request::ResponseBody(b)) => {
-                self.first_byte(events);
-                self.tail.keep(&b.body);
-                if b.end_of_stream {
-                    events.extend(self.tail.usage().map(Event::Usage));
-                    events.push(Event::End);
-                }
+                self.phase.body(&b.body, b.end_of_stream, events);
                 match self.mode {
                     // Each chunk is let through at once, so Envoy never waits out its timeout.
                     Mode::Route { .. } => reply::continue_response_body(),
@@ -82,8 +69,7 @@ impl ResponsePhase {
                 }
             }
             Some(Request::ResponseTrailers(_)) => {
-                events.extend(self.tail.usage().map(Event::Usage));
-                events.push(Event::End);
+                self.phase.trailers(events);
                 reply::continue_trailers(true)
             }
             _ => return None,
@@ -97,13 +83,6 @@ impl ResponsePhase {
         match self.mode {
             Mode::Route { .. } => Event::End,
             Mode::Picker => Event::Gone,
-        }
-    }
-
-    /// The first byte, told once.
-    fn first_byte(&mut self, events: &mut Vec<Event>) {
-        if !std::mem::replace(&mut self.first_byte, true) {
-            events.push(Event::FirstByte);
         }
     }
 }
@@ -125,50 +104,4 @@ pub async fn follow(router: &Router, id: &str, mode: Mode, inbound: &mut Streami
         }
     }
     router.hear(id, phase.closed());
-}
-
-/// A response's last bytes, kept to read its usage from.
-#[derive(Default)]
-pub struct Tail(Vec<u8>);
-
-impl Tail {
-    /// Keeps the last [`TAIL`] bytes (or up to twice that) of what came so far, with `chunk`.
-    pub fn keep(&mut self, chunk: &[u8]) {
-        self.0.extend_from_slice(&chunk[chunk.len().saturating_sub(TAIL)..]);
-        if self.0.len() > 2 * TAIL {
-            self.0.drain(..self.0.len() - TAIL);
-        }
-    }
-
-    /// The usage the response ended with, if it reported one.
-    pub fn usage(&self) -> Option<Usage> {
-        usage(&self.0)
-    }
-}
-
-#[derive(Deserialize)]
-struct UsageJson {
-    prompt_tokens: u64,
-    #[serde(default)]
-    completion_tokens: u64,
-    prompt_tokens_details: Option<Details>,
-}
-
-#[derive(Deserialize)]
-struct Details {
-    #[serde(default)]
-    cached_tokens: u64,
-}
-
-/// The last `usage` object in a response's final bytes: an SSE stream's
-/// last chunk with usage, or a whole JSON answer's.
-pub fn usage(tail: &[u8]) -> Option<Usage> {
-    const KEY: &[u8] = b"\"usage\"";
-    let at = tail.windows(KEY.len()).rposition(|w| w == KEY)? + KEY.len();
-    let rest = &tail[at..];
-    let colon = rest.iter().position(|&b| !b.is_ascii_whitespace()).filter(|&i| rest[i] == b':')?;
-    let mut values = serde_json::Deserializer::from_slice(&rest[colon + 1..]).into_iter::<Option<UsageJson>>();
-    let u = values.next()?.ok()??;
-    let cached_tokens = u.prompt_tokens_details.map_or(0, |d| d.cached_tokens);
-    Some(Usage { prompt_tokens: u.prompt_tokens, cached_tokens, completion_tokens: u.completion_tokens })
 }

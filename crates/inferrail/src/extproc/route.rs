@@ -8,7 +8,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingReque
 use tokio::sync::mpsc;
 use tonic::Streaming;
 
-use super::envoy::{new_request_id, subset};
+use super::envoy::subset;
 use super::front::{ExtProc, Out, answer_and_drain};
 use super::response::{self, Mode};
 use crate::{reply, request};
@@ -24,7 +24,7 @@ pub async fn serve(ext: &ExtProc, first: ProcessingRequest, mut inbound: Streami
     };
     let (request_id, generated) = match head.request_id.clone() {
         Some(id) => (id, false),
-        None => (new_request_id(), true),
+        None => (request::new_request_id(), true),
     };
     if !body_done {
         let set: Vec<(&str, &str)> = if generated { vec![("x-request-id", request_id.as_str())] } else { Vec::new() };
@@ -59,5 +59,5 @@ pub async fn serve(ext: &ExtProc, first: ProcessingRequest, mut inbound: Streami
     let answer = reply::decision(&d, d.request_id != request_id, traceparent.as_deref());
     // If Envoy is gone it no longer needs the answer; the stream's closing still ends the request.
     let _ = tx.send(Ok(answer)).await;
-    response::follow(&ext.router, &d.request_id, Mode::Route { wants_usage: d.wants_usage }, &mut inbound, &tx).await;
+    response::follow(&ext.front.router, &d.request_id, Mode::Route { wants_usage: d.wants_usage }, &mut inbound, &tx).await;
 }

@@ -23,7 +23,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::{HttpHeaders, ProcessingRequest};
 
 use super::*;
-use crate::extproc::response::usage;
+use crate::response::usage;
 use crate::router::Router;
 use envoy_types::pb::google::protobuf::value::Kind;
 
@@ -40,7 +40,7 @@ async fn serve() -> (Arc<Router>, ExternalProcessorClient<Channel>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let models = Arc::new(arc_swap::ArcSwap::from_pointee(String::new()));
-    let service = ExternalProcessorServer::new(ExtProc::new(router.clone(), models));
+    let service = ExternalProcessorServer::new(ExtProc::new(crate::front::Front::new(router.clone(), models)));
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     tokio::spawn(tonic::transport::Server::builder().add_service(service).serve_with_incoming(incoming));
     (router, ExternalProcessorClient::connect(format!("http://{addr}")).await.unwrap())
@@ -99,7 +99,7 @@ async fn route(client: &mut ExternalProcessorClient<Channel>, id: &str) -> (Stre
     assert!(matches!(decided.response, Some(Response::RequestBody(_))));
     let lb = &decided.dynamic_metadata.unwrap().fields["envoy.lb"];
     let Some(Kind::StructValue(lb)) = &lb.kind else { panic!("envoy.lb is a struct") };
-    let Some(Kind::StringValue(targets)) = &lb.fields[crate::reply::DESTINATION].kind else { panic!("the destination is a string") };
+    let Some(Kind::StringValue(targets)) = &lb.fields[crate::decision::DESTINATION].kind else { panic!("the destination is a string") };
     (stream, targets.clone())
 }
 
@@ -232,11 +232,11 @@ async fn a_full_duplex_stream_holds_the_headers_for_the_decision_and_echoes_both
     let decided = stream.rx.message().await.unwrap().unwrap();
     let Some(Response::RequestHeaders(h)) = &decided.response else { panic!("the headers' answer first: {decided:?}") };
     let set = &h.response.as_ref().unwrap().header_mutation.as_ref().unwrap().set_headers;
-    let destination = set.iter().map(|o| o.header.as_ref().unwrap()).find(|h| h.key == crate::reply::DESTINATION).unwrap();
+    let destination = set.iter().map(|o| o.header.as_ref().unwrap()).find(|h| h.key == crate::decision::DESTINATION).unwrap();
     assert_eq!(destination.raw_value, b"127.0.0.1:8001,127.0.0.1:8002");
     let lb = &decided.dynamic_metadata.as_ref().unwrap().fields["envoy.lb"];
     let Some(Kind::StructValue(lb)) = &lb.kind else { panic!("envoy.lb is a struct") };
-    let Some(Kind::StringValue(targets)) = &lb.fields[crate::reply::DESTINATION].kind else { panic!("a string") };
+    let Some(Kind::StringValue(targets)) = &lb.fields[crate::decision::DESTINATION].kind else { panic!("a string") };
     assert_eq!(targets.as_bytes(), destination.raw_value, "the header and the metadata say the same");
     let (echo, end) = echoed(stream.rx.message().await.unwrap().unwrap());
     assert_eq!((echo, end), (sent.concat(), true), "the body goes on unchanged");
@@ -331,7 +331,7 @@ async fn a_subset_hint_limits_the_pick_and_one_naming_no_replica_gets_a_503() {
             let answer = picked(&mut client, subset_hint(hint.clone())).await;
             let lb = &answer.dynamic_metadata.unwrap().fields["envoy.lb"];
             let Some(Kind::StructValue(lb)) = &lb.kind else { panic!("envoy.lb is a struct") };
-            let Some(Kind::StringValue(targets)) = &lb.fields[crate::reply::DESTINATION].kind else { panic!("a string") };
+            let Some(Kind::StringValue(targets)) = &lb.fields[crate::decision::DESTINATION].kind else { panic!("a string") };
             assert_eq!(targets, "127.0.0.1:8002", "only the offered replica, round robin or not");
         }
     }
@@ -362,7 +362,7 @@ async fn serve_pair(policy: &str) -> [(Arc<Router>, ExternalProcessorClient<Chan
         let models = Arc::new(arc_swap::ArcSwap::from_pointee(String::new()));
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
         let server = tonic::transport::Server::builder()
-            .add_service(ExternalProcessorServer::new(ExtProc::new(router.clone(), models)))
+            .add_service(ExternalProcessorServer::new(ExtProc::new(crate::front::Front::new(router.clone(), models))))
             .add_service(inferrail_proto::peer::v1::peer_server::PeerServer::new(crate::peers::service::PeerService::new(router.clone())));
         tokio::spawn(server.serve_with_incoming(incoming));
         tokio::spawn(crate::peers::dial::run(router.clone(), None));

@@ -9,6 +9,7 @@ every engine."""
 
 import json
 import http.client as httpc
+import os
 import re
 import signal
 import subprocess
@@ -44,7 +45,7 @@ class Fleet:
     def __init__(self, tmp, policy="round_robin", sim_flags=(), config_extra="", tokenizer="builtin:sim", replica_extra="", routing="",
                  kv_events=None, routers=1, filters=None, envoy_edit=None, peers=True, max_body_bytes=1 << 20, roles=None,
                  health="probe_interval_ms: 100, probe_timeout_ms: 300", transfer=None, client_headers=None, sidecars=False,
-                 adapters=()):
+                 adapters=(), module=False, module_env=None):
         """`kv_events`, to publish and follow KV events: a dict with `bind`
         ("router": the router binds and the engines connect, vLLM's way with
         an IP endpoint; "engine": the engines bind `tcp://*:port` and the
@@ -66,7 +67,10 @@ class Fleet:
         With `sidecars`, an inferrail-sidecar stands in front of each
         simulator on the replica's address (the simulator moves to another
         port; `sim_url` still reaches it directly). `adapters`, LoRA adapter
-        names the model lists (the simulators must serve them)."""
+        names the model lists (the simulators must serve them). With
+        `module`, the router runs inside Envoy as its dynamic module
+        (envoy/module.yaml, libinferrail_module.so), not as a process of its
+        own; `module_env`, more of Envoy's environment (a failpoint)."""
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
         self.procs = {}
@@ -106,10 +110,15 @@ class Fleet:
                 f"replicas:\n{replicas}\n")
             self.configs.append(config)
         self.config = self.configs[0]
-        envoy = (ROOT / "envoy" / "local.yaml").read_text()
-        for old, new in [(8080, self.listen), (9901, self.envoy_admin), (9002, self.grpc)] + list(zip((8001, 8002, 8003), self.sim_ports)):
+        self.module, self.module_env = module, module_env or {}
+        envoy = (ROOT / "envoy" / ("module.yaml" if module else "local.yaml")).read_text()
+        ports = [(8080, self.listen), (9901, self.envoy_admin)] + ([] if module else [(9002, self.grpc)])
+        for old, new in ports + list(zip((8001, 8002, 8003), self.sim_ports)):
             envoy, n = re.subn(rf"port_value: {old}\b", f"port_value: {new}", envoy)
-            assert n == 1, f"envoy/local.yaml should name port {old} once"
+            assert n == 1, f"the Envoy bootstrap should name port {old} once"
+        if module:
+            envoy, n = re.subn(r"value: envoy/local-inferrail\.yaml", f"value: {self.config}", envoy)
+            assert n == 1, "envoy/module.yaml should name its routing file once"
         if filters is not None:
             envoy, n = re.subn(r"          # The decision.*?(?=          - name: envoy\.filters\.http\.router)", lambda _: filters, envoy,
                                flags=re.S)
@@ -189,12 +198,17 @@ class Fleet:
     def start(self):
         for i in range(3):
             self.start_sim(i)
-        for k in range(len(self.routers)):
-            self.start_router(k)
+        if not self.module:
+            for k in range(len(self.routers)):
+                self.start_router(k)
         if self.peers:
             self.until_linked()
+        env = {"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(TARGET), **self.module_env} if self.module else None
+        logs = ["--component-log-level", "dynamic_modules:info"] if self.module else []
         self.procs["envoy"] = self._spawn(
-            "envoy", [ENVOY, "-c", self.envoy_config, "--disable-hot-restart", "--log-level", "warn", "--concurrency", "2"])
+            "envoy", [ENVOY, "-c", self.envoy_config, "--disable-hot-restart", "--log-level", "warn", "--concurrency", "2", *logs], env)
+        if self.module:
+            wait_until(lambda: http("GET", f"http://127.0.0.1:{self.admin}/readyz").status == 200, "the router inside Envoy")
         try:
             wait_until(lambda: self.chat().status == 200, "a request through Envoy")
         except AssertionError:
@@ -207,9 +221,10 @@ class Fleet:
         routers = range(len(self.routers)) if routers is None else routers
         wait_until(lambda: all(self.metric("inferrail_peers", router=k) == len(routers) - 1 for k in routers), "the routers linked")
 
-    def _spawn(self, name, cmd):
+    def _spawn(self, name, cmd, env=None):
         log = open(self.tmp / f"{name}.log", "ab")
-        return subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        env = {**os.environ, **env} if env else None
+        return subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=log, stdin=subprocess.DEVNULL, env=env)
 
     def kill(self, name, sig=signal.SIGKILL):
         p = self.procs.pop(name)

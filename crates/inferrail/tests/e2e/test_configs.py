@@ -1,6 +1,7 @@
 """Every shipped configuration is valid: Envoy's own validation of the
 bootstraps, and `inferrail --check` of the routing files."""
 
+import os
 import subprocess
 
 from conftest import ENVOY, ROOT, TARGET
@@ -10,8 +11,10 @@ def test_envoy_configs_validate():
     configs = sorted((ROOT / "envoy").glob("**/*.yaml")) + sorted((ROOT / "bench" / "envoy").glob("*.yaml"))
     bootstraps = [c for c in configs if "static_resources" in c.read_text()]
     assert bootstraps
+    # envoy/module.yaml loads libinferrail_module.so, which reads its routing file from the project's root.
+    env = {**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(TARGET)}
     for c in bootstraps:
-        r = subprocess.run([ENVOY, "--mode", "validate", "-c", c, "--disable-hot-restart"], capture_output=True, text=True)
+        r = subprocess.run([ENVOY, "--mode", "validate", "-c", c, "--disable-hot-restart"], capture_output=True, text=True, env=env, cwd=ROOT)
         assert r.returncode == 0, (c, r.stdout[-2000:], r.stderr[-2000:])
 
 

@@ -1,0 +1,320 @@
+//! One HTTP request inside Envoy, top to bottom, in safe code: the headers
+//! read (and the router's own answers given), the body buffered to its end,
+//! the decision asked of the same [`Front`] the ext_proc streams use, and
+//! the winner and fallbacks named to Envoy's override-host balancer; then
+//! the response heard in-process (status and who served, first byte, usage,
+//! end) as the router's lifecycle events.
+//!
+//! The decision runs on the Envoy worker that holds the stream, polled once
+//! inline in the router runtime's context: a small prompt is tokenized and
+//! placed without leaving the worker. A decision that must wait (a queue in
+//! admission, a large body on the tokenizer workers, a prefill leg) goes on
+//! as a task on the router's runtime, and the stream stays paused until the
+//! task asks Envoy, through the stream's [`Scheduler`], to resume it on its
+//! worker. A client that leaves meanwhile cancels the task, which takes the
+//! request out of its queue.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, Waker};
+
+use inferrail::decision::{Answer, Decision};
+use inferrail::front::Front;
+use inferrail::request::{self, Head};
+use inferrail::response::Phase;
+use inferrail::router::Router;
+use inferrail_route::lifecycle::Event;
+use inferrail_tokenize::chat::Endpoint as Generation;
+
+use crate::abi::{Scheduler, Stream};
+pub use crate::process::Shared;
+
+/// What the request-headers hook tells Envoy (`on_http_filter_request_headers_status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Headers {
+    /// Go on.
+    Continue = 0,
+    /// Hold the headers; the body still comes.
+    StopIteration = 1,
+}
+
+/// What a body hook tells Envoy (`on_http_filter_{request,response}_body_status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Body {
+    /// Go on.
+    Continue = 0,
+    /// Keep buffering the body and hold the request.
+    StopIterationAndBuffer = 1,
+}
+
+/// A decision, or the router's own answer, with the id the request came by.
+type Decided = (Result<(Decision, Option<String>), Answer>, String);
+
+/// A decision left running on the router's runtime.
+struct Waiting {
+    slot: Arc<Slot>,
+    task: tokio::task::AbortHandle,
+}
+
+/// Where a decision task leaves the decision, and how it wakes its stream.
+struct Slot(Mutex<SlotState>);
+
+#[derive(Default)]
+struct SlotState {
+    decided: Option<Decided>,
+    /// Deleted when the stream takes the decision or ends, so no commit follows.
+    scheduler: Option<Scheduler>,
+    /// The stream ended: a decision that comes now is nobody's.
+    closed: bool,
+}
+
+impl Slot {
+    fn new(scheduler: Scheduler) -> Self {
+        Self(Mutex::new(SlotState { scheduler: Some(scheduler), ..SlotState::default() }))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The task's decision: handed to the stream, whose worker is asked to
+    /// resume it, or (when the stream ended first) its leases ended.
+    fn put(&self, decided: Decided, router: &Router) {
+        let mut state = self.state();
+        if state.closed {
+            drop(state);
+            gone(router, decided);
+            return;
+        }
+        state.decided = Some(decided);
+        if let Some(s) = &state.scheduler {
+            s.commit(0);
+        }
+    }
+
+    /// The decision, if it came; nothing more will.
+    fn take(&self, closing: bool) -> Option<Decided> {
+        let mut state = self.state();
+        state.closed |= closing;
+        drop(state.scheduler.take());
+        state.decided.take()
+    }
+}
+
+/// A decision nobody applied: its leases end as the client's leaving.
+fn gone(router: &Router, (decided, _): Decided) {
+    if let Ok((d, _)) = decided {
+        router.hear(&d.request_id, Event::Gone);
+        if let Some(leg) = &d.prefill {
+            router.hear(&leg.request_id, Event::Gone);
+        }
+    }
+}
+
+/// A request read up to its body.
+struct Asking {
+    head: Head,
+    generation: Generation,
+    request_id: String,
+}
+
+/// One request's filter.
+pub struct Filter {
+    shared: Shared,
+    asking: Option<Asking>,
+    waiting: Option<Waiting>,
+    /// The id the router knows the request by, once decided.
+    decided: Option<String>,
+    phase: Phase,
+    /// A panic was caught: the request goes on untouched.
+    open: bool,
+}
+
+impl Filter {
+    /// A filter for a new stream.
+    pub fn new(shared: Shared) -> Self {
+        Self { shared, asking: None, waiting: None, decided: None, phase: Phase::default(), open: false }
+    }
+
+    fn front(&self) -> &Front {
+        &self.shared.front
+    }
+
+    /// A panic was caught in a hook: from now on the filter lets the request
+    /// and its response through untouched; a decision already leased ends as
+    /// the stream does.
+    pub fn fall_open(&mut self) {
+        self.open = true;
+        self.asking = None;
+    }
+
+    /// The request's headers: the router's own answer, or held for the body.
+    pub fn request_headers(&mut self, s: &Stream, end_of_stream: bool) -> Headers {
+        if self.open {
+            return Headers::Continue;
+        }
+        let headers = s.request_headers();
+        let head = request::head_of(headers.iter().map(|(k, v)| (k.as_str(), v.clone())));
+        let generation = match self.front().own_answer(&head) {
+            Ok(generation) => generation,
+            Err(answer) => {
+                send(s, &answer);
+                return Headers::StopIteration;
+            }
+        };
+        let request_id = match &head.request_id {
+            Some(id) => id.clone(),
+            None => {
+                let id = request::new_request_id();
+                s.set_request_header("x-request-id", &id);
+                id
+            }
+        };
+        self.asking = Some(Asking { head, generation, request_id });
+        if !end_of_stream {
+            return Headers::StopIteration;
+        }
+        if self.decide(s, Vec::new(), false) { Headers::Continue } else { Headers::StopIteration }
+    }
+
+    /// A chunk of the request's body: buffered until the last, which decides.
+    pub fn request_body(&mut self, s: &Stream, end_of_stream: bool) -> Body {
+        if self.open || self.asking.is_none() {
+            return Body::Continue;
+        }
+        if !end_of_stream {
+            return Body::StopIterationAndBuffer;
+        }
+        self.shared.failpoint("request_body");
+        if self.decide(s, s.request_body(), true) { Body::Continue } else { Body::StopIterationAndBuffer }
+    }
+
+    /// Decides with the whole `body`; whether the request goes on now
+    /// (`false`: it waits for the decision, or was answered locally).
+    fn decide(&mut self, s: &Stream, body: Vec<u8>, in_body_hook: bool) -> bool {
+        let Some(Asking { head, generation, request_id }) = self.asking.take() else { return true };
+        let front = self.front().clone();
+        let mut deciding: Pin<Box<dyn Future<Output = Decided> + Send>> = Box::pin(async move {
+            let decided = front.decide(&head, &body, generation, &request_id, None, &|_| {}).await;
+            (decided, request_id)
+        });
+        let runtime = self.shared.runtime.clone();
+        let _context = runtime.enter();
+        match deciding.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(decided) => {
+                metrics::counter!("inferrail_module_decisions_total", "path" => "inline").increment(1);
+                self.apply(s, decided, in_body_hook)
+            }
+            Poll::Pending => {
+                metrics::counter!("inferrail_module_decisions_total", "path" => "runtime").increment(1);
+                let slot = Arc::new(Slot::new(s.scheduler()));
+                let (to, router) = (slot.clone(), self.front().router.clone());
+                let task = runtime.spawn(async move { to.put(deciding.await, &router) }).abort_handle();
+                self.waiting = Some(Waiting { slot, task });
+                false
+            }
+        }
+    }
+
+    /// The decision that went on the runtime is ready; whether the request goes on.
+    pub fn scheduled(&mut self, s: &Stream) -> bool {
+        let Some(waiting) = self.waiting.take() else { return true };
+        match waiting.slot.take(false) {
+            Some(decided) if !self.open => self.apply(s, decided, false),
+            Some(decided) => {
+                gone(&self.front().router, decided);
+                true
+            }
+            None => true,
+        }
+    }
+
+    /// Names the decision's replicas to Envoy (or answers the request);
+    /// whether the request goes on.
+    fn apply(&mut self, s: &Stream, (decided, request_id): Decided, in_body_hook: bool) -> bool {
+        match decided {
+            Ok((d, traceparent)) => {
+                for (key, value) in d.headers(d.request_id != request_id, traceparent.as_deref()) {
+                    s.set_request_header(key, &value);
+                }
+                for (namespace, fields) in d.metadata() {
+                    for (key, value) in fields {
+                        s.set_metadata(namespace, key, &value);
+                    }
+                }
+                if let Some(body) = &d.body {
+                    s.replace_request_body(body, in_body_hook);
+                }
+                self.decided = Some(d.request_id);
+                true
+            }
+            Err(answer) => {
+                send(s, &answer);
+                false
+            }
+        }
+    }
+
+    /// Hears what a response hook brought.
+    fn hear(&mut self, events: Vec<Event>) {
+        if let Some(id) = &self.decided {
+            for event in events {
+                self.front().router.hear(id, event);
+            }
+        }
+    }
+
+    /// The response's headers: its status and who served.
+    pub fn response_headers(&mut self, s: &Stream, end_of_stream: bool) {
+        if self.decided.is_none() {
+            return;
+        }
+        let mut events = Vec::new();
+        let (status, served) = (s.response_header(":status"), s.upstream_address());
+        self.phase.headers(&self.shared.front.router, status.as_deref(), served.as_deref(), end_of_stream, &mut events);
+        self.hear(events);
+    }
+
+    /// A chunk of the response's body: the first byte, and the usage at its end.
+    pub fn response_body(&mut self, s: &Stream, end_of_stream: bool) {
+        if self.decided.is_none() {
+            return;
+        }
+        let mut events = Vec::new();
+        s.response_chunks(|chunk| self.phase.body(chunk, false, &mut events));
+        if end_of_stream {
+            self.phase.body(&[], true, &mut events);
+        }
+        self.hear(events);
+    }
+
+    /// The response's trailers, which end it.
+    pub fn response_trailers(&mut self) {
+        let mut events = Vec::new();
+        self.phase.trailers(&mut events);
+        self.hear(events);
+    }
+
+    /// The stream is over, however it ended: a decision still running is
+    /// cancelled (the request leaves its queue), one made and not applied
+    /// ends as the client's leaving, a routed request ends.
+    pub fn complete(&mut self) {
+        if let Some(waiting) = self.waiting.take() {
+            waiting.task.abort();
+            if let Some(decided) = waiting.slot.take(true) {
+                gone(&self.front().router, decided);
+            }
+        }
+        self.hear(vec![Event::End]);
+    }
+}
+
+/// Answers the request locally with the router's own answer.
+fn send(s: &Stream, answer: &Answer) {
+    let mut headers = vec![("content-type", "application/json")];
+    headers.extend(answer.headers.iter().map(|(k, v)| (*k, v.as_str())));
+    s.send_response(answer.status, &headers, answer.body.as_bytes(), &answer.details);
+}
