@@ -3,8 +3,9 @@
 //! the same requests on the same open-loop schedule. The rungs: straight to
 //! the simulators (the floor), a plain Envoy, Envoy with a no-op ext_proc
 //! processor behind inferrail's own filters (what the architecture costs),
-//! Envoy with inferrail (tokenizing prompts of about 2,000 tokens for real)
-//! and SGLang's router. Rounds go through every rung in turn, starting one
+//! Envoy with inferrail (tokenizing prompts of about 2,000 tokens for real),
+//! Envoy with inferrail inside as its dynamic module (no hop) and SGLang's
+//! router. Rounds go through every rung in turn, starting one
 //! rung later each round, so drift in the machine's load falls on all alike.
 //!
 //! Latency on a shared machine is noisy; CPU time per request is steadier:
@@ -13,7 +14,10 @@
 //! 220 KB prompts from 1, 20 and 150 closed-loop clients and reports the time
 //! to first token each rung adds: with one client nothing waits for the
 //! cores, so that is what each layer itself takes; with more, the CPU each
-//! spends per request turns into queueing on a small machine.
+//! spends per request turns into queueing on a small machine. Last, paced
+//! simulators take the near-instant ones' ports and closed-loop clients
+//! read streams of 256 tokens at the engine's own pace: what each layer
+//! spends per stream, a chunk at a time.
 
 mod fleet;
 mod send;
@@ -49,6 +53,8 @@ pub enum Rung {
     Noop,
     /// Envoy with inferrail.
     Inferrail,
+    /// Envoy with inferrail inside, as its dynamic module.
+    Module,
     /// SGLang's router.
     Sglang,
 }
@@ -57,7 +63,7 @@ pub enum Rung {
 #[derive(Debug, Clone, Args)]
 pub struct OverheadArgs {
     /// Rungs to measure; the first is the floor the others are compared to.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "direct,envoy,noop,inferrail,sglang")]
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "direct,envoy,noop,inferrail,module,sglang")]
     pub rungs: Vec<Rung>,
     /// Arrivals per second (Poisson) of the ladder.
     #[arg(long, default_value_t = 100.0)]
@@ -83,6 +89,16 @@ pub struct OverheadArgs {
     /// Seconds per rung and client count of the long-prompt case, over all rounds.
     #[arg(long, default_value_t = 8.0)]
     pub long_duration_s: f64,
+    /// Output tokens of each stream of the streams case, at the simulators'
+    /// default pace (0 leaves the case out).
+    #[arg(long, default_value_t = 256)]
+    pub stream_tokens: usize,
+    /// Concurrent clients of the streams case.
+    #[arg(long, default_value_t = 20)]
+    pub stream_clients: usize,
+    /// Seconds per rung of the streams case, over all rounds.
+    #[arg(long, default_value_t = 24.0)]
+    pub stream_duration_s: f64,
     /// Seed of the schedules and prompts.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
@@ -153,6 +169,18 @@ struct LongPrompt {
     levels: Vec<LongLevel>,
 }
 
+/// Streams at the simulators' own pace, closed loop.
+#[derive(Debug, Serialize)]
+struct Streams {
+    output_tokens: usize,
+    clients: usize,
+    duration_s: f64,
+    /// CPU each process used per second with no traffic, paced simulators in place, ms/s.
+    idle_cpu_ms_per_s: BTreeMap<Role, f64>,
+    /// Latency is to the first byte; CPU is per stream.
+    rungs: Vec<RungResult>,
+}
+
 #[derive(Debug, Serialize)]
 struct OverheadResult {
     benchmark: &'static str,
@@ -173,6 +201,8 @@ struct OverheadResult {
     rungs: Vec<RungResult>,
     #[serde(skip_serializing_if = "Option::is_none")]
     long_prompt: Option<LongPrompt>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    streams: Option<Streams>,
 }
 
 /// What a rung accumulates over the rounds.
@@ -252,9 +282,10 @@ fn results(rungs: &[Rung], accs: Vec<Acc>, open_loop: bool) -> Vec<RungResult> {
     out
 }
 
-/// A chat request with one user message, one output token.
-fn chat(model: &str, content: &str, stream: bool) -> anyhow::Result<Vec<u8>> {
-    let body = serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 1, "stream": stream});
+/// A chat request with one user message and `max_tokens` output tokens.
+fn chat(model: &str, content: &str, max_tokens: usize, stream: bool) -> anyhow::Result<Vec<u8>> {
+    let body =
+        serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": stream});
     Ok(serde_json::to_vec(&body)?)
 }
 
@@ -272,17 +303,13 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<()> {
         "--rate, --duration-s, --rounds and --long-duration-s must be positive, --warmup-s at least 0"
     );
     anyhow::ensure!(args.long_clients.iter().all(|&c| c > 0), "--long-clients must be positive");
+    anyhow::ensure!(args.stream_clients > 0 && args.stream_duration_s > 0.0, "--stream-clients and --stream-duration-s must be positive");
     let http = run::client(120.0)?;
     let logs = args.out.with_extension("").to_string_lossy().into_owned() + "-logs";
-    let fleet = fleet::start(&args, &args.rungs, std::path::Path::new(&logs), &http).await?;
+    let mut fleet = fleet::start(&args, &args.rungs, std::path::Path::new(&logs), &http).await?;
     let model = "inferrail/sim-8b";
 
-    let idle_window = Duration::from_secs(2);
-    let before = cpu_by_role(&fleet.pids)?;
-    tokio::time::sleep(idle_window).await;
-    let after = cpu_by_role(&fleet.pids)?;
-    let idle_cpu_ms_per_s =
-        after.iter().map(|(r, a)| (*r, a.saturating_sub(before[r]).as_secs_f64() * 1e3 / idle_window.as_secs_f64())).collect();
+    let idle_cpu_ms_per_s = idle_cpu(&fleet.pids).await?;
 
     let secs = args.duration_s / f64::from(args.rounds);
     let warmup = Duration::from_secs_f64(args.warmup_s);
@@ -291,7 +318,7 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<()> {
         let mut rng = StdRng::seed_from_u64(args.seed.wrapping_add(u64::from(round)));
         let offsets = arrivals::poisson(&mut rng, args.rate, args.warmup_s + secs);
         let bodies: Vec<Vec<u8>> = (0..offsets.len())
-            .map(|i| chat(model, &text::unique(&mut rng, &format!("r{round}n{i}"), args.prompt_words), false))
+            .map(|i| chat(model, &text::unique(&mut rng, &format!("r{round}n{i}"), args.prompt_words), 1, false))
             .collect::<anyhow::Result<_>>()?;
         for (i, rung) in order(&args.rungs, round) {
             let urls = rung.urls();
@@ -308,6 +335,12 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<()> {
     }
 
     let long_prompt = if args.long_prompt_kb > 0 { Some(long_prompt(&args, &fleet.pids, &http, model).await?) } else { None };
+    let streams = if args.stream_tokens > 0 {
+        fleet.pace(&args, std::path::Path::new(&logs), &args.rungs, &http).await?;
+        Some(streams(&args, &fleet.pids, &http, model).await?)
+    } else {
+        None
+    };
     let result = OverheadResult {
         benchmark: "overhead-ladder",
         commit: run::commit(),
@@ -325,14 +358,83 @@ pub async fn overhead(args: OverheadArgs) -> anyhow::Result<()> {
         idle_cpu_ms_per_s,
         rungs,
         long_prompt,
+        streams,
     };
     drop(fleet);
     report::save(&args.out, &result)?;
     eprintln!("wrote {}", args.out.display());
-    let failed: usize =
-        result.rungs.iter().chain(result.long_prompt.iter().flat_map(|l| l.levels.iter().flat_map(|l| &l.rungs))).map(|r| r.errors).sum();
+    let long = result.long_prompt.iter().flat_map(|l| l.levels.iter().flat_map(|l| &l.rungs));
+    let failed: usize = result.rungs.iter().chain(long).chain(result.streams.iter().flat_map(|s| &s.rungs)).map(|r| r.errors).sum();
     anyhow::ensure!(failed == 0, "{failed} requests failed");
     Ok(())
+}
+
+/// CPU each process uses per second over two seconds with no traffic, ms/s.
+async fn idle_cpu(pids: &[(Role, u32)]) -> anyhow::Result<BTreeMap<Role, f64>> {
+    let window = Duration::from_secs(2);
+    let before = cpu_by_role(pids)?;
+    tokio::time::sleep(window).await;
+    let after = cpu_by_role(pids)?;
+    Ok(after.iter().map(|(r, a)| (*r, a.saturating_sub(before[r]).as_secs_f64() * 1e3 / window.as_secs_f64())).collect())
+}
+
+/// Runs `clients` closed-loop clients of `body` through each rung for
+/// `secs` a round, spread over the rung's URLs, in rounds.
+async fn closed_rounds(
+    args: &OverheadArgs,
+    pids: &[(Role, u32)],
+    http: &reqwest::Client,
+    clients: usize,
+    secs: f64,
+    body: impl Fn(Rung, u32) -> Arc<dyn Fn(usize, usize) -> Vec<u8> + Send + Sync>,
+) -> anyhow::Result<Vec<RungResult>> {
+    let mut accs: Vec<Acc> = args.rungs.iter().map(|_| Acc::default()).collect();
+    for round in 0..args.rounds {
+        for (i, rung) in order(&args.rungs, round) {
+            let body = body(rung, round);
+            // One URL per rung but the floor's three: clients spread over them.
+            let urls = rung.urls();
+            measured(pids, rung, &mut accs[i], async |s| {
+                let per = clients.div_ceil(urls.len());
+                let mut parts = Vec::new();
+                for (k, url) in urls.iter().enumerate() {
+                    let n = per.min(clients - (k * per).min(clients));
+                    let body = body.clone();
+                    parts.push(async move {
+                        let mut part = Sample::default();
+                        send::closed_loop(http, url, n, secs, body, &mut part).await.map(|()| part)
+                    });
+                }
+                for part in futures_util::future::join_all(parts).await {
+                    s.merge(part?);
+                }
+                Ok(())
+            })
+            .await?;
+        }
+    }
+    Ok(results(&args.rungs, accs, false))
+}
+
+/// Streams of `--stream-tokens` output tokens at the simulators' own pace
+/// from closed-loop clients, through every rung in rounds: what each layer
+/// spends per stream, chunk by chunk.
+async fn streams(args: &OverheadArgs, pids: &[(Role, u32)], http: &reqwest::Client, model: &str) -> anyhow::Result<Streams> {
+    let idle_cpu_ms_per_s = idle_cpu(pids).await?;
+    let (tokens, secs) = (args.stream_tokens, args.stream_duration_s / f64::from(args.rounds));
+    let model = model.to_string();
+    let rungs = closed_rounds(args, pids, http, args.stream_clients, secs, |rung, round| {
+        let model = model.clone();
+        Arc::new(move |c, n| chat(&model, &format!("stream {rung:?} {round} {c} {n}: tell a long story"), tokens, true).unwrap_or_default())
+    })
+    .await?;
+    for r in &rungs {
+        eprintln!(
+            "{} clients, {tokens}-token streams, {:?}: TTFT mean {:.1} ms, {} ok, {} errors {:?}, CPU µs/stream {:?}",
+            args.stream_clients, r.rung, r.latency.mean_ms, r.ok, r.errors, r.failures, r.cpu_us_per_request
+        );
+    }
+    Ok(Streams { output_tokens: tokens, clients: args.stream_clients, duration_s: args.stream_duration_s, idle_cpu_ms_per_s, rungs })
 }
 
 /// 220 KB prompts (by default) from closed-loop clients, through every rung in rounds.
@@ -341,41 +443,18 @@ async fn long_prompt(args: &OverheadArgs, pids: &[(Role, u32)], http: &reqwest::
     // Words until the body's text has the size; each request starts with its own marker, so nothing is cached.
     let mut filler = text::unique(&mut StdRng::seed_from_u64(args.seed), "", bytes / 6);
     filler.truncate(filler[..bytes.min(filler.len())].rfind(' ').unwrap_or(0));
-    let template = chat(model, "MARKER", true)?;
+    let template = chat(model, "MARKER", 1, true)?;
     let text = String::from_utf8(template)?;
     let (head, tail) = text.split_once("MARKER").ok_or_else(|| anyhow::anyhow!("no marker in the template"))?;
     let (head, tail) = (head.to_string(), format!("{filler}{tail}"));
     let mut levels = Vec::new();
     for &clients in &args.long_clients {
-        let mut accs: Vec<Acc> = args.rungs.iter().map(|_| Acc::default()).collect();
         let secs = args.long_duration_s / f64::from(args.rounds);
-        for round in 0..args.rounds {
-            for (i, rung) in order(&args.rungs, round) {
-                let (head, tail) = (head.clone(), tail.clone());
-                let body: Arc<dyn Fn(usize, usize) -> Vec<u8> + Send + Sync> =
-                    Arc::new(move |c, n| format!("{head}{rung:?}{round}c{c}n{n}{tail}").into_bytes());
-                // One URL per rung but the floor's three: clients spread over them.
-                let urls = rung.urls();
-                measured(pids, rung, &mut accs[i], async |s| {
-                    let per = clients.div_ceil(urls.len());
-                    let mut parts = Vec::new();
-                    for (k, url) in urls.iter().enumerate() {
-                        let n = per.min(clients - (k * per).min(clients));
-                        let body = body.clone();
-                        parts.push(async move {
-                            let mut part = Sample::default();
-                            send::closed_loop(http, url, n, secs, body, &mut part).await.map(|()| part)
-                        });
-                    }
-                    for part in futures_util::future::join_all(parts).await {
-                        s.merge(part?);
-                    }
-                    Ok(())
-                })
-                .await?;
-            }
-        }
-        let rungs = results(&args.rungs, accs, false);
+        let rungs = closed_rounds(args, pids, http, clients, secs, |rung, round| {
+            let (head, tail) = (head.clone(), tail.clone());
+            Arc::new(move |c, n| format!("{head}{rung:?}{round}c{c}n{n}{tail}").into_bytes())
+        })
+        .await?;
         for r in &rungs {
             eprintln!(
                 "{clients} clients, {} KB prompts, {:?}: TTFT mean {:.1} ms (+{:.1}), p99 {:.1} ms (+{:.1}), {} ok, {} errors {:?}, {} named",

@@ -47,9 +47,15 @@ impl Drop for Processes {
 impl Processes {
     /// Starts `program` as `name`, its output to `logs/<name>.log`; returns its pid.
     pub fn spawn(&mut self, name: &str, logs: &Path, program: &Path, args: &[String]) -> anyhow::Result<u32> {
+        self.spawn_with(name, logs, program, args, &[])
+    }
+
+    /// [`Processes::spawn`] with `envs` added to the program's environment.
+    pub fn spawn_with(&mut self, name: &str, logs: &Path, program: &Path, args: &[String], envs: &[(&str, &Path)]) -> anyhow::Result<u32> {
         let log = std::fs::File::create(logs.join(format!("{name}.log")))?;
         let child = Command::new(program)
             .args(args)
+            .envs(envs.iter().copied())
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -58,6 +64,15 @@ impl Processes {
         let pid = child.id();
         self.children.push((name.to_string(), child));
         Ok(pid)
+    }
+
+    /// Stops the process `pid` (killed, waited for, no longer watched).
+    pub fn stop(&mut self, pid: u32) -> anyhow::Result<()> {
+        let at = self.children.iter().position(|(_, c)| c.id() == pid).ok_or_else(|| anyhow::anyhow!("no process {pid}"))?;
+        let (_, mut child) = self.children.remove(at);
+        child.kill()?;
+        child.wait()?;
+        Ok(())
     }
 
     /// Waits for the process `pid` to exit; fails unless it succeeded.

@@ -1,7 +1,9 @@
 //! The processes of the overhead ladder, all started once and kept for the
 //! whole run: three near-instant simulators, and in front of them a plain
 //! Envoy, an Envoy with the no-op processor, an Envoy with inferrail (the
-//! same filters as `envoy/local.yaml`) and SGLang's router. Each rung has
+//! same filters as `envoy/local.yaml`), an Envoy with inferrail inside as
+//! its dynamic module (`envoy/module.yaml`) and SGLang's router. For the
+//! streams, paced simulators take the near-instant ones' ports. Each rung has
 //! its own entry URL; the ones not being measured sit idle.
 
 use std::path::Path;
@@ -19,14 +21,17 @@ const PLAIN: u16 = 18281;
 const NOOP_ENVOY: u16 = 18282;
 const INFERRAIL_ENVOY: u16 = 18283;
 const SGLANG: u16 = 18284;
+const MODULE_ENVOY: u16 = 18285;
 const NOOP: u16 = 19202;
 const ROUTER: RouterPorts = RouterPorts { ext_proc: 19203, admin: 19204, admin_grpc: 19205 };
-const ENVOY_ADMINS: [u16; 3] = [19211, 19212, 19213];
+/// The router inside the module's Envoy: its own listeners (ext_proc for gateways, admin), unused by the ladder.
+const MODULE_ROUTER: RouterPorts = RouterPorts { ext_proc: 19206, admin: 19207, admin_grpc: 19208 };
+const ENVOY_ADMINS: [u16; 4] = [19211, 19212, 19213, 19215];
 const SGLANG_PROMETHEUS: u16 = 19214;
 
-/// Simulator flags: no time per step, room for 150 prompts of 220 KB at once.
-const SIM_FLAGS: [&str; 9] = [
-    "--zero-latency",
+/// Simulator flags: room for 150 prompts of 220 KB at once; with
+/// `--zero-latency` before them, no time per step.
+const SIM_FLAGS: [&str; 8] = [
     "--max-model-len",
     "262144",
     "--num-gpu-blocks-override",
@@ -55,6 +60,8 @@ pub enum Role {
     EnvoyInferrail,
     /// Inferrail.
     Inferrail,
+    /// Envoy with inferrail inside as its dynamic module: the router's own threads are in it.
+    EnvoyModule,
     /// SGLang's router (its Python launcher and everything it started).
     SglangRouter,
 }
@@ -67,6 +74,7 @@ impl Rung {
             Rung::Envoy => &[Role::Client, Role::EnvoyPlain, Role::Simulators],
             Rung::Noop => &[Role::Client, Role::EnvoyNoop, Role::NoopProcessor, Role::Simulators],
             Rung::Inferrail => &[Role::Client, Role::EnvoyInferrail, Role::Inferrail, Role::Simulators],
+            Rung::Module => &[Role::Client, Role::EnvoyModule, Role::Simulators],
             Rung::Sglang => &[Role::Client, Role::SglangRouter, Role::Simulators],
         }
     }
@@ -79,6 +87,7 @@ impl Rung {
             Rung::Envoy => one(PLAIN),
             Rung::Noop => one(NOOP_ENVOY),
             Rung::Inferrail => one(INFERRAIL_ENVOY),
+            Rung::Module => one(MODULE_ENVOY),
             Rung::Sglang => one(SGLANG),
         }
     }
@@ -87,9 +96,56 @@ impl Rung {
 /// The started processes and whose CPU is whose.
 pub struct Fleet {
     /// Stopped when dropped.
-    _processes: Processes,
+    processes: Processes,
     /// Process ids of each role.
     pub pids: Vec<(Role, u32)>,
+}
+
+/// Starts simulator `i` on its port, paced (`zero_latency` false: the
+/// default cost model's time per step) or not; returns its pid.
+fn simulator(fleet: &mut Processes, args: &OverheadArgs, logs: &Path, i: usize, zero_latency: bool) -> anyhow::Result<u32> {
+    let mut flags: Vec<String> = zero_latency.then(|| "--zero-latency".to_string()).into_iter().collect();
+    flags.extend(SIM_FLAGS.map(str::to_string));
+    flags.extend(["--port".into(), SIMS[i].to_string(), "--seed".into(), (i + 1).to_string()]);
+    let name = if zero_latency { format!("sim-{}", i + 1) } else { format!("sim-{}-paced", i + 1) };
+    fleet.spawn(&name, logs, &args.programs.bin_dir.join("inferrail-sim"), &flags)
+}
+
+/// Returns when a request through each of `rungs` is answered.
+async fn until_each_answers(fleet: &mut Processes, rungs: &[Rung], http: &reqwest::Client) -> anyhow::Result<()> {
+    let hello = serde_json::json!({"model": "inferrail/sim-8b", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1});
+    for &rung in rungs {
+        for url in rung.urls() {
+            processes::until(fleet, Duration::from_secs(60), &format!("a first request through {rung:?}"), async || {
+                http.post(format!("{url}/v1/chat/completions"))
+                    .json(&hello)
+                    .timeout(Duration::from_secs(2))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status().is_success())
+            })
+            .await?;
+        }
+    }
+    Ok(())
+}
+
+impl Fleet {
+    /// Replaces the near-instant simulators with paced ones on the same
+    /// ports (every rung keeps its processes) and returns when each of
+    /// `rungs` answers again.
+    pub async fn pace(&mut self, args: &OverheadArgs, logs: &Path, rungs: &[Rung], http: &reqwest::Client) -> anyhow::Result<()> {
+        let old: Vec<u32> = self.pids.iter().filter(|(r, _)| *r == Role::Simulators).map(|&(_, pid)| pid).collect();
+        for pid in old {
+            self.processes.stop(pid)?;
+        }
+        self.pids.retain(|(r, _)| *r != Role::Simulators);
+        for i in 0..SIMS.len() {
+            let pid = simulator(&mut self.processes, args, logs, i, false)?;
+            self.pids.push((Role::Simulators, pid));
+        }
+        until_each_answers(&mut self.processes, rungs, http).await
+    }
 }
 
 /// Starts what `rungs` need and returns when each rung answers a request.
@@ -97,10 +153,8 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
     std::fs::create_dir_all(logs)?;
     let mut fleet = Processes::default();
     let mut pids = vec![(Role::Client, std::process::id())];
-    for (i, port) in SIMS.iter().enumerate() {
-        let mut flags: Vec<String> = SIM_FLAGS.map(str::to_string).to_vec();
-        flags.extend(["--port".into(), port.to_string(), "--seed".into(), (i + 1).to_string()]);
-        pids.push((Role::Simulators, fleet.spawn(&format!("sim-{}", i + 1), logs, &args.programs.bin_dir.join("inferrail-sim"), &flags)?));
+    for i in 0..SIMS.len() {
+        pids.push((Role::Simulators, simulator(&mut fleet, args, logs, i, true)?));
     }
     let sims = [(8001, SIMS[0]), (8002, SIMS[1]), (8003, SIMS[2])];
     let envoy = |fleet: &mut Processes, name: &str, config: String, base_id: u16| -> anyhow::Result<u32> {
@@ -109,7 +163,18 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
         let flags = ["-c", &path.display().to_string(), "--disable-hot-restart", "--log-level", "error", "--concurrency", "1"];
         let mut flags = flags.map(str::to_string).to_vec();
         flags.extend(["--base-id".into(), base_id.to_string()]);
-        fleet.spawn(name, logs, &args.programs.envoy, &flags)
+        // The module's Envoy finds libinferrail_module.so beside the other binaries.
+        fleet.spawn_with(name, logs, &args.programs.envoy, &flags, &[("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", &args.programs.bin_dir)])
+    };
+    // Zero-latency simulators: the default time scale prices nothing they do.
+    let router_config = |name: &str, ports: RouterPorts| -> anyhow::Result<std::path::PathBuf> {
+        let path = logs.join(name);
+        let sims = (&SIMS[..], &[][..], 0, None);
+        std::fs::write(
+            &path,
+            processes::router_config(&args.policy, (&args.tokenizer, &[]), args.seed, ports, sims, (1.0, None), None)?.0,
+        )?;
+        Ok(path)
     };
     for &rung in rungs {
         match rung {
@@ -128,26 +193,21 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
                 pids.push((Role::EnvoyNoop, envoy(&mut fleet, "envoy-noop", config, 12)?));
             }
             Rung::Inferrail => {
-                let path = logs.join("inferrail.yaml");
-                // Zero-latency simulators: the default time scale prices nothing they do.
-                std::fs::write(
-                    &path,
-                    processes::router_config(
-                        &args.policy,
-                        (&args.tokenizer, &[]),
-                        args.seed,
-                        ROUTER,
-                        (&SIMS, &[], 0, None),
-                        (1.0, None),
-                        None,
-                    )?
-                    .0,
-                )?;
+                let path = router_config("inferrail.yaml", ROUTER)?;
                 let flags = ["--config".into(), path.display().to_string()];
                 pids.push((Role::Inferrail, fleet.spawn("inferrail", logs, &args.programs.bin_dir.join("inferrail"), &flags)?));
                 let moves = [[(8080, INFERRAIL_ENVOY), (9901, ENVOY_ADMINS[2]), (9002, ROUTER.ext_proc)].as_slice(), &sims].concat();
                 let config = processes::envoy_config("envoy/local.yaml", &moves)?;
                 pids.push((Role::EnvoyInferrail, envoy(&mut fleet, "envoy-inferrail", config, 13)?));
+            }
+            Rung::Module => {
+                let path = router_config("inferrail-module.yaml", MODULE_ROUTER)?;
+                let moves = [[(8080, MODULE_ENVOY), (9901, ENVOY_ADMINS[3])].as_slice(), &sims].concat();
+                let config = processes::envoy_config("envoy/module.yaml", &moves)?;
+                let named = "value: envoy/local-inferrail.yaml";
+                anyhow::ensure!(config.matches(named).count() == 1, "envoy/module.yaml should name its routing file once");
+                let config = config.replace(named, &format!("value: {}", path.display()));
+                pids.push((Role::EnvoyModule, envoy(&mut fleet, "envoy-module", config, 14)?));
             }
             Rung::Sglang => {
                 anyhow::ensure!(
@@ -161,19 +221,6 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
             }
         }
     }
-    let hello = serde_json::json!({"model": "inferrail/sim-8b", "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1});
-    for &rung in rungs {
-        for url in rung.urls() {
-            processes::until(&mut fleet, Duration::from_secs(60), &format!("a first request through {rung:?}"), async || {
-                http.post(format!("{url}/v1/chat/completions"))
-                    .json(&hello)
-                    .timeout(Duration::from_secs(2))
-                    .send()
-                    .await
-                    .is_ok_and(|r| r.status().is_success())
-            })
-            .await?;
-        }
-    }
-    Ok(Fleet { _processes: fleet, pids })
+    until_each_answers(&mut fleet, rungs, http).await?;
+    Ok(Fleet { processes: fleet, pids })
 }

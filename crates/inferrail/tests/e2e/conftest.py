@@ -119,6 +119,9 @@ class Fleet:
         if module:
             envoy, n = re.subn(r"value: envoy/local-inferrail\.yaml", f"value: {self.config}", envoy)
             assert n == 1, "envoy/module.yaml should name its routing file once"
+        # Each router inside its own Envoy, with the module: (listen, admin) of the others.
+        self.more_envoys = [tuple(free_ports(2)) for _ in range(routers - 1)] if module else []
+        self.urls = [self.url] + [f"http://127.0.0.1:{listen}" for listen, _ in self.more_envoys]
         if filters is not None:
             envoy, n = re.subn(r"          # The decision.*?(?=          - name: envoy\.filters\.http\.router)", lambda _: filters, envoy,
                                flags=re.S)
@@ -126,7 +129,7 @@ class Fleet:
             envoy = without_access_log(envoy)
         if envoy_edit is not None:
             envoy = envoy_edit(envoy)
-        if routers > 1:
+        if routers > 1 and not module:
             # The ext_proc cluster gets every router, stream by stream.
             one = f"{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {self.grpc}}}}}}}}}"
             assert envoy.count(one) == 1, "envoy/local.yaml's inferrail cluster should have one endpoint"
@@ -137,6 +140,12 @@ class Fleet:
             assert n == 1
         self.envoy_config = tmp / "envoy.yaml"
         self.envoy_config.write_text(envoy)
+        for k, (listen, admin) in enumerate(self.more_envoys, start=1):
+            more = envoy.replace(f"value: {self.config}", f"value: {self.configs[k]}")
+            for old, new in [(self.listen, listen), (self.envoy_admin, admin)]:
+                more, n = re.subn(rf"port_value: {old}\b", f"port_value: {new}", more)
+                assert n == 1
+            (tmp / f"envoy-{k + 1}.yaml").write_text(more)
 
     def _replica_events(self, i):
         """Replica i's own `kv_events` in the router's config: each engine has its own ports."""
@@ -201,16 +210,26 @@ class Fleet:
         if not self.module:
             for k in range(len(self.routers)):
                 self.start_router(k)
-        if self.peers:
-            self.until_linked()
+            if self.peers:
+                self.until_linked()
         env = {"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(TARGET), **self.module_env} if self.module else None
         logs = ["--component-log-level", "dynamic_modules:info"] if self.module else []
         self.procs["envoy"] = self._spawn(
             "envoy", [ENVOY, "-c", self.envoy_config, "--disable-hot-restart", "--log-level", "warn", "--concurrency", "2", *logs], env)
+        for k in range(1, len(self.more_envoys) + 1):
+            self.procs[f"envoy-{k + 1}"] = self._spawn(
+                f"envoy-{k + 1}", [ENVOY, "-c", self.tmp / f"envoy-{k + 1}.yaml", "--disable-hot-restart", "--log-level", "warn",
+                                   "--concurrency", "2", "--base-id", str(k), *logs], env)
         if self.module:
-            wait_until(lambda: http("GET", f"http://127.0.0.1:{self.admin}/readyz").status == 200, "the router inside Envoy")
+            for _, admin, _ in self.routers:
+                wait_until(lambda: http("GET", f"http://127.0.0.1:{admin}/readyz").status == 200, "the router inside Envoy")
+            if self.peers:
+                self.until_linked()
         try:
             wait_until(lambda: self.chat().status == 200, "a request through Envoy")
+            for url in self.urls[1:]:
+                body = {"model": "sim", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 2}
+                wait_until(lambda: http("POST", f"{url}/v1/chat/completions", body).status == 200, f"a request through {url}")
         except AssertionError:
             logs = {p.name: p.read_text(errors="replace")[-1500:] for p in self.tmp.glob("*.log")}
             raise AssertionError(f"the fleet never served a request; logs: {logs}")

@@ -11,6 +11,10 @@ tokens served from cache (usage cached_tokens / prompt_tokens) after a
 warm-up and how often the predicted cached tokens were the engine's, for
 one and two routers in exact and in approximate mode.
 
+The same runs with each router inside its own Envoy as the dynamic module
+(ADR 0060): one, and two Envoys taking requests in turn as peers, against
+the ext_proc router's figures.
+
 Envoy opens two ext_proc streams a request (route, then observe) and
 balances each on its own (at random here), so the observe stream, which carries the status,
 often reaches the router that did not decide. That router forwards what it
@@ -40,18 +44,19 @@ from test_kv_events import Checker
 REQUESTS, WARMUP, SEED = 300, 30, 5
 
 
-def measure(fleet_factory, routers, exact, envoys=1):
+def measure(fleet_factory, routers, exact, envoys=1, module=False):
     """Returns (cached share of prompt tokens after the warm-up, share of
     predictions equal to the engine's cached tokens after the warm-up,
     records taken back over the routers). With two `envoys`, requests
-    alternate between them."""
+    alternate between them. With `module`, each router runs inside its own
+    Envoy (ADR 0060), so there are as many Envoys as routers."""
     events = {"bind": "engine", "replay": True} if exact else None
     flags = ["--zero-latency", "--block-size", "16", "--num-gpu-blocks-override", str(BLOCKS), "--max-model-len", "768"]
     fleet = fleet_factory(policy="kv_aware", sim_flags=flags, replica_extra=f", block_size: 16, kv_blocks: {BLOCKS}",
-                          kv_events=events, routers=routers)
+                          kv_events=events, routers=routers, module=module)
     if exact:
         fleet.until_exact()
-    urls = [fleet.url] + ([second_envoy(fleet)] if envoys == 2 else [])
+    urls = fleet.urls if module else [fleet.url] + ([second_envoy(fleet)] if envoys == 2 else [])
     check = Checker(fleet)
     prompts = system_prompts()
     rng = random.Random(SEED)
@@ -99,21 +104,22 @@ def measure(fleet_factory, routers, exact, envoys=1):
 
 
 def test_two_routers_serve_as_much_from_cache_as_one_and_count_each_outcome_once(fleet_factory):
-    # (routers, envoys, exact)
-    runs = {(routers, envoys, exact): measure(fleet_factory, routers, exact, envoys)
-            for exact in (True, False) for routers, envoys in ((1, 1), (2, 1), (2, 2))}
-    for (routers, envoys, exact), (share, exact_share, take_backs) in runs.items():
-        mode, (one, one_exact, _) = "exact" if exact else "approximate", runs[1, 1, exact]
-        what = f"{mode} mode, {routers} routers behind {envoys} Envoys"
+    # (routers, envoys, exact, module): the routers inside their Envoys too, one and two of them as peers.
+    runs = {(routers, envoys, exact, module): measure(fleet_factory, routers, exact, envoys, module)
+            for exact in (True, False) for routers, envoys, module in ((1, 1, False), (2, 1, False), (2, 2, False), (1, 1, True), (2, 2, True))}
+    for (routers, envoys, exact, module), (share, exact_share, take_backs) in runs.items():
+        mode, (one, one_exact, _) = "exact" if exact else "approximate", runs[1, 1, exact, False]
+        what = f"{mode} mode, {routers} routers {'inside' if module else 'behind'} {envoys} Envoys"
         assert abs(one - share) <= 0.02, f"{what}: cached share {share:.1%} against one router's {one:.1%}"
         assert abs(one_exact - exact_share) <= 0.02, f"{what}: exact predictions {exact_share:.1%} against one router's {one_exact:.1%}"
         assert take_backs == 0, f"{what}: {take_backs} records of requests that succeeded were taken back"
     out = os.environ.get("INFERRAIL_TWO_ROUTERS_OUT")
     if out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        ordered = sorted(runs.items(), key=lambda kv: (not kv[0][2], kv[0][0], kv[0][1]))
-        name = lambda routers, envoys, exact: (f"{'one_router' if routers == 1 else 'two_routers'}"
-                                               f"{'_two_envoys' if envoys == 2 else ''}_{'exact' if exact else 'approximate'}")
+        ordered = sorted(runs.items(), key=lambda kv: (not kv[0][2], kv[0][3], kv[0][0], kv[0][1]))
+        name = lambda routers, envoys, exact, module: (f"{'one_router' if routers == 1 else 'two_routers'}"
+                                                       f"{'_two_envoys' if envoys == 2 else ''}{'_inside_envoy' if module else ''}"
+                                                       f"_{'exact' if exact else 'approximate'}")
         result = {
             "benchmark": "two-routers-cached-share",
             "setup": f"3 inferrail-sim --zero-latency ({BLOCKS} blocks of 16 tokens), Envoy (x1, or x2 taking requests in turn), inferrail (debug build) x1 or x2 "
