@@ -352,7 +352,8 @@ pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const c_char {
     ABI_VERSION.as_ptr()
 }
 
-/// A filter configuration: `config` is the routing YAML's path. The first
+/// A filter configuration: `config` is the routing YAML's path
+/// ([`crate::process::routing_file`]). The first
 /// one starts the process's router ([`Shared::start`]); null (Envoy then
 /// rejects the configuration) when it cannot.
 ///
@@ -365,8 +366,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     config: Buffer,
 ) -> *const c_void {
     // SAFETY: Envoy's buffer, valid for the call.
-    let path = String::from_utf8_lossy(unsafe { config.bytes() }).into_owned();
-    match catch_unwind(|| Shared::start(path.trim())) {
+    let path = crate::process::routing_file(&String::from_utf8_lossy(unsafe { config.bytes() }));
+    match catch_unwind(|| Shared::start(&path)) {
         Ok(Ok(shared)) => Box::into_raw(Box::new(shared)).cast_const().cast(),
         Ok(Err(e)) => {
             log(true, &format!("inferrail: {e}"));

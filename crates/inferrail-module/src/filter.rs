@@ -2,8 +2,8 @@
 //! read (and the router's own answers given), the body buffered to its end,
 //! the decision asked of the same [`Front`] the ext_proc streams use, and
 //! the winner and fallbacks named to Envoy's override-host balancer; then
-//! the response heard in-process (status and who served, first byte, usage,
-//! end) as the router's lifecycle events.
+//! the response heard in-process (status and who served, first byte, a
+//! limited tenant's usage, end) as the router's lifecycle events.
 //!
 //! The decision runs on the Envoy worker that holds the stream, polled once
 //! inline in the router runtime's context: a small prompt is tokenized and
@@ -12,23 +12,24 @@
 //! as a task on the router's runtime, and the stream stays paused until the
 //! task asks Envoy, through the stream's [`Scheduler`], to resume it on its
 //! worker. A client that leaves meanwhile cancels the task, which takes the
-//! request out of its queue.
+//! request out of its queue; a decision that misses its deadline lets the
+//! request go on unrouted ([`crate::wait`]).
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
-use inferrail::decision::{Answer, Decision};
+use inferrail::decision::Answer;
 use inferrail::front::Front;
 use inferrail::request::{self, Head};
 use inferrail::response::Phase;
-use inferrail::router::Router;
 use inferrail_route::lifecycle::Event;
 use inferrail_tokenize::chat::Endpoint as Generation;
 
-use crate::abi::{Scheduler, Stream};
+use crate::abi::Stream;
 pub use crate::process::Shared;
+use crate::wait::{Decided, Slot, Taken, gone};
 
 /// What the request-headers hook tells Envoy (`on_http_filter_request_headers_status`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,68 +51,10 @@ pub enum Body {
     StopIterationAndBuffer = 1,
 }
 
-/// A decision, or the router's own answer, with the id the request came by.
-type Decided = (Result<(Decision, Option<String>), Answer>, String);
-
 /// A decision left running on the router's runtime.
 struct Waiting {
     slot: Arc<Slot>,
     task: tokio::task::AbortHandle,
-}
-
-/// Where a decision task leaves the decision, and how it wakes its stream.
-struct Slot(Mutex<SlotState>);
-
-#[derive(Default)]
-struct SlotState {
-    decided: Option<Decided>,
-    /// Deleted when the stream takes the decision or ends, so no commit follows.
-    scheduler: Option<Scheduler>,
-    /// The stream ended: a decision that comes now is nobody's.
-    closed: bool,
-}
-
-impl Slot {
-    fn new(scheduler: Scheduler) -> Self {
-        Self(Mutex::new(SlotState { scheduler: Some(scheduler), ..SlotState::default() }))
-    }
-
-    fn state(&self) -> std::sync::MutexGuard<'_, SlotState> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The task's decision: handed to the stream, whose worker is asked to
-    /// resume it, or (when the stream ended first) its leases ended.
-    fn put(&self, decided: Decided, router: &Router) {
-        let mut state = self.state();
-        if state.closed {
-            drop(state);
-            gone(router, decided);
-            return;
-        }
-        state.decided = Some(decided);
-        if let Some(s) = &state.scheduler {
-            s.commit(0);
-        }
-    }
-
-    /// The decision, if it came; nothing more will.
-    fn take(&self, closing: bool) -> Option<Decided> {
-        let mut state = self.state();
-        state.closed |= closing;
-        drop(state.scheduler.take());
-        state.decided.take()
-    }
-}
-
-/// A decision nobody applied: its leases end as the client's leaving.
-fn gone(router: &Router, (decided, _): Decided) {
-    if let Ok((d, _)) = decided {
-        router.hear(&d.request_id, Event::Gone);
-        if let Some(leg) = &d.prefill {
-            router.hear(&leg.request_id, Event::Gone);
-        }
-    }
 }
 
 /// A request read up to its body.
@@ -128,6 +71,8 @@ pub struct Filter {
     waiting: Option<Waiting>,
     /// The id the router knows the request by, once decided.
     decided: Option<String>,
+    /// Its tenant has token limits: the response's last bytes are kept for its usage.
+    wants_usage: bool,
     phase: Phase,
     /// A panic was caught: the request goes on untouched.
     open: bool,
@@ -136,7 +81,7 @@ pub struct Filter {
 impl Filter {
     /// A filter for a new stream.
     pub fn new(shared: Shared) -> Self {
-        Self { shared, asking: None, waiting: None, decided: None, phase: Phase::default(), open: false }
+        Self { shared, asking: None, waiting: None, decided: None, wants_usage: false, phase: Phase::default(), open: false }
     }
 
     fn front(&self) -> &Front {
@@ -197,8 +142,12 @@ impl Filter {
     fn decide(&mut self, s: &Stream, body: Vec<u8>, in_body_hook: bool) -> bool {
         let Some(Asking { head, generation, request_id }) = self.asking.take() else { return true };
         let front = self.front().clone();
+        let slot = Arc::new(Slot::default());
+        let waits = slot.clone();
         let mut deciding: Pin<Box<dyn Future<Output = Decided> + Send>> = Box::pin(async move {
-            let decided = front.decide(&head, &body, generation, &request_id, None, &|_| {}).await;
+            // A request that must wait (admission, a prefill leg) moves its deadline.
+            let on_wait = move |wait| waits.extend(wait);
+            let decided = front.decide(&head, &body, generation, &request_id, None, &on_wait).await;
             (decided, request_id)
         });
         let runtime = self.shared.runtime.clone();
@@ -210,7 +159,9 @@ impl Filter {
             }
             Poll::Pending => {
                 metrics::counter!("inferrail_module_decisions_total", "path" => "runtime").increment(1);
-                let slot = Arc::new(Slot::new(s.scheduler()));
+                self.shared.failpoint_stall();
+                slot.pause(s.scheduler());
+                self.shared.watchdog.watch(&slot);
                 let (to, router) = (slot.clone(), self.front().router.clone());
                 let task = runtime.spawn(async move { to.put(deciding.await, &router) }).abort_handle();
                 self.waiting = Some(Waiting { slot, task });
@@ -223,12 +174,19 @@ impl Filter {
     pub fn scheduled(&mut self, s: &Stream) -> bool {
         let Some(waiting) = self.waiting.take() else { return true };
         match waiting.slot.take(false) {
-            Some(decided) if !self.open => self.apply(s, decided, false),
-            Some(decided) => {
-                gone(&self.front().router, decided);
+            Taken::Decided(decided) if !self.open => self.apply(s, *decided, false),
+            Taken::Decided(decided) => {
+                gone(&self.front().router, *decided);
                 true
             }
-            None => true,
+            Taken::TimedOut => {
+                // The task may still finish: it then ends its own leases (Slot::put).
+                waiting.task.abort();
+                crate::abi::log(true, "inferrail: no decision within the deadline; the request goes on unrouted");
+                metrics::counter!("inferrail_module_fell_open_total", "reason" => "deadline").increment(1);
+                true
+            }
+            Taken::Nothing => true,
         }
     }
 
@@ -248,6 +206,7 @@ impl Filter {
                 if let Some(body) = &d.body {
                     s.replace_request_body(body, in_body_hook);
                 }
+                self.wants_usage = d.wants_usage;
                 self.decided = Some(d.request_id);
                 true
             }
@@ -278,13 +237,19 @@ impl Filter {
         self.hear(events);
     }
 
-    /// A chunk of the response's body: the first byte, and the usage at its end.
+    /// A chunk of the response's body: the first byte, and, for a tenant
+    /// with token limits, the usage at its end.
     pub fn response_body(&mut self, s: &Stream, end_of_stream: bool) {
         if self.decided.is_none() {
             return;
         }
         let mut events = Vec::new();
-        s.response_chunks(|chunk| self.phase.body(chunk, false, &mut events));
+        if self.wants_usage {
+            s.response_chunks(|chunk| self.phase.body(chunk, false, &mut events));
+        } else {
+            // Only that a chunk came: the bytes are read where the usage counts, as the ext_proc filter asks for them.
+            self.phase.body(&[], false, &mut events);
+        }
         if end_of_stream {
             self.phase.body(&[], true, &mut events);
         }
@@ -304,11 +269,19 @@ impl Filter {
     pub fn complete(&mut self) {
         if let Some(waiting) = self.waiting.take() {
             waiting.task.abort();
-            if let Some(decided) = waiting.slot.take(true) {
-                gone(&self.front().router, decided);
+            if let Taken::Decided(decided) = waiting.slot.take(true) {
+                gone(&self.front().router, *decided);
             }
         }
         self.hear(vec![Event::End]);
+        self.decided = None;
+    }
+}
+
+impl Drop for Filter {
+    /// A stream Envoy destroys without completing it still ends (once).
+    fn drop(&mut self) {
+        self.complete();
     }
 }
 

@@ -6,11 +6,13 @@
 //!
 //! Read it in this order: [`abi`] binds Envoy's C ABI (the only `unsafe`
 //! here) and catches panics at the boundary; [`filter`] is one request,
-//! from its headers to its end; [`process`] starts the router once per
-//! Envoy process, with all its background work on a runtime of its own.
+//! from its headers to its end, and [`wait`] the deadline of one that waits
+//! for its decision; [`process`] starts the router once per Envoy process,
+//! with all its background work on a runtime of its own.
 //! The filter's configuration is the routing YAML's path.
 
 #[allow(unsafe_code)]
 pub mod abi;
 pub mod filter;
 pub mod process;
+pub mod wait;

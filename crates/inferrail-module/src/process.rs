@@ -15,6 +15,8 @@ use inferrail::router::Router;
 use inferrail_config::Config;
 use tokio::runtime::Runtime;
 
+use crate::wait::Watchdog;
+
 /// What every filter of the process shares.
 #[derive(Clone)]
 pub struct Shared {
@@ -24,8 +26,18 @@ pub struct Shared {
     pub runtime: Arc<Runtime>,
     /// The routing YAML's path.
     path: Arc<str>,
-    /// Where a test asks for a panic (`INFERRAIL_MODULE_FAILPOINT`).
+    /// Keeps the deadlines of paused streams.
+    pub watchdog: Arc<Watchdog>,
+    /// Where a test asks for a fault (`INFERRAIL_MODULE_FAILPOINT`).
     failpoint: Option<Arc<str>>,
+}
+
+/// The routing file a filter configuration names: its text, or the same
+/// as a JSON string, as Envoy Gateway writes an `EnvoyExtensionPolicy`'s
+/// `config` into the filter's `StringValue`.
+pub fn routing_file(config: &str) -> String {
+    let config = config.trim();
+    serde_json::from_str::<String>(config).unwrap_or_else(|_| config.to_string())
 }
 
 /// Whether Envoy runs with `--mode validate`, as its command line says.
@@ -56,7 +68,8 @@ impl Shared {
             let router = Router::new(config).map_err(|e| format!("{path}: {e:#}"))?;
             let runtime = tokio::runtime::Builder::new_current_thread().build().map_err(|e| format!("a runtime: {e}"))?;
             let front = Front::new(Arc::new(router), Arc::default());
-            return Ok(Self { front, runtime: Arc::new(runtime), path: Arc::from(path), failpoint: None });
+            let watchdog = Arc::default();
+            return Ok(Self { front, runtime: Arc::new(runtime), path: Arc::from(path), watchdog, failpoint: None });
         }
         let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
         // Envoy's stderr gets the router's log; another subscriber set first keeps working.
@@ -79,7 +92,8 @@ impl Shared {
         });
         runtime.spawn(inferrail::reload::run(router, path.to_string()));
         let failpoint = std::env::var("INFERRAIL_MODULE_FAILPOINT").ok().map(Arc::from);
-        let shared = Self { front, runtime: Arc::new(runtime), path: Arc::from(path), failpoint };
+        let watchdog = Watchdog::start().map_err(|e| format!("the watchdog thread: {e}"))?;
+        let shared = Self { front, runtime: Arc::new(runtime), path: Arc::from(path), watchdog, failpoint };
         *started = Some(shared.clone());
         Ok(shared)
     }
@@ -89,6 +103,17 @@ impl Shared {
     pub fn failpoint(&self, hook: &str) {
         if self.failpoint.as_deref() == Some(hook) {
             panic!("failpoint {hook}");
+        }
+    }
+
+    /// With the failpoint `stall_runtime`, the first decision that needs
+    /// the router's runtime finds it stuck: a task holds its one thread
+    /// for good. How the tests prove a stream falls open when the runtime
+    /// cannot answer.
+    pub fn failpoint_stall(&self) {
+        static STALLED: std::sync::Once = std::sync::Once::new();
+        if self.failpoint.as_deref() == Some("stall_runtime") {
+            STALLED.call_once(|| drop(self.runtime.spawn(async { std::thread::sleep(std::time::Duration::MAX) })));
         }
     }
 }

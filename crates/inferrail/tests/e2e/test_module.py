@@ -5,7 +5,8 @@ process at all.
 
 A request is routed with its prefix's replica, predicted exactly, with
 the model alias rewritten in its body; the router answers its own paths;
-the response is heard in-process (the lease ends, the usage counts); a
+the response is heard in-process (the lease ends, a limited tenant's
+usage is charged); a
 body too large to tokenize inline and a request queued by admission are
 decided on the router's runtime and resume the paused stream through
 Envoy's scheduler, and a client that leaves the queue takes its request
@@ -20,9 +21,12 @@ import json
 import re
 import subprocess
 import threading
+import time
 
 import pytest
+from conftest import MODEL
 from harness import ENVOY, TARGET, http, wait_until
+import test_admission
 from test_admission import ADMISSION, KEY, fill
 
 MODULE = TARGET / "libinferrail_module.so"
@@ -72,7 +76,7 @@ def test_the_module_routes_by_prefix_predicts_exactly_and_hears_each_response(fl
     assert http("GET", f"http://127.0.0.1:{fleet.admin}/readyz").status == 200
 
 
-def test_a_body_too_large_to_tokenize_inline_resumes_from_the_runtime(fleet_factory):
+def test_a_body_for_the_tokenizer_workers_is_decided_and_predicted_exactly(fleet_factory):
     fleet = fleet_factory(policy="cost_model", module=True, replica_extra=SHAPE, config_extra="tokenizer: {inline_below_bytes: 1024}\n")
     for n in range(3):
         r = ask(fleet, f"long {n}")
@@ -116,6 +120,10 @@ def test_a_queued_request_waits_paused_and_is_routed_when_a_slot_comes_back(admi
         s.close()
 
 
+def test_a_limited_tenants_output_tokens_are_charged_from_the_usage_heard_inside_envoy(admitting):
+    test_admission.test_a_limited_tenants_output_tokens_are_counted_from_its_responses_usage(admitting)
+
+
 def waiting(fleet, band):
     """Requests waiting in `band`'s queue, every tenant's."""
     return sum(float(v) for v in re.findall(rf'^inferrail_admission_waiting{{band="{band}",[^}}]*}} (\S+)$', fleet.metrics(), re.M))
@@ -153,13 +161,69 @@ def test_a_panic_in_a_callback_lets_the_request_through_and_envoy_lives(fleet_fa
     assert fleet.metric("inferrail_leases") == 0
 
 
+def test_a_decision_the_stuck_runtime_never_makes_lets_the_request_go_on_unrouted(fleet_factory):
+    """The failpoint holds the router runtime's one thread from the first
+    decision that needs it: a batch request queued on a full fleet, whose
+    303 ms wait would end in a 503 from that runtime. That never comes:
+    the paused stream goes on by the cluster's round robin at its deadline
+    (its wait plus 1 s, as the ext_proc filter's max_message_timeout),
+    resumed by the watchdog's own thread."""
+    sha = hashlib.sha256(KEY.encode()).hexdigest()
+    # The body goes on as the client sent it: the engines answer to the alias too.
+    fleet = fleet_factory(policy="least_request", replica_extra=", max_concurrency: 1", config_extra=ADMISSION % sha, module=True,
+                          module_env={"INFERRAIL_MODULE_FAILPOINT": "stall_runtime"}, sim_flags=["--served-model-name", MODEL, "sim"])
+    streams = fill(fleet)
+    started = time.monotonic()
+    r = fleet.chat(headers={"x-inferrail-band": "batch"})
+    assert r.status == 200, r.body
+    assert "x-inferrail-replica" not in r.headers, "the router named no replica"
+    assert time.monotonic() - started >= 1.3, "it waited out its deadline"
+    wait_until(lambda: "no decision within the deadline" in (fleet.tmp / "envoy.log").read_text(), "the fall-open logged")
+    for s in streams:
+        s.close()
+
+
 def test_a_process_without_envoys_callbacks_cannot_load_the_module():
     with pytest.raises(OSError, match="undefined symbol: envoy_dynamic_module_callback_"):
         ctypes.CDLL(str(MODULE))
 
 
-def test_envoy_validates_the_module_bootstrap_without_starting_the_router():
-    out = subprocess.run([str(ENVOY), "--mode", "validate", "-c", "envoy/module.yaml"], capture_output=True, text=True, timeout=60,
-                         env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(TARGET)}, cwd=TARGET.parents[1])
+@pytest.mark.parametrize("quoted", [False, True])
+def test_envoy_validates_the_module_bootstrap_without_starting_the_router(tmp_path, quoted):
+    """`envoy --mode validate` builds the router from the routing file and
+    starts nothing; the file's path may come as a JSON string, as Envoy
+    Gateway writes a policy's config."""
+    root = TARGET.parents[1]
+    bootstrap = (root / "envoy" / "module.yaml").read_text()
+    if quoted:
+        bootstrap = bootstrap.replace("value: envoy/local-inferrail.yaml", """value: '"envoy/local-inferrail.yaml"'""")
+    (tmp_path / "module.yaml").write_text(bootstrap)
+    out = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(tmp_path / "module.yaml")], capture_output=True, text=True, timeout=60,
+                         env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(TARGET)}, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "inferrail serving inside Envoy" not in out.stderr
+    # A routing file that does not load: Envoy refuses the configuration and says why.
+    (tmp_path / "broken.yaml").write_text(bootstrap.replace("envoy/local-inferrail.yaml", str(tmp_path / "missing.yaml")))
+    out = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(tmp_path / "broken.yaml")], capture_output=True, text=True, timeout=60,
+                         env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(TARGET)}, cwd=root)
+    assert out.returncode != 0 and "missing.yaml" in out.stderr, out.stderr[-2000:]
+
+
+def test_explain_answers_the_same_inside_envoy_as_from_the_ext_proc_router(fleet_factory):
+    """The same requests through both deployments, then the same question to
+    each one's Explain over gRPC (reflection only): the same winner, the
+    same prediction for every replica, the same prompt."""
+    from test_explain import explain
+    answers = []
+    for module in (False, True):
+        fleet = fleet_factory(policy="cost_model", module=module, replica_extra=SHAPE)
+        for n in range(3):
+            assert ask(fleet, f"warm {n}").status == 200
+        wait_until(lambda: fleet.metric("inferrail_leases") == 0, "every lease ended")
+        body = {"model": "sim", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "why?"}], "max_tokens": 4}
+        e = explain(fleet, "/v1/chat/completions", body)
+        held = {c["id"]: int(c.get("predictedCachedTokens", 0)) for c in e["candidates"]}
+        answers.append((e["model"], e["policy"], e["promptTokens"], e["promptBlocks"], e["winner"], held))
+        fleet.stop()
+    assert answers[0] == answers[1]
+    assert max(answers[1][5].values()) > 0, "one replica holds the shared prompt"
