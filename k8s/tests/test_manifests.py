@@ -37,6 +37,8 @@ BUILDS = sorted(str(p.parent.relative_to(K8S)) for p in K8S.rglob("kustomization
                 if yaml.safe_load(p.read_text())["kind"] == "Kustomization")
 EXPECTED = ["base", "overlays/envoy-gateway", "overlays/envoy-gateway/without-ai-gateway", "overlays/istio",
             "overlays/istio/without-inferencepool", "overlays/kgateway"]
+# Inferrail inside the gateway's Envoy, as its dynamic module (ADR 0060): no router Deployment.
+MODULE = ["overlays/envoy-gateway/module", "overlays/istio/module"]
 # Behind these the gateway's cluster takes the destination header's first ip:port only.
 SINGLE_DESTINATION = {"overlays/envoy-gateway", "overlays/kgateway"}
 
@@ -108,7 +110,7 @@ def container(objs, name):
 
 
 def test_every_kustomization_is_built_here():
-    assert BUILDS == EXPECTED
+    assert BUILDS == sorted(EXPECTED + MODULE)
 
 
 @pytest.mark.parametrize("name", EXPECTED)
@@ -326,9 +328,10 @@ def istio_cluster(name):
     return service, namespace, int(port)
 
 
-def test_the_envoyfilter_applied_to_a_gateway_bootstrap_passes_envoy_validate(tmp_path):
-    objs = build("overlays/istio/without-inferencepool")
-    config, _ = routing_file(objs)
+def gateway(objs):
+    """A gateway-shaped Envoy bootstrap with the EnvoyFilter's patches applied
+    as Istio applies them: (listener, clusters by name, http filters, the
+    vLLM cluster's name)."""
     spec = one(objs, "EnvoyFilter", "inferrail")["spec"]
     route = one(objs, "HTTPRoute")
     assert spec["workloadSelector"]["labels"] == {"gateway.networking.k8s.io/gateway-name": route["spec"]["parentRefs"][0]["name"]}
@@ -372,9 +375,30 @@ def test_the_envoyfilter_applied_to_a_gateway_bootstrap_passes_envoy_validate(tm
                 merge(vhost, value)
         else:
             pytest.fail(f"the test does not apply {patch['applyTo']} patches yet")
+    # Request bodies up to the router's limit are buffered; the listener's own buffers stay at Envoy's 1 MiB.
+    assert listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]["request_body_buffer_limit"] >= 16 << 20
+    assert "per_connection_buffer_limit_bytes" not in listener
+    assert "override_host" in json.dumps(clusters[vllm]["load_balancing_policy"])
+    assert [f["name"] for f in http_filters][-1] == router["name"]
+    return listener, clusters, http_filters, vllm
+
+
+def validates(tmp_path, listener, clusters, env=None):
+    """Whether Envoy validates the bootstrap; its output when not."""
+    bootstrap = tmp_path / "gateway.yaml"
+    bootstrap.write_text(yaml.safe_dump({"static_resources": {"listeners": [listener], "clusters": list(clusters.values())}}))
+    r = subprocess.run([ENVOY, "--mode", "validate", "-c", bootstrap, "--disable-hot-restart"], capture_output=True, text=True,
+                       env={**os.environ, **(env or {})})
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+
+
+def test_the_envoyfilter_applied_to_a_gateway_bootstrap_passes_envoy_validate(tmp_path):
+    objs = build("overlays/istio/without-inferencepool")
+    config, _ = routing_file(objs)
+    listener, clusters, http_filters, vllm = gateway(objs)
     # Every ext_proc filter's cluster is the Inferrail Service's ext_proc port.
     names = [f["name"] for f in http_filters]
-    assert names == ["inferrail.route", "inferrail.observe", router["name"]]
+    assert names == ["inferrail.route", "inferrail.observe", "envoy.filters.http.router"]
     for f in http_filters[:-1]:
         grpc = f["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"]
         service, namespace, port = istio_cluster(grpc)
@@ -393,14 +417,124 @@ def test_the_envoyfilter_applied_to_a_gateway_bootstrap_passes_envoy_validate(tm
         mine = copy.deepcopy(f)
         mine["typed_config"]["grpc_service"] = own[f["name"]]["typed_config"]["grpc_service"]
         assert mine == own[f["name"]], f["name"]
-    # Request bodies up to the router's limit are buffered; the listener's own buffers stay at Envoy's 1 MiB.
-    vhost = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
-    assert vhost["request_body_buffer_limit"] >= config.get("server", {}).get("max_body_bytes", 16 << 20)
-    assert "per_connection_buffer_limit_bytes" not in listener
-    assert "override_host" in json.dumps(clusters[vllm]["load_balancing_policy"])
-    bootstrap = tmp_path / "gateway.yaml"
-    bootstrap.write_text(yaml.safe_dump({"static_resources": {"listeners": [listener], "clusters": list(clusters.values())}}))
-    r = subprocess.run([ENVOY, "--mode", "validate", "-c", bootstrap, "--disable-hot-restart"], capture_output=True, text=True)
+    validates(tmp_path, listener, clusters)
+
+
+def needs_the_module():
+    """Skips, and says so, when the router or the module is not built."""
+    for path in (INFERRAIL, INFERRAIL.parent / "libinferrail_module.so"):
+        if not path.exists():
+            pytest.skip(f"{path} is not built (cargo build -p inferrail -p inferrail-module; `just test` builds them first)")
+
+
+def module_overlay(name, kinds, tmp_path):
+    """A module overlay's objects, each past its schema and in the namespace,
+    with `kinds` among them and none of the router's own pods or cluster
+    rights; its routing ConfigMap, and that file (written to `tmp_path`),
+    which passes `inferrail --check`."""
+    needs_the_module()
+    objs = build(name)
+    for obj in objs:
+        validate(obj)
+        assert obj["metadata"]["namespace"] == NAMESPACE, (obj["kind"], obj["metadata"]["name"])
+    found = {o["kind"] for o in objs}
+    assert kinds | {"ConfigMap", "Role", "RoleBinding"} <= found, found
+    assert not found & {"Deployment", "ServiceAccount", "PodDisruptionBudget", "NetworkPolicy", "ClusterRole", "ClusterRoleBinding"}, found
+    routing = one(objs, "ConfigMap", "inferrail-config")
+    path = tmp_path / "inferrail.yaml"
+    path.write_text(routing["data"]["inferrail.yaml"])
+    r = subprocess.run([INFERRAIL, "--check", "--config", path], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return objs, routing, path
+
+
+def test_the_module_overlay_loads_the_module_into_the_gateway_and_envoy_validates_it(tmp_path):
+    """overlays/istio/module: every object passes its schema, no router runs
+    beside the gateway, the gateway's options mount the routing file the
+    filter names and the module where Envoy looks for it, the peers'
+    Service selects the gateway's pods on the router's listener, the RBAC
+    binds the gateway's service account; the EnvoyFilter applied to a
+    gateway bootstrap passes `envoy --mode validate` with the real module,
+    which builds the router from the routing file."""
+    objs, routing, path = module_overlay("overlays/istio/module", {"EnvoyFilter", "HTTPRoute", "Service"}, tmp_path)
+    config = yaml.safe_load(routing["data"]["inferrail.yaml"])
+    assert "sidecar" not in config.get("load", {}), "no scraper sidecar runs in the gateway's pods"
+    # The gateway's pods: the Gateway of the route, its pods' label, its service account (<gateway>-istio).
+    gateway_name = one(objs, "HTTPRoute")["spec"]["parentRefs"][0]["name"]
+    pods = {"gateway.networking.k8s.io/gateway-name": gateway_name}
+    deployment = yaml.safe_load(one(objs, "ConfigMap", "inference-gateway-options")["data"]["deployment"])
+    pod = deployment["spec"]["template"]["spec"]
+    proxy = pod["containers"][0]
+    assert proxy["name"] == "istio-proxy" and len(pod["containers"]) == 1
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in proxy["volumeMounts"]}
+    env = {e["name"]: e["value"] for e in proxy["env"]}
+    assert volumes["inferrail-config"]["configMap"]["name"] == routing["metadata"]["name"]
+    assert env["ENVOY_DYNAMIC_MODULES_SEARCH_PATH"] == mounts["inferrail-module"] and "image" in volumes["inferrail-module"]
+    # The filter names the mounted routing file and the module by its library name.
+    listener, clusters, http_filters, _ = gateway(objs)
+    assert [f["name"] for f in http_filters] == ["inferrail.module", "envoy.filters.http.router"]
+    module = http_filters[0]["typed_config"]
+    assert module["filter_config"]["value"] == f"{mounts['inferrail-config']}/inferrail.yaml"
+    assert module["dynamic_module_config"]["name"] == "inferrail_module"
+    # The same filter as envoy/module.yaml, but for the routing file's path.
+    own = next(f for f in yaml.safe_load((ROOT / "envoy" / "module.yaml").read_text())["static_resources"]["listeners"][0]
+               ["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"] if f["name"] == "inferrail.module")
+    mine = copy.deepcopy(http_filters[0])
+    mine["typed_config"]["filter_config"]["value"] = own["typed_config"]["filter_config"]["value"]
+    assert mine == own
+    # The peers' Service is the gateway's pods on the router's listener.
+    port = port_of(config["server"]["listen"])
+    service = one(objs, "Service", "inferrail-peers")["spec"]
+    assert service["selector"] == pods and [p["targetPort"] for p in service["ports"]] == [port], service
+    assert {"name": "inferrail-grpc", "containerPort": port, "protocol": "TCP"} in proxy["ports"]
+    assert config["peers"]["dns"] == f"inferrail-peers.{NAMESPACE}.svc.cluster.local:{port}"
+    binding = one(objs, "RoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": f"{gateway_name}-istio"}]
+    assert binding["roleRef"]["name"] == one(objs, "Role")["metadata"]["name"]
+    # Envoy loads the module and the router reads the routing file, starting nothing (validate mode).
+    module["filter_config"]["value"] = str(path)
+    validates(tmp_path, listener, clusters, env={"ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(INFERRAIL.parent)})
+
+
+def test_the_envoy_gateway_module_overlay_registers_the_module_and_envoy_loads_what_it_writes(tmp_path):
+    """overlays/envoy-gateway/module: the EnvoyProxy registers the module
+    from the volume it mounts, on Envoy 1.40, with the routing file the
+    EnvoyExtensionPolicy names; the peers' Service selects the proxies and
+    the RoleBinding names their service account; and the filter Envoy
+    Gateway writes from them (the module by its path, the config as a
+    JSON string) passes `envoy --mode validate` with the real module."""
+    objs, routing, path = module_overlay("overlays/envoy-gateway/module", {"EnvoyProxy", "EnvoyExtensionPolicy", "BackendTrafficPolicy"}, tmp_path)
+    proxy = one(objs, "EnvoyProxy")["spec"]
+    deployment = proxy["provider"]["kubernetes"]["envoyDeployment"]
+    assert deployment["container"]["image"].endswith(":distroless-v1.40.0"), "the module's ABI is Envoy 1.40's"
+    mounts = {m["name"]: m["mountPath"] for m in deployment["container"]["volumeMounts"]}
+    volumes = {v["name"]: v for v in deployment["pod"]["volumes"]}
+    assert volumes["inferrail-config"]["configMap"]["name"] == routing["metadata"]["name"]
+    (entry,) = proxy["dynamicModules"]
+    assert entry["source"]["local"]["path"] == f"{mounts['inferrail-module']}/libinferrail_module.so" and "image" in volumes["inferrail-module"]
+    (module,) = one(objs, "EnvoyExtensionPolicy")["spec"]["dynamicModule"]
+    assert module["name"] == entry["name"] and module["config"] == f"{mounts['inferrail-config']}/inferrail.yaml"
+    assert "extProc" not in one(objs, "EnvoyExtensionPolicy")["spec"]
+    # Each request to the pod the module named, by the header it sets.
+    override = one(objs, "BackendTrafficPolicy")["spec"]["loadBalancer"]["endpointOverride"]["extractFrom"]
+    assert override == [{"header": "x-gateway-destination-endpoint"}]
+    gateway_name = one(objs, "HTTPRoute")["spec"]["parentRefs"][0]["name"]
+    assert one(objs, "Service", "inferrail-peers")["spec"]["selector"] == {"gateway.envoyproxy.io/owning-gateway-name": gateway_name}
+    account = proxy["provider"]["kubernetes"]["envoyServiceAccount"]["name"]
+    assert one(objs, "RoleBinding")["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    # The filter as Envoy Gateway writes it (internal/xds/translator/dynamicmodule.go), in envoy/module.yaml's place.
+    bootstrap = yaml.safe_load((ROOT / "envoy" / "module.yaml").read_text())
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    written = {"@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+               "dynamic_module_config": {"module": {"local": {"filename": str(INFERRAIL.parent / "libinferrail_module.so")}},
+                                         "do_not_close": entry["doNotClose"]},
+               "filter_name": module["filterName"],
+               "filter_config": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": json.dumps(str(path))}}
+    (at,) = [i for i, f in enumerate(hcm["http_filters"]) if f["name"] == "inferrail.module"]
+    hcm["http_filters"][at]["typed_config"] = written
+    (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(bootstrap))
+    r = subprocess.run([ENVOY, "--mode", "validate", "-c", tmp_path / "gateway.yaml", "--disable-hot-restart"], capture_output=True, text=True)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
 
 
