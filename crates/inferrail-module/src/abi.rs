@@ -21,11 +21,12 @@
 //! the module is linked with `-z now` so that such an Envoy refuses to load
 //! it and names the symbol (`build.rs`).
 
+use std::cell::Cell;
 use std::ffi::{CStr, c_char, c_void};
 use std::marker::PhantomData;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use crate::filter::{Body, Filter, Headers, Shared};
+use crate::filter::{Body, Filter, Headers, Shared, Trailers};
 
 /// Envoy 1.40's `ENVOY_DYNAMIC_MODULES_ABI_VERSION`, which Envoy compares
 /// with what [`envoy_dynamic_module_on_program_init`] returns.
@@ -322,18 +323,52 @@ impl Drop for Scheduler {
     }
 }
 
+/// The filter whose hook runs now on this worker, and what Envoy asked of
+/// that filter from inside the hook: a local reply sent from the
+/// `scheduled` hook, outside Envoy's own callbacks, may complete and
+/// destroy the stream before the hook returns. Those wait for the hook's
+/// end ([`guard_with`]), so no second `&mut` to the filter exists and it
+/// is not freed under the one in use.
+#[derive(Clone, Copy)]
+struct Running {
+    module: *const c_void,
+    complete: bool,
+    destroy: bool,
+}
+
+thread_local! {
+    static RUNNING: Cell<Option<Running>> = const { Cell::new(None) };
+}
+
+/// Marks what Envoy asked of `module` if its hook is running on this
+/// thread; whether it was (and the request now waits for the hook's end).
+fn defer(module: *const c_void, mark: impl FnOnce(&mut Running)) -> bool {
+    RUNNING.with(|running| match running.get() {
+        Some(mut r) if r.module == module => {
+            mark(&mut r);
+            running.set(Some(r));
+            true
+        }
+        _ => false,
+    })
+}
+
 /// Runs `f` on the filter behind `module` and the stream behind `envoy`,
-/// catching a panic: the filter then lets the request through untouched
-/// ([`Filter::fall_open`]) and the hook returns `fallback`.
+/// catching a panic: the filter then lets the request through unrouted
+/// ([`Filter::fall_open`]) and the hook returns `fallback`. Also returns
+/// whether the filter was destroyed during `f` (then neither it nor the
+/// stream may be touched again).
 ///
 /// # Safety
 /// `module` is a pointer [`envoy_dynamic_module_on_http_filter_new`]
 /// returned and not yet destroyed; `envoy` is the stream Envoy passed with it.
-unsafe fn guard<T>(envoy: EnvoyFilter, module: *const c_void, fallback: T, f: impl FnOnce(&mut Filter, &Stream) -> T) -> T {
+unsafe fn guard_with<T>(envoy: EnvoyFilter, module: *const c_void, fallback: T, f: impl FnOnce(&mut Filter, &Stream) -> T) -> (T, bool) {
     let stream = Stream { ptr: envoy, _worker: PhantomData };
-    // SAFETY: the caller's promise; Envoy calls one stream's hooks one at a time.
+    // SAFETY: the caller's promise; Envoy calls one stream's hooks one at a
+    // time, and a hook it calls from inside this one is deferred (`defer`).
     let filter = unsafe { &mut *(module as *mut Filter) };
-    match catch_unwind(AssertUnwindSafe(|| f(filter, &stream))) {
+    let outer = RUNNING.with(|r| r.replace(Some(Running { module, complete: false, destroy: false })));
+    let out = match catch_unwind(AssertUnwindSafe(|| f(filter, &stream))) {
         Ok(out) => out,
         Err(panic) => {
             let what = panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str));
@@ -343,7 +378,27 @@ unsafe fn guard<T>(envoy: EnvoyFilter, module: *const c_void, fallback: T, f: im
             filter.fall_open();
             fallback
         }
+    };
+    let asked = RUNNING.with(|r| r.replace(outer));
+    if asked.is_some_and(|a| a.complete) {
+        let _ = catch_unwind(AssertUnwindSafe(|| filter.complete()));
     }
+    let destroyed = asked.is_some_and(|a| a.destroy);
+    if destroyed {
+        // SAFETY: made by Box::into_raw in filter_new; Envoy asked for its destruction once, during `f`.
+        let filter = unsafe { Box::from_raw(module as *mut Filter) };
+        let _ = catch_unwind(AssertUnwindSafe(move || drop(filter)));
+    }
+    (out, destroyed)
+}
+
+/// [`guard_with`], for hooks after which nothing touches the stream.
+///
+/// # Safety
+/// As for [`guard_with`].
+unsafe fn guard<T>(envoy: EnvoyFilter, module: *const c_void, fallback: T, f: impl FnOnce(&mut Filter, &Stream) -> T) -> T {
+    // SAFETY: the caller's promise.
+    unsafe { guard_with(envoy, module, fallback, f) }.0
 }
 
 /// Envoy loaded the module: the ABI version it was built for.
@@ -387,7 +442,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *const c_void) {
     // SAFETY: made by Box::into_raw in config_new, destroyed once.
-    drop(unsafe { Box::from_raw(config as *mut Shared) });
+    let shared = unsafe { Box::from_raw(config as *mut Shared) };
+    // A panic while dropping must not cross into Envoy.
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(shared)));
 }
 
 /// A new HTTP stream.
@@ -398,7 +455,11 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(conf
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(config: *const c_void, _envoy: EnvoyFilter) -> *const c_void {
     // SAFETY: the caller's promise.
     let shared = unsafe { &*(config as *const Shared) };
-    Box::into_raw(Box::new(Filter::new(shared.clone()))).cast_const().cast()
+    match catch_unwind(AssertUnwindSafe(|| Box::new(Filter::new(shared.clone())))) {
+        Ok(filter) => Box::into_raw(filter).cast_const().cast(),
+        // Null: Envoy closes the stream.
+        Err(_) => std::ptr::null(),
+    }
 }
 
 /// The request's headers.
@@ -429,10 +490,14 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     unsafe { guard(envoy, module, Body::Continue, |f, s| f.request_body(s, end_of_stream)) as u32 }
 }
 
-/// The request's trailers: let through.
+/// The request's trailers: they end a body that came before them.
+///
+/// # Safety
+/// Envoy's pointers for this stream ([`guard`]).
 #[unsafe(no_mangle)]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(_envoy: EnvoyFilter, _module: *const c_void) -> u32 {
-    0
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(envoy: EnvoyFilter, module: *const c_void) -> u32 {
+    // SAFETY: the caller's promise.
+    unsafe { guard(envoy, module, Trailers::Continue, |f, s| f.request_trailers(s)) as u32 }
 }
 
 /// The response's headers.
@@ -482,6 +547,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(e
 /// Envoy's pointers for this stream ([`guard`]).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(envoy: EnvoyFilter, module: *const c_void) {
+    if defer(module, |r| r.complete = true) {
+        return;
+    }
     // SAFETY: the caller's promise.
     unsafe { guard(envoy, module, (), |f, _| f.complete()) }
 }
@@ -492,6 +560,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(env
 /// `module` came from [`envoy_dynamic_module_on_http_filter_new`], destroyed once.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: *const c_void) {
+    if defer(module, |r| r.destroy = true) {
+        return;
+    }
     // SAFETY: made by Box::into_raw in filter_new.
     let filter = unsafe { Box::from_raw(module as *mut Filter) };
     // A panic while dropping must not cross into Envoy.
@@ -505,8 +576,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: *co
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(envoy: EnvoyFilter, module: *const c_void, _event: u64) {
     // SAFETY: the caller's promise. A panic lets the held request go on unrouted.
-    let go = unsafe { guard(envoy, module, true, |f, s| f.scheduled(s)) };
-    if go {
+    let (go, destroyed) = unsafe { guard_with(envoy, module, true, |f, s| f.scheduled(s)) };
+    if go && !destroyed {
         Stream { ptr: envoy, _worker: PhantomData }.continue_decoding();
     }
 }

@@ -49,6 +49,29 @@ pub enum Body {
     Continue = 0,
     /// Keep buffering the body and hold the request.
     StopIterationAndBuffer = 1,
+    /// Hold the request without buffering: it was answered locally.
+    StopIterationNoBuffer = 3,
+}
+
+/// What the request-trailers hook tells Envoy (`on_http_filter_request_trailers_status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Trailers {
+    /// Go on.
+    Continue = 0,
+    /// Hold the request.
+    StopIteration = 1,
+}
+
+/// What becomes of a request once its decision was asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// Routed (or let through): it goes on now.
+    Go,
+    /// Its decision goes on on the router's runtime; the stream is paused.
+    Wait,
+    /// The router answered it locally.
+    Answered,
 }
 
 /// A decision left running on the router's runtime.
@@ -74,7 +97,7 @@ pub struct Filter {
     /// Its tenant has token limits: the response's last bytes are kept for its usage.
     wants_usage: bool,
     phase: Phase,
-    /// A panic was caught: the request goes on untouched.
+    /// A panic was caught: the request goes on as it stands, unrouted.
     open: bool,
 }
 
@@ -89,7 +112,7 @@ impl Filter {
     }
 
     /// A panic was caught in a hook: from now on the filter lets the request
-    /// and its response through untouched; a decision already leased ends as
+    /// and its response through as they stand; a decision already leased ends as
     /// the stream does.
     pub fn fall_open(&mut self) {
         self.open = true;
@@ -122,7 +145,10 @@ impl Filter {
         if !end_of_stream {
             return Headers::StopIteration;
         }
-        if self.decide(s, Vec::new(), false) { Headers::Continue } else { Headers::StopIteration }
+        match self.decide(s, Vec::new(), false) {
+            Next::Go => Headers::Continue,
+            Next::Wait | Next::Answered => Headers::StopIteration,
+        }
     }
 
     /// A chunk of the request's body: buffered until the last, which decides.
@@ -134,13 +160,28 @@ impl Filter {
             return Body::StopIterationAndBuffer;
         }
         self.shared.failpoint("request_body");
-        if self.decide(s, s.request_body(), true) { Body::Continue } else { Body::StopIterationAndBuffer }
+        match self.decide(s, s.request_body(), true) {
+            Next::Go => Body::Continue,
+            Next::Wait => Body::StopIterationAndBuffer,
+            Next::Answered => Body::StopIterationNoBuffer,
+        }
     }
 
-    /// Decides with the whole `body`; whether the request goes on now
-    /// (`false`: it waits for the decision, or was answered locally).
-    fn decide(&mut self, s: &Stream, body: Vec<u8>, in_body_hook: bool) -> bool {
-        let Some(Asking { head, generation, request_id }) = self.asking.take() else { return true };
+    /// The request's trailers, which end a body that came before them: the
+    /// body Envoy buffered decides.
+    pub fn request_trailers(&mut self, s: &Stream) -> Trailers {
+        if self.open || self.asking.is_none() {
+            return Trailers::Continue;
+        }
+        match self.decide(s, s.request_body(), false) {
+            Next::Go => Trailers::Continue,
+            Next::Wait | Next::Answered => Trailers::StopIteration,
+        }
+    }
+
+    /// Decides with the whole `body`: what becomes of the request.
+    fn decide(&mut self, s: &Stream, body: Vec<u8>, in_body_hook: bool) -> Next {
+        let Some(Asking { head, generation, request_id }) = self.asking.take() else { return Next::Go };
         let front = self.front().clone();
         let slot = Arc::new(Slot::default());
         let waits = slot.clone();
@@ -165,16 +206,18 @@ impl Filter {
                 let (to, router) = (slot.clone(), self.front().router.clone());
                 let task = runtime.spawn(async move { to.put(deciding.await, &router) }).abort_handle();
                 self.waiting = Some(Waiting { slot, task });
-                false
+                Next::Wait
             }
         }
     }
 
-    /// The decision that went on the runtime is ready; whether the request goes on.
+    /// The decision that went on the runtime is ready; whether the paused
+    /// request goes on (not when it was answered locally, nor when this
+    /// stream was not waiting).
     pub fn scheduled(&mut self, s: &Stream) -> bool {
-        let Some(waiting) = self.waiting.take() else { return true };
+        let Some(waiting) = self.waiting.take() else { return false };
         match waiting.slot.take(false) {
-            Taken::Decided(decided) if !self.open => self.apply(s, *decided, false),
+            Taken::Decided(decided) if !self.open => self.apply(s, *decided, false) == Next::Go,
             Taken::Decided(decided) => {
                 gone(&self.front().router, *decided);
                 true
@@ -186,15 +229,17 @@ impl Filter {
                 metrics::counter!("inferrail_module_fell_open_total", "reason" => "deadline").increment(1);
                 true
             }
-            Taken::Nothing => true,
+            Taken::Nothing => false,
         }
     }
 
-    /// Names the decision's replicas to Envoy (or answers the request);
-    /// whether the request goes on.
-    fn apply(&mut self, s: &Stream, (decided, request_id): Decided, in_body_hook: bool) -> bool {
+    /// Names the decision's replicas to Envoy, or answers the request.
+    fn apply(&mut self, s: &Stream, (decided, request_id): Decided, in_body_hook: bool) -> Next {
         match decided {
             Ok((d, traceparent)) => {
+                // Held first: if what follows panics, the stream's end still ends the lease.
+                self.decided = Some(d.request_id.clone());
+                self.wants_usage = d.wants_usage;
                 for (key, value) in d.headers(d.request_id != request_id, traceparent.as_deref()) {
                     s.set_request_header(key, &value);
                 }
@@ -206,13 +251,11 @@ impl Filter {
                 if let Some(body) = &d.body {
                     s.replace_request_body(body, in_body_hook);
                 }
-                self.wants_usage = d.wants_usage;
-                self.decided = Some(d.request_id);
-                true
+                Next::Go
             }
             Err(answer) => {
                 send(s, &answer);
-                false
+                Next::Answered
             }
         }
     }

@@ -69,7 +69,9 @@ impl Shared {
             let runtime = tokio::runtime::Builder::new_current_thread().build().map_err(|e| format!("a runtime: {e}"))?;
             let front = Front::new(Arc::new(router), Arc::default());
             let watchdog = Arc::default();
-            return Ok(Self { front, runtime: Arc::new(runtime), path: Arc::from(path), watchdog, failpoint: None });
+            let shared = Self { front, runtime: Arc::new(runtime), path: Arc::from(path), watchdog, failpoint: None };
+            *started = Some(shared.clone());
+            return Ok(shared);
         }
         let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
         // Envoy's stderr gets the router's log; another subscriber set first keeps working.

@@ -136,7 +136,9 @@ pub fn gone(router: &Router, (decided, _): Decided) {
 }
 
 /// The slots of paused streams, watched by a thread of its own (not the
-/// router's runtime, which may be what is stuck).
+/// router's runtime, which may be what is stuck). Workers only hand new
+/// slots over, under a lock the thread holds just long enough to take
+/// them: it scans (and commits) with no lock a worker waits on.
 #[derive(Default)]
 pub struct Watchdog(Mutex<Vec<Weak<Slot>>>);
 
@@ -144,13 +146,14 @@ impl Watchdog {
     /// Starts the thread that keeps the deadlines.
     pub fn start() -> std::io::Result<Arc<Self>> {
         let dog = Arc::new(Self::default());
-        let watching = dog.clone();
+        let handed = dog.clone();
         std::thread::Builder::new().name("inferrail-watchdog".into()).spawn(move || {
+            let mut watched: Vec<Weak<Slot>> = Vec::new();
             loop {
                 std::thread::sleep(TICK);
+                watched.append(&mut handed.0.lock().unwrap_or_else(PoisonError::into_inner));
                 let now = Instant::now();
-                let mut slots = watching.0.lock().unwrap_or_else(PoisonError::into_inner);
-                slots.retain(|s| s.upgrade().is_some_and(|s| s.watch(now)));
+                watched.retain(|s| s.upgrade().is_some_and(|s| s.watch(now)));
             }
         })?;
         Ok(dog)
