@@ -120,6 +120,36 @@ def test_a_queued_request_waits_paused_and_is_routed_when_a_slot_comes_back(admi
         s.close()
 
 
+def trailers_on(envoy):
+    """The bootstrap with HTTP/1.1 request trailers let through (Envoy drops them by default)."""
+    out, n = re.subn(r"(          stat_prefix: openai\n)", r"\1          http_protocol_options: {enable_trailers: true}\n", envoy)
+    assert n == 1
+    return out
+
+
+def test_a_body_ended_by_trailers_is_decided_on_the_body_envoy_buffered(fleet_factory):
+    fleet = fleet_factory(policy="cost_model", module=True, replica_extra=SHAPE, envoy_edit=trailers_on)
+    body = json.dumps({"model": "sim", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "trailers"}],
+                       "max_tokens": 2}).encode()
+    for _ in range(2):
+        c = httpc.HTTPConnection("127.0.0.1", fleet.listen, timeout=30)
+        c.putrequest("POST", "/v1/chat/completions")
+        for k, v in [("content-type", "application/json"), ("transfer-encoding", "chunked"), ("trailer", "x-checksum")]:
+            c.putheader(k, v)
+        c.endheaders()
+        for part in (body[:100], body[100:]):
+            c.send(b"%x\r\n%s\r\n" % (len(part), part))
+        c.send(b"0\r\nx-checksum: 1\r\n\r\n")
+        r = c.getresponse()
+        answer = json.loads(r.read())
+        assert r.status == 200, answer
+        # Routed, with the alias rewritten (the engines know only their own name), and predicted as the engine counts.
+        assert r.getheader("x-inferrail-replica") in {"sim-1", "sim-2", "sim-3"}
+        assert int(r.getheader("x-inferrail-cached-tokens")) == answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        c.close()
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, "the second found the first's prompt"
+
+
 def test_a_limited_tenants_output_tokens_are_charged_from_the_usage_heard_inside_envoy(admitting):
     test_admission.test_a_limited_tenants_output_tokens_are_counted_from_its_responses_usage(admitting)
 
