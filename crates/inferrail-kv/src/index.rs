@@ -586,6 +586,23 @@ impl KvIndex {
         }
     }
 
+    /// Gives an approximate replica room for `capacity` blocks (its engine
+    /// reported its size), keeping what the shadow holds: past a smaller
+    /// size the least recently freed blocks leave, as the engine would have
+    /// evicted them. False, and nothing changes, for a replica in exact
+    /// mode (its events say what it holds) or one not tracked.
+    pub fn resize_replica(&self, slot: Slot, capacity: usize) -> bool {
+        let mut replicas = self.lock();
+        let Some(rep) = replicas.get_mut(&slot).filter(|r| r.exact.is_none()) else { return false };
+        let mut evicted = Vec::new();
+        rep.shadow.set_cap(capacity, &mut evicted);
+        for h in evicted.into_iter().filter(|&h| !is_placeholder(h)) {
+            self.holders.release(h, slot);
+        }
+        self.foresee(slot, rep);
+        true
+    }
+
     /// Empties a replica whose engine restarted, keeping its capacity and mode.
     pub fn clear_replica(&self, slot: Slot) {
         let mut replicas = self.lock();

@@ -146,6 +146,12 @@ impl Kv {
         self.index.add_replica(slot, blocks);
     }
 
+    /// Gives an approximate slot room for `blocks`, keeping what it holds;
+    /// false for one in exact mode (which [`Kv::reset`] restarts instead).
+    pub fn resize(&self, slot: Slot, blocks: usize) -> bool {
+        self.index.resize_replica(slot, blocks)
+    }
+
     /// Forgets replica `id`, freeing its slot.
     pub fn leave(&self, id: &str, slot: Slot) {
         self.index.remove_replica(slot);

@@ -201,8 +201,10 @@ impl Core {
         self.kv.leave(&r.id, r.slot);
     }
 
-    /// The engine reported its cache shape; a shape that changes what is
-    /// used (a new block size or capacity) restarts the shadow.
+    /// The engine reported its cache shape. A new block size restarts the
+    /// shadow (every hash changes); a new capacity alone resizes an
+    /// approximate shadow, keeping what the requests sent so far put there
+    /// (before the first report the router assumed the default size).
     pub fn learned(&self, r: &Replica, block_size: usize, blocks: usize) {
         let shape = |r: &Replica| (r.block_size(self.kv.defaults.block_size), r.blocks(self.kv.defaults.blocks));
         let before = shape(r);
@@ -210,7 +212,11 @@ impl Core {
             let (block_size, blocks) = shape(r);
             tracing::info!(replica = %r.id, block_size, blocks, "KV cache shape learned");
         }
-        if shape(r) != before {
+        let after = shape(r);
+        if after.0 == before.0 && after.1 != before.1 && self.kv.resize(r.slot, after.1) {
+            return;
+        }
+        if after != before {
             self.join(r);
         }
     }

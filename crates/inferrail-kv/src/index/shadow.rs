@@ -75,7 +75,19 @@ impl Shadow {
 
     /// Blocks a new request can take: the empty ones and those no running request holds.
     pub(super) fn available(&self) -> usize {
-        self.cap - self.in_use
+        self.cap.saturating_sub(self.in_use)
+    }
+
+    /// Holds up to `cap` blocks (at least one) from now on: past a smaller
+    /// size the least recently freed blocks leave (added to `evicted`);
+    /// blocks running requests hold stay, over the size, until freed.
+    pub(super) fn set_cap(&mut self, cap: usize, evicted: &mut Vec<BlockHash>) {
+        self.cap = cap.max(1);
+        while self.len() > self.cap
+            && let Some(oldest) = self.evict_oldest()
+        {
+            evicted.push(oldest);
+        }
     }
 
     /// Bytes this shadow has allocated.
@@ -129,7 +141,7 @@ impl Shadow {
         {
             evicted.push(oldest);
         }
-        n.min(self.cap - self.len())
+        n.min(self.cap.saturating_sub(self.len()))
     }
 
     /// Adds a block not held, in use by one request, reusing the least
@@ -137,7 +149,7 @@ impl Shadow {
     /// every block is in use.
     pub(super) fn push(&mut self, h: BlockHash) -> Result<Option<BlockHash>, Full> {
         debug_assert!(!self.contains(h), "push takes a block not held");
-        let evicted = if self.len() == self.cap { Some(self.evict_oldest().ok_or(Full)?) } else { None };
+        let evicted = if self.len() >= self.cap { Some(self.evict_oldest().ok_or(Full)?) } else { None };
         let node = Node { key: split(h), newer: 0, older: 0 };
         let i = if self.unused == NIL {
             if self.nodes.len() == self.nodes.capacity() {
@@ -148,7 +160,7 @@ impl Shadow {
                 // Past that, grow by doubling, never past the capacity.
                 let more = match self.nodes.capacity() {
                     0 => self.cap.min(UP_FRONT),
-                    n => n.min(self.cap - n),
+                    n => n.min(self.cap.saturating_sub(n)).max(1),
                 };
                 if self.table.capacity() == 0 {
                     self.table = HashTable::with_capacity(more);

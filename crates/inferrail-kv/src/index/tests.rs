@@ -609,6 +609,36 @@ fn a_long_prefix_is_evicted_from_its_tail() {
 }
 
 #[test]
+fn a_reported_size_resizes_the_shadow_and_keeps_what_it_holds() {
+    let index = KvIndex::new();
+    index.add_replica(0, 4);
+    index.complete(&index.record(0, &chain(0, 2), 2, 0, 0, false, None), Duration::ZERO);
+    index.complete(&index.record(0, &chain(1, 2), 2, 0, 0, false, None), Duration::ZERO);
+    // Larger: both prompts stay, and a third no longer evicts the first.
+    assert!(index.resize_replica(0, 8));
+    assert_eq!(index.matched(&chain(0, 2), &[0]), [2]);
+    index.complete(&index.record(0, &chain(2, 2), 2, 0, 0, false, None), Duration::ZERO);
+    assert_eq!((index.matched(&chain(0, 2), &[0]), index.matched(&chain(2, 2), &[0])), (vec![2], vec![2]));
+    // Smaller: the least recently freed leave, tails first (a prompt's first block is freed last).
+    assert!(index.resize_replica(0, 3));
+    assert_eq!(index.matched(&chain(0, 2), &[0]), [0]);
+    assert_eq!(index.matched(&chain(1, 2), &[0]), [1]);
+    assert_eq!(index.matched(&chain(2, 2), &[0]), [2]);
+    assert_eq!(index.entries(), 3);
+    // A block a running request holds stays past the size until it is freed.
+    let running = index.record(0, &chain(3, 3), 3, 0, 0, false, None);
+    assert!(index.resize_replica(0, 1));
+    assert_eq!(index.matched(&chain(3, 3), &[0]), [3]);
+    index.complete(&running, Duration::ZERO);
+    index.complete(&index.record(0, &chain(4, 1), 1, 0, 0, false, None), Duration::ZERO);
+    assert_eq!((index.entries(), index.matched(&chain(4, 1), &[0])), (1, vec![1]));
+    // An exact replica is not resized: its events say what it holds.
+    index.add_replica(1, 4);
+    assert!(index.enter_exact(1, 16));
+    assert!(!index.resize_replica(1, 8));
+}
+
+#[test]
 fn partial_and_generated_blocks_take_room() {
     let index = KvIndex::new();
     index.add_replica(0, 4);

@@ -187,3 +187,38 @@ async fn the_routers_clock_runs_on_tokios_paused_time() {
     r.sweep();
     assert!(r.lease(&d.request_id).is_none(), "its grace is over on the paused clock");
 }
+
+#[tokio::test]
+async fn a_reported_cache_size_keeps_what_the_requests_before_it_put_there() {
+    // No cache shape configured: the router starts from the default (blocks of 16) until the engine reports its own.
+    let yaml = "
+models: [{name: m, tokenizer: builtin:sim, policy: cost_model}]
+replicas:
+  - {id: a, address: 127.0.0.1:1, models: [m]}
+  - {id: b, address: 127.0.0.1:2, models: [m]}
+";
+    let r = Router::new(Config::parse(yaml).unwrap()).unwrap();
+    let prompt = "The quick brown fox jumps over the lazy dog, again and again. ".repeat(8);
+    let body = format!(r#"{{"model": "m", "prompt": "{prompt}", "max_tokens": 1}}"#);
+    let first = r.decide(body.as_bytes(), Endpoint::Completions, "1", None, None).await.unwrap();
+    assert!(r.hear("1", inferrail_route::lifecycle::Event::End));
+    let held = first.targets[0].id.clone();
+    let n = first.prompt_tokens.unwrap();
+    assert!(n > 32);
+    // The first scrape reports a larger cache of the same block size, then a smaller one that still holds the prompt.
+    for blocks in [100_000, 64] {
+        for replica in &r.fleet().replicas {
+            r.core.learned(replica, 16, blocks);
+        }
+        let id = format!("again-{blocks}");
+        let again = r.decide(body.as_bytes(), Endpoint::Completions, &id, None, None).await.unwrap();
+        assert_eq!((again.targets[0].id.as_str(), again.cached_tokens[0]), (held.as_str(), (n - 1) / 16 * 16), "after {blocks} blocks");
+        assert!(r.hear(&id, inferrail_route::lifecycle::Event::End));
+    }
+    // A new block size changes every hash: that shadow starts over.
+    for replica in &r.fleet().replicas {
+        r.core.learned(replica, 4, 64);
+    }
+    let other = r.decide(body.as_bytes(), Endpoint::Completions, "other", None, None).await.unwrap();
+    assert_eq!(other.cached_tokens[0], 0);
+}
