@@ -30,11 +30,20 @@ from harness import free_ports, http, wait_until  # noqa: E402
 from test_picker import ISTIO  # noqa: E402
 
 ROWS = []
+# Put before each row's name while a fleet with the router inside Envoy runs.
+PREFIX = [""]
 
 
 def row(name, condition, measured, ok, fault=None):
+    name = PREFIX[0] + name
     ROWS.append({"scenario": name, "pass_if": condition, "measured": measured, "fault_fired": fault, "pass": bool(ok)})
     print(f"{'PASS' if ok else 'FAIL'}  {name}: {measured}" + (f" [fault: {fault}]" if fault else ""), flush=True)
+
+
+def router_of(fleet):
+    """The process the router runs in (Envoy's, with the module) and its log."""
+    name = "envoy" if fleet.module else "inferrail"
+    return fleet.procs[name], fleet.tmp / f"{name}.log"
 
 
 def decisions(fleet):
@@ -116,7 +125,7 @@ def hostile_requests(n, rng):
 def scenario_hostile(fleet):
     rng = random.Random(54)
     requests = hostile_requests(3000, rng)
-    router = fleet.procs["inferrail"]
+    router, log = router_of(fleet)
 
     def send(req):
         method, path, body, headers = req
@@ -129,7 +138,7 @@ def scenario_hostile(fleet):
     shaped = sum(1 for s, b in answers if s is not None and s >= 400 and openai_error(b))
     other = [(s, b[:160]) for s, b in answers if s is not None and s >= 300 and not openai_error(b)]
     alive = router.poll() is None
-    panics = (fleet.tmp / "inferrail.log").read_text(errors="replace").count("panicked")
+    panics = log.read_text(errors="replace").count("panicked")
     row("input: 3,000 hostile HTTP requests through Envoy",
         "every request forwarded or answered in the OpenAI error shape; no broken connection; router alive, no panic",
         f"{forwarded} forwarded, {shaped} OpenAI-shaped errors, {len(other)} other answers {sorted({s for s, _ in other})}, "
@@ -233,7 +242,7 @@ def scenario_concurrent_streams(fleet, n=2000):
 
 
 def scenario_soak(fleet, n=35_000, clients=8):
-    router = fleet.procs["inferrail"]
+    router, _ = router_of(fleet)
     samples, lock, sent, errors = [], threading.Lock(), [0], [0]
 
     def worker(k):
@@ -1086,6 +1095,11 @@ SCENARIOS = {
     "guidellm": ("paced", scenario_guidellm),
     "dns-churn": ("none", scenario_dns_churn),
     "k8s-churn": ("none", scenario_k8s_churn),
+    # The same faults and input with the router inside Envoy, as its dynamic module (ADR 0060).
+    "module-hostile": ("module", scenario_hostile),
+    "module-soak": ("module", scenario_soak),
+    "module-killed": ("module", scenario_killed),
+    "module-hanging": ("module", scenario_hanging),
 }
 
 # The engines' flags, the router's limits for each replica and more of its
@@ -1103,6 +1117,7 @@ FLEETS = {
                   "config_extra": "admission:\n  bands:\n    - {name: interactive, max_wait_ms: 2000}\n    - {name: batch, max_wait_ms: 200}\n"},
     "sidecar": {"sim_flags": ["--zero-latency"], "config_extra": f"load: {{sidecar: http://127.0.0.1:{SIDECAR}}}\n"},
     "picker": {"sim_flags": ["--zero-latency"], "filters": ISTIO},
+    "module": {"sim_flags": ["--zero-latency", "--max-num-seqs", "4096"], "module": True},
 }
 
 
@@ -1129,6 +1144,7 @@ def main():
             if not mine:
                 continue
             fleet = Fleet(Path(tmp) / kind, policy="cost_model", **fleet_args)
+            PREFIX[0] = "inside Envoy: " if fleet.module else ""
             fleet.start()
             try:
                 for name in mine:
