@@ -124,8 +124,7 @@ impl Filter {
         if self.open {
             return Headers::Continue;
         }
-        let headers = s.request_headers();
-        let head = request::head_of(headers.iter().map(|(k, v)| (k.as_str(), v.clone())));
+        let head = request::head_of(s.request_headers().into_iter());
         let generation = match self.front().own_answer(&head) {
             Ok(generation) => generation,
             Err(answer) => {

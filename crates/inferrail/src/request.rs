@@ -54,10 +54,10 @@ pub fn head(headers: Option<&HeaderMap>) -> Head {
 }
 
 /// Reads the head from headers as (lowercase name, value) pairs, pseudo-headers included.
-pub fn head_of<'a>(headers: impl Iterator<Item = (&'a str, String)>) -> Head {
+pub fn head_of<K: AsRef<str>>(headers: impl Iterator<Item = (K, String)>) -> Head {
     let mut h = Head::default();
     for (key, value) in headers {
-        match key {
+        match key.as_ref() {
             ":method" => h.method = value,
             ":path" => h.path = value.split('?').next().unwrap_or_default().to_string(),
             "x-request-id" => h.request_id = Some(value),
