@@ -234,12 +234,12 @@ compose-down:
     "{{venv}}/bin/podman-compose" -f envoy/compose/compose.yaml down -t 10 2>&1 > /dev/null | { grep -vE 'no such (container|pod)' >&2 || true; }
     echo "the compose fleet is down"
 
-# The overhead ladder in one run (about 5 minutes): latency added over straight-to-simulator by a plain Envoy, Envoy with a no-op ext_proc processor behind inferrail's filters, Envoy with inferrail (Qwen3 tokenizer, 2,000-token prompts), Envoy with inferrail inside as its dynamic module and SGLang's router, open loop in interleaved rounds, with each process's CPU time per request; then 220 KB prompts from 1, 20 and 150 clients, then 256-token streams at the simulators' own pace from 20 clients. Writes bench/results/overhead/ladder.json; flags go to `inferrail-bench overhead`.
+# The overhead ladder in one run (about 5 minutes): latency added over straight-to-simulator by a plain Envoy, Envoy with a no-op ext_proc processor behind inferrail's filters, Envoy with inferrail (Qwen3 tokenizer, 2,000-token prompts), Envoy with inferrail inside as its dynamic module (scraping the engines itself, and again with the inferrail-scraper sidecar scraping them) and SGLang's router, open loop in interleaved rounds, with each process's CPU time per request; then 220 KB prompts from 1, 20 and 150 clients, then 256-token streams at the simulators' own pace from 20 clients. Writes bench/results/overhead/ladder.json; flags go to `inferrail-bench overhead`.
 bench-overhead *args: setup setup-sglang
     #!/usr/bin/env bash
     set -euo pipefail
-    cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench -p inferrail-module
-    for port in 18201 18202 18203 18281 18282 18283 18284 18285 19202 19203 19204 19205 19206 19207 19208 19211 19212 19213 19214 19215; do
+    cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-bench -p inferrail-module -p inferrail-scraper
+    for port in 18201 18202 18203 18281 18282 18283 18284 18285 18286 19202 19203 19204 19205 19206 19207 19208 19211 19212 19213 19214 19215 19216 19217 19218 19219 19220; do
         if (echo > "/dev/tcp/127.0.0.1/$port") 2> /dev/null; then echo "port $port is in use" >&2; exit 1; fi
     done
     envoy="Envoy $("{{venv}}/bin/envoy" --version | grep -oE '/[0-9]+\.[0-9]+\.[0-9]+/' | tr -d / | head -1)"

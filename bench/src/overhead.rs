@@ -4,8 +4,9 @@
 //! the simulators (the floor), a plain Envoy, Envoy with a no-op ext_proc
 //! processor behind inferrail's own filters (what the architecture costs),
 //! Envoy with inferrail (tokenizing prompts of about 2,000 tokens for real),
-//! Envoy with inferrail inside as its dynamic module (no hop) and SGLang's
-//! router. Rounds go through every rung in turn, starting one
+//! Envoy with inferrail inside as its dynamic module (no hop), the same with
+//! the engines' load from the scraper sidecar (whose CPU is counted apart)
+//! and SGLang's router. Rounds go through every rung in turn, starting one
 //! rung later each round, so drift in the machine's load falls on all alike.
 //!
 //! Latency on a shared machine is noisy; CPU time per request is steadier:
@@ -55,6 +56,10 @@ pub enum Rung {
     Inferrail,
     /// Envoy with inferrail inside, as its dynamic module.
     Module,
+    /// The same, the engines' load read by the `inferrail-scraper` sidecar
+    /// and streamed to the module (the deployment that keeps scrapes out of
+    /// Envoy's process).
+    ModuleSidecar,
     /// SGLang's router.
     Sglang,
 }
@@ -63,7 +68,7 @@ pub enum Rung {
 #[derive(Debug, Clone, Args)]
 pub struct OverheadArgs {
     /// Rungs to measure; the first is the floor the others are compared to.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "direct,envoy,noop,inferrail,module,sglang")]
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "direct,envoy,noop,inferrail,module,module-sidecar,sglang")]
     pub rungs: Vec<Rung>,
     /// Arrivals per second (Poisson) of the ladder.
     #[arg(long, default_value_t = 100.0)]

@@ -22,11 +22,14 @@ const NOOP_ENVOY: u16 = 18282;
 const INFERRAIL_ENVOY: u16 = 18283;
 const SGLANG: u16 = 18284;
 const MODULE_ENVOY: u16 = 18285;
+const MODULE_SIDECAR_ENVOY: u16 = 18286;
+const SCRAPER: u16 = 19216;
 const NOOP: u16 = 19202;
 const ROUTER: RouterPorts = RouterPorts { ext_proc: 19203, admin: 19204, admin_grpc: 19205 };
 /// The router inside the module's Envoy: its own listeners (ext_proc for gateways, admin), unused by the ladder.
 const MODULE_ROUTER: RouterPorts = RouterPorts { ext_proc: 19206, admin: 19207, admin_grpc: 19208 };
-const ENVOY_ADMINS: [u16; 4] = [19211, 19212, 19213, 19215];
+const MODULE_SIDECAR_ROUTER: RouterPorts = RouterPorts { ext_proc: 19217, admin: 19218, admin_grpc: 19219 };
+const ENVOY_ADMINS: [u16; 5] = [19211, 19212, 19213, 19215, 19220];
 const SGLANG_PROMETHEUS: u16 = 19214;
 
 /// Simulator flags: room for 150 prompts of 220 KB at once; with
@@ -62,6 +65,10 @@ pub enum Role {
     Inferrail,
     /// Envoy with inferrail inside as its dynamic module: the router's own threads are in it.
     EnvoyModule,
+    /// The same with the engines' load from the scraper sidecar.
+    EnvoyModuleSidecar,
+    /// The `inferrail-scraper` sidecar, reading the engines' `/metrics`.
+    Scraper,
     /// SGLang's router (its Python launcher and everything it started).
     SglangRouter,
 }
@@ -75,6 +82,7 @@ impl Rung {
             Rung::Noop => &[Role::Client, Role::EnvoyNoop, Role::NoopProcessor, Role::Simulators],
             Rung::Inferrail => &[Role::Client, Role::EnvoyInferrail, Role::Inferrail, Role::Simulators],
             Rung::Module => &[Role::Client, Role::EnvoyModule, Role::Simulators],
+            Rung::ModuleSidecar => &[Role::Client, Role::EnvoyModuleSidecar, Role::Scraper, Role::Simulators],
             Rung::Sglang => &[Role::Client, Role::SglangRouter, Role::Simulators],
         }
     }
@@ -88,6 +96,7 @@ impl Rung {
             Rung::Noop => one(NOOP_ENVOY),
             Rung::Inferrail => one(INFERRAIL_ENVOY),
             Rung::Module => one(MODULE_ENVOY),
+            Rung::ModuleSidecar => one(MODULE_SIDECAR_ENVOY),
             Rung::Sglang => one(SGLANG),
         }
     }
@@ -148,6 +157,17 @@ impl Fleet {
     }
 }
 
+/// `envoy/module.yaml` listening on `port` (admin on `admin`), its
+/// module reading the routing file at `path`.
+fn module_envoy(path: &Path, port: u16, admin: u16) -> anyhow::Result<String> {
+    let sims = [(8001, SIMS[0]), (8002, SIMS[1]), (8003, SIMS[2])];
+    let moves = [[(8080, port), (9901, admin)].as_slice(), &sims].concat();
+    let config = processes::envoy_config("envoy/module.yaml", &moves)?;
+    let named = "value: envoy/local-inferrail.yaml";
+    anyhow::ensure!(config.matches(named).count() == 1, "envoy/module.yaml should name its routing file once");
+    Ok(config.replace(named, &format!("value: {}", path.display())))
+}
+
 /// Starts what `rungs` need and returns when each rung answers a request.
 pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqwest::Client) -> anyhow::Result<Fleet> {
     std::fs::create_dir_all(logs)?;
@@ -202,12 +222,20 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
             }
             Rung::Module => {
                 let path = router_config("inferrail-module.yaml", MODULE_ROUTER)?;
-                let moves = [[(8080, MODULE_ENVOY), (9901, ENVOY_ADMINS[3])].as_slice(), &sims].concat();
-                let config = processes::envoy_config("envoy/module.yaml", &moves)?;
-                let named = "value: envoy/local-inferrail.yaml";
-                anyhow::ensure!(config.matches(named).count() == 1, "envoy/module.yaml should name its routing file once");
-                let config = config.replace(named, &format!("value: {}", path.display()));
+                let config = module_envoy(&path, MODULE_ENVOY, ENVOY_ADMINS[3])?;
                 pids.push((Role::EnvoyModule, envoy(&mut fleet, "envoy-module", config, 14)?));
+            }
+            Rung::ModuleSidecar => {
+                let path = router_config("inferrail-module-sidecar.yaml", MODULE_SIDECAR_ROUTER)?;
+                let flags = ["--config".into(), path.display().to_string(), "--listen".into(), format!("127.0.0.1:{SCRAPER}")];
+                pids.push((Role::Scraper, fleet.spawn("scraper", logs, &args.programs.bin_dir.join("inferrail-scraper"), &flags)?));
+                // The same routing file, its load from the sidecar.
+                let yaml = std::fs::read_to_string(&path)?;
+                let (scrape, n) = (format!("load: {{sidecar: 'http://127.0.0.1:{SCRAPER}',"), yaml.matches("load: {").count());
+                anyhow::ensure!(n == 1, "the routing file should have one load section");
+                std::fs::write(&path, yaml.replace("load: {", &scrape))?;
+                let config = module_envoy(&path, MODULE_SIDECAR_ENVOY, ENVOY_ADMINS[4])?;
+                pids.push((Role::EnvoyModuleSidecar, envoy(&mut fleet, "envoy-module-sidecar", config, 15)?));
             }
             Rung::Sglang => {
                 anyhow::ensure!(

@@ -11,7 +11,7 @@
 //! cluster's own balancing serves it, as ext_proc's `failure_mode_allow`
 //! would.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use inferrail::decision::{Answer, Decision};
@@ -138,9 +138,14 @@ pub fn gone(router: &Router, (decided, _): Decided) {
 /// The slots of paused streams, watched by a thread of its own (not the
 /// router's runtime, which may be what is stuck). Workers only hand new
 /// slots over, under a lock the thread holds just long enough to take
-/// them: it scans (and commits) with no lock a worker waits on.
+/// them: it scans (and commits) with no lock a worker waits on. With
+/// nothing to watch it sleeps until a slot is handed over, so a process
+/// whose decisions all come at once (most do) never wakes it.
 #[derive(Default)]
-pub struct Watchdog(Mutex<Vec<Weak<Slot>>>);
+pub struct Watchdog {
+    handed: Mutex<Vec<Weak<Slot>>>,
+    wake: Condvar,
+}
 
 impl Watchdog {
     /// Starts the thread that keeps the deadlines.
@@ -150,8 +155,14 @@ impl Watchdog {
         std::thread::Builder::new().name("inferrail-watchdog".into()).spawn(move || {
             let mut watched: Vec<Weak<Slot>> = Vec::new();
             loop {
+                let mut new = handed.handed.lock().unwrap_or_else(PoisonError::into_inner);
+                while watched.is_empty() && new.is_empty() {
+                    new = handed.wake.wait(new).unwrap_or_else(PoisonError::into_inner);
+                }
+                watched.append(&mut new);
+                drop(new);
                 std::thread::sleep(TICK);
-                watched.append(&mut handed.0.lock().unwrap_or_else(PoisonError::into_inner));
+                watched.append(&mut handed.handed.lock().unwrap_or_else(PoisonError::into_inner));
                 let now = Instant::now();
                 watched.retain(|s| s.upgrade().is_some_and(|s| s.watch(now)));
             }
@@ -161,6 +172,7 @@ impl Watchdog {
 
     /// Watches `slot` until its decision comes, its stream ends or its deadline passes.
     pub fn watch(&self, slot: &Arc<Slot>) {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).push(Arc::downgrade(slot));
+        self.handed.lock().unwrap_or_else(PoisonError::into_inner).push(Arc::downgrade(slot));
+        self.wake.notify_one();
     }
 }
