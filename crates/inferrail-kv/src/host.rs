@@ -12,15 +12,21 @@
 //! is: past the tier's size, that many of the least recent blocks are as
 //! good as gone ([`HostOrder::run`]). The fleet
 //! simulation's engines keep their own host tier with it too.
+//!
+//! An index's tiers are also mirrored, block by block, in one
+//! [`HostHolders`] map, so that a lookup over many replicas probes each of
+//! the prompt's blocks once for all of them ([`HostHolders::runs`]) instead
+//! of once for each replica's own map.
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::hash::BlockHash;
 use crate::index::FoldState;
 
 /// The blocks in host memory and their recency; see the module doc.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct HostOrder {
     rank: HashMap<BlockHash, u64, FoldState>,
     /// Least recent first.
@@ -37,12 +43,157 @@ pub struct HostOrder {
     /// The rank below which blocks are as good as gone, once found: found
     /// again only after a change, as lookups far outnumber changes.
     kept_from: Cell<Option<u64>>,
+    /// Its id in the index's [`HostHolders`], which mirror its blocks.
+    mirror: Option<(u32, SharedHost)>,
+}
+
+/// The [`HostHolders`] of an index, shared by its tiers.
+pub type SharedHost = Arc<Mutex<HostHolders>>;
+
+/// Every mirrored tier's blocks, by block: the tiers holding it (by id) and
+/// its rank in each; see the module doc.
+#[derive(Debug, Default)]
+pub struct HostHolders {
+    blocks: HashMap<BlockHash, Vec<(u32, u64)>, FoldState>,
+    /// Ids of dropped tiers, taken again first, so that ids stay few.
+    free: Vec<u32>,
+    next: u32,
+}
+
+/// No candidate: an id's entry in [`HostHolders::runs`]'s table.
+const NONE: usize = usize::MAX;
+
+impl HostHolders {
+    /// Locks `shared`, whatever a panicking holder left.
+    pub fn lock(shared: &SharedHost) -> MutexGuard<'_, HostHolders> {
+        shared.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn set(&mut self, id: u32, h: BlockHash, rank: u64) {
+        let tiers = self.blocks.entry(h).or_default();
+        match tiers.iter_mut().find(|(t, _)| *t == id) {
+            Some(held) => held.1 = rank,
+            None => tiers.push((id, rank)),
+        }
+    }
+
+    fn remove(&mut self, id: u32, h: BlockHash) {
+        let Some(tiers) = self.blocks.get_mut(&h) else { return };
+        tiers.retain(|(t, _)| *t != id);
+        if tiers.is_empty() {
+            self.blocks.remove(&h);
+        }
+    }
+
+    /// For each of `wanted` (one of the tiers mirrored here, and the first
+    /// of `keys` it looks from), what [`HostOrder::run`] gives for
+    /// `keys[from..]`: the blocks held from there, consecutive. Each block is
+    /// probed once, however many tiers look at it.
+    pub fn runs(&self, keys: &[BlockHash], wanted: &[(&HostOrder, usize)]) -> Vec<usize> {
+        let mut runs = vec![0; wanted.len()];
+        // A tier not mirrored finds nothing here.
+        let id = |c: usize| wanted[c].0.mirror.as_ref().map(|m| m.0 as usize);
+        let ids = (0..wanted.len()).filter_map(|c| Some(id(c)? + 1)).max().unwrap_or(0);
+        // The first candidate of each id, and each candidate's next of the same id.
+        let (mut of_id, mut same) = (vec![NONE; ids], vec![NONE; wanted.len()]);
+        for c in (0..wanted.len()).rev() {
+            if let Some(first) = id(c).and_then(|i| of_id.get_mut(i)) {
+                same[c] = std::mem::replace(first, c);
+            }
+        }
+        let mut starts: Vec<usize> = (0..wanted.len()).filter(|&c| wanted[c].1 < keys.len()).collect();
+        starts.sort_unstable_by_key(|&c| wanted[c].1);
+        let mut starts = starts.into_iter().peekable();
+        // The tiers whose runs go on at block `i`, and when each last held one.
+        let (mut live, mut held_at) = (Vec::new(), vec![usize::MAX; wanted.len()]);
+        // Each tier's rank below which blocks are gone, once needed.
+        const UNKNOWN: u64 = 0;
+        let mut kept = vec![UNKNOWN; wanted.len()];
+        let mut i = 0;
+        loop {
+            if live.is_empty() {
+                let Some(&c) = starts.peek() else { break };
+                i = i.max(wanted[c].1);
+            }
+            while let Some(c) = starts.next_if(|&c| wanted[c].1 <= i) {
+                live.push(c);
+            }
+            let Some(tiers) = keys.get(i).and_then(|h| self.blocks.get(h)) else {
+                live.clear();
+                i += 1;
+                continue;
+            };
+            for &(id, rank) in tiers {
+                let mut c = of_id.get(id as usize).copied().unwrap_or(NONE);
+                while c != NONE {
+                    // Found (after a change) only for the tiers that hold a block looked at.
+                    if kept[c] == UNKNOWN {
+                        kept[c] = wanted[c].0.kept_from();
+                    }
+                    if rank >= kept[c] {
+                        held_at[c] = i;
+                    }
+                    c = same[c];
+                }
+            }
+            live.retain(|&c| {
+                let on = held_at[c] == i;
+                runs[c] += usize::from(on);
+                on
+            });
+            i += 1;
+        }
+        runs
+    }
 }
 
 impl HostOrder {
     /// An empty tier of `size` blocks, when known.
     pub fn new(size: Option<usize>) -> Self {
-        Self { size, ..Self::default() }
+        Self::empty(size, None)
+    }
+
+    fn empty(size: Option<usize>, mirror: Option<(u32, SharedHost)>) -> Self {
+        Self {
+            rank: HashMap::default(),
+            order: BTreeMap::new(),
+            next: 0,
+            size,
+            peak: 0,
+            pending: HashMap::default(),
+            incoming: 0,
+            kept_from: Cell::new(None),
+            mirror,
+        }
+    }
+
+    /// The same, its blocks mirrored in `shared` (see the module doc).
+    pub fn mirrored(size: Option<usize>, shared: &SharedHost) -> Self {
+        let id = {
+            let mut holders = HostHolders::lock(shared);
+            holders.free.pop().unwrap_or_else(|| {
+                holders.next += 1;
+                holders.next - 1
+            })
+        };
+        Self::empty(size, Some((id, shared.clone())))
+    }
+
+    /// Whether its blocks are mirrored (for [`HostHolders::runs`]).
+    pub fn is_mirrored(&self) -> bool {
+        self.mirror.is_some()
+    }
+
+    fn mirror_set(&self, h: BlockHash, rank: u64) {
+        if let Some((id, shared)) = &self.mirror {
+            HostHolders::lock(shared).set(*id, h, rank);
+        }
+    }
+
+    fn mirror_remove(&self, h: BlockHash) {
+        if let Some((id, shared)) = &self.mirror {
+            HostHolders::lock(shared).remove(*id, h);
+        }
     }
 
     /// Sets its size (`None`: the most it held).
@@ -73,6 +224,7 @@ impl HostOrder {
         if let Some(r) = self.rank.remove(&h) {
             self.order.remove(&r);
             self.incoming += usize::from(self.pending.contains_key(&h));
+            self.mirror_remove(h);
         }
     }
 
@@ -124,6 +276,7 @@ impl HostOrder {
             let Some((_, h)) = self.order.pop_first() else { break };
             self.rank.remove(&h);
             self.incoming += usize::from(self.pending.contains_key(&h));
+            self.mirror_remove(h);
         }
     }
 
@@ -135,14 +288,19 @@ impl HostOrder {
         if keys.first().is_none_or(|h| !self.rank.contains_key(h)) {
             return 0;
         }
-        // Blocks ranked below this one are gone by then.
-        let kept_from = self.kept_from.get().unwrap_or_else(|| {
+        let kept_from = self.kept_from();
+        keys.iter().take_while(|h| self.rank.get(h).is_some_and(|&r| r >= kept_from)).count()
+    }
+
+    /// The rank below which blocks are gone by the time a request sent now
+    /// looks them up.
+    fn kept_from(&self) -> u64 {
+        self.kept_from.get().unwrap_or_else(|| {
             let doomed = (self.rank.len() + self.incoming).saturating_sub(self.size()).min(self.rank.len());
             let from = self.order.keys().nth(doomed).copied().unwrap_or(u64::MAX);
             self.kept_from.set(Some(from));
             from
-        });
-        keys.iter().take_while(|h| self.rank.get(h).is_some_and(|&r| r >= kept_from)).count()
+        })
     }
 
     /// `h` becomes the most recent; every change to the order passes here
@@ -158,12 +316,86 @@ impl HostOrder {
             None => {}
         }
         self.order.insert(self.next, h);
+        self.mirror_set(h, self.next);
+    }
+}
+
+impl Drop for HostOrder {
+    /// Its blocks leave the mirror, and its id is free again.
+    fn drop(&mut self) {
+        let Some((id, shared)) = &self.mirror else { return };
+        let mut holders = HostHolders::lock(shared);
+        for &h in self.rank.keys() {
+            holders.remove(*id, h);
+        }
+        holders.free.push(*id);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// A change to one of three mirrored tiers, over blocks 0..12.
+    #[derive(Debug, Clone)]
+    enum Op {
+        Stored(usize, u128),
+        Removed(usize, u128),
+        Expect(usize, Vec<u128>),
+        Expected(usize, Vec<u128>),
+        Finished(usize, Vec<u128>),
+        Sent(usize, Vec<u128>),
+        /// The tier is replaced by an empty one (its engine restarted).
+        Restart(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let keys = || proptest::collection::vec(0u128..12, 0..6);
+        prop_oneof![
+            (0..3usize, 0u128..12).prop_map(|(t, h)| Op::Stored(t, h)),
+            (0..3usize, 0u128..12).prop_map(|(t, h)| Op::Removed(t, h)),
+            (0..3usize, keys()).prop_map(|(t, k)| Op::Expect(t, k)),
+            (0..3usize, keys()).prop_map(|(t, k)| Op::Expected(t, k)),
+            (0..3usize, keys()).prop_map(|(t, k)| Op::Finished(t, k)),
+            (0..3usize, keys()).prop_map(|(t, k)| Op::Sent(t, k)),
+            (0..3usize).prop_map(Op::Restart),
+        ]
+    }
+
+    proptest! {
+        /// The mirror's runs, every tier's at once, are each tier's own.
+        #[test]
+        fn the_mirror_runs_as_each_tier_does(
+            ops in proptest::collection::vec(op(), 1..80),
+            sizes in proptest::collection::vec(proptest::option::of(1usize..8), 3),
+            keys in proptest::collection::vec(0u128..12, 0..10),
+            from in proptest::collection::vec((0usize..3, 0usize..11), 1..6),
+        ) {
+            let shared = SharedHost::default();
+            let mut tiers: Vec<HostOrder> = sizes.iter().map(|&s| HostOrder::mirrored(s, &shared)).collect();
+            for op in ops {
+                match op {
+                    Op::Stored(t, h) => tiers[t].stored(h),
+                    Op::Removed(t, h) => tiers[t].removed(h),
+                    Op::Expect(t, k) => tiers[t].expect(&k),
+                    Op::Expected(t, k) => tiers[t].expected(&k),
+                    Op::Finished(t, k) => tiers[t].finished(&k),
+                    Op::Sent(t, k) => tiers[t].sent(&k),
+                    Op::Restart(t) => tiers[t] = HostOrder::mirrored(sizes[t], &shared),
+                }
+            }
+            // Each of the looks, some at one tier from two places.
+            let wanted: Vec<(&HostOrder, usize)> = from.iter().map(|&(t, f)| (&tiers[t], f)).collect();
+            let runs = HostHolders::lock(&shared).runs(&keys, &wanted);
+            let own: Vec<usize> = from.iter().map(|&(t, f)| tiers[t].run(keys.get(f..).unwrap_or_default())).collect();
+            prop_assert_eq!(runs, own);
+            drop(wanted);
+            // A dropped tier leaves nothing behind.
+            drop(tiers);
+            prop_assert!(HostHolders::lock(&shared).blocks.is_empty());
+        }
+    }
 
     /// `n` blocks the tier lacks, expected from requests sent.
     fn coming(t: &mut HostOrder, n: u128) -> Vec<BlockHash> {

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::hash::BlockHash;
-use crate::host::HostOrder;
+use crate::host::{HostOrder, SharedHost};
 use ahead::Ahead;
 use exact::{Change, Exact, HostUse};
 pub use exact::{Event, EventError, Stored, Tier};
@@ -502,6 +502,9 @@ pub struct KvIndex {
     /// Block -> the slots holding it.
     holders: Holders,
     replicas: Mutex<HashMap<Slot, Replica>>,
+    /// The replicas' host memory tiers, block by block (locked only under
+    /// `replicas`' lock).
+    host: SharedHost,
     placeholders: AtomicU64,
     /// Replica incarnations and requests take their ids from here.
     ids: AtomicU64,
@@ -524,7 +527,13 @@ impl Default for KvIndex {
 impl KvIndex {
     /// An empty index.
     pub fn new() -> Self {
-        Self { holders: Holders::new(), replicas: Mutex::default(), placeholders: AtomicU64::new(0), ids: AtomicU64::new(0) }
+        Self {
+            holders: Holders::new(),
+            replicas: Mutex::default(),
+            host: SharedHost::default(),
+            placeholders: AtomicU64::new(0),
+            ids: AtomicU64::new(0),
+        }
     }
 
     /// Adds a replica that holds nothing and can hold `capacity` blocks (at least one).
@@ -545,7 +554,7 @@ impl KvIndex {
             shadow: Shadow::new(capacity),
             exact: None,
             host_blocks,
-            host: host_blocks.map(|b| HostOrder::new(Some(b))),
+            host: host_blocks.map(|b| HostOrder::mirrored(Some(b), &self.host)),
             host_coming: HashMap::new(),
             requests: HashMap::new(),
             queue: VecDeque::new(),
@@ -580,7 +589,7 @@ impl KvIndex {
             return;
         }
         rep.host_blocks = blocks;
-        rep.host = blocks.map(|b| HostOrder::new(Some(b)));
+        rep.host = blocks.map(|b| HostOrder::mirrored(Some(b), &self.host));
         if let Some(exact) = &mut rep.exact {
             exact.set_host(blocks);
         }
@@ -608,7 +617,7 @@ impl KvIndex {
         let mut replicas = self.lock();
         let Some(entry) = replicas.get_mut(&slot) else { return };
         let mut fresh = self.new_replica(entry.shadow.cap(), entry.host_blocks);
-        fresh.exact = entry.exact.as_ref().map(|e| Exact::new(e.block_size(), entry.shadow.cap(), entry.host_blocks));
+        fresh.exact = entry.exact.as_ref().map(|e| Exact::new(e.block_size(), entry.shadow.cap(), entry.host_blocks, &self.host));
         let old = std::mem::replace(entry, fresh);
         self.drop_all(slot, old);
     }

@@ -55,7 +55,7 @@ use foldhash::fast::FixedState;
 
 use super::{FoldState, Slot};
 use crate::hash::{BlockHash, next};
-use crate::host::HostOrder;
+use crate::host::{HostOrder, SharedHost};
 
 /// Where an engine keeps a block: its medium and its KV cache group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -248,7 +248,8 @@ pub(super) type Change = (BlockHash, bool);
 impl Exact {
     /// An empty view of a cache of `blocks` blocks of `block_size` tokens
     /// (room for them is taken at once, up to 65,536).
-    pub(super) fn new(block_size: usize, blocks: usize, host_blocks: Option<usize>) -> Self {
+    /// Its host tier is mirrored in `host` (ADR 0059).
+    pub(super) fn new(block_size: usize, blocks: usize, host_blocks: Option<usize>, host: &SharedHost) -> Self {
         Self {
             block_size,
             capacity: blocks,
@@ -262,7 +263,7 @@ impl Exact {
             trailing: HashMap::default(),
             anchor: HashMap::default(),
             tick: 0,
-            host: HostOrder::new(host_blocks),
+            host: HostOrder::mirrored(host_blocks, host),
         }
     }
 
@@ -392,14 +393,17 @@ impl Exact {
         self.host.resize(blocks);
     }
 
-    /// Of `keys` (those past the GPU prefix), the blocks the engine will
-    /// find in offload tiers of group 0, consecutive from the first: in host
-    /// memory, as many as the requests sent leave there ([`HostOrder::run`]),
-    /// then elsewhere (disk, remote storage).
-    pub(super) fn offloaded(&self, keys: &[BlockHash]) -> (usize, usize) {
-        let host = self.host.run(keys);
+    /// Its host memory tier.
+    pub(super) fn host(&self) -> &HostOrder {
+        &self.host
+    }
+
+    /// Of `keys` (those past the GPU prefix and the host memory run), the
+    /// blocks the engine will find in other offload tiers of group 0 (disk,
+    /// remote storage), consecutive from the first.
+    pub(super) fn elsewhere(&self, keys: &[BlockHash]) -> usize {
         let others = |k: &BlockHash| self.tiers[1..].iter().any(|tb| tb.group == 0 && tb.medium != "CPU" && tb.routed.contains_key(k));
-        (host, keys[host..].iter().take_while(|k| others(k)).count())
+        keys.iter().take_while(|k| others(k)).count()
     }
 
     /// Newly held blocks of one chain enter the eviction order, or stop

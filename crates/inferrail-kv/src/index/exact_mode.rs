@@ -4,6 +4,7 @@
 use super::exact::Exact;
 use super::{Event, EventError, KvIndex, Replica, Slot};
 use crate::hash::BlockHash;
+use crate::host::{HostHolders, HostOrder};
 
 impl KvIndex {
     /// Puts a replica in exact mode, empty: its engine's cache is known to
@@ -14,7 +15,7 @@ impl KvIndex {
         let mut replicas = self.lock();
         let Some(entry) = replicas.get_mut(&slot) else { return false };
         let mut fresh = self.new_replica(entry.shadow.cap(), entry.host_blocks);
-        fresh.exact = Some(Exact::new(block_size, entry.shadow.cap(), entry.host_blocks));
+        fresh.exact = Some(Exact::new(block_size, entry.shadow.cap(), entry.host_blocks, &self.host));
         let old = std::mem::replace(entry, fresh);
         self.drop_all(slot, old);
         true
@@ -69,14 +70,33 @@ impl KvIndex {
     /// tier is configured from the requests sent there; others hold none.
     pub fn offloaded(&self, keys: &[BlockHash], at: &[(Slot, usize)]) -> Vec<(usize, usize)> {
         let replicas = self.lock();
-        at.iter()
-            .map(|&(slot, from)| match replicas.get(&slot) {
-                _ if from >= keys.len() => (0, 0),
-                Some(Replica { exact: Some(exact), .. }) => exact.offloaded(&keys[from..]),
-                Some(Replica { host: Some(host), .. }) => (host.run(&keys[from..]), 0),
-                _ => (0, 0),
-            })
-            .collect()
+        let found: Vec<Option<&Replica>> = at.iter().map(|(slot, _)| replicas.get(slot)).collect();
+        fn tier(r: &Replica) -> Option<&HostOrder> {
+            match r {
+                Replica { exact: Some(exact), .. } => Some(exact.host()),
+                Replica { host, .. } => host.as_ref(),
+            }
+        }
+        // Every tier's run at once, one probe a block (crate::host).
+        let (of, wanted): (Vec<usize>, Vec<_>) = found
+            .iter()
+            .zip(at)
+            .enumerate()
+            .filter_map(|(c, (r, (_, from)))| Some((c, (tier((*r)?).filter(|t| t.is_mirrored())?, *from))))
+            .unzip();
+        let runs = HostHolders::lock(&self.host).runs(keys, &wanted);
+        let mut out = vec![(0, 0); at.len()];
+        for (c, run) in of.into_iter().zip(runs) {
+            out[c].0 = run;
+        }
+        for ((r, (_, from)), (host, elsewhere)) in found.iter().zip(at).zip(&mut out) {
+            if let Some(Replica { exact: Some(exact), .. }) = r
+                && *from < keys.len()
+            {
+                *elsewhere = exact.elsewhere(&keys[from + *host..]);
+            }
+        }
+        out
     }
 
     /// Blocks an exact replica's engine holds in each tier: medium, group, blocks.
