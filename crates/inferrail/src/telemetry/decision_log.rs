@@ -130,6 +130,8 @@ pub fn decision_line(request_id: &str, model: &str, plan: &Plan, fallbacks: usiz
                     "age_ms": age.as_secs_f64() * 1e3,
                 })),
                 "predicted_cached_tokens": c.engine_cached_tokens(),
+                "host_cached_tokens": c.offloaded.host,
+                "disk_cached_tokens": c.offloaded.disk,
                 "held_cached_tokens": c.held_cached_tokens,
                 "free_kv_tokens": c.free_kv_tokens(),
                 "set_aside": plan.set_aside[i].map(|a| a.label()),

@@ -51,6 +51,8 @@ async fn at_full_sampling_under_1000_decisions_a_second_every_decision_is_logged
     // No request in flight holds the prompt, and no engine has reported its free room.
     let candidate = first["candidates"][0].as_object().unwrap();
     assert_eq!((candidate.get("held_cached_tokens"), candidate.get("free_kv_tokens")), (Some(&json!(0)), Some(&Value::Null)));
+    // No offload tier holds it either.
+    assert_eq!((candidate.get("host_cached_tokens"), candidate.get("disk_cached_tokens")), (Some(&json!(0)), Some(&json!(0))));
     assert!(["a", "b"].contains(&first["winner"].as_str().unwrap()));
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(!text.contains("otters"), "the prompt is never logged");
