@@ -172,14 +172,25 @@ impl Replica {
     /// Requests whose first token is estimated to have come by `now` (its
     /// first token heard late, ADR 0055): their prompts are in host memory
     /// by then, as the engine stores them when it admits them and they are
-    /// loadable a step later.
+    /// loadable a step later. Called before anything else changes the tier
+    /// at `now`, so that the stores go in in the order they came.
     fn host_estimated(&mut self, now: Duration) {
         if self.host.is_none() {
             return;
         }
-        let started = |id: &u64| matches!(self.requests.get(id), Some(Request::Running { since: Some((first, _)), .. }) if *first <= now);
-        let due: Vec<u64> = self.host_coming.iter().filter(|(id, (_, _, heard))| !heard && started(id)).map(|(&id, _)| id).collect();
-        for id in due {
+        let first = |id: &u64| match self.requests.get(id) {
+            Some(Request::Running { since: Some((first, _)), .. }) => Some(*first),
+            _ => None,
+        };
+        // Stored in the order they came, as the engine stored them.
+        let mut due: Vec<(Duration, u64)> = self
+            .host_coming
+            .iter()
+            .filter(|(_, (_, _, heard))| !heard)
+            .filter_map(|(&id, _)| first(&id).filter(|&at| at <= now).map(|at| (at, id)))
+            .collect();
+        due.sort_unstable();
+        for (_, id) in due {
             self.host_heard(id, true, false);
         }
     }
@@ -895,6 +906,8 @@ impl KvIndex {
     pub fn complete(&self, recorded: &Recorded, at: Duration) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        // The stores due by now came before this end refreshes its blocks.
+        rep.host_estimated(at);
         rep.host_heard(recorded.request, true, true);
         // The engine took the blocks the others' outputs filled before this
         // one ended (this one, done, is no victim), then freed its own.
@@ -962,6 +975,7 @@ impl KvIndex {
             return;
         }
         rep.clock = rep.clock.max(at);
+        rep.host_estimated(at);
         rep.host_heard(recorded.request, true, false);
         if matches!(rep.requests.get(&recorded.request), Some(Request::Waiting { .. }))
             && let Some(Request::Waiting { prompt, reusable, partial, output, ends_partial, resume, .. }) =
