@@ -187,13 +187,16 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
         fleet.spawn_with(name, logs, &args.programs.envoy, &flags, &[("ENVOY_DYNAMIC_MODULES_SEARCH_PATH", &args.programs.bin_dir)])
     };
     // Zero-latency simulators: the default time scale prices nothing they do.
-    let router_config = |name: &str, ports: RouterPorts| -> anyhow::Result<std::path::PathBuf> {
+    // With `sidecar`, the engines' load comes from the scraper sidecar on that port.
+    let router_config = |name: &str, ports: RouterPorts, sidecar: Option<u16>| -> anyhow::Result<std::path::PathBuf> {
         let path = logs.join(name);
         let sims = (&SIMS[..], &[][..], 0, None);
-        std::fs::write(
-            &path,
-            processes::router_config(&args.policy, (&args.tokenizer, &[]), args.seed, ports, sims, (1.0, None), None)?.0,
-        )?;
+        let mut yaml = processes::router_config(&args.policy, (&args.tokenizer, &[]), args.seed, ports, sims, (1.0, None), None)?.0;
+        if let Some(port) = sidecar {
+            anyhow::ensure!(yaml.matches("load: {").count() == 1, "the routing file should have one load section");
+            yaml = yaml.replace("load: {", &format!("load: {{sidecar: 'http://127.0.0.1:{port}',"));
+        }
+        std::fs::write(&path, yaml)?;
         Ok(path)
     };
     for &rung in rungs {
@@ -213,7 +216,7 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
                 pids.push((Role::EnvoyNoop, envoy(&mut fleet, "envoy-noop", config, 12)?));
             }
             Rung::Inferrail => {
-                let path = router_config("inferrail.yaml", ROUTER)?;
+                let path = router_config("inferrail.yaml", ROUTER, None)?;
                 let flags = ["--config".into(), path.display().to_string()];
                 pids.push((Role::Inferrail, fleet.spawn("inferrail", logs, &args.programs.bin_dir.join("inferrail"), &flags)?));
                 let moves = [[(8080, INFERRAIL_ENVOY), (9901, ENVOY_ADMINS[2]), (9002, ROUTER.ext_proc)].as_slice(), &sims].concat();
@@ -221,19 +224,14 @@ pub async fn start(args: &OverheadArgs, rungs: &[Rung], logs: &Path, http: &reqw
                 pids.push((Role::EnvoyInferrail, envoy(&mut fleet, "envoy-inferrail", config, 13)?));
             }
             Rung::Module => {
-                let path = router_config("inferrail-module.yaml", MODULE_ROUTER)?;
+                let path = router_config("inferrail-module.yaml", MODULE_ROUTER, None)?;
                 let config = module_envoy(&path, MODULE_ENVOY, ENVOY_ADMINS[3])?;
                 pids.push((Role::EnvoyModule, envoy(&mut fleet, "envoy-module", config, 14)?));
             }
             Rung::ModuleSidecar => {
-                let path = router_config("inferrail-module-sidecar.yaml", MODULE_SIDECAR_ROUTER)?;
+                let path = router_config("inferrail-module-sidecar.yaml", MODULE_SIDECAR_ROUTER, Some(SCRAPER))?;
                 let flags = ["--config".into(), path.display().to_string(), "--listen".into(), format!("127.0.0.1:{SCRAPER}")];
                 pids.push((Role::Scraper, fleet.spawn("scraper", logs, &args.programs.bin_dir.join("inferrail-scraper"), &flags)?));
-                // The same routing file, its load from the sidecar.
-                let yaml = std::fs::read_to_string(&path)?;
-                let (scrape, n) = (format!("load: {{sidecar: 'http://127.0.0.1:{SCRAPER}',"), yaml.matches("load: {").count());
-                anyhow::ensure!(n == 1, "the routing file should have one load section");
-                std::fs::write(&path, yaml.replace("load: {", &scrape))?;
                 let config = module_envoy(&path, MODULE_SIDECAR_ENVOY, ENVOY_ADMINS[4])?;
                 pids.push((Role::EnvoyModuleSidecar, envoy(&mut fleet, "envoy-module-sidecar", config, 15)?));
             }

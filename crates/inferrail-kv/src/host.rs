@@ -106,9 +106,6 @@ impl HostHolders {
         let mut starts = starts.into_iter().peekable();
         // The tiers whose runs go on at block `i`, and when each last held one.
         let (mut live, mut held_at) = (Vec::new(), vec![usize::MAX; wanted.len()]);
-        // Each tier's rank below which blocks are gone, once needed.
-        const UNKNOWN: u64 = 0;
-        let mut kept = vec![UNKNOWN; wanted.len()];
         let mut i = 0;
         loop {
             if live.is_empty() {
@@ -127,10 +124,7 @@ impl HostHolders {
                 let mut c = of_id.get(id as usize).copied().unwrap_or(NONE);
                 while c != NONE {
                     // Found (after a change) only for the tiers that hold a block looked at.
-                    if kept[c] == UNKNOWN {
-                        kept[c] = wanted[c].0.kept_from();
-                    }
-                    if rank >= kept[c] {
+                    if rank >= wanted[c].0.kept_from() {
                         held_at[c] = i;
                     }
                     c = same[c];
@@ -177,11 +171,6 @@ impl HostOrder {
             })
         };
         Self::empty(size, Some((id, shared.clone())))
-    }
-
-    /// Whether its blocks are mirrored (for [`HostHolders::runs`]).
-    pub fn is_mirrored(&self) -> bool {
-        self.mirror.is_some()
     }
 
     fn mirror_set(&self, h: BlockHash, rank: u64) {

@@ -161,8 +161,8 @@ impl Watchdog {
                 }
                 watched.append(&mut new);
                 drop(new);
+                // Slots handed over meanwhile are looked at on the next round.
                 std::thread::sleep(TICK);
-                watched.append(&mut handed.handed.lock().unwrap_or_else(PoisonError::into_inner));
                 let now = Instant::now();
                 watched.retain(|s| s.upgrade().is_some_and(|s| s.watch(now)));
             }

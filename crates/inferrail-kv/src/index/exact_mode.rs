@@ -78,12 +78,8 @@ impl KvIndex {
             }
         }
         // Every tier's run at once, one probe a block (crate::host).
-        let (of, wanted): (Vec<usize>, Vec<_>) = found
-            .iter()
-            .zip(at)
-            .enumerate()
-            .filter_map(|(c, (r, (_, from)))| Some((c, (tier((*r)?).filter(|t| t.is_mirrored())?, *from))))
-            .unzip();
+        let (of, wanted): (Vec<usize>, Vec<_>) =
+            found.iter().zip(at).enumerate().filter_map(|(c, (r, (_, from)))| Some((c, (tier((*r)?)?, *from)))).unzip();
         let runs = HostHolders::lock(&self.host).runs(keys, &wanted);
         let mut out = vec![(0, 0); at.len()];
         for (c, run) in of.into_iter().zip(runs) {
