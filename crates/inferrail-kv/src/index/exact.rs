@@ -610,15 +610,20 @@ impl Exact {
         (self.capacity + self.free.len()).saturating_sub(self.tiers[0].engine.len() + self.unheld + self.live)
     }
 
-    /// The cache's empty room left after the requests sent allocate.
-    pub(super) fn room(&self) -> usize {
-        self.capacity.saturating_sub(self.tiers[0].engine.len() + self.unheld + self.live)
+    /// The cache's room never used: blocks the engine holds no name in.
+    pub(super) fn empty(&self) -> usize {
+        self.capacity.saturating_sub(self.tiers[0].engine.len())
     }
 
-    /// The free blocks in the order the engine evicts them, after those the
-    /// requests sent will evict.
-    pub(super) fn evictable(&self) -> impl Iterator<Item = BlockHash> + '_ {
-        self.free.iter().map(|&(_, h)| h).filter(|h| !self.doomed.contains(h))
+    /// Blocks the requests sent will allocate: their claimed blocks not
+    /// held, and one block each in flight.
+    pub(super) fn to_allocate(&self) -> usize {
+        self.unheld + self.live
+    }
+
+    /// The held blocks no request claims, in the order the engine evicts them.
+    pub(super) fn free_order(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.free.iter().map(|&(_, h)| h)
     }
 
     /// The request completed or was taken back: its claims end. The engine

@@ -139,16 +139,20 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
     // runs for every candidate of every decision while a prompt must wait).
     let blocks = running.iter().map(|r| r.1.size_hint().0).sum();
     let mut holders: HashMap<BlockHash, u32, FoldState> = HashMap::with_capacity_and_hasher(blocks, FoldState::default());
+    // What each frees, last block first as the engine frees them: those no
+    // request still running holds.
     let running: Vec<_> = running
         .into_iter()
         .map(|(end, blocks, generated, owed, since, room)| {
-            let freed = blocks
+            let mut freed: Vec<BlockHash> = blocks
                 .filter(|&&h| {
                     let left = holders.entry(h).or_insert_with(|| shadow.holders(h));
                     *left = left.saturating_sub(1);
                     *left == 0
                 })
-                .count();
+                .copied()
+                .collect();
+            freed.reverse();
             (end, freed, generated, owed, since, room)
         })
         .collect();
@@ -156,9 +160,9 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
     // took first), and blocks the outputs took (the ended ones' in full).
     let by = |t: Duration| {
         let (mut freed, mut grown) = (0, 0);
-        for &(end, holds, generated, owed, since, _) in &running {
+        for &(end, ref holds, generated, owed, since, _) in &running {
             if end <= t {
-                freed += holds + owed;
+                freed += holds.len() + owed;
                 grown += owed;
             } else if let Some((at, pace)) = since {
                 grown += pace.filled(t.saturating_sub(at), per_block).saturating_sub(generated).min(owed);
@@ -182,7 +186,16 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
         room += usize::from(r.5);
     }
     grow_to(by(start).1, &mut room);
-    let evicted: std::collections::HashSet<BlockHash> = shadow.oldest_free().take(evictions).collect();
+    // The blocks free now in the engine's order, then what each request that
+    // ended frees, in the order they end: its output still owed, then its
+    // blocks from the last.
+    let order = shadow.oldest_free().map(Some).chain(
+        running
+            .iter()
+            .take_while(|r| r.0 <= start)
+            .flat_map(|(_, freed, _, owed, _, _)| std::iter::repeat_n(None, *owed).chain(freed.iter().copied().map(Some))),
+    );
+    let evicted: std::collections::HashSet<BlockHash> = order.take(evictions).flatten().collect();
     prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
 }
 
@@ -214,17 +227,25 @@ fn starts(
 }
 
 /// A request in flight on an exact replica, for the wait forecast: when it
-/// ends, the blocks only it claims, its output in blocks, and its first
-/// token and pace.
-type InFlight = (Duration, usize, usize, Option<(Duration, Pace)>);
+/// ends, the prompt blocks it frees then (deepest first), its output in
+/// blocks, and its first token and pace.
+type InFlight = (Duration, Vec<BlockHash>, usize, Option<(Duration, Pace)>);
 
-/// `kept` on a replica in exact mode (ADR 0055): the engine's events say
+/// A request in flight on an exact replica, as recorded: when it
+/// ends, its prompt, its output in blocks, and its first token and pace.
+type Claim<'a> = (Duration, &'a [BlockHash], usize, Option<(Duration, Pace)>);
+
+/// `kept` on a replica in exact mode (ADR 0055, ADR 0061): the engine's events say
 /// what it holds now and the claims what the requests sent will allocate;
 /// where a request sent now must wait for room (or for the prefills ahead),
 /// the requests in flight end in turn, each at its first token plus its
-/// span of block times, freeing the blocks only it claims and its output,
-/// and meanwhile their outputs grow from their first tokens: past the
-/// empty room each block they take evicts the next free one.
+/// span of block times, freeing its output and the prompt blocks no request
+/// still in flight claims, and meanwhile their outputs grow from their first
+/// tokens. Past the empty room, each block the requests sent take evicts the
+/// next free one: those free now in the engine's order, then what each
+/// request that ends frees, in the order they end (its output first, then
+/// its prompt from the tail, as the engine frees a request's blocks). A
+/// prefix a request in flight claims now is kept only if it survives that.
 fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], matched: usize, need: usize, now: Duration) -> usize {
     let Some(per_block) = rep.per_block() else { return matched };
     let prefix = &hashes[..matched.min(hashes.len())];
@@ -234,21 +255,36 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], matched: usize
     if demand <= available && prefilled <= now {
         return matched;
     }
-    // Each request in flight: when it ends, the blocks it frees then, its
-    // output, and the output blocks it has filled by a time.
-    let mut running: Vec<InFlight> = rep
+    // Each request in flight, in the order they end.
+    let mut running: Vec<Claim<'_>> = rep
         .requests
         .values()
         .filter_map(|r| match r {
             Request::Claiming { keys, output, since, .. } => {
-                let end = ends_by(*since, *output, per_block, now);
-                let own = keys.iter().filter(|&&h| exact.claims_of(h) == 1).count();
-                Some((end, own, *output, *since))
+                Some((ends_by(*since, *output, per_block, now), keys.as_slice(), *output, *since))
             }
             _ => None,
         })
         .collect();
     running.sort_by_key(|r| r.0);
+    // The prompt blocks each frees when it ends: those its end leaves unclaimed.
+    let mut claims: HashMap<BlockHash, u32, FoldState> = HashMap::default();
+    let running: Vec<InFlight> = running
+        .into_iter()
+        .map(|(end, keys, output, since)| {
+            let freed = keys
+                .iter()
+                .rev()
+                .filter(|&&h| {
+                    let left = claims.entry(h).or_insert_with(|| exact.claims_of(h));
+                    *left = left.saturating_sub(1);
+                    *left == 0
+                })
+                .copied()
+                .collect();
+            (end, freed, output, since)
+        })
+        .collect();
     // None before its first token (an estimated one may still be to come).
     let filled = |since: Option<(Duration, Pace)>, t: Duration, output: usize| match since {
         Some((at, pace)) if t >= at => pace.filled(t - at, per_block).min(output),
@@ -257,20 +293,39 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], matched: usize
     // By `t`: blocks freed by the requests ended, and output blocks taken since now.
     let by = |t: Duration| {
         let (mut freed, mut grown) = (0, 0);
-        for &(end, own, output, since) in &running {
-            let before = filled(since, now, output);
-            if end <= t {
-                freed += own + output;
+        for (end, own, output, since) in &running {
+            let before = filled(*since, now, *output);
+            if *end <= t {
+                freed += own.len() + output;
                 grown += output - before;
             } else {
-                grown += filled(since, t, output) - before;
+                grown += filled(*since, t, *output) - before;
             }
         }
         (freed, grown)
     };
     let Some(start) = starts(prefilled, running.iter().map(|r| r.0), &by, available, demand) else { return matched };
-    let evictions = by(start).1.saturating_sub(exact.room());
-    let evicted: std::collections::HashSet<BlockHash> = exact.evictable().take(evictions).collect();
+    let ended = || running.iter().take_while(|r| r.0 <= start);
+    // The allocations to come first fill the room never used, and the room
+    // each request that ended leaves in the block it held unnamed, then
+    // evict.
+    let (mut room, mut taken, mut evictions) = (exact.empty(), 0, 0);
+    let mut allocate_to = |allocated: usize, room: &mut usize| {
+        let more = allocated.saturating_sub(taken);
+        evictions += more.saturating_sub(*room);
+        *room = room.saturating_sub(more);
+        taken = taken.max(allocated);
+    };
+    for r in ended() {
+        allocate_to(exact.to_allocate() + by(r.0).1, &mut room);
+        room += 1;
+    }
+    allocate_to(exact.to_allocate() + by(start).1, &mut room);
+    let order = exact.free_order().map(Some).chain(ended().flat_map(|(_, own, output, since)| {
+        let more = output - filled(*since, now, *output);
+        std::iter::repeat_n(None, more).chain(own.iter().copied().map(Some))
+    }));
+    let evicted: std::collections::HashSet<BlockHash> = order.take(evictions).flatten().collect();
     prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
 }
 

@@ -463,6 +463,15 @@ proptest! {
     }
 }
 
+/// Runs a one-block request of `variant` 9 that teaches the replica's
+/// block time (one block of output in 100 ms); its block is free after it.
+fn teach_block_time(index: &KvIndex, seed: BlockHash) {
+    let learn = index.record(0, &block_hashes(seed, &tokens(1, 9), BS), 1, 0, 1, false, None);
+    store(index, seed, 9, 0, 1, Tier::ROUTING).unwrap();
+    index.decoding(&learn, Duration::ZERO, Pace { lead: 0.0, span: 1.0 });
+    index.complete(&learn, Duration::from_millis(100));
+}
+
 /// Exact mode forecasts a wait as approximate mode does (ADR 0055): a
 /// request sent now that does not fit waits for a request in flight to
 /// end, and meanwhile that request's output takes blocks, evicting the
@@ -474,12 +483,9 @@ fn a_prompt_that_must_wait_loses_what_the_outputs_in_flight_grow_into() {
     let index = sized(10);
     let seed = salt(&["m", ""]);
     // A prefix of 4 blocks, free; then a request that teaches the block
-    // time (one block of output in 100 ms), free after it.
+    // time, free after it.
     ran(&index, seed, 0, 4);
-    let learn = index.record(0, &block_hashes(seed, &tokens(1, 9), BS), 1, 0, 1, false, None);
-    store(&index, seed, 9, 0, 1, Tier::ROUTING).unwrap();
-    index.decoding(&learn, ms(0), Pace { lead: 0.0, span: 1.0 });
-    index.complete(&learn, ms(100));
+    teach_block_time(&index, seed);
     // A request running 4 prompt blocks, its first token at 1,000 ms,
     // owing 4 output blocks (1,000 to 1,300 ms), ending at 1,400.
     let running = index.record(0, &block_hashes(seed, &tokens(4, 1), BS), 4, 0, 4, false, None);
@@ -494,4 +500,36 @@ fn a_prompt_that_must_wait_loses_what_the_outputs_in_flight_grow_into() {
     // The prefix alone fits at once and keeps it all.
     assert_eq!(index.kept_through_wait(&prompt[..4], &[(0, 4, 0)], ms(1_000)), [4]);
     index.complete(&running, ms(1_400));
+}
+
+/// A prefix a request in flight claims is kept only while it runs: once it
+/// ends, the engine frees its blocks behind those free already, and a
+/// prompt still waiting for room loses them, from the tail, to the outputs
+/// that grow meanwhile.
+#[test]
+fn a_waiting_prompt_loses_a_claimed_prefix_once_its_claim_ends() {
+    let ms = Duration::from_millis;
+    let index = sized(12);
+    let seed = salt(&["m", ""]);
+    // A request that teaches the block time, its block free after it.
+    teach_block_time(&index, seed);
+    // A claims the 3-block prefix and ends at 1,100 ms; B runs another 4
+    // blocks and takes an output block every 100 ms until 1,600.
+    let a = index.record(0, &block_hashes(seed, &tokens(3, 0), BS), 3, 0, 1, false, None);
+    store(&index, seed, 0, 0, 3, Tier::ROUTING).unwrap();
+    index.decoding(&a, ms(1_000), Pace { lead: 0.0, span: 1.0 });
+    let b = index.record(0, &block_hashes(seed, &tokens(4, 1), BS), 4, 0, 6, false, None);
+    store(&index, seed, 1, 0, 4, Tier::ROUTING).unwrap();
+    index.decoding(&b, ms(1_000), Pace { lead: 0.0, span: 6.0 });
+    // The prefix and 9 fresh blocks do not fit until B ends. A's end frees
+    // the prefix behind the learning block; B's four output blocks from
+    // 1,200 to 1,500 take the two blocks of room, then the learning block
+    // and the prefix's last block.
+    let prompt = block_hashes(seed, &tokens(12, 0), BS);
+    assert_eq!(matched(&index, seed, 0, 12), 3, "claimed: present");
+    assert_eq!(index.kept_through_wait(&prompt, &[(0, 3, 9)], ms(1_000)), [2]);
+    // With 3 fresh blocks it fits once A ends, before any eviction.
+    assert_eq!(index.kept_through_wait(&prompt[..6], &[(0, 3, 3)], ms(1_000)), [3]);
+    index.complete(&a, ms(1_100));
+    index.complete(&b, ms(1_600));
 }
