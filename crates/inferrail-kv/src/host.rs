@@ -253,12 +253,15 @@ impl HostOrder {
     }
 
     /// Approximate mode: a request with these full prompt blocks was sent.
-    /// They are stored (the most recent, the first one last) and the least
-    /// recent others go past the tier's size.
+    /// Those it lacks are stored, in order (the first one least recent, as
+    /// vLLM's LRU manager adds them; those it holds are skipped, not
+    /// refreshed), and the least recent others go past the tier's size.
     pub fn sent(&mut self, keys: &[BlockHash]) {
         self.kept_from.set(None);
-        for &h in keys.iter().rev() {
-            self.touch(h);
+        for &h in keys {
+            if !self.rank.contains_key(&h) {
+                self.touch(h);
+            }
         }
         let size = self.size();
         while self.rank.len() > size {
@@ -438,13 +441,14 @@ mod tests {
         let mut t = HostOrder::new(Some(3));
         t.sent(&[1, 2]);
         t.sent(&[5, 6]);
-        // 2 was the least recent (1 was refreshed after it).
-        assert_eq!((t.contains(1), t.contains(2), t.contains(5), t.contains(6)), (true, false, true, true));
-        t.sent(&[1, 7, 8, 9]);
-        assert_eq!(t.run(&[1, 7, 8]), 3, "a prompt longer than the tier keeps its head");
+        // 1 was the least recent: a prompt is stored first block first.
+        assert_eq!((t.contains(1), t.contains(2), t.contains(5), t.contains(6)), (false, true, true, true));
+        // A block held is skipped, not refreshed: 2 goes next.
+        t.sent(&[2, 7]);
+        assert_eq!((t.contains(2), t.contains(5), t.contains(7)), (false, true, true));
         // A prompt expected and then sent is to come no more.
         t.expect(&[20, 21]);
-        assert_eq!((t.run(&[7]), t.run(&[1])), (0, 1), "two to come evict 8 and 7");
+        assert_eq!((t.run(&[5]), t.run(&[6]), t.run(&[7])), (0, 0, 1), "two to come evict 5 and 6");
         t.sent(&[20, 21]);
         t.expected(&[20, 21]);
         assert_eq!(t.run(&[20, 21]), 2);

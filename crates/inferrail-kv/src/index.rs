@@ -196,6 +196,24 @@ impl Replica {
     }
 
     /// Request `id`, sent in approximate mode to a replica with a host
+    /// tier, is admitted reusing `reused` blocks: the engine's GPU hit. It
+    /// loads from host memory the blocks held there from the next one on,
+    /// stores the rest, and refreshes there, when it ends, what it loaded
+    /// and stored; else it stores and refreshes its whole prompt. What it
+    /// was foreseen to store when sent is corrected.
+    fn host_admitted(&mut self, id: u64, reused: usize) {
+        let (Some(host), Some((keys, used, _))) = (&mut self.host, self.host_coming.get_mut(&id)) else { return };
+        let loads = keys.get(reused..).map_or(0, |rest| rest.iter().take_while(|&&h| host.contains(h)).count());
+        let found =
+            if loads > 0 { HostUse { from: reused, stores: reused + loads, ..*used } } else { HostUse { from: 0, stores: 0, ..*used } };
+        if found.stores != used.stores {
+            host.expected(&keys[used.stores..]);
+            host.expect(&keys[found.stores..]);
+        }
+        *used = found;
+    }
+
+    /// Request `id`, sent in approximate mode to a replica with a host
     /// tier, was heard started (its prompt stored there), or is `over`
     /// (it refreshes what it used there) or taken back (`!stored`).
     fn host_heard(&mut self, id: u64, stored: bool, over: bool) {
@@ -699,7 +717,7 @@ impl KvIndex {
         if let Some(host) = &mut rep.host {
             let gpu = prompt.iter().take_while(|&&h| rep.shadow.contains(h)).count();
             let loads = host.run(&prompt[gpu..]);
-            let used = if loads > 0 { HostUse { from: gpu, stores: gpu + loads } } else { HostUse::default() };
+            let used = if loads > 0 { HostUse { from: gpu, stores: gpu + loads, ..HostUse::default() } } else { HostUse::default() };
             host.expect(&prompt[used.stores..]);
             rep.host_coming.insert(request, (prompt.to_vec(), used, false));
         }
@@ -708,6 +726,7 @@ impl KvIndex {
         match admitted {
             Some(admitted) => {
                 rep.prefills(request, admitted.0.len() - admitted.1);
+                rep.host_admitted(request, admitted.1);
                 rep.requests.insert(request, self.started(rep, admitted, output, ends_partial, None));
                 rep.foretell(request, pace, self.ids.fetch_add(1, Ordering::Relaxed));
             }
@@ -733,6 +752,7 @@ impl KvIndex {
             let Some(admitted) = self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) else { break };
             if resume.is_none() {
                 rep.prefills(head, admitted.0.len() - admitted.1);
+                rep.host_admitted(head, admitted.1);
             }
             let running = self.started(rep, admitted, output, ends_partial, resume);
             if matches!(running, Request::Running { since: Some(_), owed: 1.., .. }) {

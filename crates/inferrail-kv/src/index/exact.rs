@@ -228,6 +228,12 @@ pub(super) struct Exact {
     /// and what the requests sent will store there when admitted: each
     /// request's prompt past what it loads from there.
     host: HostOrder,
+    /// Events applied so far.
+    events: u64,
+    /// The event that stored each block the routing tier holds.
+    born: HashMap<BlockHash, u64, FoldState>,
+    /// The event that stored each block the host memory tier holds.
+    host_born: HashMap<BlockHash, u64, FoldState>,
 }
 
 /// What of a request's prompt the engine uses in host memory (vLLM's
@@ -236,10 +242,16 @@ pub(super) struct Exact {
 /// any other stores and refreshes its whole prompt.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) struct HostUse {
-    /// Its first block loaded (the GPU hit's length), else 0.
+    /// Its first block loaded (the GPU hit's length), else 0: foreseen when
+    /// it was sent, and in approximate mode found again when the shadow
+    /// admits it (exact mode finds it when the request ends, from `sent`).
     pub from: usize,
     /// Its first block stored.
     pub stores: usize,
+    /// Exact mode: the events its replica's view had applied when it was
+    /// sent. Its GPU hit ends at the first of its blocks stored since, and
+    /// that says what it refreshes when it ends (`Exact::unclaim`).
+    pub sent: u64,
 }
 
 /// A change in what the routing tier presents: the block, and whether it is now present.
@@ -264,6 +276,9 @@ impl Exact {
             anchor: HashMap::default(),
             tick: 0,
             host: HostOrder::mirrored(host_blocks, host),
+            events: 0,
+            born: HashMap::default(),
+            host_born: HashMap::default(),
         }
     }
 
@@ -274,6 +289,7 @@ impl Exact {
 
     /// Applies one event, pushing the routing tier's changes to `changes`.
     pub(super) fn apply(&mut self, event: &Event<'_>, changes: &mut Vec<Change>) -> Result<(), EventError> {
+        self.events += 1;
         let applied = match event {
             Event::Stored(s) => self.store(s, changes),
             Event::Removed { hashes, tier } => self.remove(hashes, *tier, changes),
@@ -336,6 +352,7 @@ impl Exact {
                     *n += 1;
                     if routing && *n == 1 {
                         fresh[i] = true;
+                        self.born.insert(router, self.events);
                         if !self.claims.contains_key(&router) {
                             changes.push((router, true));
                         }
@@ -377,6 +394,7 @@ impl Exact {
                     *n += 1;
                     if host && *n == 1 {
                         self.host.stored(r);
+                        self.host_born.insert(r, self.events);
                     }
                 }
             }
@@ -471,6 +489,7 @@ impl Exact {
                             routed.remove(&router);
                             if host {
                                 self.host.removed(router);
+                                self.host_born.remove(&router);
                             }
                         }
                     }
@@ -500,6 +519,9 @@ impl Exact {
                 *n -= 1;
                 if *n == 0 {
                     routed.remove(&b.router);
+                    if routing {
+                        self.born.remove(&b.router);
+                    }
                     if routing && self.claims.contains_key(&b.router) {
                         self.unheld += 1;
                     } else if routing {
@@ -520,6 +542,7 @@ impl Exact {
             tb.routed.clear();
         }
         self.unheld = self.claims.len();
+        self.born.clear();
         self.free.clear();
         self.stamps.clear();
         self.doomed.clear();
@@ -544,7 +567,8 @@ impl Exact {
     pub(super) fn claim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) -> HostUse {
         let gpu = self.held_prefix(keys);
         let loads = self.host.run(&keys[gpu..]);
-        let host = if loads > 0 { HostUse { from: gpu, stores: gpu + loads } } else { HostUse::default() };
+        let sent = self.events;
+        let host = if loads > 0 { HostUse { from: gpu, stores: gpu + loads, sent } } else { HostUse { sent, ..HostUse::default() } };
         self.host.expect(&keys[host.stores..]);
         self.live += 1;
         for &h in keys {
@@ -633,7 +657,16 @@ impl Exact {
     pub(super) fn unclaim(&mut self, keys: &[BlockHash], host: HostUse, changes: &mut Vec<Change>) {
         self.live = self.live.saturating_sub(1);
         self.tick += 1;
-        self.host.finished(&keys[host.from.min(keys.len())..]);
+        // The engine refreshes in host memory what it loaded and stored
+        // there, past its GPU hit, if it loaded any; else its whole prompt.
+        // Its GPU hit, as the engine found it when it admitted the request,
+        // ends at the first block stored since it was sent (a block evicted
+        // since, after the engine freed it, says nothing); it loaded if host
+        // memory held the next block before then.
+        let hit = keys.iter().position(|h| self.born.get(h).is_some_and(|&at| at > host.sent)).unwrap_or(keys.len());
+        let loaded = keys.get(hit).and_then(|h| self.host_born.get(h)).is_some_and(|&at| at <= host.sent);
+        let from = if loaded { hit } else { 0 };
+        self.host.finished(&keys[from..]);
         self.host.expected(&keys[host.stores.min(keys.len())..]);
         for (depth, h) in keys.iter().enumerate() {
             let Some(n) = self.claims.get_mut(h) else { continue };

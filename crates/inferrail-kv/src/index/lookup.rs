@@ -290,8 +290,11 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], matched: usize
         Some((at, pace)) if t >= at => pace.filled(t - at, per_block).min(output),
         _ => 0,
     };
-    // By `t`: blocks freed by the requests ended, and output blocks taken since now.
+    // By `t` (now at the earliest: a request may be taken to have ended
+    // before now): blocks freed by the requests ended, and output blocks
+    // taken since now.
     let by = |t: Duration| {
+        let t = t.max(now);
         let (mut freed, mut grown) = (0, 0);
         for (end, own, output, since) in &running {
             let before = filled(*since, now, *output);

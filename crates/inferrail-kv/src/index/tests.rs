@@ -1095,3 +1095,37 @@ fn a_store_due_before_an_end_goes_in_before_the_end_refreshes() {
     send(&index, 3);
     assert_eq!((host_at(&index, 1, 1_510), host_at(&index, 2, 1_510)), (2, 0));
 }
+
+/// An approximate replica's request whose GPU prefix lost its tail while it
+/// waited loads the tail from host memory when admitted, stores only what
+/// follows, and refreshes there only what it loaded and stored: the head of
+/// its prefix stays the least recent, as in the engine (ADR 0062).
+#[test]
+fn a_waiting_request_that_loads_its_lost_tail_refreshes_only_that() {
+    let ms = Duration::from_millis;
+    let index = KvIndex::new();
+    index.add_replica(0, 8);
+    index.set_host(0, Some(10));
+    // A block time of 100 ms, taught by a request of two output blocks.
+    let teach = index.record(0, &chain(9, 1), 1, 0, 2, false, None);
+    index.decoding(&teach, ms(200), Pace { lead: 0.0, span: 2.0 });
+    index.complete(&teach, ms(400));
+    // Prefix a (4 blocks) ran: free in the GPU, stored in host memory.
+    let a = index.record(0, &chain(0, 4), 4, 0, 0, false, None);
+    index.decoding(&a, ms(500), Pace { lead: 0.0, span: 0.0 });
+    index.complete(&a, ms(600));
+    // z runs; the request for a and one block more waits for room.
+    let z = index.record(0, &chain(1, 4), 4, 0, 2, false, None);
+    let r = index.record(0, &chain(0, 5), 4, 0, 0, false, None);
+    // z's two output blocks evict a's last two; z ends and r starts, reusing a's first two.
+    index.decoding(&z, ms(700), Pace { lead: 0.0, span: 2.0 });
+    index.advance(&[0], ms(850));
+    index.complete(&z, ms(900));
+    index.decoding(&r, ms(1_000), Pace { lead: 0.0, span: 0.0 });
+    index.complete(&r, ms(1_100));
+    // Three blocks to be stored there evict the three least recent: the
+    // teaching request's, then a's first two, which r did not use there.
+    let _c = index.record(0, &chain(2, 3), 3, 0, 0, false, None);
+    assert_eq!(index.offloaded(&chain(0, 5), &[(0, 0)])[0].0, 0, "a's head is the least recent in host memory");
+    assert_eq!(index.offloaded(&chain(0, 5), &[(0, 2)])[0].0, 3, "what r loaded and stored is kept");
+}

@@ -1,6 +1,6 @@
 //! Exact mode: the index fed by engine events, against the router's own hashes of the same tokens and a naive model.
 
-use super::super::{Event, EventError, KvIndex, Pace, Slot, Stored, Tier};
+use super::super::{Event, EventError, KvIndex, Pace, Recorded, Slot, Stored, Tier};
 use crate::hash::{BlockHash, block_hashes, salt};
 use proptest::prelude::*;
 use std::collections::{HashMap, HashSet};
@@ -49,6 +49,14 @@ fn store(index: &KvIndex, seed: BlockHash, variant: u32, from: usize, blocks: us
     let hashes: Vec<u64> = router[from..].iter().map(|&h| engine(h)).collect();
     let parent = from.checked_sub(1).map(|p| engine(router[p]));
     index.apply(0, &stored(&hashes, parent, &t[from * BS..], seed, tier))
+}
+
+/// The engine stored `keys` in host memory at slot 0, one placeholder event each.
+fn to_host(index: &KvIndex, seed: BlockHash, keys: &[BlockHash]) {
+    for &h in keys {
+        let placeholder = Stored { hashes: &[engine(h)], parent: None, tokens: &[], block_size: 0, seed, tier: Tier::HOST };
+        index.apply(0, &Event::Stored(placeholder)).unwrap();
+    }
 }
 
 fn matched(index: &KvIndex, seed: BlockHash, variant: u32, blocks: usize) -> usize {
@@ -139,15 +147,8 @@ fn requests_sent_and_not_yet_admitted_will_evict_the_least_recent_host_blocks() 
     let seed = salt(&["m", ""]);
     let cpu = Tier::HOST;
     let (a, b) = (block_hashes(seed, &tokens(4, 0), BS), block_hashes(seed, &tokens(4, 1), BS));
-    let to_host = |keys: &[BlockHash]| {
-        for &h in keys {
-            index
-                .apply(0, &Event::Stored(Stored { hashes: &[engine(h)], parent: None, tokens: &[], block_size: 0, seed, tier: cpu }))
-                .unwrap();
-        }
-    };
     store(&index, seed, 0, 0, 4, Tier::ROUTING).unwrap();
-    to_host(&a);
+    to_host(&index, seed, &a);
     index.apply(0, &Event::Cleared).unwrap();
     assert_eq!(index.offloaded(&a, &[(0, 0)]), [(4, 0)]);
     // A request for b is sent: when admitted it stores b's four blocks, evicting a's.
@@ -155,13 +156,42 @@ fn requests_sent_and_not_yet_admitted_will_evict_the_least_recent_host_blocks() 
     assert_eq!(index.offloaded(&a, &[(0, 0)]), [(0, 0)], "a's blocks are as good as gone");
     // The engine admits it: b stored, a evicted, as foretold.
     store(&index, seed, 1, 0, 4, Tier::ROUTING).unwrap();
-    to_host(&b);
+    to_host(&index, seed, &b);
     let gone: Vec<u64> = a.iter().rev().map(|&h| engine(h)).collect();
     index.apply(0, &Event::Removed { hashes: &gone, tier: cpu }).unwrap();
     assert_eq!(index.offloaded(&a, &[(0, 0)]), [(0, 0)]);
     assert_eq!(index.offloaded(&b, &[(0, 0)]), [(4, 0)]);
     index.complete(&rec, Duration::ZERO);
     assert_eq!(index.offloaded(&b, &[(0, 2)]), [(2, 0)]);
+}
+
+/// A request whose GPU prefix loses its tail before the engine admits it
+/// loads the tail from host memory, and when it ends the engine refreshes
+/// there only what it loaded (ADR 0062): the index learns its GPU hit from
+/// the blocks stored since it was sent, not from what it foresaw then.
+#[test]
+fn a_request_that_loaded_its_tail_refreshes_only_that_in_host_memory() {
+    let index = index();
+    index.set_host(0, Some(6));
+    let seed = salt(&["m", ""]);
+    let (a, b, c) = (block_hashes(seed, &tokens(4, 0), BS), block_hashes(seed, &tokens(2, 1), BS), block_hashes(seed, &tokens(2, 2), BS));
+    // a in the GPU and in host memory, then b there too: a least recent.
+    store(&index, seed, 0, 0, 4, Tier::ROUTING).unwrap();
+    to_host(&index, seed, &a);
+    store(&index, seed, 1, 0, 2, Tier::ROUTING).unwrap();
+    to_host(&index, seed, &b);
+    // Sent for a, all of it in the GPU; before it is admitted the GPU evicts
+    // a's last two blocks, and the engine loads them back from host memory.
+    let rec = index.record(0, &a, 3, 0, 1, false, None);
+    let tail: Vec<u64> = a[2..].iter().rev().map(|&h| engine(h)).collect();
+    index.apply(0, &Event::Removed { hashes: &tail, tier: Tier::ROUTING }).unwrap();
+    store(&index, seed, 0, 2, 4, Tier::ROUTING).unwrap();
+    index.complete(&rec, Duration::ZERO);
+    // a's last two are now the most recent in host memory, its first two the
+    // least: a request storing two blocks there evicts a's head, not b.
+    let _coming = index.record(0, &c, 2, 0, 1, false, None);
+    assert_eq!(index.offloaded(&a, &[(0, 0)]), [(0, 0)], "a's first block goes first");
+    assert_eq!(index.offloaded(&b, &[(0, 0)]), [(2, 0)], "b was used after a's head");
 }
 
 #[test]
@@ -178,12 +208,13 @@ fn an_approximate_replica_with_a_host_tier_keeps_the_prompts_sent_there() {
     assert_eq!(index.offloaded(&a, &[(1, 0)]), [(0, 0)], "stored once it starts");
     index.decoding(&rec, Duration::from_secs(1), pace);
     assert_eq!(index.offloaded(&a, &[(1, 0), (1, 3)]), [(4, 0), (1, 0)]);
-    // Six blocks: b's four, once it starts, push out a's last two; before,
-    // they are to come, and a lookup finds those two gone already.
+    // Six blocks: b's four, once it starts, push out a's first two (stored
+    // first, the least recent while a runs, ADR 0062); before, they are to
+    // come, and a lookup finds those two gone already.
     let rec_b = index.record(1, &b, 4, 0, 1, false, None);
-    assert_eq!(index.offloaded(&a, &[(1, 0)]), [(2, 0)]);
+    assert_eq!(index.offloaded(&a, &[(1, 0), (1, 2)]), [(0, 0), (2, 0)]);
     index.decoding(&rec_b, Duration::from_secs(1), pace);
-    assert_eq!(index.offloaded(&a, &[(1, 0)]), [(2, 0)]);
+    assert_eq!(index.offloaded(&a, &[(1, 0), (1, 2)]), [(0, 0), (2, 0)]);
     assert_eq!(index.offloaded(&b, &[(1, 0)]), [(4, 0)]);
     // A request taken back stores nothing.
     let c = block_hashes(seed, &tokens(4, 2), BS);
@@ -463,6 +494,15 @@ proptest! {
     }
 }
 
+/// A request for `blocks` blocks of `variant`, stored, decoding from
+/// `first` with `output` blocks of output, one a block time.
+fn running(index: &KvIndex, seed: BlockHash, variant: u32, blocks: usize, output: usize, first: Duration) -> Recorded {
+    let rec = index.record(0, &block_hashes(seed, &tokens(blocks, variant), BS), blocks, 0, output, false, None);
+    store(index, seed, variant, 0, blocks, Tier::ROUTING).unwrap();
+    index.decoding(&rec, first, Pace { lead: 0.0, span: output as f64 });
+    rec
+}
+
 /// Runs a one-block request of `variant` 9 that teaches the replica's
 /// block time (one block of output in 100 ms); its block is free after it.
 fn teach_block_time(index: &KvIndex, seed: BlockHash) {
@@ -488,9 +528,7 @@ fn a_prompt_that_must_wait_loses_what_the_outputs_in_flight_grow_into() {
     teach_block_time(&index, seed);
     // A request running 4 prompt blocks, its first token at 1,000 ms,
     // owing 4 output blocks (1,000 to 1,300 ms), ending at 1,400.
-    let running = index.record(0, &block_hashes(seed, &tokens(4, 1), BS), 4, 0, 4, false, None);
-    store(&index, seed, 1, 0, 4, Tier::ROUTING).unwrap();
-    index.decoding(&running, ms(1_000), Pace { lead: 0.0, span: 4.0 });
+    let running = running(&index, seed, 1, 4, 4, ms(1_000));
     // The prefix and 4 fresh blocks need 8 of the 5 free: the prompt waits
     // until 1,400 ms, and the 3 output blocks taken meanwhile evict the
     // prefix from its tail.
@@ -515,12 +553,8 @@ fn a_waiting_prompt_loses_a_claimed_prefix_once_its_claim_ends() {
     teach_block_time(&index, seed);
     // A claims the 3-block prefix and ends at 1,100 ms; B runs another 4
     // blocks and takes an output block every 100 ms until 1,600.
-    let a = index.record(0, &block_hashes(seed, &tokens(3, 0), BS), 3, 0, 1, false, None);
-    store(&index, seed, 0, 0, 3, Tier::ROUTING).unwrap();
-    index.decoding(&a, ms(1_000), Pace { lead: 0.0, span: 1.0 });
-    let b = index.record(0, &block_hashes(seed, &tokens(4, 1), BS), 4, 0, 6, false, None);
-    store(&index, seed, 1, 0, 4, Tier::ROUTING).unwrap();
-    index.decoding(&b, ms(1_000), Pace { lead: 0.0, span: 6.0 });
+    let a = running(&index, seed, 0, 3, 1, ms(1_000));
+    let b = running(&index, seed, 1, 4, 6, ms(1_000));
     // The prefix and 9 fresh blocks do not fit until B ends. A's end frees
     // the prefix behind the learning block; B's four output blocks from
     // 1,200 to 1,500 take the two blocks of room, then the learning block
@@ -532,4 +566,24 @@ fn a_waiting_prompt_loses_a_claimed_prefix_once_its_claim_ends() {
     assert_eq!(index.kept_through_wait(&prompt[..6], &[(0, 3, 3)], ms(1_000)), [3]);
     index.complete(&a, ms(1_100));
     index.complete(&b, ms(1_600));
+}
+
+/// A request taken to have ended before now (its estimated end passed
+/// unheard) counts what the others' outputs take from now on, not from
+/// its end: before now they took nothing more that the events did not say.
+#[test]
+fn an_end_estimated_before_now_takes_no_output_from_before_now() {
+    let ms = Duration::from_millis;
+    let index = sized(20);
+    let seed = salt(&["m", ""]);
+    teach_block_time(&index, seed);
+    ran(&index, seed, 0, 4);
+    // A, 3 blocks, was to end at 100 ms; B, 4 blocks, decodes from 0 to 2,000.
+    let a = running(&index, seed, 2, 3, 1, ms(0));
+    let b = running(&index, seed, 1, 4, 20, ms(0));
+    // The prefix and 8 fresh blocks wait for A's end, which frees room at once.
+    let prompt = block_hashes(seed, &tokens(12, 0), BS);
+    assert_eq!(index.kept_through_wait(&prompt, &[(0, 4, 8)], ms(1_000)), [4]);
+    index.complete(&a, ms(1_000));
+    index.complete(&b, ms(2_000));
 }
