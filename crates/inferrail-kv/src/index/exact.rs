@@ -244,14 +244,14 @@ pub(super) struct Exact {
 pub(super) struct HostUse {
     /// Its first block loaded (the GPU hit's length), else 0: foreseen when
     /// it was sent, and in approximate mode found again when the shadow
-    /// admits it (exact mode finds it when the request ends, from `sent`).
+    /// admits it (exact mode finds it when the request ends, from `seen`).
     pub from: usize,
     /// Its first block stored.
     pub stores: usize,
     /// Exact mode: the events its replica's view had applied when it was
     /// sent. Its GPU hit ends at the first of its blocks stored since, and
     /// that says what it refreshes when it ends (`Exact::unclaim`).
-    pub sent: u64,
+    pub seen: u64,
 }
 
 /// A change in what the routing tier presents: the block, and whether it is now present.
@@ -567,8 +567,8 @@ impl Exact {
     pub(super) fn claim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) -> HostUse {
         let gpu = self.held_prefix(keys);
         let loads = self.host.run(&keys[gpu..]);
-        let sent = self.events;
-        let host = if loads > 0 { HostUse { from: gpu, stores: gpu + loads, sent } } else { HostUse { sent, ..HostUse::default() } };
+        let seen = self.events;
+        let host = if loads > 0 { HostUse { from: gpu, stores: gpu + loads, seen } } else { HostUse { seen, ..HostUse::default() } };
         self.host.expect(&keys[host.stores..]);
         self.live += 1;
         for &h in keys {
@@ -663,8 +663,8 @@ impl Exact {
         // ends at the first block stored since it was sent (a block evicted
         // since, after the engine freed it, says nothing); it loaded if host
         // memory held the next block before then.
-        let hit = keys.iter().position(|h| self.born.get(h).is_some_and(|&at| at > host.sent)).unwrap_or(keys.len());
-        let loaded = keys.get(hit).and_then(|h| self.host_born.get(h)).is_some_and(|&at| at <= host.sent);
+        let hit = keys.iter().position(|h| self.born.get(h).is_some_and(|&at| at > host.seen)).unwrap_or(keys.len());
+        let loaded = keys.get(hit).and_then(|h| self.host_born.get(h)).is_some_and(|&at| at <= host.seen);
         let from = if loaded { hit } else { 0 };
         self.host.finished(&keys[from..]);
         self.host.expected(&keys[host.stores.min(keys.len())..]);
@@ -738,8 +738,9 @@ impl Exact {
     pub(super) fn bytes(&self) -> usize {
         let per_engine = size_of::<(u64, Block)>() + 1;
         let per_routed = size_of::<(BlockHash, u32)>() + 1;
+        let per_born = size_of::<(BlockHash, u64)>() + 1;
         let tiers: usize = self.tiers.iter().map(|tb| tb.engine.capacity() * per_engine + tb.routed.capacity() * per_routed).sum();
-        tiers + self.claims.capacity() * per_routed
+        tiers + self.claims.capacity() * per_routed + (self.born.capacity() + self.host_born.capacity()) * per_born
     }
 }
 
