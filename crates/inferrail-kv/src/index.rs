@@ -204,8 +204,7 @@ impl Replica {
     fn host_admitted(&mut self, id: u64, reused: usize) {
         let (Some(host), Some((keys, used, _))) = (&mut self.host, self.host_coming.get_mut(&id)) else { return };
         let loads = keys.get(reused..).map_or(0, |rest| rest.iter().take_while(|&&h| host.contains(h)).count());
-        let found =
-            if loads > 0 { HostUse { from: reused, stores: reused + loads, ..*used } } else { HostUse { from: 0, stores: 0, ..*used } };
+        let found = HostUse::found(reused, loads, used.seen);
         if found.stores != used.stores {
             host.expected(&keys[used.stores..]);
             host.expect(&keys[found.stores..]);
@@ -717,7 +716,7 @@ impl KvIndex {
         if let Some(host) = &mut rep.host {
             let gpu = prompt.iter().take_while(|&&h| rep.shadow.contains(h)).count();
             let loads = host.run(&prompt[gpu..]);
-            let used = if loads > 0 { HostUse { from: gpu, stores: gpu + loads, ..HostUse::default() } } else { HostUse::default() };
+            let used = HostUse::found(gpu, loads, 0);
             host.expect(&prompt[used.stores..]);
             rep.host_coming.insert(request, (prompt.to_vec(), used, false));
         }

@@ -254,6 +254,15 @@ pub(super) struct HostUse {
     pub seen: u64,
 }
 
+impl HostUse {
+    /// A request whose GPU hit is `hit` blocks and that finds `loads` more
+    /// in host memory: it loads those, if any, and stores what follows;
+    /// else it stores its whole prompt. `seen`: see the field.
+    pub(super) fn found(hit: usize, loads: usize, seen: u64) -> Self {
+        if loads > 0 { Self { from: hit, stores: hit + loads, seen } } else { Self { seen, ..Self::default() } }
+    }
+}
+
 /// A change in what the routing tier presents: the block, and whether it is now present.
 pub(super) type Change = (BlockHash, bool);
 
@@ -567,8 +576,7 @@ impl Exact {
     pub(super) fn claim(&mut self, keys: &[BlockHash], changes: &mut Vec<Change>) -> HostUse {
         let gpu = self.held_prefix(keys);
         let loads = self.host.run(&keys[gpu..]);
-        let seen = self.events;
-        let host = if loads > 0 { HostUse { from: gpu, stores: gpu + loads, seen } } else { HostUse { seen, ..HostUse::default() } };
+        let host = HostUse::found(gpu, loads, self.events);
         self.host.expect(&keys[host.stores..]);
         self.live += 1;
         for &h in keys {

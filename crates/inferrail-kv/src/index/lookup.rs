@@ -2,7 +2,7 @@
 //! many of those a request in flight there holds, and how many it would
 //! still hold once a prompt that must wait for room there starts.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use super::exact::Exact;
@@ -135,26 +135,11 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
         })
         .collect();
     running.sort_by_key(|r| r.0);
-    // Block hashes are uniform: the index's own hasher, not SipHash (this
-    // runs for every candidate of every decision while a prompt must wait).
-    let blocks = running.iter().map(|r| r.1.size_hint().0).sum();
-    let mut holders: HashMap<BlockHash, u32, FoldState> = HashMap::with_capacity_and_hasher(blocks, FoldState::default());
-    // What each frees, last block first as the engine frees them: those no
-    // request still running holds.
+    let freed = freed_in_turn(running.iter().map(|r| r.1.clone()), |h| shadow.holders(h));
     let running: Vec<_> = running
         .into_iter()
-        .map(|(end, blocks, generated, owed, since, room)| {
-            let mut freed: Vec<BlockHash> = blocks
-                .filter(|&&h| {
-                    let left = holders.entry(h).or_insert_with(|| shadow.holders(h));
-                    *left = left.saturating_sub(1);
-                    *left == 0
-                })
-                .copied()
-                .collect();
-            freed.reverse();
-            (end, freed, generated, owed, since, room)
-        })
+        .zip(freed)
+        .map(|((end, _, generated, owed, since, room), freed)| (end, freed, generated, owed, since, room))
         .collect();
     // By `t`: blocks the ended requests freed (with the output blocks they
     // took first), and blocks the outputs took (the ended ones' in full).
@@ -171,32 +156,68 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
         (freed, grown)
     };
     let Some(start) = starts(prefilled, running.iter().map(|r| r.0), &by, available, demand) else { return matched };
-    // The outputs' growth first fills the room never used, and the room
-    // each request that ended leaves in its last block when not full
-    // (it caches nothing), then evicts the least recently freed blocks.
-    let (mut room, mut taken, mut evictions) = (shadow.cap() - shadow.len(), 0, 0);
-    let mut grow_to = |grown: usize, room: &mut usize| {
-        let more = grown.saturating_sub(taken);
+    // The outputs' growth; a request that ended leaves its last block as
+    // room when not full (it caches nothing).
+    let ended = running.iter().take_while(|r| r.0 <= start).map(|r| (by(r.0).1, usize::from(r.5), r.3, r.1.as_slice()));
+    let evicted = evicted(shadow.cap() - shadow.len(), ended, by(start).1, shadow.oldest_free());
+    prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
+}
+
+/// For requests ending in the order given, the blocks (`blocks`, first to
+/// last) each end frees: those no request still running holds, given how
+/// many hold each now (`held`); last block first, as the engine frees them.
+fn freed_in_turn<'a, B>(ending: impl Iterator<Item = B>, held: impl Fn(BlockHash) -> u32) -> Vec<Vec<BlockHash>>
+where
+    B: Iterator<Item = &'a BlockHash>,
+{
+    // Block hashes are uniform: the index's own hasher, not SipHash (this
+    // runs for every candidate of every decision while a prompt must wait).
+    let mut holders: HashMap<BlockHash, u32, FoldState> = HashMap::default();
+    ending
+        .map(|blocks| {
+            let mut freed: Vec<BlockHash> = blocks
+                .filter(|&&h| {
+                    let left = holders.entry(h).or_insert_with(|| held(h));
+                    *left = left.saturating_sub(1);
+                    *left == 0
+                })
+                .copied()
+                .collect();
+            freed.reverse();
+            freed
+        })
+        .collect()
+}
+
+/// The blocks a wait forecast finds evicted by the time a prompt starts.
+/// The allocations to come first take the `room` never used, and at each
+/// end before the start, in order, the room that end leaves. `ended` gives
+/// for each end the blocks allocated by then, the room it leaves, its
+/// output still owed and the blocks it frees (`freed_in_turn`);
+/// `at_start`, the blocks allocated by the start. Past the room, each
+/// allocation evicts the next of the blocks free now (`free_now`, in the
+/// engine's order), then of what the ended requests free in turn: the
+/// output still owed (named by nothing), then their blocks.
+fn evicted<'a>(
+    mut room: usize,
+    ended: impl Iterator<Item = (usize, usize, usize, &'a [BlockHash])> + Clone,
+    at_start: usize,
+    free_now: impl Iterator<Item = BlockHash>,
+) -> HashSet<BlockHash> {
+    let (mut taken, mut evictions) = (0, 0);
+    let mut allocate_to = |allocated: usize, room: &mut usize| {
+        let more = allocated.saturating_sub(taken);
         evictions += more.saturating_sub(*room);
         *room = room.saturating_sub(more);
-        taken = taken.max(grown);
+        taken = taken.max(allocated);
     };
-    for r in running.iter().take_while(|r| r.0 <= start) {
-        grow_to(by(r.0).1, &mut room);
-        room += usize::from(r.5);
+    for (allocated, left, _, _) in ended.clone() {
+        allocate_to(allocated, &mut room);
+        room += left;
     }
-    grow_to(by(start).1, &mut room);
-    // The blocks free now in the engine's order, then what each request that
-    // ended frees, in the order they end: its output still owed, then its
-    // blocks from the last.
-    let order = shadow.oldest_free().map(Some).chain(
-        running
-            .iter()
-            .take_while(|r| r.0 <= start)
-            .flat_map(|(_, freed, _, owed, _, _)| std::iter::repeat_n(None, *owed).chain(freed.iter().copied().map(Some))),
-    );
-    let evicted: std::collections::HashSet<BlockHash> = order.take(evictions).flatten().collect();
-    prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
+    allocate_to(at_start, &mut room);
+    let later = ended.flat_map(|(_, _, owed, freed)| std::iter::repeat_n(None, owed).chain(freed.iter().copied().map(Some)));
+    free_now.map(Some).chain(later).take(evictions).flatten().collect()
 }
 
 /// When a request in flight ends, at `per_block` seconds a block: its
@@ -231,10 +252,6 @@ fn starts(
 /// blocks, and its first token and pace.
 type InFlight = (Duration, Vec<BlockHash>, usize, Option<(Duration, Pace)>);
 
-/// A request in flight on an exact replica, as recorded: when it
-/// ends, its prompt, its output in blocks, and its first token and pace.
-type Claim<'a> = (Duration, &'a [BlockHash], usize, Option<(Duration, Pace)>);
-
 /// `kept` on a replica in exact mode (ADR 0055, ADR 0061): the engine's events say
 /// what it holds now and the claims what the requests sent will allocate;
 /// where a request sent now must wait for room (or for the prefills ahead),
@@ -256,7 +273,7 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], matched: usize
         return matched;
     }
     // Each request in flight, in the order they end.
-    let mut running: Vec<Claim<'_>> = rep
+    let mut running: Vec<_> = rep
         .requests
         .values()
         .filter_map(|r| match r {
@@ -268,23 +285,9 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], matched: usize
         .collect();
     running.sort_by_key(|r| r.0);
     // The prompt blocks each frees when it ends: those its end leaves unclaimed.
-    let mut claims: HashMap<BlockHash, u32, FoldState> = HashMap::default();
-    let running: Vec<InFlight> = running
-        .into_iter()
-        .map(|(end, keys, output, since)| {
-            let freed = keys
-                .iter()
-                .rev()
-                .filter(|&&h| {
-                    let left = claims.entry(h).or_insert_with(|| exact.claims_of(h));
-                    *left = left.saturating_sub(1);
-                    *left == 0
-                })
-                .copied()
-                .collect();
-            (end, freed, output, since)
-        })
-        .collect();
+    let freed = freed_in_turn(running.iter().map(|r| r.1.iter()), |h| exact.claims_of(h));
+    let running: Vec<InFlight> =
+        running.into_iter().zip(freed).map(|((end, _, output, since), freed)| (end, freed, output, since)).collect();
     // None before its first token (an estimated one may still be to come).
     let filled = |since: Option<(Duration, Pace)>, t: Duration, output: usize| match since {
         Some((at, pace)) if t >= at => pace.filled(t - at, per_block).min(output),
@@ -308,27 +311,14 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], matched: usize
         (freed, grown)
     };
     let Some(start) = starts(prefilled, running.iter().map(|r| r.0), &by, available, demand) else { return matched };
-    let ended = || running.iter().take_while(|r| r.0 <= start);
-    // The allocations to come first fill the room never used, and the room
-    // each request that ended leaves in the block it held unnamed, then
-    // evict.
-    let (mut room, mut taken, mut evictions) = (exact.empty(), 0, 0);
-    let mut allocate_to = |allocated: usize, room: &mut usize| {
-        let more = allocated.saturating_sub(taken);
-        evictions += more.saturating_sub(*room);
-        *room = room.saturating_sub(more);
-        taken = taken.max(allocated);
-    };
-    for r in ended() {
-        allocate_to(exact.to_allocate() + by(r.0).1, &mut room);
-        room += 1;
-    }
-    allocate_to(exact.to_allocate() + by(start).1, &mut room);
-    let order = exact.free_order().map(Some).chain(ended().flat_map(|(_, own, output, since)| {
-        let more = output - filled(*since, now, *output);
-        std::iter::repeat_n(None, more).chain(own.iter().copied().map(Some))
-    }));
-    let evicted: std::collections::HashSet<BlockHash> = order.take(evictions).flatten().collect();
+    // The allocations to come: the claims not held, a block for each request
+    // in flight, and the outputs' growth; each request that ended leaves the
+    // block it held unnamed as room.
+    let ended = running
+        .iter()
+        .take_while(|r| r.0 <= start)
+        .map(|(end, own, output, since)| (exact.to_allocate() + by(*end).1, 1, output - filled(*since, now, *output), own.as_slice()));
+    let evicted = evicted(exact.empty(), ended, exact.to_allocate() + by(start).1, exact.free_order());
     prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
 }
 
