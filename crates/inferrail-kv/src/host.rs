@@ -5,8 +5,9 @@
 //!
 //! In exact mode the engine's events say which blocks it holds, and the
 //! requests the router sent say when they finish; in approximate mode a
-//! request's full prompt blocks are taken as stored when its first token is
-//! heard (or it ends), and the least recent go past the tier's size. Either
+//! request's full prompt blocks are taken as stored when the shadow admits
+//! it (or its first token is heard, or it ends, if that comes first), and
+//! the least recent go past the tier's size. Either
 //! way, the requests sent and not yet admitted will store their prompt
 //! blocks the tier lacks ([`HostOrder::expect`]) before a request sent now
 //! is: past the tier's size, that many of the least recent blocks are as
@@ -45,6 +46,14 @@ pub struct HostOrder {
     kept_from: Cell<Option<u64>>,
     /// Its id in the index's [`HostHolders`], which mirror its blocks.
     mirror: Option<(u32, SharedHost)>,
+}
+
+/// What [`HostOrder::sent`] changed: the blocks it added, and those it
+/// evicted with their places in the order.
+#[derive(Debug, Default)]
+pub struct Sent {
+    added: Vec<BlockHash>,
+    evicted: Vec<(u64, BlockHash)>,
 }
 
 /// The [`HostHolders`] of an index, shared by its tiers.
@@ -256,19 +265,44 @@ impl HostOrder {
     /// Those it lacks are stored, in order (the first one least recent, as
     /// vLLM's LRU manager adds them; those it holds are skipped, not
     /// refreshed), and the least recent others go past the tier's size.
-    pub fn sent(&mut self, keys: &[BlockHash]) {
+    /// Returns what changed, for [`Self::unsent`].
+    pub fn sent(&mut self, keys: &[BlockHash]) -> Sent {
         self.kept_from.set(None);
+        let mut sent = Sent::default();
         for &h in keys {
             if !self.rank.contains_key(&h) {
                 self.touch(h);
+                sent.added.push(h);
             }
         }
         let size = self.size();
         while self.rank.len() > size {
-            let Some((_, h)) = self.order.pop_first() else { break };
+            let Some((r, h)) = self.order.pop_first() else { break };
             self.rank.remove(&h);
             self.incoming += usize::from(self.pending.contains_key(&h));
             self.mirror_remove(h);
+            sent.evicted.push((r, h));
+        }
+        sent
+    }
+
+    /// Undoes [`Self::sent`] (the request never reached the engine): the
+    /// blocks it added go, and those it evicted and no later store took
+    /// again come back where they were in the order.
+    pub fn unsent(&mut self, sent: &Sent) {
+        for &h in &sent.added {
+            self.removed(h);
+        }
+        for &(r, h) in &sent.evicted {
+            if self.rank.contains_key(&h) || self.rank.len() >= self.size() {
+                continue;
+            }
+            self.rank.insert(h, r);
+            self.order.insert(r, h);
+            if self.pending.contains_key(&h) {
+                self.incoming = self.incoming.saturating_sub(1);
+            }
+            self.mirror_set(h, r);
         }
     }
 
@@ -338,6 +372,8 @@ mod tests {
         Expected(usize, Vec<u128>),
         Finished(usize, Vec<u128>),
         Sent(usize, Vec<u128>),
+        /// Sent, then undone.
+        Unsent(usize, Vec<u128>),
         /// The tier is replaced by an empty one (its engine restarted).
         Restart(usize),
     }
@@ -351,6 +387,7 @@ mod tests {
             (0..3usize, keys()).prop_map(|(t, k)| Op::Expected(t, k)),
             (0..3usize, keys()).prop_map(|(t, k)| Op::Finished(t, k)),
             (0..3usize, keys()).prop_map(|(t, k)| Op::Sent(t, k)),
+            (0..3usize, keys()).prop_map(|(t, k)| Op::Unsent(t, k)),
             (0..3usize).prop_map(Op::Restart),
         ]
     }
@@ -373,7 +410,13 @@ mod tests {
                     Op::Expect(t, k) => tiers[t].expect(&k),
                     Op::Expected(t, k) => tiers[t].expected(&k),
                     Op::Finished(t, k) => tiers[t].finished(&k),
-                    Op::Sent(t, k) => tiers[t].sent(&k),
+                    Op::Sent(t, k) => {
+                        tiers[t].sent(&k);
+                    }
+                    Op::Unsent(t, k) => {
+                        let sent = tiers[t].sent(&k);
+                        tiers[t].unsent(&sent);
+                    }
                     Op::Restart(t) => tiers[t] = HostOrder::mirrored(sizes[t], &shared),
                 }
             }
@@ -452,5 +495,21 @@ mod tests {
         t.sent(&[20, 21]);
         t.expected(&[20, 21]);
         assert_eq!(t.run(&[20, 21]), 2);
+    }
+
+    #[test]
+    fn a_prompt_sent_and_undone_leaves_the_tier_as_it_was() {
+        let mut t = HostOrder::new(Some(3));
+        t.sent(&[1, 2, 3]);
+        t.expect(&[9]);
+        let before = |t: &HostOrder| (t.run(&[1, 2, 3]), t.run(&[2, 3]), t.run(&[3]), t.run(&[5, 6]));
+        assert_eq!(before(&t), (0, 2, 1, 0), "one block to come evicts 1");
+        let sent = t.sent(&[5, 6, 3]);
+        assert_eq!((t.contains(1), t.contains(2), t.run(&[5, 6])), (false, false, 2), "5 and 6 evicted 1 and 2");
+        t.unsent(&sent);
+        assert_eq!(before(&t), (0, 2, 1, 0));
+        // 1 is back as the least recent: the block to come evicts it again.
+        t.expected(&[9]);
+        assert_eq!(t.run(&[1, 2, 3]), 3);
     }
 }

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::hash::BlockHash;
-use crate::host::{HostOrder, SharedHost};
+use crate::host::{HostOrder, Sent, SharedHost};
 use ahead::Ahead;
 use exact::{Change, Exact, HostUse};
 pub use exact::{Event, EventError, Stored, Tier};
@@ -105,9 +105,8 @@ struct Replica {
     host_blocks: Option<usize>,
     /// Approximate mode's shadow of that tier (with `host_blocks`).
     host: Option<HostOrder>,
-    /// Requests sent there, their prompts and what of them they use in
-    /// host memory, and whether they were heard started (and stored).
-    host_coming: HashMap<u64, (Vec<BlockHash>, HostUse, bool)>,
+    /// Requests sent there and what of their prompts they use in host memory.
+    host_coming: HashMap<u64, HostComing>,
     /// Requests recorded and not yet completed or taken back.
     requests: HashMap<u64, Request>,
     /// Requests waiting for room, first come first, as in the engine's queue.
@@ -145,6 +144,17 @@ struct Replica {
     on_time: bool,
 }
 
+/// A request sent to an approximate replica with a host tier, until it is over.
+#[derive(Debug)]
+struct HostComing {
+    /// Its prompt's full blocks.
+    keys: Vec<BlockHash>,
+    /// What of them it loads from host memory and stores there.
+    used: HostUse,
+    /// Once it started: what its stores changed there.
+    stored: Option<Sent>,
+}
+
 /// A request that completed before its first token was heard.
 #[derive(Debug, Clone, Copy)]
 struct Ended {
@@ -169,40 +179,15 @@ const ENDED_KEPT: usize = 1024;
 const ESTIMATED_AT_MOST: usize = 64;
 
 impl Replica {
-    /// Requests whose first token is estimated to have come by `now` (its
-    /// first token heard late, ADR 0055): their prompts are in host memory
-    /// by then, as the engine stores them when it admits them and they are
-    /// loadable a step later. Called before anything else changes the tier
-    /// at `now`, so that the stores go in in the order they came.
-    fn host_estimated(&mut self, now: Duration) {
-        if self.host.is_none() {
-            return;
-        }
-        let first = |id: &u64| match self.requests.get(id) {
-            Some(Request::Running { since: Some((first, _)), .. }) => Some(*first),
-            _ => None,
-        };
-        // Stored in the order they came, as the engine stored them.
-        let mut due: Vec<(Duration, u64)> = self
-            .host_coming
-            .iter()
-            .filter(|(_, (_, _, heard))| !heard)
-            .filter_map(|(&id, _)| first(&id).filter(|&at| at <= now).map(|at| (at, id)))
-            .collect();
-        due.sort_unstable();
-        for (_, id) in due {
-            self.host_heard(id, true, false);
-        }
-    }
-
     /// Request `id`, sent in approximate mode to a replica with a host
     /// tier, is admitted reusing `reused` blocks: the engine's GPU hit. It
     /// loads from host memory the blocks held there from the next one on,
-    /// stores the rest, and refreshes there, when it ends, what it loaded
-    /// and stored; else it stores and refreshes its whole prompt. What it
-    /// was foreseen to store when sent is corrected.
+    /// stores the rest now (ADR 0063), and refreshes there, when it ends,
+    /// what it loaded and stored; else it stores and refreshes its whole
+    /// prompt. What it was foreseen to store when sent is corrected.
     fn host_admitted(&mut self, id: u64, reused: usize) {
-        let (Some(host), Some((keys, used, _))) = (&mut self.host, self.host_coming.get_mut(&id)) else { return };
+        let (Some(host), Some(coming)) = (&mut self.host, self.host_coming.get_mut(&id)) else { return };
+        let (keys, used) = (&coming.keys, &mut coming.used);
         let loads = keys.get(reused..).map_or(0, |rest| rest.iter().take_while(|&&h| host.contains(h)).count());
         let found = HostUse::found(reused, loads, used.seen);
         if found.stores != used.stores {
@@ -210,19 +195,23 @@ impl Replica {
             host.expect(&keys[found.stores..]);
         }
         *used = found;
+        self.host_heard(id, true, false);
     }
 
     /// Request `id`, sent in approximate mode to a replica with a host
-    /// tier, was heard started (its prompt stored there), or is `over`
-    /// (it refreshes what it used there) or taken back (`!stored`).
+    /// tier, started (its prompt stored there), or is `over` (it refreshes
+    /// what it used there) or taken back (`!stored`: what it stored there
+    /// and the tier lacked before goes again).
     fn host_heard(&mut self, id: u64, stored: bool, over: bool) {
-        let (Some(host), Some((keys, used, started))) = (&mut self.host, self.host_coming.get_mut(&id)) else { return };
-        if !*started {
-            *started = true;
-            host.expected(&keys[used.stores..]);
-            if stored {
-                host.sent(&keys[used.stores..]);
+        let (Some(host), Some(coming)) = (&mut self.host, self.host_coming.get_mut(&id)) else { return };
+        let (keys, used) = (&coming.keys, &coming.used);
+        match &coming.stored {
+            None => {
+                host.expected(&keys[used.stores..]);
+                coming.stored = Some(if stored { host.sent(&keys[used.stores..]) } else { Sent::default() });
             }
+            Some(sent) if !stored => host.unsent(sent),
+            Some(_) => {}
         }
         if over {
             if stored {
@@ -711,14 +700,14 @@ impl KvIndex {
             return Recorded { slot, replica: rep.id, request };
         }
         // Its full prompt blocks are stored in host memory when it starts
-        // (past those it loads from there): taken as done once its first
-        // token is heard, or it ends.
+        // (past those it loads from there): when the shadow admits it, else
+        // once its first token is heard, or it ends.
         if let Some(host) = &mut rep.host {
             let gpu = prompt.iter().take_while(|&&h| rep.shadow.contains(h)).count();
             let loads = host.run(&prompt[gpu..]);
             let used = HostUse::found(gpu, loads, 0);
             host.expect(&prompt[used.stores..]);
-            rep.host_coming.insert(request, (prompt.to_vec(), used, false));
+            rep.host_coming.insert(request, HostComing { keys: prompt.to_vec(), used, stored: None });
         }
         // Behind a queue it waits its turn; before one, it runs if it fits.
         let admitted = if rep.queue.is_empty() { self.admit(&mut rep.shadow, slot, prompt, reusable, partial, false) } else { None };
@@ -925,8 +914,6 @@ impl KvIndex {
     pub fn complete(&self, recorded: &Recorded, at: Duration) {
         let mut replicas = self.lock();
         let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
-        // The stores due by now came before this end refreshes its blocks.
-        rep.host_estimated(at);
         rep.host_heard(recorded.request, true, true);
         // The engine took the blocks the others' outputs filled before this
         // one ended (this one, done, is no victim), then freed its own.
@@ -994,7 +981,6 @@ impl KvIndex {
             return;
         }
         rep.clock = rep.clock.max(at);
-        rep.host_estimated(at);
         rep.host_heard(recorded.request, true, false);
         if matches!(rep.requests.get(&recorded.request), Some(Request::Waiting { .. }))
             && let Some(Request::Waiting { prompt, reusable, partial, output, ends_partial, resume, .. }) =
@@ -1054,7 +1040,6 @@ impl KvIndex {
     /// are taken in the order they fall due, each at its time, so that a
     /// preemption happens when the engine's would.
     fn grow(&self, slot: Slot, rep: &mut Replica, now: Duration) {
-        rep.host_estimated(now);
         let Some(per_block) = rep.per_block() else {
             rep.clock = rep.clock.max(now);
             return;

@@ -1038,62 +1038,24 @@ fn a_prefill_takes_a_fixed_part_and_a_part_per_block() {
     assert!((cold - 0.0812).abs() < 1e-9, "{cold}");
 }
 
-/// An approximate replica of `blocks` blocks with a host tier of `host`,
-/// taught as above (100 ms a computed block, first tokens heard late), at
-/// 1,000 ms.
-fn taught_with_host(blocks: usize, host: usize) -> KvIndex {
+/// An approximate replica's host tier takes a prompt as stored when the
+/// shadow admits its request, as the engine stores it when it computes it
+/// (ADR 0063): at once when it fits, once room is made when it waits.
+#[test]
+fn a_prompt_is_in_host_memory_once_the_shadow_admits_it() {
     let index = KvIndex::new();
-    index.add_replica(0, blocks);
-    index.set_host(0, Some(host));
-    let first = index.record(0, &chain(0, 2), 2, 0, 2, false, Some(Pace { lead: 0.0, span: 2.0 }));
-    index.complete(&first, Duration::from_millis(400));
-    index.decoding(&first, Duration::from_millis(200), Pace { lead: 0.0, span: 2.0 });
-    index.advance(&[0], Duration::from_millis(1_000));
-    index
-}
-
-/// Prompt `prompt`'s two fresh blocks sent to replica 0, four output blocks to come.
-fn send(index: &KvIndex, prompt: u8) -> Recorded {
-    index.record(0, &chain(prompt, 2), 2, 0, 4, false, Some(Pace { lead: 0.0, span: 4.0 }))
-}
-
-/// Prompt `prompt`'s blocks in replica 0's host tier, looked up at `at` ms.
-fn host_at(index: &KvIndex, prompt: u8, at: u64) -> usize {
-    index.advance(&[0], Duration::from_millis(at));
-    index.offloaded(&chain(prompt, 2), &[(0, 0)])[0].0
-}
-
-/// With first tokens heard only after the end (the shipped layout), an
-/// approximate replica's host tier takes a prompt as stored once the
-/// request's first token is estimated to have come, not when it is heard.
-#[test]
-fn a_prompt_is_in_host_memory_once_its_first_token_is_estimated() {
-    let index = taught_with_host(6, 8);
-    // Admitted at 1,000 ms with two fresh blocks: first token estimated at 1,200.
-    let second = send(&index, 1);
-    assert_eq!(host_at(&index, 1, 1_150), 0, "not admitted yet, as far as the index knows");
-    assert_eq!(host_at(&index, 1, 1_250), 2);
-    index.complete(&second, Duration::from_millis(1_600));
-    assert_eq!(host_at(&index, 1, 1_700), 2);
-}
-
-/// A store estimated to have come before a request's end is made before
-/// that end refreshes the request's blocks, whenever the index next looks:
-/// the tier's order is the engine's, and so is what a later store evicts.
-#[test]
-fn a_store_due_before_an_end_goes_in_before_the_end_refreshes() {
-    let index = taught_with_host(12, 4);
-    // Admitted at 1,000 ms with two fresh blocks each: b's first token is
-    // estimated at 1,200, c's at 1,400.
-    let b = send(&index, 1);
-    send(&index, 2);
-    assert_eq!((host_at(&index, 1, 1_250), host_at(&index, 2, 1_250)), (2, 0));
-    // b ends at 1,500 with no lookup since 1,250: c's prompt went in at
-    // 1,400, before b's end made b's blocks the most recent.
-    index.complete(&b, Duration::from_millis(1_500));
-    // A fourth prompt, to be stored, takes two blocks' room: c's, the least recent.
-    send(&index, 3);
-    assert_eq!((host_at(&index, 1, 1_510), host_at(&index, 2, 1_510)), (2, 0));
+    index.add_replica(0, 4);
+    index.set_host(0, Some(8));
+    let held = |prompt: u8, n: usize| index.offloaded(&chain(prompt, n), &[(0, 0)])[0].0;
+    let first = index.record(0, &chain(1, 2), 2, 0, 0, false, None);
+    assert_eq!(held(1, 2), 2, "admitted at once: stored");
+    // Three fresh blocks do not fit beside the first's two: it waits.
+    let second = index.record(0, &chain(2, 3), 3, 0, 0, false, None);
+    assert_eq!(held(2, 3), 0, "waiting: not stored");
+    index.complete(&first, Duration::from_millis(1_600));
+    assert_eq!(held(2, 3), 3, "admitted once the first made room");
+    index.complete(&second, Duration::from_millis(2_000));
+    assert_eq!((held(1, 2), held(2, 3)), (2, 3));
 }
 
 /// An approximate replica's request whose GPU prefix lost its tail while it

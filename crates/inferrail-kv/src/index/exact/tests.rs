@@ -205,22 +205,24 @@ fn an_approximate_replica_with_a_host_tier_keeps_the_prompts_sent_there() {
     assert_eq!(index.offloaded(&a, &[(1, 0)]), [(0, 0)], "no host tier configured");
     index.set_host(1, Some(6));
     let rec = index.record(1, &a, 4, 0, 1, false, None);
-    assert_eq!(index.offloaded(&a, &[(1, 0)]), [(0, 0)], "stored once it starts");
+    assert_eq!(index.offloaded(&a, &[(1, 0), (1, 3)]), [(4, 0), (1, 0)], "stored once the shadow admits it");
     index.decoding(&rec, Duration::from_secs(1), pace);
     assert_eq!(index.offloaded(&a, &[(1, 0), (1, 3)]), [(4, 0), (1, 0)]);
-    // Six blocks: b's four, once it starts, push out a's first two (stored
-    // first, the least recent while a runs, ADR 0062); before, they are to
-    // come, and a lookup finds those two gone already.
+    // Six blocks: b's four push out a's first two (stored first, the least
+    // recent while a runs, ADR 0062).
     let rec_b = index.record(1, &b, 4, 0, 1, false, None);
     assert_eq!(index.offloaded(&a, &[(1, 0), (1, 2)]), [(0, 0), (2, 0)]);
     index.decoding(&rec_b, Duration::from_secs(1), pace);
     assert_eq!(index.offloaded(&a, &[(1, 0), (1, 2)]), [(0, 0), (2, 0)]);
     assert_eq!(index.offloaded(&b, &[(1, 0)]), [(4, 0)]);
-    // A request taken back stores nothing.
+    // c's four push out a's last two and b's first two; taken back (it
+    // never reached the engine), it stored nothing and evicted nothing.
     let c = block_hashes(seed, &tokens(4, 2), BS);
     let rec_c = index.record(1, &c, 4, 0, 1, false, None);
+    assert_eq!((index.offloaded(&c, &[(1, 0)]), index.offloaded(&b, &[(1, 0), (1, 2)])), (vec![(4, 0)], vec![(0, 0), (2, 0)]));
     index.take_back(&rec_c);
     assert_eq!((index.offloaded(&c, &[(1, 0)]), index.offloaded(&b, &[(1, 0)])), (vec![(0, 0)], vec![(4, 0)]));
+    assert_eq!(index.offloaded(&a, &[(1, 2)]), [(2, 0)]);
     index.complete(&rec, Duration::from_secs(2));
 }
 
