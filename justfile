@@ -82,6 +82,10 @@ test-under-load N="10": setup
         fi
     done
 
+# Why a harness run's predictions missed: each mispredicted request of an `inferrail-bench compare --out-dir` with the router's decision for it and what the simulator found on the GPU and in host memory (run the harness with RUST_LOG=info,inferrail_sim=debug for the latter). Prints a table and the count of each kind of miss.
+bench-misses out_dir *args:
+    python3 bench/mispredictions.py {{out_dir}} {{args}}
+
 # The stress suite, not part of `test` (release builds; minutes): open-loop load at 1,000 req/s against plain Envoy, hostile input, an 8 MiB body a byte at a time, faults under load (a flapping, a hanging and a killed replica, every engine failing, the router killed in the BUFFERED and in the picker configuration, a peer router and the scraper sidecar killed), replicas joining and leaving through DNS (a dnslib server) and Kubernetes discovery (bench/kube_fake.py, an API server's list and watch), Envoy reaching them by the EDS file, clients that stop reading 640 MiB of streams, a soak with the router's memory sampled, the router inside Envoy as its dynamic module (hostile input, a soak, a killed and a hanging replica), reload storms, admission bands under overload, streams cut at random and 2,000 concurrent streams, through a real Envoy. Prints the table and writes bench/results/stress/<commit>.md and .json; `--only hostile,soak` picks scenarios.
 stress *args: setup setup-clients
     cargo build --release --quiet -p inferrail -p inferrail-sim -p inferrail-scraper -p inferrail-bench -p inferrail-module

@@ -58,6 +58,8 @@ pub struct Outcome {
     pub replica: Option<String>,
     /// The cached tokens the router predicted (`x-inferrail-cached-tokens`).
     pub predicted_cached_tokens: Option<u64>,
+    /// Its `x-request-id`, as the router's decision log and the engine's log name it.
+    pub request_id: Option<String>,
     /// Prompt tokens the workload knows earlier requests share.
     pub shared_prefix_tokens: usize,
 }
@@ -190,6 +192,7 @@ async fn stream(request: reqwest::RequestBuilder, at: Instant, o: &mut Outcome) 
     o.status = Some(r.status().as_u16());
     let header = |name: &str| r.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
     o.replica = header(REPLICA_HEADER);
+    o.request_id = header("x-request-id");
     o.predicted_cached_tokens = header(PREDICTED_HEADER).and_then(|v| v.trim().parse().ok());
     if !r.status().is_success() {
         let status = r.status();

@@ -100,10 +100,16 @@ pub struct Slow {
     pub predicted_cached_tokens: Option<u64>,
     /// Prompt tokens the workload shares with earlier requests.
     pub shared_prefix_tokens: usize,
+    /// Its `x-request-id`: its decision in the router's decision log, and
+    /// what the simulator found for it in its log (`scheduled`, at debug).
+    pub request_id: Option<String>,
 }
 
-/// Requests of the tail, and mispredicted ones, kept in a result.
+/// Requests of the tail kept in a result.
 const SLOWEST: usize = 10;
+
+/// Mispredicted requests kept in a result, enough to tell a run's misses apart.
+const MISPREDICTED_KEPT: usize = 200;
 
 /// An HTTP client for open-loop runs.
 pub fn client(request_timeout_s: f64) -> anyhow::Result<reqwest::Client> {
@@ -267,7 +273,7 @@ fn slowest(outcomes: &[harness::Outcome], warmup: Duration) -> Vec<Slow> {
 /// The first measured requests whose prediction and usage both came and differ.
 fn mispredicted(outcomes: &[harness::Outcome], warmup: Duration) -> Vec<Slow> {
     let wrong = |o: &&harness::Outcome| matches!((o.predicted_cached_tokens, o.cached_tokens), (Some(p), Some(c)) if p != c);
-    measured(outcomes, warmup).filter(wrong).take(SLOWEST).map(listed).collect()
+    measured(outcomes, warmup).filter(wrong).take(MISPREDICTED_KEPT).map(listed).collect()
 }
 
 fn listed(o: &harness::Outcome) -> Slow {
@@ -279,6 +285,7 @@ fn listed(o: &harness::Outcome) -> Slow {
         cached_tokens: o.cached_tokens,
         predicted_cached_tokens: o.predicted_cached_tokens,
         shared_prefix_tokens: o.shared_prefix_tokens,
+        request_id: o.request_id.clone(),
     }
 }
 
@@ -318,6 +325,7 @@ mod tests {
             at: ms(i * 100),
             predicted_cached_tokens: predicted,
             cached_tokens: cached,
+            request_id: Some(format!("r{i}")),
             ..Default::default()
         };
         let outcomes = vec![
@@ -327,7 +335,7 @@ mod tests {
             at(5, Some(0), Some(16)),
             at(6, None, Some(16)),
         ];
-        let wrong: Vec<f64> = mispredicted(&outcomes, ms(200)).iter().map(|s| s.at_s).collect();
-        assert_eq!(wrong, [0.5], "the warmup's, the exact one and those missing a side are left out");
+        let wrong: Vec<(f64, Option<String>)> = mispredicted(&outcomes, ms(200)).into_iter().map(|s| (s.at_s, s.request_id)).collect();
+        assert_eq!(wrong, [(0.5, Some("r5".into()))], "the warmup's, the exact one and those missing a side are left out");
     }
 }

@@ -457,6 +457,7 @@ impl App {
             cache_salt: req.cache_salt.clone(),
             transfer,
             lora: req.adapter.clone(),
+            request_id: request_id.clone(),
         });
         let busy = InFlight::new(&self.in_flight, &self.peak_in_flight);
         let mut response = if req.stream { self.stream(sub, busy, reply, req, pair) } else { self.whole(sub, reply, req, pair).await };

@@ -110,6 +110,8 @@ pub struct Request {
     pub transfer: Transfer,
     /// The adapter it names, if any.
     pub lora: Option<Adapter>,
+    /// Its `x-request-id`, for the log.
+    pub request_id: String,
 }
 
 /// What a request hears from the engine, in order.
@@ -314,6 +316,7 @@ struct Seq {
     cache_salt: Option<String>,
     transfer: Transfer,
     lora: Option<Adapter>,
+    request_id: String,
     hashes: Vec<BlockHash>,
     blocks: Vec<BlockId>,
     registered: usize,
@@ -478,6 +481,7 @@ impl Core {
                         cache_salt: request.cache_salt,
                         transfer: request.transfer,
                         lora: request.lora,
+                        request_id: request.request_id,
                         hashes: Vec::new(),
                         blocks: Vec::new(),
                         registered: 0,
@@ -713,6 +717,16 @@ impl Core {
             // reads, as vLLM does, and a load what it loads.
             let found = if read { len } else { cached + host * bs };
             if seq.scheduled.is_none() {
+                // What it found where: the router's predictions are checked against this.
+                tracing::debug!(
+                    request_id = %seq.request_id,
+                    prompt_tokens = len,
+                    gpu_cached_tokens = cached,
+                    host_cached_tokens = host * bs,
+                    queued_ms = start.saturating_duration_since(seq.arrival).as_millis() as u64,
+                    free_blocks = self.pool.num_free(),
+                    "scheduled"
+                );
                 seq.scheduled = Some(start);
                 st.prompt_tokens += len as u64;
                 st.prefix_queries += len as u64;
@@ -855,6 +869,7 @@ impl Core {
 
     fn preempt(&mut self, id: u64, st: &mut Stats) {
         if let Some(seq) = self.seqs.get_mut(&id) {
+            tracing::debug!(request_id = %seq.request_id, blocks = seq.blocks.len(), "preempted");
             self.pool.release(seq.blocks.drain(..).rev());
             seq.registered = 0;
             seq.preemptions += 1;

@@ -42,7 +42,16 @@ fn config(num_blocks: usize, max_num_seqs: usize) -> EngineConfig {
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize) -> Request {
-    Request { prompt, max_tokens, at_limit: FinishReason::Length, salt: 0, cache_salt: None, transfer: Transfer::None, lora: None }
+    Request {
+        prompt,
+        max_tokens,
+        at_limit: FinishReason::Length,
+        salt: 0,
+        cache_salt: None,
+        transfer: Transfer::None,
+        lora: None,
+        request_id: String::new(),
+    }
 }
 
 /// Runs a request to the end: (cached tokens, time of first token, time of last, tokens).
