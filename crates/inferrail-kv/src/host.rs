@@ -290,11 +290,12 @@ impl HostOrder {
     /// blocks it added go, and those it evicted and no later store took
     /// again come back where they were in the order.
     pub fn unsent(&mut self, sent: &Sent) {
+        self.kept_from.set(None);
         for &h in &sent.added {
             self.removed(h);
         }
         for &(r, h) in &sent.evicted {
-            if self.rank.contains_key(&h) || self.rank.len() >= self.size() {
+            if self.rank.contains_key(&h) || self.order.contains_key(&r) || r > self.next || self.rank.len() >= self.size() {
                 continue;
             }
             self.rank.insert(h, r);

@@ -607,6 +607,15 @@ impl KvIndex {
         }
         rep.host_blocks = blocks;
         rep.host = blocks.map(|b| HostOrder::mirrored(Some(b), &self.host));
+        // The new tier starts empty: the requests not yet started will store
+        // there, and what the others stored in the old one cannot be undone.
+        for coming in rep.host_coming.values_mut() {
+            match (&mut rep.host, &mut coming.stored) {
+                (Some(host), None) => host.expect(&coming.keys[coming.used.stores..]),
+                (_, Some(sent)) => *sent = Sent::default(),
+                (None, None) => {}
+            }
+        }
         if let Some(exact) = &mut rep.exact {
             exact.set_host(blocks);
         }

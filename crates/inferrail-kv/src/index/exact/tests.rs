@@ -226,6 +226,34 @@ fn an_approximate_replica_with_a_host_tier_keeps_the_prompts_sent_there() {
     index.complete(&rec, Duration::from_secs(2));
 }
 
+/// A host tier resized while requests are in flight starts empty: a request
+/// not yet started stores there when it starts, and one that stored in the
+/// old tier, taken back, changes nothing in the new one.
+#[test]
+fn a_resized_host_tier_takes_the_stores_to_come_and_no_take_back() {
+    let index = index();
+    let seed = salt(&["m", ""]);
+    let prompt = |n: u32| block_hashes(seed, &tokens(4, n), BS);
+    let (x, a, b, c) = (prompt(3), prompt(0), prompt(1), prompt(2));
+    index.set_host(1, Some(4));
+    let rec_x = index.record(1, &x, 4, 0, 1, false, None);
+    index.complete(&rec_x, Duration::ZERO);
+    // a's store evicts x's four blocks.
+    let rec_a = index.record(1, &a, 4, 0, 1, false, None);
+    assert_eq!((index.offloaded(&a, &[(1, 0)]), index.offloaded(&x, &[(1, 0)])), (vec![(4, 0)], vec![(0, 0)]));
+    index.set_host(1, Some(6));
+    assert_eq!(index.offloaded(&a, &[(1, 0)]), [(0, 0)], "the new tier starts empty");
+    let rec_b = index.record(1, &b, 4, 0, 1, false, None);
+    // Taken back, a brings nothing back into the new tier.
+    index.take_back(&rec_a);
+    assert_eq!((index.offloaded(&b, &[(1, 0)]), index.offloaded(&x, &[(1, 0)])), (vec![(4, 0)], vec![(0, 0)]));
+    // Two more blocks than the tier holds: c evicts b's first two.
+    let rec_c = index.record(1, &c, 4, 0, 1, false, None);
+    assert_eq!((index.offloaded(&b, &[(1, 2)]), index.offloaded(&c, &[(1, 0)])), (vec![(2, 0)], vec![(4, 0)]));
+    index.complete(&rec_b, Duration::from_secs(1));
+    index.complete(&rec_c, Duration::from_secs(1));
+}
+
 #[test]
 fn bad_events_are_errors() {
     let index = index();
