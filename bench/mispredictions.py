@@ -5,8 +5,10 @@ router foresaw it and as the engine found it.
 with their `x-request-id` in its JSON. This joins each one with the router's
 decision for it (`logs/<run>/decisions.jsonl`: the winner's GPU, host and
 held prefix) and with the simulator's `scheduled` line for it (tokens found
-on the GPU and in host memory, time queued, free blocks), which the
-simulators log when the harness runs with `RUST_LOG=info,inferrail_sim=debug`.
+on the GPU and in host memory, time queued, free blocks, and, with KV
+events on, what evicted the first block it lacked and how many steps
+before), which the simulators log when the harness runs with
+`RUST_LOG=info,inferrail_sim=debug`.
 
 Each miss is then put in one of four kinds: over or under (predicted more or
 fewer cached tokens than the engine reported), on the GPU or in host memory
@@ -46,7 +48,7 @@ def scheduled(logs):
                 continue
             fields = dict(FIELD.findall(line))
             if "request_id" in fields:
-                out[fields["request_id"]] = {k: int(v) for k, v in fields.items() if v.isdigit()}
+                out[fields["request_id"]] = {k: int(v) if v.isdigit() else v.strip('"') for k, v in fields.items()}
     return out
 
 
@@ -65,9 +67,9 @@ def report(result, logs, out):
     missed = run.get("mispredicted", [])
     decided = decisions(logs / "decisions.jsonl") if (logs / "decisions.jsonl").exists() else {}
     found = scheduled(logs)
-    kinds = collections.Counter()
+    kinds, takers = collections.Counter(), collections.Counter()
     print(f"## {result.stem}: {len(missed)} mispredicted", file=out)
-    print("at s | replica | prompt | predicted (gpu + host, held) | engine (gpu + host) | queued ms | free blocks | kind", file=out)
+    print("at s | replica | prompt | predicted (gpu + host, held) | engine (gpu + host) | queued ms | free blocks | first block lacked, evicted by | kind", file=out)
     for m in missed:
         rid = m.get("request_id")
         d = decided.get(rid, {})
@@ -82,8 +84,13 @@ def report(result, logs, out):
         seen = f"{engine['gpu_cached_tokens']} + {engine['host_cached_tokens']}" if engine else "?"
         queued = engine.get("queued_ms", "?") if engine else "?"
         free = engine.get("free_blocks", "?") if engine else "?"
-        print(f"{m['at_s']:.1f} | {m.get('replica')} | {m.get('prompt_tokens')} | {gpu} + {host}, {held} | {seen} | {queued} | {free} | {k}", file=out)
+        by = engine.get("first_missing_evicted_by", "?") if engine else "?"
+        takers[f"{k} {by}"] += 1
+        if by not in ("?", "none"):
+            by = f"{by}, {engine.get('first_missing_evicted_steps_ago')} steps before"
+        print(f"{m['at_s']:.1f} | {m.get('replica')} | {m.get('prompt_tokens')} | {gpu} + {host}, {held} | {seen} | {queued} | {free} | {by} | {k}", file=out)
     print("kinds: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())), file=out)
+    print("first block lacked, evicted by: " + ", ".join(f"{k} {n}" for k, n in sorted(takers.items())), file=out)
     return kinds
 
 

@@ -229,6 +229,7 @@ impl Engine {
         });
         let core = Core {
             pool,
+            evictions: HashMap::new(),
             cpu: cfg.offload.clone().map(|c| CpuTier::new(c, Instant::now())),
             step: 0,
             events,
@@ -388,6 +389,9 @@ struct Core {
     /// To end leases; weak, so the engine still stops when its handles go.
     me: mpsc::WeakUnboundedSender<Command>,
     pool: BlockPool,
+    /// With KV events and debug logging on: the blocks evicted lately, each
+    /// with the step and what took it, for the `scheduled` line.
+    evictions: HashMap<BlockHash, (u64, &'static str)>,
     /// The host tier, when offloading is on.
     cpu: Option<CpuTier>,
     /// Steps scheduled so far (copies offered in one are seen done in a later one).
@@ -607,7 +611,9 @@ impl Core {
                     seq.blocks.extend(fresh);
                     if let Some(events) = &mut self.events {
                         events.scheduled(id);
-                        events.evicted(id, self.pool.take_evicted());
+                        let evicted = self.pool.take_evicted();
+                        note_evictions(&mut self.evictions, self.cfg.num_blocks, self.step, &evicted, "decode");
+                        events.evicted(id, evicted);
                     }
                     plan.decode.push(id);
                     i += 1;
@@ -707,7 +713,9 @@ impl Core {
             let Some(fresh) = self.pool.allocate(need) else { break };
             if let Some(events) = &mut self.events {
                 events.scheduled(id);
-                events.evicted(id, self.pool.take_evicted());
+                let evicted = self.pool.take_evicted();
+                note_evictions(&mut self.evictions, self.cfg.num_blocks, self.step, &evicted, "admission");
+                events.evicted(id, evicted);
             }
             seq.blocks = hit;
             seq.registered = seq.blocks.len();
@@ -725,6 +733,10 @@ impl Core {
                     host_cached_tokens = host * bs,
                     queued_ms = start.saturating_duration_since(seq.arrival).as_millis() as u64,
                     free_blocks = self.pool.num_free(),
+                    // What took the first block it lacked, if the engine evicted it lately.
+                    first_missing_evicted_by = %seq.hashes.get(seq.registered).and_then(|h| self.evictions.get(h)).map_or("none", |e| e.1),
+                    first_missing_evicted_steps_ago =
+                        seq.hashes.get(seq.registered).and_then(|h| self.evictions.get(h)).map_or(0, |e| self.step - e.0),
                     "scheduled"
                 );
                 seq.scheduled = Some(start);
@@ -1010,6 +1022,26 @@ fn cache_blocks(pool: &mut BlockPool, events: &mut Option<StepEvents>, id: u64, 
         events.stored(id, &stored(seq, &cached));
     }
     seq.registered = full.max(seq.registered);
+}
+
+/// With debug logging on, remembers that `evicted` went in `step`, taken
+/// by `by`; past four times the cache's blocks, it starts over.
+fn note_evictions(
+    evictions: &mut HashMap<BlockHash, (u64, &'static str)>,
+    blocks: usize,
+    step: u64,
+    evicted: &[BlockHash],
+    by: &'static str,
+) {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return;
+    }
+    if evictions.len() > 4 * blocks {
+        evictions.clear();
+    }
+    for &h in evicted {
+        evictions.insert(h, (step, by));
+    }
 }
 
 /// `blocks` of `seq`, as the events describe them.
