@@ -726,19 +726,21 @@ impl Core {
             let found = if read { len } else { cached + host * bs };
             if seq.scheduled.is_none() {
                 // What it found where: the router's predictions are checked against this.
-                tracing::debug!(
-                    request_id = %seq.request_id,
-                    prompt_tokens = len,
-                    gpu_cached_tokens = cached,
-                    host_cached_tokens = host * bs,
-                    queued_ms = start.saturating_duration_since(seq.arrival).as_millis() as u64,
-                    free_blocks = self.pool.num_free(),
+                if tracing::enabled!(tracing::Level::DEBUG) {
                     // What took the first block it lacked, if the engine evicted it lately.
-                    first_missing_evicted_by = %seq.hashes.get(seq.registered).and_then(|h| self.evictions.get(h)).map_or("none", |e| e.1),
-                    first_missing_evicted_steps_ago =
-                        seq.hashes.get(seq.registered).and_then(|h| self.evictions.get(h)).map_or(0, |e| self.step - e.0),
-                    "scheduled"
-                );
+                    let taken = seq.hashes.get(seq.registered).and_then(|h| self.evictions.get(h));
+                    tracing::debug!(
+                        request_id = %seq.request_id,
+                        prompt_tokens = len,
+                        gpu_cached_tokens = cached,
+                        host_cached_tokens = host * bs,
+                        queued_ms = start.saturating_duration_since(seq.arrival).as_millis() as u64,
+                        free_blocks = self.pool.num_free(),
+                        first_missing_evicted_by = %taken.map_or("none", |e| e.1),
+                        first_missing_evicted_steps_ago = taken.map_or(0, |e| self.step - e.0),
+                        "scheduled"
+                    );
+                }
                 seq.scheduled = Some(start);
                 st.prompt_tokens += len as u64;
                 st.prefix_queries += len as u64;

@@ -295,15 +295,9 @@ impl HostOrder {
             self.removed(h);
         }
         for &(r, h) in &sent.evicted {
-            if self.rank.contains_key(&h) || self.order.contains_key(&r) || r > self.next || self.rank.len() >= self.size() {
-                continue;
+            if !self.rank.contains_key(&h) && self.rank.len() < self.size() {
+                self.place(h, r);
             }
-            self.rank.insert(h, r);
-            self.order.insert(r, h);
-            if self.pending.contains_key(&h) {
-                self.incoming = self.incoming.saturating_sub(1);
-            }
-            self.mirror_set(h, r);
         }
     }
 
@@ -335,15 +329,20 @@ impl HostOrder {
     fn touch(&mut self, h: BlockHash) {
         self.kept_from.set(None);
         self.next += 1;
-        match self.rank.insert(h, self.next) {
+        self.place(h, self.next);
+    }
+
+    /// `h` takes place `r` in the order.
+    fn place(&mut self, h: BlockHash, r: u64) {
+        match self.rank.insert(h, r) {
             Some(old) => {
                 self.order.remove(&old);
             }
             None if self.pending.contains_key(&h) => self.incoming = self.incoming.saturating_sub(1),
             None => {}
         }
-        self.order.insert(self.next, h);
-        self.mirror_set(h, self.next);
+        self.order.insert(r, h);
+        self.mirror_set(h, r);
     }
 }
 

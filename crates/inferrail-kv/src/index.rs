@@ -609,12 +609,16 @@ impl KvIndex {
         rep.host = blocks.map(|b| HostOrder::mirrored(Some(b), &self.host));
         // The new tier starts empty: the requests not yet started will store
         // there, and what the others stored in the old one cannot be undone.
-        for coming in rep.host_coming.values_mut() {
-            match (&mut rep.host, &mut coming.stored) {
-                (Some(host), None) => host.expect(&coming.keys[coming.used.stores..]),
-                (_, Some(sent)) => *sent = Sent::default(),
-                (None, None) => {}
+        match &mut rep.host {
+            Some(host) => {
+                for coming in rep.host_coming.values_mut() {
+                    match &mut coming.stored {
+                        None => host.expect(&coming.keys[coming.used.stores..]),
+                        Some(sent) => *sent = Sent::default(),
+                    }
+                }
             }
+            None => rep.host_coming.clear(),
         }
         if let Some(exact) = &mut rep.exact {
             exact.set_host(blocks);
