@@ -44,6 +44,7 @@ use ahead::Ahead;
 use exact::{Change, Exact, HostUse};
 pub use exact::{Event, EventError, Stored, Tier};
 use holders::Holders;
+pub use lookup::Wait;
 use shadow::Shadow;
 
 mod ahead;
@@ -109,6 +110,9 @@ struct Replica {
     host_coming: HashMap<u64, HostComing>,
     /// Requests recorded and not yet completed or taken back.
     requests: HashMap<u64, Request>,
+    /// The LoRA adapter of each request that asked for one, as a tag
+    /// ([`KvIndex::adapter`]); entries of requests gone are dropped lazily.
+    adapters: HashMap<u64, u64>,
     /// Requests waiting for room, first come first, as in the engine's queue.
     queue: VecDeque<u64>,
     /// What they will evict and store before a request sent now starts, as lookups see it.
@@ -574,6 +578,7 @@ impl KvIndex {
             host: host_blocks.map(|b| HostOrder::mirrored(Some(b), &self.host)),
             host_coming: HashMap::new(),
             requests: HashMap::new(),
+            adapters: HashMap::new(),
             queue: VecDeque::new(),
             ahead: Ahead::default(),
             coming: HashMap::new(),
@@ -739,6 +744,20 @@ impl KvIndex {
             }
         }
         Recorded { slot, replica: rep.id, request }
+    }
+
+    /// The request recorded asks for a LoRA adapter, named by `tag` (one
+    /// tag per adapter): a request of an adapter that must wait for a slot
+    /// there starts once the adapters running end (see
+    /// [`KvIndex::kept_through_wait`]).
+    pub fn adapter(&self, recorded: &Recorded, tag: u64) {
+        let mut replicas = self.lock();
+        let Some(rep) = replicas.get_mut(&recorded.slot).filter(|r| r.id == recorded.replica) else { return };
+        if rep.adapters.len() > 2 * rep.requests.len() + 16 {
+            let requests = &rep.requests;
+            rep.adapters.retain(|id, _| requests.contains_key(id));
+        }
+        rep.adapters.insert(recorded.request, tag);
     }
 
     /// Starts waiting requests, first come first, while the first fits,

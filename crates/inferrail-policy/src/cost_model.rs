@@ -175,9 +175,8 @@ impl Adapters {
         match fit {
             Some(f) if !f.resident => {
                 let last = f.max_loras.is_some_and(|m| f.others + 1 == m);
-                let wait = if f.must_wait() {
-                    let ahead = f.max_loras.map_or(0, |m| f.others.saturating_sub(m));
-                    self.slot_wait_ms * f64::from(1 + ahead)
+                let wait = if let Some(ahead) = f.ahead() {
+                    self.slot_wait_ms * (1 + ahead) as f64
                 } else if last {
                     self.last_slot_share * self.slot_wait_ms
                 } else {

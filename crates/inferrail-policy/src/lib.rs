@@ -120,6 +120,13 @@ impl AdapterFit {
     pub fn must_wait(&self) -> bool {
         !self.resident && self.max_loras.is_some_and(|m| self.others >= m)
     }
+
+    /// Where it must wait: the other adapters waiting there too (more
+    /// running than slots), which are served first.
+    pub fn ahead(self) -> Option<usize> {
+        let m = self.max_loras.filter(|_| self.must_wait())?;
+        Some(self.others.saturating_sub(m) as usize)
+    }
 }
 
 /// One router's requests on a replica and its part of the replica's limits,

@@ -55,7 +55,7 @@ fn setup_with(n: usize, more: &str) -> (Core, Arc<Fleet>, Prompt) {
     let prompt = Prompt { ids: (0..8_000).collect(), max_tokens: Some(64), cache_salt: None, adapter: None, special_at: Vec::new() };
     let half = core.prepare(0, &Prompt { ids: (0..4_000).collect(), ..prompt.clone() }, &fleet);
     for r in fleet.replicas.iter().step_by(4) {
-        core.kv.record(&half, Place { slot: r.slot, block_size: 16, lookahead: 0 });
+        core.kv.record(&half, Place { slot: r.slot, block_size: 16, lookahead: 0, adapter_ahead: None });
     }
     (core, fleet, prompt)
 }
@@ -89,7 +89,7 @@ fn setup_exact(n: usize, host: bool) -> (Core, Arc<Fleet>, Prompt) {
         // Requests sent and not yet admitted: each will store 64 blocks there.
         for k in 0..4u32 {
             let other = Prompt { ids: (0..1_024).map(|t| 2_000_000 + k * 10_000 + t).collect(), ..prompt.clone() };
-            core.kv.record(&core.prepare(0, &other, &fleet), Place { slot: r.slot, block_size: 16, lookahead: 0 });
+            core.kv.record(&core.prepare(0, &other, &fleet), Place { slot: r.slot, block_size: 16, lookahead: 0, adapter_ahead: None });
         }
     }
     (core, fleet, prompt)

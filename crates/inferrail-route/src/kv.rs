@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use inferrail_config::Kv as KvConfig;
 use inferrail_kv::hash::{BlockHash, block_hashes, salt};
-use inferrail_kv::index::{KvIndex, Pace, Recorded, Reply, Slot, predicted_cached_tokens};
+use inferrail_kv::index::{KvIndex, Pace, Recorded, Reply, Slot, Wait, predicted_cached_tokens};
 use inferrail_policy::Offloaded;
 
 /// A prompt as the engine will see it, and what the KV index needs besides.
@@ -47,6 +47,9 @@ pub struct Place {
     /// lookahead hashing, ADR 0058): the engine finds no block of a prompt
     /// that ends fewer than this many tokens before the prompt does.
     pub lookahead: usize,
+    /// Where the request's LoRA adapter must wait for a slot: the other
+    /// adapters waiting there first ([`Wait::adapter_ahead`]).
+    pub adapter_ahead: Option<usize>,
 }
 
 /// The index and the slots replicas hold in it.
@@ -234,8 +237,13 @@ impl Kv {
             let at = places.iter().enumerate().filter(|(_, pl)| pl.block_size == *bs).map(|(i, _)| i);
             // Where the prompt must wait for room, what the running requests grow into meanwhile is gone.
             let prompt_blocks = p.prompt_tokens.div_ceil(*bs);
-            let waits: Vec<(Slot, usize, usize)> =
-                slots.iter().zip(self.index.matched(hashes, &slots)).map(|(&slot, m)| (slot, m, prompt_blocks.saturating_sub(m))).collect();
+            let ahead = places.iter().filter(|pl| pl.block_size == *bs).map(|pl| pl.adapter_ahead);
+            let waits: Vec<Wait> = slots
+                .iter()
+                .zip(self.index.matched(hashes, &slots))
+                .zip(ahead)
+                .map(|((&slot, matched), adapter_ahead)| Wait { slot, matched, need: prompt_blocks.saturating_sub(matched), adapter_ahead })
+                .collect();
             let depths: Vec<(Slot, usize)> = slots.iter().copied().zip(self.index.kept_through_wait(hashes, &waits, now)).collect();
             for ((i, &(slot, matched)), held) in at.zip(&depths).zip(self.index.held(hashes, &depths)) {
                 let matched = matched + self.reply_blocks(p, slot, *bs, matched);
@@ -287,6 +295,9 @@ impl Kv {
         let room = (prompt_blocks * bs - n) as f64 / bs as f64;
         let pace = Pace { lead: room, span: p.output_tokens as f64 / bs as f64 };
         let recorded = self.index.record(at.slot, hashes, n.saturating_sub(1) / bs, partial, output_blocks, ends_partial, Some(pace));
+        if let Some(adapter) = &p.adapter {
+            self.index.adapter(&recorded, xxhash_rust::xxh3::xxh3_64(adapter.as_bytes()));
+        }
         if !p.ids.is_empty() {
             let full = hashes.len();
             self.index.expect_reply(&recorded, Reply { prompt_tokens: n, asked: p.asked, tail: p.ids[full * bs..].to_vec() }, full);
@@ -351,7 +362,11 @@ mod tests {
         let (a, b) = (kv.slot("a"), kv.slot("b"));
         kv.reset(a, 100);
         kv.reset(b, 100);
-        (kv, Place { slot: a, block_size: sizes[0], lookahead: 0 }, Place { slot: b, block_size: sizes[1], lookahead: 0 })
+        (
+            kv,
+            Place { slot: a, block_size: sizes[0], lookahead: 0, adapter_ahead: None },
+            Place { slot: b, block_size: sizes[1], lookahead: 0, adapter_ahead: None },
+        )
     }
 
     #[test]

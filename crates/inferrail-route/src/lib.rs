@@ -44,7 +44,8 @@ use inferrail_kv::mode::{Mode, Reason};
 pub use inferrail_policy::Share;
 use inferrail_policy::panicking;
 use inferrail_policy::{
-    Candidate, EngineReport, NoReplica, Offloaded, Params, Prefill, Request, RoutingPolicy, SetAside, TextKind, eligibility, rank,
+    AdapterFit, Candidate, EngineReport, NoReplica, Offloaded, Params, Prefill, Request, RoutingPolicy, SetAside, TextKind, eligibility,
+    rank,
 };
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -187,7 +188,7 @@ impl Core {
     }
 
     fn place(&self, r: &Replica) -> Place {
-        Place { slot: r.slot, block_size: r.block_size(self.kv.defaults.block_size), lookahead: r.lookahead() }
+        Place { slot: r.slot, block_size: r.block_size(self.kv.defaults.block_size), lookahead: r.lookahead(), adapter_ahead: None }
     }
 
     /// Starts tracking a replica that just joined, empty.
@@ -324,7 +325,11 @@ impl Core {
         Pick { side, k, rng }: Pick,
     ) -> Plan {
         let replicas = fleet.serving(view.model);
-        let places: Vec<Place> = replicas.iter().map(|r| self.place(r)).collect();
+        let adapter = view.prediction.as_ref().and_then(|p| p.adapter.as_deref());
+        let max_loras = model.max_loras;
+        let fits: Vec<Option<AdapterFit>> = replicas.iter().map(|r| adapter.map(|a| r.adapter_fit(a, max_loras, now))).collect();
+        let places: Vec<Place> =
+            replicas.iter().zip(&fits).map(|(r, fit)| Place { adapter_ahead: fit.and_then(AdapterFit::ahead), ..self.place(r) }).collect();
         self.kv.advance(&places, now);
         let cached = match &view.prediction {
             Some(p) => self.kv.cached(p, &places, now),
@@ -336,17 +341,16 @@ impl Core {
         };
         let reports: Vec<Option<(Report, Duration)>> =
             replicas.iter().map(|r| reports(r).map(|rep| (rep, now.saturating_sub(rep.at)))).collect();
-        let adapter = view.prediction.as_ref().and_then(|p| p.adapter.as_deref());
-        let max_loras = model.max_loras;
         let candidates: Vec<Candidate> = replicas
             .iter()
             .zip(cached)
             .zip(&reports)
             .zip(offloaded)
-            .map(|(((r, cached), report), offloaded)| {
+            .zip(fits)
+            .map(|((((r, cached), report), offloaded), fit)| {
                 let fresh = report.filter(|(_, age)| *age <= FRESH).map(|(rep, _)| rep);
                 let mut c = r.candidate(now, cached, fresh, view.share);
-                c.adapter = adapter.map(|a| r.adapter_fit(a, max_loras, now));
+                c.adapter = fit;
                 c.offloaded = offloaded;
                 c
             })

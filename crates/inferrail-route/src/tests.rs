@@ -223,7 +223,9 @@ fn concurrent_decisions_take_turns_so_no_limit_is_exceeded_and_every_turn_is_tak
 
 #[test]
 fn policies_read_the_blocks_of_the_most_common_block_size() {
-    let at = |sizes: &[usize]| sizes.iter().map(|&block_size| Place { slot: 0, block_size, lookahead: 0 }).collect::<Vec<_>>();
+    let at = |sizes: &[usize]| {
+        sizes.iter().map(|&block_size| Place { slot: 0, block_size, lookahead: 0, adapter_ahead: None }).collect::<Vec<_>>()
+    };
     assert_eq!(most_common_block_size(&at(&[32, 16, 16])), Some(16));
     assert_eq!(most_common_block_size(&at(&[32, 16, 32, 64])), Some(32));
     assert_eq!(most_common_block_size(&at(&[64, 16])), Some(16), "a tie goes to the smaller");

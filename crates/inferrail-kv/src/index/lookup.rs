@@ -82,28 +82,47 @@ impl KvIndex {
 }
 
 impl KvIndex {
-    /// For each `(slot, matched, need)`: of the `matched` leading blocks of
-    /// `hashes` on `slot`, how many a request sent at `now` still finds
-    /// when it starts, needing `need` fresh blocks; under one lock. Where
+    /// For each [`Wait`]: of the `matched` leading blocks of `hashes` on
+    /// `slot`, how many a request sent at `now` still finds when it starts,
+    /// needing `need` fresh blocks; under one lock. Where
     /// they do not fit beside the running requests (with the matched blocks
     /// it takes out of the free pool), it waits until enough of those have
     /// ended (each at its first token plus its span of block times), and
     /// meanwhile the others' outputs grow into the least recently freed
     /// blocks, which take a prefix from its tail. It starts no sooner than
     /// the prefills admitted before it have ended, one after another, at
-    /// the replica's learned prefill time. Unchanged behind a queue (its
-    /// forecast stands), where the request fits with no prefill ahead, and
-    /// where the replica's block time is not known.
-    pub fn kept_through_wait(&self, hashes: &[BlockHash], at: &[(Slot, usize, usize)], now: Duration) -> Vec<usize> {
+    /// the replica's learned prefill time, and, when its LoRA adapter must
+    /// wait for a slot, no sooner than the slot frees. Unchanged
+    /// behind a queue (its forecast stands), where the request fits with no
+    /// prefill or adapter ahead, and where the replica's block time is not
+    /// known.
+    pub fn kept_through_wait(&self, hashes: &[BlockHash], at: &[Wait], now: Duration) -> Vec<usize> {
         let replicas = self.lock();
-        at.iter().map(|&(slot, matched, need)| replicas.get(&slot).map_or(matched, |rep| kept(rep, hashes, matched, need, now))).collect()
+        at.iter().map(|w| replicas.get(&w.slot).map_or(w.matched, |rep| kept(rep, hashes, w, now))).collect()
     }
 }
 
+/// A prompt on one replica, for [`KvIndex::kept_through_wait`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wait {
+    /// The replica.
+    pub slot: Slot,
+    /// The leading blocks of the prompt held there.
+    pub matched: usize,
+    /// The fresh blocks it needs.
+    pub need: usize,
+    /// Where its LoRA adapter must wait for a slot (every one is taken by
+    /// other adapters' requests): the adapters also waiting there, served
+    /// first. It starts once that many adapters in flight, and one more,
+    /// have no request left (vLLM defers such a request, ADR 0057).
+    pub adapter_ahead: Option<usize>,
+}
+
 /// `KvIndex::kept_through_wait` on one replica.
-fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: Duration) -> usize {
+fn kept(rep: &Replica, hashes: &[BlockHash], w: &Wait, now: Duration) -> usize {
+    let (matched, need) = (w.matched, w.need);
     if let Some(exact) = &rep.exact {
-        return kept_exact(rep, exact, hashes, matched, need, now);
+        return kept_exact(rep, exact, hashes, w, now);
     }
     if !rep.queue.is_empty() {
         return matched;
@@ -113,8 +132,10 @@ fn kept(rep: &Replica, hashes: &[BlockHash], matched: usize, need: usize, now: D
     let prefix = &hashes[..matched.min(hashes.len())];
     let demand = need + prefix.iter().filter(|&&h| shadow.in_use(h) == Some(false)).count();
     let available = shadow.available();
-    // It starts no sooner than the prefills admitted before it end, one after another.
-    let prefilled = rep.prefills_end().unwrap_or(now).max(now);
+    // It starts no sooner than the prefills admitted before it end, one
+    // after another, and than its adapter has a slot.
+    let slot_frees = w.adapter_ahead.and_then(|ahead| slot_frees(rep, ahead, per_block, now));
+    let prefilled = rep.prefills_end().unwrap_or(now).max(now).max(slot_frees.unwrap_or(now));
     if demand <= available && prefilled <= now {
         return matched;
     }
@@ -230,6 +251,28 @@ fn ends_by(since: Option<(Duration, Pace)>, owed: usize, per_block: f64, now: Du
     }
 }
 
+/// When an adapter's slot frees for a request that waits for one behind
+/// `ahead` other adapters: the `ahead + 1`-th time an adapter of the
+/// requests running (or in flight, in exact mode) has none left, each
+/// ending at its first token plus its span of block times. None where
+/// fewer adapters run (the router's view of the slots counts the engine's
+/// report and its peers' requests too).
+fn slot_frees(rep: &Replica, ahead: usize, per_block: f64, now: Duration) -> Option<Duration> {
+    let mut last: HashMap<u64, Duration> = HashMap::new();
+    for (id, r) in &rep.requests {
+        let end = match r {
+            Request::Claiming { output: owed, since, .. } | Request::Running { owed, since, .. } => ends_by(*since, *owed, per_block, now),
+            Request::Waiting { .. } => continue,
+        };
+        if let Some(&tag) = rep.adapters.get(id) {
+            last.entry(tag).and_modify(|e| *e = (*e).max(end)).or_insert(end);
+        }
+    }
+    let mut frees: Vec<Duration> = last.into_values().collect();
+    frees.sort_unstable();
+    frees.get(ahead).copied()
+}
+
 /// When a request waiting for `demand` blocks starts: once the prefills
 /// ahead have ended (`prefilled`) and, at one of the running requests'
 /// `ends`, the blocks `available` now and those freed by then (`by`:
@@ -263,12 +306,14 @@ type InFlight = (Duration, Vec<BlockHash>, usize, Option<(Duration, Pace)>);
 /// request that ends frees, in the order they end (its output first, then
 /// its prompt from the tail, as the engine frees a request's blocks). A
 /// prefix a request in flight claims now is kept only if it survives that.
-fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], matched: usize, need: usize, now: Duration) -> usize {
+fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now: Duration) -> usize {
+    let (matched, need) = (w.matched, w.need);
     let Some(per_block) = rep.per_block() else { return matched };
     let prefix = &hashes[..matched.min(hashes.len())];
     let demand = need + prefix.iter().filter(|&&h| !exact.claimed(h)).count();
     let available = exact.available();
-    let prefilled = rep.prefills_end().unwrap_or(now).max(now);
+    let slot_frees = w.adapter_ahead.and_then(|ahead| slot_frees(rep, ahead, per_block, now));
+    let prefilled = rep.prefills_end().unwrap_or(now).max(now).max(slot_frees.unwrap_or(now));
     if demand <= available && prefilled <= now {
         return matched;
     }

@@ -3,6 +3,11 @@
 use super::*;
 use proptest::prelude::*;
 
+/// A prompt on `slot` holding `matched` blocks and needing `need` fresh ones, its adapter (if any) in a slot.
+pub(super) fn wait(slot: Slot, matched: usize, need: usize) -> Wait {
+    Wait { slot, matched, need, adapter_ahead: None }
+}
+
 impl KvIndex {
     /// Blocks a running request added when it was recorded (none while it waits).
     fn added(&self, r: &Recorded) -> Vec<BlockHash> {
@@ -833,7 +838,7 @@ fn a_prompt_that_waits_for_room_loses_what_running_outputs_grow_into() {
     let first = index.record(0, &chain(0, 2), 2, 0, 2, false, None);
     index.decoding(&first, ms(0), Pace { lead: 0.0, span: 2.0 });
     let prompt: Vec<BlockHash> = chain(0, 2).into_iter().chain(chain(5, 4)).collect();
-    assert_eq!(index.kept_through_wait(&prompt, &[(0, 2, 4)], ms(100))[0], 2, "no block time yet: nothing foreseen");
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 2, 4)], ms(100))[0], 2, "no block time yet: nothing foreseen");
     index.complete(&first, ms(200));
     // Free, least recent first: the first request's two output blocks, then its prompt from the tail.
     let second = index.record(0, &chain(1, 4), 4, 0, 3, false, None);
@@ -844,8 +849,12 @@ fn a_prompt_that_waits_for_room_loses_what_running_outputs_grow_into() {
     // for the second request to end (at 1,300 ms), whose output takes two
     // more blocks first: the other output block and the first prompt's last.
     assert_eq!(index.matched(&prompt, &[0]), [2]);
-    assert_eq!(index.kept_through_wait(&prompt, &[(0, 2, 4)], ms(1_000))[0], 1);
-    assert_eq!(index.kept_through_wait(&prompt, &[(0, 2, 1)], ms(1_000))[0], 2, "one fresh block fits now: nothing to wait for");
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 2, 4)], ms(1_000))[0], 1);
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 2, 1)], ms(1_000))[0], 2, "one fresh block fits now: nothing to wait for");
+    // Unless its LoRA adapter must wait for the second request's slot: it
+    // starts when that request ends, as the prompt that waits for room.
+    index.adapter(&second, 3);
+    assert_eq!(index.kept_through_wait(&prompt, &[Wait { adapter_ahead: Some(0), ..wait(0, 2, 1) }], ms(1_000))[0], 1);
 }
 
 /// An index with one replica of `cap` blocks whose block time is learned
@@ -917,7 +926,7 @@ fn a_prompt_waiting_for_room_sees_ended_requests_free_only_their_own_blocks_and_
         index.advance(&[0], ms(1_000));
         let prompt: Vec<BlockHash> = chain(9, 1).into_iter().chain(chain(5, 4)).collect();
         assert_eq!(index.matched(&prompt, &[0]), [1]);
-        let kept = index.kept_through_wait(&prompt, &[(0, 1, 4)], ms(1_000))[0];
+        let kept = index.kept_through_wait(&prompt, &[wait(0, 1, 4)], ms(1_000))[0];
         index.complete(&a, ms(1_100));
         index.complete(&b, ms(1_300));
         kept
@@ -950,9 +959,9 @@ fn a_prompt_that_fits_still_waits_for_the_prefills_admitted_before_it() {
     // have evicted both free blocks.
     let prompt: Vec<BlockHash> = chain(9, 1).into_iter().chain(chain(5, 1)).collect();
     assert_eq!(index.matched(&prompt, &[0]), [1]);
-    assert_eq!(index.kept_through_wait(&prompt, &[(0, 1, 1)], ms(1_400)), [0]);
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 1, 1)], ms(1_400)), [0]);
     index.decoding(&second, ms(1_600), Pace::default());
-    assert_eq!(index.kept_through_wait(&prompt, &[(0, 1, 1)], ms(1_600)), [1], "no prefill ahead any more: it fits");
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 1, 1)], ms(1_600)), [1], "no prefill ahead any more: it fits");
     index.complete(&first, ms(1_700));
     index.complete(&second, ms(1_700));
 }
@@ -969,7 +978,7 @@ fn an_absurd_output_is_bounded_by_the_cache() {
     index.advance(&[0], Duration::from_secs(2));
     let prompt = chain(0, 8);
     let matched = index.matched(&prompt, &[0])[0];
-    assert!(index.kept_through_wait(&prompt, &[(0, matched, 8)], Duration::from_secs(2))[0] <= matched);
+    assert!(index.kept_through_wait(&prompt, &[wait(0, matched, 8)], Duration::from_secs(2))[0] <= matched);
     assert!(index.entries_of(0) <= 8);
 }
 

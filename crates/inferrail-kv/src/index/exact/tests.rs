@@ -1,6 +1,7 @@
 //! Exact mode: the index fed by engine events, against the router's own hashes of the same tokens and a naive model.
 
-use super::super::{Event, EventError, KvIndex, Pace, Recorded, Slot, Stored, Tier};
+use super::super::tests::wait;
+use super::super::{Event, EventError, KvIndex, Pace, Recorded, Slot, Stored, Tier, Wait};
 use crate::hash::{BlockHash, block_hashes, salt};
 use proptest::prelude::*;
 use std::collections::{HashMap, HashSet};
@@ -548,7 +549,7 @@ fn teach_block_time(index: &KvIndex, seed: BlockHash) {
 /// least recently freed: here the tail of the prefix the new prompt would
 /// reuse.
 #[test]
-fn a_prompt_that_must_wait_loses_what_the_outputs_in_flight_grow_into() {
+fn a_prompt_that_must_wait_for_room_or_a_slot_loses_what_the_outputs_in_flight_grow_into() {
     let ms = Duration::from_millis;
     let index = sized(10);
     let seed = salt(&["m", ""]);
@@ -564,9 +565,17 @@ fn a_prompt_that_must_wait_loses_what_the_outputs_in_flight_grow_into() {
     // prefix from its tail.
     let prompt = block_hashes(seed, &tokens(8, 0), BS);
     assert_eq!(matched(&index, seed, 0, 8), 4);
-    assert_eq!(index.kept_through_wait(&prompt, &[(0, 4, 4)], ms(1_000)), [1]);
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 4, 4)], ms(1_000)), [1]);
     // The prefix alone fits at once and keeps it all.
-    assert_eq!(index.kept_through_wait(&prompt[..4], &[(0, 4, 0)], ms(1_000)), [4]);
+    assert_eq!(index.kept_through_wait(&prompt[..4], &[wait(0, 4, 0)], ms(1_000)), [4]);
+    // Unless its LoRA adapter must wait for the running request's slot
+    // (vLLM defers it until that adapter has no request left): then it
+    // starts at 1,400 ms too, and keeps as little.
+    let slot_wait = |ahead| [Wait { adapter_ahead: ahead, ..wait(0, 4, 0) }];
+    assert_eq!(index.kept_through_wait(&prompt[..4], &slot_wait(Some(0)), ms(1_000)), [4], "whose adapter it is, unknown");
+    index.adapter(&running, 7);
+    assert_eq!(index.kept_through_wait(&prompt[..4], &slot_wait(Some(0)), ms(1_000)), [1]);
+    assert_eq!(index.kept_through_wait(&prompt[..4], &slot_wait(Some(1)), ms(1_000)), [4], "fewer adapters in flight than foreseen");
     index.complete(&running, ms(1_400));
 }
 
@@ -591,9 +600,9 @@ fn a_waiting_prompt_loses_a_claimed_prefix_once_its_claim_ends() {
     // and the prefix's last block.
     let prompt = block_hashes(seed, &tokens(12, 0), BS);
     assert_eq!(matched(&index, seed, 0, 12), 3, "claimed: present");
-    assert_eq!(index.kept_through_wait(&prompt, &[(0, 3, 9)], ms(1_000)), [2]);
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 3, 9)], ms(1_000)), [2]);
     // With 3 fresh blocks it fits once A ends, before any eviction.
-    assert_eq!(index.kept_through_wait(&prompt[..6], &[(0, 3, 3)], ms(1_000)), [3]);
+    assert_eq!(index.kept_through_wait(&prompt[..6], &[wait(0, 3, 3)], ms(1_000)), [3]);
     index.complete(&a, ms(1_100));
     index.complete(&b, ms(1_600));
 }
@@ -613,7 +622,7 @@ fn an_end_estimated_before_now_takes_no_output_from_before_now() {
     let b = running(&index, seed, 1, 4, 20, ms(0));
     // The prefix and 8 fresh blocks wait for A's end, which frees room at once.
     let prompt = block_hashes(seed, &tokens(12, 0), BS);
-    assert_eq!(index.kept_through_wait(&prompt, &[(0, 4, 8)], ms(1_000)), [4]);
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 4, 8)], ms(1_000)), [4]);
     index.complete(&a, ms(1_000));
     index.complete(&b, ms(2_000));
 }
