@@ -736,6 +736,7 @@ impl Core {
                         host_cached_tokens = host * bs,
                         queued_ms = start.saturating_duration_since(seq.arrival).as_millis() as u64,
                         free_blocks = self.pool.num_free(),
+                        host_blocks = self.cpu.as_ref().map_or(0, |c| c.len()),
                         first_missing_evicted_by = %taken.map_or("none", |e| e.1),
                         first_missing_evicted_steps_ago = taken.map_or(0, |e| self.step - e.0),
                         "scheduled"
