@@ -1,7 +1,7 @@
 //! The engines' own counters: each engine's `/metrics` scraped before and
 //! after a run, `vllm:prefix_cache_hits_total`,
-//! `vllm:prefix_cache_queries_total` and `vllm:request_success_total`
-//! summed over their lines. The requests each engine served give every
+//! `vllm:prefix_cache_queries_total`, `vllm:request_success_total` and
+//! `vllm:kv_offload_allocation_failure_total` summed over their lines. The requests each engine served give every
 //! router's replica shares the same way, whether or not it names the replica.
 //! While a run goes on, the requests the engines hold deferred (waiting on a
 //! LoRA slot or a KV transfer, `vllm:num_requests_waiting_by_reason` with
@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 const HITS: &str = "vllm:prefix_cache_hits_total";
 const QUERIES: &str = "vllm:prefix_cache_queries_total";
 const REQUESTS: &str = "vllm:request_success_total";
+const STORE_FAILURES: &str = "vllm:kv_offload_allocation_failure_total";
 const WAITING_BY_REASON: &str = "vllm:num_requests_waiting_by_reason";
 
 /// How often the deferred requests are sampled during a run.
@@ -32,6 +33,9 @@ pub struct Counters {
     pub queries: f64,
     /// Requests finished.
     pub requests: f64,
+    /// Offers to the host tier that found too few blocks to evict, and
+    /// were made again a step later.
+    pub store_failures: f64,
 }
 
 /// One engine's counters over a run.
@@ -70,6 +74,8 @@ pub fn parse(page: &str) -> Counters {
             c.queries += value();
         } else if named(REQUESTS) {
             c.requests += value();
+        } else if named(STORE_FAILURES) {
+            c.store_failures += value();
         }
     }
     c
@@ -148,10 +154,16 @@ pub fn over_run(urls: &[String], before: &[Counters], after: &[Counters]) -> Fle
         .iter()
         .zip(before.iter().zip(after))
         .map(|(url, (b, a))| {
-            let delta = Counters { hits: a.hits - b.hits, queries: a.queries - b.queries, requests: a.requests - b.requests };
+            let delta = Counters {
+                hits: a.hits - b.hits,
+                queries: a.queries - b.queries,
+                requests: a.requests - b.requests,
+                store_failures: a.store_failures - b.store_failures,
+            };
             total.hits += delta.hits;
             total.queries += delta.queries;
             total.requests += delta.requests;
+            total.store_failures += delta.store_failures;
             EngineHits { url: url.clone(), delta, hit_rate: rate(delta) }
         })
         .collect::<Vec<_>>();
@@ -173,12 +185,14 @@ mod tests {
             vllm:request_success_total{engine=\"0\",finished_reason=\"length\"} 4\n\
             vllm:request_success_total{engine=\"0\",finished_reason=\"stop\"} 2\n\
             vllm:external_prefix_cache_hits_total 7\n\
-            vllm:prefix_cache_hits_created 1.7e9\n";
-        assert_eq!(parse(page), Counters { hits: 25.0, queries: 39.0, requests: 6.0 });
-        let before = Counters { hits: 5.0, queries: 9.0, requests: 0.0 };
+            vllm:prefix_cache_hits_created 1.7e9\n\
+            vllm:kv_offload_allocation_failure_total{engine=\"0\",model_name=\"m\"} 3\n";
+        assert_eq!(parse(page), Counters { hits: 25.0, queries: 39.0, requests: 6.0, store_failures: 3.0 });
+        let before = Counters { hits: 5.0, queries: 9.0, requests: 0.0, store_failures: 1.0 };
         let run = over_run(&["a".into(), "b".into()], &[before, before], &[parse(page), Counters { requests: 2.0, ..before }]);
         assert_eq!(run.hit_rate, Some(20.0 / 30.0));
         assert_eq!(run.busiest_share, Some(6.0 / 8.0));
+        assert_eq!(run.total.store_failures, 2.0, "3 - 1 on the first engine, none on the second");
     }
 
     #[test]
