@@ -1,8 +1,9 @@
 //! The engines' own counters: each engine's `/metrics` scraped before and
 //! after a run, `vllm:prefix_cache_hits_total`,
 //! `vllm:prefix_cache_queries_total`, `vllm:request_success_total` and
-//! `vllm:kv_offload_allocation_failure_total` summed over their lines. The requests each engine served give every
-//! router's replica shares the same way, whether or not it names the replica.
+//! `vllm:kv_offload_allocation_failure_total` summed over their lines. The
+//! requests each engine served give every router's replica shares the same
+//! way, whether or not it names the replica.
 //! While a run goes on, the requests the engines hold deferred (waiting on a
 //! LoRA slot or a KV transfer, `vllm:num_requests_waiting_by_reason` with
 //! reason `deferred`) are sampled: vLLM counts no deferrals, so their mean

@@ -132,10 +132,7 @@ fn kept(rep: &Replica, hashes: &[BlockHash], w: &Wait, now: Duration) -> usize {
     let prefix = &hashes[..matched.min(hashes.len())];
     let demand = need + prefix.iter().filter(|&&h| shadow.in_use(h) == Some(false)).count();
     let available = shadow.available();
-    // It starts no sooner than the prefills admitted before it end, one
-    // after another, and than its adapter has a slot.
-    let slot_frees = w.adapter_ahead.and_then(|ahead| slot_frees(rep, ahead, per_block, now));
-    let prefilled = rep.prefills_end().unwrap_or(now).max(now).max(slot_frees.unwrap_or(now));
+    let prefilled = earliest_start(rep, w, per_block, now);
     if demand <= available && prefilled <= now {
         return matched;
     }
@@ -251,6 +248,14 @@ fn ends_by(since: Option<(Duration, Pace)>, owed: usize, per_block: f64, now: Du
     }
 }
 
+/// The earliest a request sent at `now` can start: once the prefills
+/// admitted before it have ended, one after another, and, where its
+/// adapter must wait for a slot, once the slot frees.
+fn earliest_start(rep: &Replica, w: &Wait, per_block: f64, now: Duration) -> Duration {
+    let slot = w.adapter_ahead.and_then(|ahead| slot_frees(rep, ahead, per_block, now));
+    rep.prefills_end().unwrap_or(now).max(now).max(slot.unwrap_or(now))
+}
+
 /// When an adapter's slot frees for a request that waits for one behind
 /// `ahead` other adapters: the `ahead + 1`-th time an adapter of the
 /// requests running (or in flight, in exact mode) has none left, each
@@ -312,8 +317,7 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
     let prefix = &hashes[..matched.min(hashes.len())];
     let demand = need + prefix.iter().filter(|&&h| !exact.claimed(h)).count();
     let available = exact.available();
-    let slot_frees = w.adapter_ahead.and_then(|ahead| slot_frees(rep, ahead, per_block, now));
-    let prefilled = rep.prefills_end().unwrap_or(now).max(now).max(slot_frees.unwrap_or(now));
+    let prefilled = earliest_start(rep, w, per_block, now);
     if demand <= available && prefilled <= now {
         return matched;
     }
