@@ -5,9 +5,9 @@ router foresaw it and as the engine found it.
 with their `x-request-id` in its JSON. This joins each one with the router's
 decision for it (`logs/<run>/decisions.jsonl`: the winner's GPU, host and
 held prefix) and with the simulator's `scheduled` line for it (tokens found
-on the GPU and in host memory, time queued, free blocks, and, with KV
-events on, what evicted the first block it lacked and how many steps
-before), which the simulators log when the harness runs with
+on the GPU and in host memory, then and when it arrived, time queued, free
+blocks, and, with KV events on, what evicted the first block it lacked and
+how many steps before), which the simulators log when the harness runs with
 `RUST_LOG=info,inferrail_sim=debug`.
 
 Each miss is then put in one of four kinds: over or under (predicted more or
@@ -69,7 +69,7 @@ def report(result, logs, out):
     found = scheduled(logs)
     kinds, takers = collections.Counter(), collections.Counter()
     print(f"## {result.stem}: {len(missed)} mispredicted", file=out)
-    print("at s | replica | prompt | predicted (gpu + host, held) | engine (gpu + host) | queued ms | free blocks | first block lacked, evicted by | kind", file=out)
+    print("at s | replica | prompt | predicted (gpu + host, held) | engine (gpu + host) | on arrival (gpu + host) | queued ms | free blocks | first block lacked, evicted by | kind", file=out)
     for m in missed:
         rid = m.get("request_id")
         d = decided.get(rid, {})
@@ -82,13 +82,14 @@ def report(result, logs, out):
         k = kind(predicted, cached, gpu, engine)
         kinds[k] += 1
         seen = f"{engine['gpu_cached_tokens']} + {engine['host_cached_tokens']}" if engine else "?"
+        arrived = f"{engine.get('gpu_at_arrival', '?')} + {engine.get('host_at_arrival', '?')}" if engine else "?"
         queued = engine.get("queued_ms", "?") if engine else "?"
         free = engine.get("free_blocks", "?") if engine else "?"
         by = engine.get("first_missing_evicted_by", "?") if engine else "?"
         takers[f"{k} {by}"] += 1
         if by not in ("?", "none"):
             by = f"{by}, {engine.get('first_missing_evicted_steps_ago')} steps before"
-        print(f"{m['at_s']:.1f} | {m.get('replica')} | {m.get('prompt_tokens')} | {gpu} + {host}, {held} | {seen} | {queued} | {free} | {by} | {k}", file=out)
+        print(f"{m['at_s']:.1f} | {m.get('replica')} | {m.get('prompt_tokens')} | {gpu} + {host}, {held} | {seen} | {arrived} | {queued} | {free} | {by} | {k}", file=out)
     print("kinds: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())), file=out)
     print("first block lacked, evicted by: " + ", ".join(f"{k} {n}" for k, n in sorted(takers.items())), file=out)
     return kinds

@@ -330,6 +330,8 @@ struct Seq {
     /// The first block it stored, loaded or found in the host tier.
     host_from: usize,
     arrival: Instant,
+    /// Debug only: the tokens it would have found on the GPU and in host memory when it arrived.
+    at_arrival: Option<(usize, usize)>,
     scheduled: Option<Instant>,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
@@ -499,8 +501,23 @@ impl Core {
                         first_token: None,
                         last_token: None,
                         preemptions: 0,
+                        at_arrival: None,
                     },
                 );
+                // What it would find now, to set beside what it finds when scheduled.
+                if tracing::enabled!(tracing::Level::DEBUG)
+                    && let Some(seq) = self.seqs.get_mut(&id)
+                {
+                    let bs = self.cfg.block_size;
+                    extend_block_hashes(&mut seq.hashes, seq.salt, &seq.tokens, bs);
+                    let limit = ((seq.tokens.len().max(1) - 1) / bs).min(seq.hashes.len());
+                    let gpu = self.pool.lookup(&seq.hashes[..limit]).len();
+                    let host = match self.cpu.as_ref().map(|c| c.lookup(&seq.hashes[gpu..])) {
+                        Some(Found::Hit(n)) => n,
+                        _ => 0,
+                    };
+                    seq.at_arrival = Some((gpu * bs, host * bs));
+                }
                 self.waiting.push_back(id);
             }
             Command::Abort(id) => {
@@ -731,9 +748,12 @@ impl Core {
                     let taken = seq.hashes.get(seq.registered).and_then(|h| self.evictions.get(h));
                     tracing::debug!(
                         request_id = %seq.request_id,
+                        step = self.step,
                         prompt_tokens = len,
                         gpu_cached_tokens = cached,
                         host_cached_tokens = host * bs,
+                        gpu_at_arrival = seq.at_arrival.map_or(0, |a| a.0),
+                        host_at_arrival = seq.at_arrival.map_or(0, |a| a.1),
                         queued_ms = start.saturating_duration_since(seq.arrival).as_millis() as u64,
                         free_blocks = self.pool.num_free(),
                         host_blocks = self.cpu.as_ref().map_or(0, |c| c.len()),

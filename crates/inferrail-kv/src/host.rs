@@ -38,14 +38,31 @@ pub struct HostOrder {
     /// The most blocks it held at once: its size, once it has had to evict.
     peak: usize,
     /// Blocks the requests sent will store when admitted, by how many will.
-    pending: HashMap<BlockHash, u32, FoldState>,
-    /// Of those, the ones it lacks.
+    pending: HashMap<BlockHash, Pending, FoldState>,
+    /// Of those, the ones still due that it lacks.
     incoming: usize,
     /// The rank below which blocks are as good as gone, once found: found
     /// again only after a change, as lookups far outnumber changes.
     kept_from: Cell<Option<u64>>,
     /// Its id in the index's [`HostHolders`], which mirror its blocks.
     mirror: Option<(u32, SharedHost)>,
+}
+
+/// A block requests sent will store: how many of them have not been
+/// admitted yet (the engine offers a request's blocks once, when it admits
+/// it), and whether one admitted is storing it now. Either way it is to
+/// come; once stored, an eviction makes it to come again only while a
+/// request not yet admitted expects it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Pending {
+    requests: u32,
+    landing: bool,
+}
+
+impl Pending {
+    fn due(self) -> bool {
+        self.requests > 0 || self.landing
+    }
 }
 
 /// What [`HostOrder::sent`] changed: the blocks it added, and those it
@@ -212,7 +229,7 @@ impl HostOrder {
 
     /// `h` was stored: the most recent.
     pub fn stored(&mut self, h: BlockHash) {
-        self.touch(h);
+        self.store(h);
         self.peak = self.peak.max(self.rank.len());
     }
 
@@ -221,33 +238,70 @@ impl HostOrder {
         self.kept_from.set(None);
         if let Some(r) = self.rank.remove(&h) {
             self.order.remove(&r);
-            self.incoming += usize::from(self.pending.contains_key(&h));
+            self.incoming += usize::from(self.is_due(h));
             self.mirror_remove(h);
         }
     }
 
     /// A request sent will store `keys` when the engine admits it.
     pub fn expect(&mut self, keys: &[BlockHash]) {
-        self.kept_from.set(None);
         for &h in keys {
-            let n = self.pending.entry(h).or_insert(0);
-            *n += 1;
-            self.incoming += usize::from(*n == 1 && !self.rank.contains_key(&h));
+            self.pend(h, |p| p.requests += 1);
         }
     }
 
-    /// A request [`Self::expect`] named `keys` for is admitted or over.
-    pub fn expected(&mut self, keys: &[BlockHash]) {
-        self.kept_from.set(None);
-        for h in keys {
-            let Some(n) = self.pending.get_mut(h) else { continue };
-            *n -= 1;
-            if *n == 0 {
-                self.pending.remove(h);
-                if !self.rank.contains_key(h) {
-                    self.incoming = self.incoming.saturating_sub(1);
-                }
+    /// Whether a request not yet admitted is to store `h`.
+    pub fn expects(&self, h: BlockHash) -> bool {
+        self.pending.get(&h).is_some_and(|p| p.requests > 0)
+    }
+
+    /// A request [`Self::expect`] named `keys` for was admitted: it found in
+    /// host memory the blocks held there, and is storing the others
+    /// ([`Self::landed`] when it ends).
+    pub fn started(&mut self, keys: &[BlockHash]) {
+        for &h in keys {
+            if !self.pending.contains_key(&h) {
+                continue;
             }
+            let held = self.rank.contains_key(&h);
+            self.pend(h, |p| {
+                p.requests = p.requests.saturating_sub(1);
+                p.landing |= !held;
+            });
+        }
+    }
+
+    /// A request [`Self::started`] for `keys` ended: its stores are over.
+    pub fn landed(&mut self, keys: &[BlockHash]) {
+        for &h in keys {
+            if self.pending.contains_key(&h) {
+                self.pend(h, |p| p.landing = false);
+            }
+        }
+    }
+
+    /// A request [`Self::expect`] named `keys` for is over, never admitted,
+    /// or admitted in approximate mode, which stores them itself.
+    pub fn expected(&mut self, keys: &[BlockHash]) {
+        for &h in keys {
+            if self.pending.contains_key(&h) {
+                self.pend(h, |p| p.requests = p.requests.saturating_sub(1));
+            }
+        }
+    }
+
+    /// Changes what is to come of `h`, keeping the count of those the tier lacks.
+    fn pend(&mut self, h: BlockHash, change: impl FnOnce(&mut Pending)) {
+        self.kept_from.set(None);
+        let p = self.pending.entry(h).or_default();
+        let was = p.due();
+        change(p);
+        let now = p.due();
+        if !now {
+            self.pending.remove(&h);
+        }
+        if !self.rank.contains_key(&h) {
+            self.incoming = (self.incoming + usize::from(now)).saturating_sub(usize::from(was));
         }
     }
 
@@ -271,7 +325,7 @@ impl HostOrder {
         let mut sent = Sent::default();
         for &h in keys {
             if !self.rank.contains_key(&h) {
-                self.touch(h);
+                self.store(h);
                 sent.added.push(h);
             }
         }
@@ -279,7 +333,7 @@ impl HostOrder {
         while self.rank.len() > size {
             let Some((r, h)) = self.order.pop_first() else { break };
             self.rank.remove(&h);
-            self.incoming += usize::from(self.pending.contains_key(&h));
+            self.incoming += usize::from(self.is_due(h));
             self.mirror_remove(h);
             sent.evicted.push((r, h));
         }
@@ -324,6 +378,11 @@ impl HostOrder {
         })
     }
 
+    /// Whether a request sent is still to store `h`.
+    fn is_due(&self, h: BlockHash) -> bool {
+        self.pending.get(&h).is_some_and(|p| p.due())
+    }
+
     /// `h` becomes the most recent; every change to the order passes here
     /// or clears the rank found ([`Self::run`]) itself.
     fn touch(&mut self, h: BlockHash) {
@@ -332,13 +391,21 @@ impl HostOrder {
         self.place(h, self.next);
     }
 
+    /// `h` is stored: the most recent, and no longer landing (see [`Pending`]).
+    fn store(&mut self, h: BlockHash) {
+        self.touch(h);
+        if self.pending.get(&h).is_some_and(|p| p.landing) {
+            self.pend(h, |p| p.landing = false);
+        }
+    }
+
     /// `h` takes place `r` in the order.
     fn place(&mut self, h: BlockHash, r: u64) {
         match self.rank.insert(h, r) {
             Some(old) => {
                 self.order.remove(&old);
             }
-            None if self.pending.contains_key(&h) => self.incoming = self.incoming.saturating_sub(1),
+            None if self.is_due(h) => self.incoming = self.incoming.saturating_sub(1),
             None => {}
         }
         self.order.insert(r, h);

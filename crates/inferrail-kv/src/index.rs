@@ -33,7 +33,7 @@
 //! way the holder map is the one lookup reads, so a lookup costs the same in
 //! both modes.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -183,6 +183,31 @@ const ENDED_KEPT: usize = 1024;
 const ESTIMATED_AT_MOST: usize = 64;
 
 impl Replica {
+    /// Exact mode: the GPU stored claimed blocks (`stored`), so requests
+    /// claiming them were admitted, each the first sent of those not yet
+    /// known admitted that claim one: each has offered its blocks to host
+    /// memory (`Exact::host_started`). Its first token, heard later, says
+    /// the same; the engine's events say it sooner.
+    fn host_admitted_by_events(&mut self, stored: Vec<BlockHash>) {
+        let Some(exact) = &mut self.exact else { return };
+        let mut stored: HashSet<BlockHash> = stored.into_iter().collect();
+        let mut waiting: Vec<(&u64, &mut Request)> =
+            self.requests.iter_mut().filter(|(_, r)| matches!(r, Request::Claiming { host, .. } if !host.started)).collect();
+        waiting.sort_unstable_by_key(|(id, _)| **id);
+        for (_, request) in waiting {
+            let Request::Claiming { keys, host, .. } = request else { continue };
+            if stored.is_empty() {
+                break;
+            }
+            if keys.iter().any(|k| stored.contains(k)) {
+                for k in keys.iter() {
+                    stored.remove(k);
+                }
+                exact.host_started(keys, host);
+            }
+        }
+    }
+
     /// Request `id`, sent in approximate mode to a replica with a host
     /// tier, is admitted reusing `reused` blocks: the engine's GPU hit. It
     /// loads from host memory the blocks held there from the next one on,
@@ -1031,9 +1056,12 @@ impl KvIndex {
         }
         let untimed = rep.per_block().is_none();
         rep.on_time |= matches!(rep.requests.get(&recorded.request), Some(Request::Running { .. } | Request::Claiming { .. }));
-        if let Some(Request::Claiming { since, heard, .. }) = rep.requests.get_mut(&recorded.request) {
+        if let Some(Request::Claiming { keys, host, since, heard, .. }) = rep.requests.get_mut(&recorded.request) {
             *since = Some((at, pace));
             *heard = true;
+            if let Some(exact) = &mut rep.exact {
+                exact.host_started(keys, host);
+            }
             return;
         }
         let Some(Request::Running { generated, owed, since, heard, order, .. }) = rep.requests.get_mut(&recorded.request) else { return };

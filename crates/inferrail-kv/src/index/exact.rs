@@ -234,6 +234,9 @@ pub(super) struct Exact {
     born: HashMap<BlockHash, u64, FoldState>,
     /// The event that stored each block the host memory tier holds.
     host_born: HashMap<BlockHash, u64, FoldState>,
+    /// Claimed blocks the GPU stored since last taken
+    /// ([`Self::take_admitted`]): their requests were admitted.
+    admitted: Vec<BlockHash>,
 }
 
 /// What of a request's prompt the engine uses in host memory (vLLM's
@@ -252,6 +255,10 @@ pub(super) struct HostUse {
     /// sent. Its GPU hit ends at the first of its blocks stored since, and
     /// that says what it refreshes when it ends (`Exact::unclaim`).
     pub seen: u64,
+    /// Exact mode: the engine admitted it (blocks it claimed were stored on
+    /// the GPU, or its first token was heard), and so offered its blocks to
+    /// host memory ([`Exact::host_started`]).
+    pub started: bool,
 }
 
 impl HostUse {
@@ -259,7 +266,7 @@ impl HostUse {
     /// in host memory: it loads those, if any, and stores what follows;
     /// else it stores its whole prompt. `seen`: see the field.
     pub(super) fn found(hit: usize, loads: usize, seen: u64) -> Self {
-        if loads > 0 { Self { from: hit, stores: hit + loads, seen } } else { Self { seen, ..Self::default() } }
+        if loads > 0 { Self { from: hit, stores: hit + loads, seen, started: false } } else { Self { seen, ..Self::default() } }
     }
 }
 
@@ -288,6 +295,7 @@ impl Exact {
             events: 0,
             born: HashMap::default(),
             host_born: HashMap::default(),
+            admitted: Vec::new(),
         }
     }
 
@@ -443,6 +451,9 @@ impl Exact {
         for (i, (&h, &fresh)) in chain.iter().zip(fresh).enumerate() {
             if fresh && self.claims.contains_key(&h) {
                 self.unheld = self.unheld.saturating_sub(1);
+                if self.host.expects(h) {
+                    self.admitted.push(h);
+                }
             } else if fresh {
                 let t = *tick.get_or_insert_with(|| {
                     self.tick += 1;
@@ -619,6 +630,22 @@ impl Exact {
         self.trailing.entry(h).or_default().extend(mine);
     }
 
+    /// A request claiming `keys` was admitted: the blocks past
+    /// `host.stores` it did not find in host memory are being stored, and
+    /// the others will not be (`HostOrder::started`).
+    pub(super) fn host_started(&mut self, keys: &[BlockHash], host: &mut HostUse) {
+        if !host.started {
+            host.started = true;
+            self.host.started(&keys[host.stores.min(keys.len())..]);
+        }
+    }
+
+    /// The claimed blocks, expected in host memory, that the GPU stored
+    /// since the last call: a request claiming each was admitted.
+    pub(super) fn take_admitted(&mut self) -> Vec<BlockHash> {
+        std::mem::take(&mut self.admitted)
+    }
+
     /// Whether a request in flight claims a block.
     pub(super) fn claimed(&self, h: BlockHash) -> bool {
         self.claims.contains_key(&h)
@@ -675,7 +702,12 @@ impl Exact {
         let loaded = keys.get(hit).and_then(|h| self.host_born.get(h)).is_some_and(|&at| at <= host.seen);
         let from = if loaded { hit } else { 0 };
         self.host.finished(&keys[from..]);
-        self.host.expected(&keys[host.stores.min(keys.len())..]);
+        let stores = &keys[host.stores.min(keys.len())..];
+        if host.started {
+            self.host.landed(stores)
+        } else {
+            self.host.expected(stores)
+        }
         for (depth, h) in keys.iter().enumerate() {
             let Some(n) = self.claims.get_mut(h) else { continue };
             *n -= 1;

@@ -54,6 +54,10 @@ impl KvIndex {
         let exact = rep.exact.as_mut().ok_or(EventError::NotExact(slot))?;
         let mut changes = Vec::new();
         let applied = exact.apply(event, &mut changes);
+        let admitted = exact.take_admitted();
+        if !admitted.is_empty() {
+            rep.host_admitted_by_events(admitted);
+        }
         self.present(slot, &changes);
         applied
     }
