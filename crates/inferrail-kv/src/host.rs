@@ -11,7 +11,8 @@
 //! way, the requests sent and not yet admitted will store their prompt
 //! blocks the tier lacks ([`HostOrder::expect`]) before a request sent now
 //! is: past the tier's size, that many of the least recent blocks are as
-//! good as gone ([`HostOrder::run`]). The fleet
+//! good as gone, and the blocks they store are as good as held
+//! ([`HostOrder::run`]). The fleet
 //! simulation's engines keep their own host tier with it too.
 //!
 //! An index's tiers are also mirrored, block by block, in one
@@ -85,6 +86,9 @@ pub struct HostHolders {
     free: Vec<u32>,
     next: u32,
 }
+
+/// The rank a block to come has in the mirror: held after every block held.
+const TO_COME: u64 = u64::MAX;
 
 /// No candidate: an id's entry in [`HostHolders::runs`]'s table.
 const NONE: usize = usize::MAX;
@@ -211,6 +215,12 @@ impl HostOrder {
         }
     }
 
+    /// Mirrors `h`, which it does not hold: as the most recent of all
+    /// (`TO_COME`) while a request sent is to store it, else not at all.
+    fn mirror_absent(&self, h: BlockHash) {
+        if self.is_due(h) { self.mirror_set(h, TO_COME) } else { self.mirror_remove(h) }
+    }
+
     /// Sets its size (`None`: the most it held).
     pub fn resize(&mut self, size: Option<usize>) {
         self.kept_from.set(None);
@@ -239,7 +249,7 @@ impl HostOrder {
         if let Some(r) = self.rank.remove(&h) {
             self.order.remove(&r);
             self.incoming += usize::from(self.is_due(h));
-            self.mirror_remove(h);
+            self.mirror_absent(h);
         }
     }
 
@@ -300,8 +310,9 @@ impl HostOrder {
         if !now {
             self.pending.remove(&h);
         }
-        if !self.rank.contains_key(&h) {
+        if !self.rank.contains_key(&h) && now != was {
             self.incoming = (self.incoming + usize::from(now)).saturating_sub(usize::from(was));
+            self.mirror_absent(h);
         }
     }
 
@@ -334,7 +345,7 @@ impl HostOrder {
             let Some((r, h)) = self.order.pop_first() else { break };
             self.rank.remove(&h);
             self.incoming += usize::from(self.is_due(h));
-            self.mirror_remove(h);
+            self.mirror_absent(h);
             sent.evicted.push((r, h));
         }
         sent
@@ -355,16 +366,21 @@ impl HostOrder {
         }
     }
 
-    /// How many of `keys`, consecutive from the first, will still be held
-    /// when a request sent now looks them up: the blocks the requests
-    /// ahead of it will store first evict the least recent past the tier's
-    /// size.
+    /// How many of `keys`, consecutive from the first, will be held when a
+    /// request sent now looks them up: the blocks the requests ahead of it
+    /// will store first evict the least recent past the tier's size, and
+    /// are then the most recent.
     pub fn run(&self, keys: &[BlockHash]) -> usize {
-        if keys.first().is_none_or(|h| !self.rank.contains_key(h)) {
+        if keys.first().is_none_or(|&h| !self.rank.contains_key(&h) && !self.is_due(h)) {
             return 0;
         }
         let kept_from = self.kept_from();
-        keys.iter().take_while(|h| self.rank.get(h).is_some_and(|&r| r >= kept_from)).count()
+        keys.iter()
+            .take_while(|&&h| match self.rank.get(&h) {
+                Some(&r) => r >= kept_from,
+                None => self.is_due(h),
+            })
+            .count()
     }
 
     /// The rank below which blocks are gone by the time a request sent now
@@ -418,7 +434,7 @@ impl Drop for HostOrder {
     fn drop(&mut self) {
         let Some((id, shared)) = &self.mirror else { return };
         let mut holders = HostHolders::lock(shared);
-        for &h in self.rank.keys() {
+        for &h in self.rank.keys().chain(self.pending.keys()) {
             holders.remove(*id, h);
         }
         holders.free.push(*id);
@@ -530,6 +546,32 @@ mod tests {
         assert_eq!(t.run(&[1]), 1);
         t.expected(&three);
         assert_eq!((t.contains(2), t.run(&[1, 2])), (false, 1));
+    }
+
+    #[test]
+    fn blocks_requests_ahead_will_store_are_found_by_a_request_sent_after_them() {
+        let shared = SharedHost::default();
+        let mut t = HostOrder::mirrored(Some(4), &shared);
+        for h in 1..=4 {
+            t.stored(h);
+        }
+        t.expect(&[7, 8, 9]);
+        let both = |t: &HostOrder, keys: &[BlockHash]| (t.run(keys), HostHolders::lock(&shared).runs(keys, &[(t, 0)])[0]);
+        assert_eq!(both(&t, &[4, 7, 8, 9]), (4, 4), "4 is kept, then the three to come");
+        assert_eq!(both(&t, &[1, 7]), (0, 0), "1 is evicted by them");
+        // Admitted: it stores 7 and 8, then 9 is evicted while it runs.
+        t.started(&[7, 8, 9]);
+        for h in [7, 8, 9] {
+            t.stored(h);
+        }
+        for h in [1, 2, 3, 9] {
+            t.removed(h);
+        }
+        assert_eq!(both(&t, &[7, 8, 9]), (2, 2), "9 is no longer to come");
+        t.landed(&[7, 8, 9]);
+        t.expected(&[7, 8, 9]);
+        drop(t);
+        assert!(HostHolders::lock(&shared).blocks.is_empty());
     }
 
     #[test]

@@ -183,11 +183,11 @@ const ENDED_KEPT: usize = 1024;
 const ESTIMATED_AT_MOST: usize = 64;
 
 impl Replica {
-    /// Exact mode: the GPU stored claimed blocks (`stored`), so requests
-    /// claiming them were admitted, each the first sent of those not yet
-    /// known admitted that claim one: each has offered its blocks to host
-    /// memory (`Exact::host_started`). Its first token, heard later, says
-    /// the same; the engine's events say it sooner.
+    /// Exact mode: the GPU or host memory stored blocks that requests not
+    /// yet known admitted claim (`stored`), so those requests were
+    /// admitted, each the first sent of those that claim one: each has
+    /// offered its blocks to host memory (`Exact::host_started`). Its first
+    /// token, heard later, says the same; the engine's events say it sooner.
     fn host_admitted_by_events(&mut self, stored: Vec<BlockHash>) {
         let Some(exact) = &mut self.exact else { return };
         let mut stored: HashSet<BlockHash> = stored.into_iter().collect();

@@ -234,8 +234,9 @@ pub(super) struct Exact {
     born: HashMap<BlockHash, u64, FoldState>,
     /// The event that stored each block the host memory tier holds.
     host_born: HashMap<BlockHash, u64, FoldState>,
-    /// Claimed blocks the GPU stored since last taken
-    /// ([`Self::take_admitted`]): their requests were admitted.
+    /// Blocks a request not yet known admitted claims, stored since last
+    /// taken ([`Self::take_admitted`]) on the GPU or in host memory: their
+    /// requests were admitted.
     admitted: Vec<BlockHash>,
 }
 
@@ -410,6 +411,10 @@ impl Exact {
                     let n = routed.entry(r).or_insert(0);
                     *n += 1;
                     if host && *n == 1 {
+                        // A request expecting it offered it: admitted.
+                        if self.host.expects(r) {
+                            self.admitted.push(r);
+                        }
                         self.host.stored(r);
                         self.host_born.insert(r, self.events);
                     }
@@ -640,8 +645,8 @@ impl Exact {
         }
     }
 
-    /// The claimed blocks, expected in host memory, that the GPU stored
-    /// since the last call: a request claiming each was admitted.
+    /// The blocks expected in host memory that the GPU or host memory
+    /// stored since the last call: a request claiming each was admitted.
     pub(super) fn take_admitted(&mut self) -> Vec<BlockHash> {
         std::mem::take(&mut self.admitted)
     }

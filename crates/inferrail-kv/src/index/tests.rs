@@ -1060,7 +1060,7 @@ fn a_prompt_is_in_host_memory_once_the_shadow_admits_it() {
     assert_eq!(held(1, 2), 2, "admitted at once: stored");
     // Three fresh blocks do not fit beside the first's two: it waits.
     let second = index.record(0, &chain(2, 3), 3, 0, 0, false, None);
-    assert_eq!(held(2, 3), 0, "waiting: not stored");
+    assert_eq!(held(2, 3), 3, "waiting: not stored, but stored before a request sent now looks");
     index.complete(&first, Duration::from_millis(1_600));
     assert_eq!(held(2, 3), 3, "admitted once the first made room");
     index.complete(&second, Duration::from_millis(2_000));

@@ -167,33 +167,42 @@ fn requests_sent_and_not_yet_admitted_will_evict_the_least_recent_host_blocks() 
 }
 
 /// A request's blocks are to come in host memory until the engine admits
-/// it, which its blocks stored on the GPU tell: the engine offers them then,
+/// it, which its blocks stored on the GPU tell, or, when the GPU held its
+/// prompt whole, its stores in host memory: the engine offers them then,
 /// once. Evicted while it runs, they are not counted to come again, unless
 /// another request not yet admitted expects them.
 #[test]
 fn a_running_requests_blocks_evicted_from_host_memory_are_not_to_come_again() {
-    let index = index();
-    index.set_host(0, Some(4));
-    let seed = salt(&["m", ""]);
-    let (x, b, e) = (block_hashes(seed, &tokens(2, 0), BS), block_hashes(seed, &tokens(2, 1), BS), block_hashes(seed, &tokens(2, 2), BS));
-    store(&index, seed, 0, 0, 2, Tier::ROUTING).unwrap();
-    to_host(&index, seed, &x);
-    let rec = index.record(0, &b, 1, 0, 1, false, None);
-    // Admitted: b is stored on the GPU, then in host memory.
-    store(&index, seed, 1, 0, 2, Tier::ROUTING).unwrap();
-    to_host(&index, seed, &b);
-    // While it runs, host memory evicts b and stores e: full again.
-    let gone: Vec<u64> = b.iter().map(|&h| engine(h)).collect();
-    index.apply(0, &Event::Removed { hashes: &gone, tier: Tier::HOST }).unwrap();
-    store(&index, seed, 2, 0, 2, Tier::ROUTING).unwrap();
-    to_host(&index, seed, &e);
-    assert_eq!(index.offloaded(&x, &[(0, 0)]), [(2, 0)], "nothing is to come: x stays");
-    // A request for b not yet admitted will store it again, evicting x.
-    let again = index.record(0, &b, 1, 0, 1, false, None);
-    assert_eq!(index.offloaded(&x, &[(0, 0)]), [(0, 0)]);
-    index.complete(&again, Duration::ZERO);
-    index.complete(&rec, Duration::ZERO);
-    assert_eq!(index.offloaded(&x, &[(0, 0)]), [(2, 0)]);
+    for gpu_held in [false, true] {
+        let index = index();
+        index.set_host(0, Some(4));
+        let seed = salt(&["m", ""]);
+        let (x, b, e) =
+            (block_hashes(seed, &tokens(2, 0), BS), block_hashes(seed, &tokens(2, 1), BS), block_hashes(seed, &tokens(2, 2), BS));
+        store(&index, seed, 0, 0, 2, Tier::ROUTING).unwrap();
+        to_host(&index, seed, &x);
+        if gpu_held {
+            store(&index, seed, 1, 0, 2, Tier::ROUTING).unwrap();
+        }
+        let rec = index.record(0, &b, 1, 0, 1, false, None);
+        // Admitted: b is stored on the GPU (unless held), then in host memory.
+        if !gpu_held {
+            store(&index, seed, 1, 0, 2, Tier::ROUTING).unwrap();
+        }
+        to_host(&index, seed, &b);
+        // While it runs, host memory evicts b and stores e: full again.
+        let gone: Vec<u64> = b.iter().map(|&h| engine(h)).collect();
+        index.apply(0, &Event::Removed { hashes: &gone, tier: Tier::HOST }).unwrap();
+        store(&index, seed, 2, 0, 2, Tier::ROUTING).unwrap();
+        to_host(&index, seed, &e);
+        assert_eq!(index.offloaded(&x, &[(0, 0)]), [(2, 0)], "nothing is to come: x stays ({gpu_held})");
+        // A request for b not yet admitted will store it again, evicting x.
+        let again = index.record(0, &b, 1, 0, 1, false, None);
+        assert_eq!(index.offloaded(&x, &[(0, 0)]), [(0, 0)]);
+        index.complete(&again, Duration::ZERO);
+        index.complete(&rec, Duration::ZERO);
+        assert_eq!(index.offloaded(&x, &[(0, 0)]), [(2, 0)]);
+    }
 }
 
 /// A request whose GPU prefix loses its tail before the engine admits it
