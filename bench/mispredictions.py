@@ -12,7 +12,10 @@ how many steps before), which the simulators log when the harness runs with
 
 Each miss is then put in one of four kinds: over or under (predicted more or
 fewer cached tokens than the engine reported), on the GPU or in host memory
-(where the prediction and the engine's find first part).
+(where the prediction and the engine's find first part). The misses whose
+prediction was what the engine held when the request arrived are counted
+too: there the router's view was right, and what happened while the
+request waited was not foreseen.
 
     python3 bench/mispredictions.py OUT_DIR [RUN]
 """
@@ -68,6 +71,9 @@ def report(result, logs, out):
     decided = decisions(logs / "decisions.jsonl") if (logs / "decisions.jsonl").exists() else {}
     found = scheduled(logs)
     kinds, takers = collections.Counter(), collections.Counter()
+    # Misses whose prediction was what the engine held when the request
+    # arrived: the view was right, and the wait changed what it found.
+    as_arrived, known = 0, 0
     print(f"## {result.stem}: {len(missed)} mispredicted", file=out)
     print("at s | replica | prompt | predicted (gpu + host, held) | engine (gpu + host) | on arrival (gpu + host) | queued ms | free blocks | first block lacked, evicted by | kind", file=out)
     for m in missed:
@@ -83,6 +89,9 @@ def report(result, logs, out):
         kinds[k] += 1
         seen = f"{engine['gpu_cached_tokens']} + {engine['host_cached_tokens']}" if engine else "?"
         arrived = f"{engine.get('gpu_at_arrival', '?')} + {engine.get('host_at_arrival', '?')}" if engine else "?"
+        if engine and isinstance(engine.get("gpu_at_arrival"), int) and isinstance(engine.get("host_at_arrival"), int):
+            known += 1
+            as_arrived += int(predicted == engine["gpu_at_arrival"] + engine["host_at_arrival"])
         queued = engine.get("queued_ms", "?") if engine else "?"
         free = engine.get("free_blocks", "?") if engine else "?"
         by = engine.get("first_missing_evicted_by", "?") if engine else "?"
@@ -92,6 +101,8 @@ def report(result, logs, out):
         print(f"{m['at_s']:.1f} | {m.get('replica')} | {m.get('prompt_tokens')} | {gpu} + {host}, {held} | {seen} | {arrived} | {queued} | {free} | {by} | {k}", file=out)
     print("kinds: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())), file=out)
     print("first block lacked, evicted by: " + ", ".join(f"{k} {n}" for k, n in sorted(takers.items())), file=out)
+    if known:
+        print(f"predicted what the engine held when the request arrived (the wait changed it): {as_arrived} of {known}", file=out)
     return kinds
 
 
