@@ -453,6 +453,8 @@ mod tests {
         Removed(usize, u128),
         Expect(usize, Vec<u128>),
         Expected(usize, Vec<u128>),
+        Started(usize, Vec<u128>),
+        Landed(usize, Vec<u128>),
         Finished(usize, Vec<u128>),
         Sent(usize, Vec<u128>),
         /// Sent, then undone.
@@ -468,6 +470,8 @@ mod tests {
             (0..3usize, 0u128..12).prop_map(|(t, h)| Op::Removed(t, h)),
             (0..3usize, keys()).prop_map(|(t, k)| Op::Expect(t, k)),
             (0..3usize, keys()).prop_map(|(t, k)| Op::Expected(t, k)),
+            (0..3usize, keys()).prop_map(|(t, k)| Op::Started(t, k)),
+            (0..3usize, keys()).prop_map(|(t, k)| Op::Landed(t, k)),
             (0..3usize, keys()).prop_map(|(t, k)| Op::Finished(t, k)),
             (0..3usize, keys()).prop_map(|(t, k)| Op::Sent(t, k)),
             (0..3usize, keys()).prop_map(|(t, k)| Op::Unsent(t, k)),
@@ -492,6 +496,8 @@ mod tests {
                     Op::Removed(t, h) => tiers[t].removed(h),
                     Op::Expect(t, k) => tiers[t].expect(&k),
                     Op::Expected(t, k) => tiers[t].expected(&k),
+                    Op::Started(t, k) => tiers[t].started(&k),
+                    Op::Landed(t, k) => tiers[t].landed(&k),
                     Op::Finished(t, k) => tiers[t].finished(&k),
                     Op::Sent(t, k) => {
                         tiers[t].sent(&k);
