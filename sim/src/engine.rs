@@ -509,9 +509,7 @@ impl Core {
                     && let Some(seq) = self.seqs.get_mut(&id)
                 {
                     let bs = self.cfg.block_size;
-                    extend_block_hashes(&mut seq.hashes, seq.salt, &seq.tokens, bs);
-                    let limit = ((seq.tokens.len().max(1) - 1) / bs).min(seq.hashes.len());
-                    let gpu = self.pool.lookup(&seq.hashes[..limit]).len();
+                    let gpu = gpu_hit(&self.pool, seq, bs).len();
                     let host = match self.cpu.as_ref().map(|c| c.lookup(&seq.hashes[gpu..])) {
                         Some(Found::Hit(n)) => n,
                         _ => 0,
@@ -695,11 +693,7 @@ impl Core {
                 self.start_prefill(id, (len - cached, cached), &mut loras, &mut lora_secs, &mut plan);
                 continue;
             }
-            extend_block_hashes(&mut seq.hashes, seq.salt, &seq.tokens, bs);
-            // The last token is always computed, so a fully cached prompt
-            // still recomputes its last block.
-            let limit = ((len - 1) / bs).min(seq.hashes.len());
-            let hit = self.pool.lookup(&seq.hashes[..limit]);
+            let hit = gpu_hit(&self.pool, seq, bs);
             let cached = hit.len() * bs;
             let read = seq.transfer == Transfer::Read;
             // Past the GPU hit, the host tier may hold more, up to the last
@@ -1032,6 +1026,16 @@ fn ended_output(st: &mut Stats, seq: &Seq) {
 
 /// Caches `seq`'s first `full` blocks (those not cached yet), telling the
 /// step's events which ones it stored.
+/// The blocks of `seq`'s prompt the GPU cache holds, consecutive from the
+/// first, as a lookup finds them now (its block hashes extended first).
+/// The last token is always computed, so a fully cached prompt still
+/// recomputes its last block.
+fn gpu_hit(pool: &BlockPool, seq: &mut Seq, bs: usize) -> Vec<BlockId> {
+    extend_block_hashes(&mut seq.hashes, seq.salt, &seq.tokens, bs);
+    let limit = ((seq.tokens.len().max(1) - 1) / bs).min(seq.hashes.len());
+    pool.lookup(&seq.hashes[..limit])
+}
+
 fn cache_blocks(pool: &mut BlockPool, events: &mut Option<StepEvents>, id: u64, seq: &mut Seq, full: usize) {
     let mut cached = Vec::new();
     for k in seq.registered..full {

@@ -411,10 +411,7 @@ impl Exact {
                     let n = routed.entry(r).or_insert(0);
                     *n += 1;
                     if host && *n == 1 {
-                        // A request expecting it offered it: admitted.
-                        if self.host.expects(r) {
-                            self.admitted.push(r);
-                        }
+                        self.note_admitted(r);
                         self.host.stored(r);
                         self.host_born.insert(r, self.events);
                     }
@@ -456,9 +453,7 @@ impl Exact {
         for (i, (&h, &fresh)) in chain.iter().zip(fresh).enumerate() {
             if fresh && self.claims.contains_key(&h) {
                 self.unheld = self.unheld.saturating_sub(1);
-                if self.host.expects(h) {
-                    self.admitted.push(h);
-                }
+                self.note_admitted(h);
             } else if fresh {
                 let t = *tick.get_or_insert_with(|| {
                     self.tick += 1;
@@ -642,6 +637,15 @@ impl Exact {
         if !host.started {
             host.started = true;
             self.host.started(&keys[host.stores.min(keys.len())..]);
+        }
+    }
+
+    /// `h` was stored, on the GPU or in host memory: if a request not yet
+    /// known admitted expects to store it in host memory, that request was
+    /// admitted ([`Self::take_admitted`]).
+    fn note_admitted(&mut self, h: BlockHash) {
+        if self.host.expects(h) {
+            self.admitted.push(h);
         }
     }
 

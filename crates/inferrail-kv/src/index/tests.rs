@@ -1050,6 +1050,9 @@ fn a_prefill_takes_a_fixed_part_and_a_part_per_block() {
 /// An approximate replica's host tier takes a prompt as stored when the
 /// shadow admits its request, as the engine stores it when it computes it
 /// (ADR 0063): at once when it fits, once room is made when it waits.
+/// Until then its blocks are to come: a request sent now finds them, and
+/// the stores still to come never doom them (ADR 0065), where they doom
+/// blocks stored.
 #[test]
 fn a_prompt_is_in_host_memory_once_the_shadow_admits_it() {
     let index = KvIndex::new();
@@ -1057,12 +1060,16 @@ fn a_prompt_is_in_host_memory_once_the_shadow_admits_it() {
     index.set_host(0, Some(8));
     let held = |prompt: u8, n: usize| index.offloaded(&chain(prompt, n), &[(0, 0)])[0].0;
     let first = index.record(0, &chain(1, 2), 2, 0, 0, false, None);
-    assert_eq!(held(1, 2), 2, "admitted at once: stored");
+    assert_eq!(held(1, 2), 2);
     // Three fresh blocks do not fit beside the first's two: it waits.
     let second = index.record(0, &chain(2, 3), 3, 0, 0, false, None);
-    assert_eq!(held(2, 3), 3, "waiting: not stored, but stored before a request sent now looks");
+    assert_eq!(held(2, 3), 3, "waiting: to come, before a request sent now looks");
+    // Eight blocks more to come, behind both, push out eight of the tier's.
+    let third = index.record(0, &chain(3, 8), 8, 0, 0, false, None);
+    assert_eq!((held(1, 2), held(2, 3)), (0, 3), "the first was admitted at once: stored, and doomed; the second is to come");
     index.complete(&first, Duration::from_millis(1_600));
-    assert_eq!(held(2, 3), 3, "admitted once the first made room");
+    assert_eq!(held(2, 3), 0, "admitted once the first made room: stored, and doomed");
+    index.take_back(&third);
     index.complete(&second, Duration::from_millis(2_000));
     assert_eq!((held(1, 2), held(2, 3)), (2, 3));
 }
