@@ -54,15 +54,21 @@ pub struct HostOrder {
 /// it), and whether one admitted is storing it now. Either way it is to
 /// come; once stored, an eviction makes it to come again only while a
 /// request not yet admitted expects it.
+///
+/// A block being stored already has its place in the order: the engine
+/// ranks it when it offers it, not when the copy lands, and a finishing
+/// request that names it moves it up meanwhile (vLLM's LRU manager inserts
+/// it at `prepare_store` and `touch` moves it before `complete_store`).
 #[derive(Debug, Clone, Copy, Default)]
 struct Pending {
     requests: u32,
-    landing: bool,
+    /// Its place in the order, while a request admitted is storing it.
+    landing: Option<u64>,
 }
 
 impl Pending {
     fn due(self) -> bool {
-        self.requests > 0 || self.landing
+        self.requests > 0 || self.landing.is_some()
     }
 }
 
@@ -266,17 +272,19 @@ impl HostOrder {
     }
 
     /// A request [`Self::expect`] named `keys` for was admitted: it found in
-    /// host memory the blocks held there, and is storing the others
-    /// ([`Self::landed`] when it ends).
+    /// host memory the blocks held there, and is storing the others, which
+    /// take their places in the order now, first first ([`Self::landed`]
+    /// when it ends).
     pub fn started(&mut self, keys: &[BlockHash]) {
         for &h in keys {
-            if !self.pending.contains_key(&h) {
-                continue;
-            }
-            let held = self.rank.contains_key(&h);
+            let Some(p) = self.pending.get(&h) else { continue };
+            let offered = (!self.rank.contains_key(&h) && p.landing.is_none()).then(|| {
+                self.next += 1;
+                self.next
+            });
             self.pend(h, |p| {
                 p.requests = p.requests.saturating_sub(1);
-                p.landing |= !held;
+                p.landing = p.landing.or(offered);
             });
         }
     }
@@ -285,7 +293,7 @@ impl HostOrder {
     pub fn landed(&mut self, keys: &[BlockHash]) {
         for &h in keys {
             if self.pending.contains_key(&h) {
-                self.pend(h, |p| p.landing = false);
+                self.pend(h, |p| p.landing = None);
             }
         }
     }
@@ -317,11 +325,15 @@ impl HostOrder {
     }
 
     /// A request that used `keys` (its prompt's blocks, first first)
-    /// finished: those held become the most recent, the first one last.
+    /// finished: those held, or being stored, become the most recent, the
+    /// first one last.
     pub fn finished(&mut self, keys: &[BlockHash]) {
         for &h in keys.iter().rev() {
             if self.rank.contains_key(&h) {
                 self.touch(h);
+            } else if let Some(Pending { landing: Some(r), .. }) = self.pending.get_mut(&h) {
+                self.next += 1;
+                *r = self.next;
             }
         }
     }
@@ -407,11 +419,16 @@ impl HostOrder {
         self.place(h, self.next);
     }
 
-    /// `h` is stored: the most recent, and no longer landing (see [`Pending`]).
+    /// `h` is stored: where it was offered if a request admitted was
+    /// storing it (see [`Pending`]), else the most recent.
     fn store(&mut self, h: BlockHash) {
-        self.touch(h);
-        if self.pending.get(&h).is_some_and(|p| p.landing) {
-            self.pend(h, |p| p.landing = false);
+        match self.pending.get(&h).and_then(|p| p.landing) {
+            Some(r) if !self.rank.contains_key(&h) => {
+                self.kept_from.set(None);
+                self.place(h, r);
+                self.pend(h, |p| p.landing = None);
+            }
+            _ => self.touch(h),
         }
     }
 
@@ -626,5 +643,32 @@ mod tests {
         // 1 is back as the least recent: the block to come evicts it again.
         t.expected(&[9]);
         assert_eq!(t.run(&[1, 2, 3]), 3);
+    }
+
+    #[test]
+    fn a_block_takes_its_place_when_offered_and_a_finish_before_it_lands_moves_it() {
+        let mut t = HostOrder::new(Some(4));
+        for h in 1..=4 {
+            t.stored(h);
+        }
+        // Admitted: 7, 8 and 9 are offered (the engine evicts 1, 2 and 3 for them).
+        t.expect(&[7, 8, 9]);
+        t.started(&[7, 8, 9]);
+        for h in 1..=3 {
+            t.removed(h);
+        }
+        // Before the copies land, a request that used 4 and one that used 8 finish.
+        t.finished(&[4]);
+        t.finished(&[8]);
+        for h in [7, 8, 9] {
+            t.stored(h);
+        }
+        t.landed(&[7, 8, 9]);
+        t.expected(&[7, 8, 9]);
+        // Least recent first: 7 and 9 as offered, then 4, then 8.
+        coming(&mut t, 2);
+        assert_eq!((t.run(&[7]), t.run(&[9]), t.run(&[4]), t.run(&[8])), (0, 0, 1, 1), "two to come evict 7 and 9");
+        t.expect(&[2_000]);
+        assert_eq!((t.run(&[4]), t.run(&[8])), (0, 1), "a third evicts 4, stored before 7 landed but refreshed after it was offered");
     }
 }
