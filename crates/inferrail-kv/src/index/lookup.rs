@@ -333,8 +333,10 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
         })
         .collect();
     running.sort_by_key(|r| r.0);
-    // The prompt blocks each frees when it ends: those its end leaves unclaimed.
-    let freed = freed_in_turn(running.iter().map(|r| r.1.iter()), |h| exact.claims_of(h));
+    // The blocks each frees when it ends: those of its prompt its end leaves
+    // unclaimed, after what it generated so far.
+    let blocks: Vec<Vec<BlockHash>> = running.iter().map(|r| r.1.iter().copied().chain(exact.generated_after(r.1)).collect()).collect();
+    let freed = freed_in_turn(blocks.iter().map(|b| b.iter()), |h| exact.claims_of(h));
     let running: Vec<InFlight> =
         running.into_iter().zip(freed).map(|((end, _, output, since), freed)| (end, freed, output, since)).collect();
     // None before its first token (an estimated one may still be to come).
