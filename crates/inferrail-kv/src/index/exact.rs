@@ -665,7 +665,11 @@ impl Exact {
     /// The blocks stored after `keys` (a request's prompt blocks) while they
     /// are claimed: what requests in flight generated, in the order stored.
     pub(super) fn generated_after<'a>(&'a self, keys: &'a [BlockHash]) -> impl Iterator<Item = BlockHash> + 'a {
-        keys.iter().filter_map(|k| self.trailing.get(k)).flatten().filter(|&t| self.tiers[0].routed.contains_key(t)).copied()
+        let anchor = &self.anchor;
+        keys.iter()
+            .filter_map(|k| Some((k, self.trailing.get(k)?)))
+            .flat_map(move |(k, trail)| trail.iter().filter(move |t| anchor.get(*t) == Some(k)))
+            .copied()
     }
 
     /// Whether a request in flight claims a block.

@@ -296,9 +296,10 @@ fn starts(
 }
 
 /// A request in flight on an exact replica, for the wait forecast: when it
-/// ends, the prompt blocks it frees then (deepest first), its output in
+/// ends, the blocks it frees then (deepest first: what it generated so far,
+/// then its prompt's), how many of those it generated, its output in
 /// blocks, and its first token and pace.
-type InFlight = (Duration, Vec<BlockHash>, usize, Option<(Duration, Pace)>);
+type InFlight = (Duration, Vec<BlockHash>, usize, usize, Option<(Duration, Pace)>);
 
 /// `kept` on a replica in exact mode (ADR 0055, ADR 0061): the engine's events say
 /// what it holds now and the claims what the requests sent will allocate;
@@ -335,10 +336,14 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
     running.sort_by_key(|r| r.0);
     // The blocks each frees when it ends: those of its prompt its end leaves
     // unclaimed, after what it generated so far.
-    let blocks: Vec<Vec<BlockHash>> = running.iter().map(|r| r.1.iter().copied().chain(exact.generated_after(r.1)).collect()).collect();
-    let freed = freed_in_turn(blocks.iter().map(|b| b.iter()), |h| exact.claims_of(h));
-    let running: Vec<InFlight> =
-        running.into_iter().zip(freed).map(|((end, _, output, since), freed)| (end, freed, output, since)).collect();
+    let generated: Vec<Vec<BlockHash>> = running.iter().map(|r| exact.generated_after(r.1).collect()).collect();
+    let freed = freed_in_turn(running.iter().zip(&generated).map(|(r, g)| r.1.iter().chain(g)), |h| exact.claims_of(h));
+    let running: Vec<InFlight> = running
+        .into_iter()
+        .zip(freed)
+        .zip(&generated)
+        .map(|(((end, _, output, since), freed), g)| (end, freed, g.len(), output, since))
+        .collect();
     // None before its first token (an estimated one may still be to come).
     let filled = |since: Option<(Duration, Pace)>, t: Duration, output: usize| match since {
         Some((at, pace)) if t >= at => pace.filled(t - at, per_block).min(output),
@@ -350,10 +355,12 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
     let by = |t: Duration| {
         let t = t.max(now);
         let (mut freed, mut grown) = (0, 0);
-        for (end, own, output, since) in &running {
+        for (end, own, generated, output, since) in &running {
             let before = filled(*since, now, *output);
             if *end <= t {
-                freed += own.len() + output;
+                // Its prompt blocks left unclaimed, and its whole output
+                // (what it stored so far is among its own blocks too).
+                freed += own.len().saturating_sub(*generated) + output;
                 grown += output - before;
             } else {
                 grown += filled(*since, t, *output) - before;
@@ -368,7 +375,7 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
     let ended = running
         .iter()
         .take_while(|r| r.0 <= start)
-        .map(|(end, own, output, since)| (exact.to_allocate() + by(*end).1, 1, output - filled(*since, now, *output), own.as_slice()));
+        .map(|(end, own, _, output, since)| (exact.to_allocate() + by(*end).1, 1, output - filled(*since, now, *output), own.as_slice()));
     let evicted = evicted(exact.empty(), ended, exact.to_allocate() + by(start).1, exact.free_order());
     prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
 }

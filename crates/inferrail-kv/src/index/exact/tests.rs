@@ -672,6 +672,36 @@ fn a_prompt_that_must_wait_for_room_or_a_slot_loses_what_the_outputs_in_flight_g
     index.complete(&running, ms(1_400));
 }
 
+/// A running request's output is held until it ends (ADR 0066), and the
+/// wait forecast frees it then, once: what it stored so far is among the
+/// blocks it frees, not counted again with its output.
+#[test]
+fn a_waiting_prompt_counts_what_a_request_in_flight_generated_once_when_it_ends() {
+    let ms = Duration::from_millis;
+    let index = sized(14);
+    let seed = salt(&["m", ""]);
+    // A prefix of 4 blocks, free, then the block time learned (its block free after it).
+    ran(&index, seed, 0, 4);
+    teach_block_time(&index, seed);
+    // Two requests decoding from 1,000 ms, a block each 100 ms: one of 2
+    // prompt blocks and 4 output blocks (ending at 1,400 ms), one of 1 and
+    // 8 (ending at 1,800 ms). Each has stored 2 output blocks by 1,250 ms.
+    let first = running(&index, seed, 1, 2, 4, ms(1_000));
+    let second = running(&index, seed, 2, 1, 8, ms(1_000));
+    store(&index, seed, 1, 2, 4, Tier::ROUTING).unwrap();
+    store(&index, seed, 2, 1, 3, Tier::ROUTING).unwrap();
+    // The prefix and 5 fresh blocks need 9 of the 5 free. When the first
+    // ends, it frees 6 (2 prompt and 4 output blocks) and the outputs have
+    // taken 3 more: 8, too few. When the second ends, the outputs' 6 blocks
+    // have taken all 5 free blocks, the prefix first.
+    let prompt = block_hashes(seed, &tokens(9, 0), BS);
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 4, 5)], ms(1_250)), [0]);
+    // With 4 fresh blocks it starts when the first ends, the prefix's last 3 blocks gone.
+    assert_eq!(index.kept_through_wait(&prompt[..8], &[wait(0, 4, 4)], ms(1_250)), [1]);
+    index.complete(&first, ms(1_400));
+    index.complete(&second, ms(1_800));
+}
+
 /// A prefix a request in flight claims is kept only while it runs: once it
 /// ends, the engine frees its blocks behind those free already, and a
 /// prompt still waiting for room loses them, from the tail, to the outputs
