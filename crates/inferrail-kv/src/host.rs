@@ -411,29 +411,28 @@ impl HostOrder {
         self.pending.get(&h).is_some_and(|p| p.due())
     }
 
-    /// `h` becomes the most recent; every change to the order passes here
-    /// or clears the rank found ([`Self::run`]) itself.
+    /// `h` becomes the most recent.
     fn touch(&mut self, h: BlockHash) {
-        self.kept_from.set(None);
         self.next += 1;
         self.place(h, self.next);
     }
 
     /// `h` is stored: where it was offered if a request admitted was
-    /// storing it (see [`Pending`]), else the most recent.
+    /// storing it (see [`Pending`]), else the most recent; it lands.
     fn store(&mut self, h: BlockHash) {
-        match self.pending.get(&h).and_then(|p| p.landing) {
-            Some(r) if !self.rank.contains_key(&h) => {
-                self.kept_from.set(None);
-                self.place(h, r);
-                self.pend(h, |p| p.landing = None);
-            }
-            _ => self.touch(h),
+        match self.pending.get(&h).and_then(|p| p.landing).filter(|_| !self.rank.contains_key(&h)) {
+            Some(r) => self.place(h, r),
+            None => self.touch(h),
+        }
+        if self.pending.get(&h).is_some_and(|p| p.landing.is_some()) {
+            self.pend(h, |p| p.landing = None);
         }
     }
 
-    /// `h` takes place `r` in the order.
+    /// `h` takes place `r` in the order; every change to the order passes
+    /// here, or clears the rank found ([`Self::run`]) itself.
     fn place(&mut self, h: BlockHash, r: u64) {
+        self.kept_from.set(None);
         match self.rank.insert(h, r) {
             Some(old) => {
                 self.order.remove(&old);

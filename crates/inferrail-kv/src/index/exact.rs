@@ -664,12 +664,17 @@ impl Exact {
 
     /// The blocks stored after `keys` (a request's prompt blocks) while they
     /// are claimed: what requests in flight generated, in the order stored.
-    pub(super) fn generated_after<'a>(&'a self, keys: &'a [BlockHash]) -> impl Iterator<Item = BlockHash> + 'a {
+    pub(super) fn generated_after<'a>(&'a self, keys: &'a [BlockHash]) -> impl Iterator<Item = &'a BlockHash> + 'a {
         let anchor = &self.anchor;
         keys.iter()
             .filter_map(|k| Some((k, self.trailing.get(k)?)))
             .flat_map(move |(k, trail)| trail.iter().filter(move |t| anchor.get(*t) == Some(k)))
-            .copied()
+    }
+
+    /// Whether `h` is held by the request in flight that generated it
+    /// ([`Self::generated_after`]).
+    pub(super) fn generated(&self, h: BlockHash) -> bool {
+        self.anchor.contains_key(&h)
     }
 
     /// Whether a request in flight claims a block.
@@ -677,9 +682,12 @@ impl Exact {
         self.claims.contains_key(&h)
     }
 
-    /// Requests in flight claiming a block.
-    pub(super) fn claims_of(&self, h: BlockHash) -> u32 {
-        self.claims.get(&h).copied().unwrap_or(0)
+    /// Requests in flight holding a block: those claiming it, or, for a
+    /// block generated, those claiming the block it follows, whose claim
+    /// frees it when it ends.
+    pub(super) fn holders_of(&self, h: BlockHash) -> u32 {
+        let claimed = self.anchor.get(&h).unwrap_or(&h);
+        self.claims.get(claimed).copied().unwrap_or(0)
     }
 
     /// How many leading blocks of `keys` the routing tier holds.

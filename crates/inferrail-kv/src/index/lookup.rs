@@ -296,8 +296,8 @@ fn starts(
 }
 
 /// A request in flight on an exact replica, for the wait forecast: when it
-/// ends, the blocks it frees then (deepest first: what it generated so far,
-/// then its prompt's), how many of those it generated, its output in
+/// ends, the blocks it frees then (deepest first: what was generated so
+/// far, then its prompt's), how many of those were generated, its output in
 /// blocks, and its first token and pace.
 type InFlight = (Duration, Vec<BlockHash>, usize, usize, Option<(Duration, Pace)>);
 
@@ -334,15 +334,16 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
         })
         .collect();
     running.sort_by_key(|r| r.0);
-    // The blocks each frees when it ends: those of its prompt its end leaves
-    // unclaimed, after what it generated so far.
-    let generated: Vec<Vec<BlockHash>> = running.iter().map(|r| exact.generated_after(r.1).collect()).collect();
-    let freed = freed_in_turn(running.iter().zip(&generated).map(|(r, g)| r.1.iter().chain(g)), |h| exact.claims_of(h));
+    // The blocks each frees when it ends: those of its prompt and of what
+    // was generated after it that its end leaves held by no request.
+    let freed = freed_in_turn(running.iter().map(|r| r.1.iter().chain(exact.generated_after(r.1))), |h| exact.holders_of(h));
     let running: Vec<InFlight> = running
         .into_iter()
         .zip(freed)
-        .zip(&generated)
-        .map(|(((end, _, output, since), freed), g)| (end, freed, g.len(), output, since))
+        .map(|((end, _, output, since), freed)| {
+            let generated = freed.iter().filter(|&&h| exact.generated(h)).count();
+            (end, freed, generated, output, since)
+        })
         .collect();
     // None before its first token (an estimated one may still be to come).
     let filled = |since: Option<(Duration, Pace)>, t: Duration, output: usize| match since {
@@ -360,7 +361,7 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
             if *end <= t {
                 // Its prompt blocks left unclaimed, and its whole output
                 // (what it stored so far is among its own blocks too).
-                freed += own.len().saturating_sub(*generated) + output;
+                freed += own.len() - generated + output;
                 grown += output - before;
             } else {
                 grown += filled(*since, t, *output) - before;

@@ -702,6 +702,33 @@ fn a_waiting_prompt_counts_what_a_request_in_flight_generated_once_when_it_ends(
     index.complete(&second, ms(1_800));
 }
 
+/// What was generated after a prefix two requests in flight claim is held
+/// until the last of them ends, as the prefix is: the wait forecast frees
+/// it then, not when the first ends.
+#[test]
+fn a_waiting_prompt_keeps_what_was_generated_after_a_prefix_still_claimed() {
+    let ms = Duration::from_millis;
+    let index = sized(7);
+    let seed = salt(&["m", ""]);
+    teach_block_time(&index, seed);
+    // Two requests for one 2-block prompt, decoding from 1,000 ms: 4 output
+    // blocks (ending at 1,400 ms) and 8 (1,800 ms). The first has stored 2.
+    let prompt = block_hashes(seed, &tokens(4, 1), BS);
+    let first = running(&index, seed, 1, 2, 4, ms(1_000));
+    let second = index.record(0, &prompt[..2], 2, 0, 8, false, None);
+    index.decoding(&second, ms(1_000), Pace { lead: 0.0, span: 8.0 });
+    store(&index, seed, 1, 2, 4, Tier::ROUTING).unwrap();
+    // The next turn resends the prompt and what was generated: it needs
+    // the 2 generated blocks out of the free pool, which holds 1, and
+    // starts when the first request ends. The 3 blocks allocated by then
+    // take the free one and the first's output still owed, never what was
+    // generated, which the second's claim still holds.
+    assert_eq!(index.matched(&prompt, &[0]), [4]);
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 4, 0)], ms(1_250)), [4]);
+    index.complete(&first, ms(1_400));
+    index.complete(&second, ms(1_800));
+}
+
 /// A prefix a request in flight claims is kept only while it runs: once it
 /// ends, the engine frees its blocks behind those free already, and a
 /// prompt still waiting for room loses them, from the tail, to the outputs
