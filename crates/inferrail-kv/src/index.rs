@@ -208,6 +208,29 @@ impl Replica {
         }
     }
 
+    /// Exact mode: the engine stored output blocks that requests in flight
+    /// generated (`grown`: the last block of a prompt claimed, and how many
+    /// are held after it), at the replica's clock. The engine stores a
+    /// block once it is full, as it takes the next: that tells when the
+    /// request takes its output blocks, which an estimated first token only
+    /// guesses. Its first token is placed where its pace has it take that
+    /// block now. A prompt that several requests in flight end with, or a
+    /// request not forecast (no first token foretold), is left alone.
+    fn filled_by_events(&mut self, grown: &[(BlockHash, usize)]) {
+        let Some(per_block) = self.per_block() else { return };
+        for &(last, generated) in grown {
+            let mut ending = self.requests.values_mut().filter_map(|r| match r {
+                Request::Claiming { keys, since, .. } if keys.last() == Some(&last) => Some(since),
+                _ => None,
+            });
+            let (Some(Some((first, pace))), None) = (ending.next(), ending.next()) else { continue };
+            // Its output block taken now: the one after the prompt's last
+            // block, filled, or after the last of its own blocks filled.
+            let taken = generated + usize::from(pace.lead <= 0.0);
+            *first = self.clock.saturating_sub(pace.due(taken - 1, per_block));
+        }
+    }
+
     /// Request `id`, sent in approximate mode to a replica with a host
     /// tier, is admitted reusing `reused` blocks: the engine's GPU hit. It
     /// loads from host memory the blocks held there from the next one on,

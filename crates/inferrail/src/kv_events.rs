@@ -134,6 +134,8 @@ impl Follow {
     /// Applies events to the exact view; the first the index refuses ends it.
     fn apply(&mut self, router: &Router, events: &[KvEvent]) {
         let index = router.core.kv.index();
+        // The batch is applied as it comes: its time is now.
+        index.advance(&[self.replica.slot], router.now());
         for event in events {
             // Each stored run says whether its hashes cover tokens past the blocks (ADR 0058).
             if let KvEvent::BlockStored(s) = event {

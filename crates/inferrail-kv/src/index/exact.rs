@@ -240,6 +240,9 @@ pub(super) struct Exact {
     /// taken ([`Self::take_admitted`]) on the GPU or in host memory: their
     /// requests were admitted.
     admitted: Vec<BlockHash>,
+    /// Claimed blocks after which a block was generated since last taken
+    /// ([`Self::take_grown`]): their requests filled an output block then.
+    grown: Vec<BlockHash>,
 }
 
 /// What of a request's prompt the engine uses in host memory (vLLM's
@@ -299,6 +302,7 @@ impl Exact {
             born: HashMap::default(),
             host_born: HashMap::default(),
             admitted: Vec::new(),
+            grown: Vec::new(),
         }
     }
 
@@ -470,6 +474,9 @@ impl Exact {
                         self.stamps.insert(h, (t, Reverse(depth + i as u32)));
                         self.anchor.insert(h, a);
                         self.trailing.entry(a).or_default().push(h);
+                        if self.grown.last() != Some(&a) {
+                            self.grown.push(a);
+                        }
                     }
                     None => self.stamp(h, (t, Reverse(depth + i as u32))),
                 }
@@ -660,6 +667,20 @@ impl Exact {
     /// stored since the last call: a request claiming each was admitted.
     pub(super) fn take_admitted(&mut self) -> Vec<BlockHash> {
         std::mem::take(&mut self.admitted)
+    }
+
+    /// The claimed blocks after which blocks were generated since the last
+    /// call, each with how many are held after it now: the request in
+    /// flight that claims it as its prompt's last filled that many output
+    /// blocks.
+    pub(super) fn take_grown(&mut self) -> Vec<(BlockHash, usize)> {
+        let mut grown = std::mem::take(&mut self.grown);
+        grown.sort_unstable();
+        grown.dedup();
+        grown
+            .into_iter()
+            .map(|a| (a, self.trailing.get(&a).map_or(0, |t| t.iter().filter(|h| self.anchor.get(*h) == Some(&a)).count())))
+            .collect()
     }
 
     /// The blocks stored after `keys` (a request's prompt blocks) while they

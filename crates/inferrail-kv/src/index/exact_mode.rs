@@ -54,9 +54,12 @@ impl KvIndex {
         let exact = rep.exact.as_mut().ok_or(EventError::NotExact(slot))?;
         let mut changes = Vec::new();
         let applied = exact.apply(event, &mut changes);
-        let admitted = exact.take_admitted();
+        let (admitted, grown) = (exact.take_admitted(), exact.take_grown());
         if !admitted.is_empty() {
             rep.host_admitted_by_events(admitted);
+        }
+        if !grown.is_empty() {
+            rep.filled_by_events(&grown);
         }
         self.present(slot, &changes);
         applied

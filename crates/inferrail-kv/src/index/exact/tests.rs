@@ -672,6 +672,35 @@ fn a_prompt_that_must_wait_for_room_or_a_slot_loses_what_the_outputs_in_flight_g
     index.complete(&running, ms(1_400));
 }
 
+/// The engine stores a request's output block once it is full, as it
+/// takes the next: the wait forecast paces the request from there, not
+/// from a first token that put it ahead of the engine.
+#[test]
+fn a_waiting_prompt_paces_a_request_in_flight_by_the_output_blocks_it_stored() {
+    let ms = Duration::from_millis;
+    let index = sized(12);
+    let seed = salt(&["m", ""]);
+    // A free 4-block prefix, then the block that taught the block time.
+    ran(&index, seed, 0, 4);
+    teach_block_time(&index, seed);
+    // A request of 4 prompt blocks heard decoding from 1,000 ms, owing 4
+    // output blocks: by its first token, it takes them from 1,000 to 1,300
+    // ms and ends at 1,400.
+    let running = running(&index, seed, 1, 4, 4, ms(1_000));
+    // The engine is slower: it stores the first output block at 1,300 ms,
+    // taking the second. The third and fourth come at 1,400 and 1,500 ms,
+    // and it ends at 1,600.
+    index.advance(&[0], ms(1_300));
+    store(&index, seed, 1, 4, 5, Tier::ROUTING).unwrap();
+    // The prefix and 4 fresh blocks wait for it to end. Of its 2 output
+    // blocks still to come, the first takes the last empty block and the
+    // second the prefix's tail.
+    let prompt = block_hashes(seed, &tokens(8, 0), BS);
+    assert_eq!(matched(&index, seed, 0, 8), 4);
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 4, 4)], ms(1_300)), [3]);
+    index.complete(&running, ms(1_600));
+}
+
 /// A running request's output is held until it ends (ADR 0066), and the
 /// wait forecast frees it then, once: what it stored so far is among the
 /// blocks it frees, not counted again with its output.
@@ -685,9 +714,11 @@ fn a_waiting_prompt_counts_what_a_request_in_flight_generated_once_when_it_ends(
     teach_block_time(&index, seed);
     // Two requests decoding from 1,000 ms, a block each 100 ms: one of 2
     // prompt blocks and 4 output blocks (ending at 1,400 ms), one of 1 and
-    // 8 (ending at 1,800 ms). Each has stored 2 output blocks by 1,250 ms.
+    // 8 (ending at 1,800 ms). Each stored its second output block at
+    // 1,200 ms, taking its third, as its pace has it.
     let first = running(&index, seed, 1, 2, 4, ms(1_000));
     let second = running(&index, seed, 2, 1, 8, ms(1_000));
+    index.advance(&[0], ms(1_200));
     store(&index, seed, 1, 2, 4, Tier::ROUTING).unwrap();
     store(&index, seed, 2, 1, 3, Tier::ROUTING).unwrap();
     // The prefix and 5 fresh blocks need 9 of the 5 free. When the first
