@@ -677,10 +677,13 @@ impl Exact {
         let mut grown = std::mem::take(&mut self.grown);
         grown.sort_unstable();
         grown.dedup();
-        grown
-            .into_iter()
-            .map(|a| (a, self.trailing.get(&a).map_or(0, |t| t.iter().filter(|h| self.anchor.get(*h) == Some(&a)).count())))
-            .collect()
+        grown.into_iter().map(|a| (a, self.generated_count(a))).collect()
+    }
+
+    /// How many blocks requests in flight generated after `last`, a claimed
+    /// block (the last of their prompts), that are held now.
+    pub(super) fn generated_count(&self, last: BlockHash) -> usize {
+        self.trailing.get(&last).map_or(0, |t| t.iter().filter(|h| self.anchor.get(*h) == Some(&last)).count())
     }
 
     /// The blocks stored after `keys` (a request's prompt blocks) while they

@@ -298,8 +298,9 @@ fn starts(
 /// A request in flight on an exact replica, for the wait forecast: when it
 /// ends, the blocks it frees then (deepest first: what was generated so
 /// far, then its prompt's), how many of those were generated, its output in
-/// blocks, and its first token and pace.
-type InFlight = (Duration, Vec<BlockHash>, usize, usize, Option<(Duration, Pace)>);
+/// blocks, its first token and pace, and the output blocks the events show
+/// it took by now.
+type InFlight = (Duration, Vec<BlockHash>, usize, usize, Option<(Duration, Pace)>, usize);
 
 /// `kept` on a replica in exact mode (ADR 0055, ADR 0061): the engine's events say
 /// what it holds now and the claims what the requests sent will allocate;
@@ -319,8 +320,38 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
     let demand = need + prefix.iter().filter(|&&h| !exact.claimed(h)).count();
     let available = exact.available();
     let prefilled = earliest_start(rep, w, per_block, now);
+    // None before its first token (an estimated one may still be to come).
+    let filled = |since: Option<(Duration, Pace)>, t: Duration, output: usize| match since {
+        Some((at, pace)) if t >= at => pace.filled(t - at, per_block).min(output),
+        _ => 0,
+    };
+    // The output blocks a request in flight took by now as far as the
+    // events tell: one for each block it stored after its prompt, and the
+    // first at its first token where its prompt filled its last block (ADR
+    // 0067). Those its pace has taken beyond them are taken in the step
+    // under way, their events still to come, or the request is behind its
+    // pace and takes them soon: either way they evict as the ones to come.
+    let before = |keys: &[BlockHash], since: Option<(Duration, Pace)>, output: usize| {
+        let seen = match since {
+            Some((_, pace)) => keys.last().map_or(0, |&last| exact.generated_count(last)) + usize::from(pace.lead <= 0.0),
+            None => 0,
+        };
+        filled(since, now, output).min(seen)
+    };
     if demand <= available && prefilled <= now {
-        return matched;
+        let unseen: usize = rep
+            .requests
+            .values()
+            .map(|r| match r {
+                Request::Claiming { keys, output, since, .. } => filled(*since, now, *output) - before(keys, *since, *output),
+                _ => 0,
+            })
+            .sum();
+        if unseen == 0 {
+            return matched;
+        }
+        let evicted = evicted(exact.empty(), std::iter::empty(), exact.to_allocate() + unseen, exact.free_order());
+        return prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched);
     }
     // Each request in flight, in the order they end.
     let mut running: Vec<_> = rep
@@ -328,7 +359,7 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
         .values()
         .filter_map(|r| match r {
             Request::Claiming { keys, output, since, .. } => {
-                Some((ends_by(*since, *output, per_block, now), keys.as_slice(), *output, *since))
+                Some((ends_by(*since, *output, per_block, now), keys.as_slice(), *output, *since, before(keys, *since, *output)))
             }
             _ => None,
         })
@@ -340,31 +371,25 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
     let running: Vec<InFlight> = running
         .into_iter()
         .zip(freed)
-        .map(|((end, _, output, since), freed)| {
+        .map(|((end, _, output, since, before), freed)| {
             let generated = freed.iter().filter(|&&h| exact.generated(h)).count();
-            (end, freed, generated, output, since)
+            (end, freed, generated, output, since, before)
         })
         .collect();
-    // None before its first token (an estimated one may still be to come).
-    let filled = |since: Option<(Duration, Pace)>, t: Duration, output: usize| match since {
-        Some((at, pace)) if t >= at => pace.filled(t - at, per_block).min(output),
-        _ => 0,
-    };
     // By `t` (now at the earliest: a request may be taken to have ended
     // before now): blocks freed by the requests ended, and output blocks
     // taken since now.
     let by = |t: Duration| {
         let t = t.max(now);
         let (mut freed, mut grown) = (0, 0);
-        for (end, own, generated, output, since) in &running {
-            let before = filled(*since, now, *output);
-            if *end <= t {
+        for &(end, ref own, generated, output, since, before) in &running {
+            if end <= t {
                 // Its prompt blocks left unclaimed, and its whole output
                 // (what it stored so far is among its own blocks too).
                 freed += own.len() - generated + output;
                 grown += output - before;
             } else {
-                grown += filled(*since, t, *output) - before;
+                grown += filled(since, t, output) - before;
             }
         }
         (freed, grown)
@@ -376,7 +401,7 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
     let ended = running
         .iter()
         .take_while(|r| r.0 <= start)
-        .map(|(end, own, _, output, since)| (exact.to_allocate() + by(*end).1, 1, output - filled(*since, now, *output), own.as_slice()));
+        .map(|(end, own, _, output, _, before)| (exact.to_allocate() + by(*end).1, 1, output - before, own.as_slice()));
     let evicted = evicted(exact.empty(), ended, exact.to_allocate() + by(start).1, exact.free_order());
     prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
 }

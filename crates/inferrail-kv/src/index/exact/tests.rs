@@ -636,6 +636,20 @@ fn teach_block_time(index: &KvIndex, seed: BlockHash) {
     index.complete(&learn, Duration::from_millis(100));
 }
 
+/// A cache of `blocks` blocks holding, free, a 4-block prefix of variant 0
+/// and then the block that taught the block time (100 ms), and a request
+/// of 4 prompt blocks of variant 1 decoding from 1,000 ms, owing 4 output
+/// blocks: by its pace it takes them from 1,000 to 1,300 ms and ends at
+/// 1,400.
+fn prefix_beside_a_running_request(blocks: usize) -> (KvIndex, BlockHash, Recorded) {
+    let index = sized(blocks);
+    let seed = salt(&["m", ""]);
+    ran(&index, seed, 0, 4);
+    teach_block_time(&index, seed);
+    let running = running(&index, seed, 1, 4, 4, Duration::from_millis(1_000));
+    (index, seed, running)
+}
+
 /// Exact mode forecasts a wait as approximate mode does (ADR 0055): a
 /// request sent now that does not fit waits for a request in flight to
 /// end, and meanwhile that request's output takes blocks, evicting the
@@ -644,15 +658,7 @@ fn teach_block_time(index: &KvIndex, seed: BlockHash) {
 #[test]
 fn a_prompt_that_must_wait_for_room_or_a_slot_loses_what_the_outputs_in_flight_grow_into() {
     let ms = Duration::from_millis;
-    let index = sized(10);
-    let seed = salt(&["m", ""]);
-    // A prefix of 4 blocks, free; then a request that teaches the block
-    // time, free after it.
-    ran(&index, seed, 0, 4);
-    teach_block_time(&index, seed);
-    // A request running 4 prompt blocks, its first token at 1,000 ms,
-    // owing 4 output blocks (1,000 to 1,300 ms), ending at 1,400.
-    let running = running(&index, seed, 1, 4, 4, ms(1_000));
+    let (index, seed, running) = prefix_beside_a_running_request(10);
     // The prefix and 4 fresh blocks need 8 of the 5 free: the prompt waits
     // until 1,400 ms, and the 3 output blocks taken meanwhile evict the
     // prefix from its tail.
@@ -678,15 +684,7 @@ fn a_prompt_that_must_wait_for_room_or_a_slot_loses_what_the_outputs_in_flight_g
 #[test]
 fn a_waiting_prompt_paces_a_request_in_flight_by_the_output_blocks_it_stored() {
     let ms = Duration::from_millis;
-    let index = sized(12);
-    let seed = salt(&["m", ""]);
-    // A free 4-block prefix, then the block that taught the block time.
-    ran(&index, seed, 0, 4);
-    teach_block_time(&index, seed);
-    // A request of 4 prompt blocks heard decoding from 1,000 ms, owing 4
-    // output blocks: by its first token, it takes them from 1,000 to 1,300
-    // ms and ends at 1,400.
-    let running = running(&index, seed, 1, 4, 4, ms(1_000));
+    let (index, seed, running) = prefix_beside_a_running_request(12);
     // The engine is slower: it stores the first output block at 1,300 ms,
     // taking the second. The third and fourth come at 1,400 and 1,500 ms,
     // and it ends at 1,600.
@@ -699,6 +697,31 @@ fn a_waiting_prompt_paces_a_request_in_flight_by_the_output_blocks_it_stored() {
     assert_eq!(matched(&index, seed, 0, 8), 4);
     assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 4, 4)], ms(1_300)), [3]);
     index.complete(&running, ms(1_600));
+}
+
+/// An output block a request in flight took by its pace, of which no event
+/// has told yet, has evicted a free block or will before a prompt sent now
+/// starts: a prompt that fits at once loses what that block takes.
+#[test]
+fn a_prompt_that_fits_loses_what_an_output_block_not_yet_heard_of_took() {
+    let ms = Duration::from_millis;
+    // The running request takes its first output block at 1,000 ms (the
+    // last empty one), and its second at 1,100 ms.
+    let (index, seed, running) = prefix_beside_a_running_request(10);
+    let prompt = block_hashes(seed, &tokens(4, 0), BS);
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 4, 0)], ms(1_050)), [4]);
+    // At 1,110 ms no event has told of the second: it took the prefix's
+    // tail, the head of the free blocks.
+    assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 4, 0)], ms(1_110)), [3]);
+    // The step's events, heard at 1,150 ms: the first output block stored, the
+    // tail evicted. The view holds 3 blocks of the prefix, and nothing is
+    // still to be taken.
+    index.advance(&[0], ms(1_150));
+    store(&index, seed, 1, 4, 5, Tier::ROUTING).unwrap();
+    let tail = [engine(prompt[3])];
+    index.apply(0, &Event::Removed { hashes: &tail, tier: Tier::ROUTING }).unwrap();
+    assert_eq!((matched(&index, seed, 0, 4), index.kept_through_wait(&prompt[..3], &[wait(0, 3, 1)], ms(1_150))), (3, vec![3]));
+    index.complete(&running, ms(1_400));
 }
 
 /// A running request's output is held until it ends (ADR 0066), and the
@@ -798,12 +821,16 @@ fn an_end_estimated_before_now_takes_no_output_from_before_now() {
     let seed = salt(&["m", ""]);
     teach_block_time(&index, seed);
     ran(&index, seed, 0, 4);
-    // A, 3 blocks, was to end at 100 ms; B, 4 blocks, decodes from 0 to 2,000.
+    // A, 3 blocks, was to end at 100 ms; B, 4 blocks, decodes from 900 ms
+    // to 2,900. By 1,000 ms B has taken two output blocks, and the engine
+    // has stored the first.
     let a = running(&index, seed, 2, 3, 1, ms(0));
-    let b = running(&index, seed, 1, 4, 20, ms(0));
+    let b = running(&index, seed, 1, 4, 20, ms(900));
+    index.advance(&[0], ms(1_000));
+    store(&index, seed, 1, 4, 5, Tier::ROUTING).unwrap();
     // The prefix and 8 fresh blocks wait for A's end, which frees room at once.
     let prompt = block_hashes(seed, &tokens(12, 0), BS);
     assert_eq!(index.kept_through_wait(&prompt, &[wait(0, 4, 8)], ms(1_000)), [4]);
     index.complete(&a, ms(1_000));
-    index.complete(&b, ms(2_000));
+    index.complete(&b, ms(2_900));
 }
