@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use super::exact::Exact;
-use super::{FoldState, KvIndex, Pace, Replica, Request, Slot, ahead, is_placeholder};
+use super::{ESTIMATED_AT_MOST, FoldState, KvIndex, Pace, Replica, Request, Slot, ahead, is_placeholder};
 use crate::hash::BlockHash;
 
 impl KvIndex {
@@ -339,6 +339,11 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
         filled(since, now, output).min(seen)
     };
     if demand <= available && prefilled <= now {
+        // Past the bound on estimated first tokens, as cheap as before: a
+        // decision should not cost time linear in thousands of streams.
+        if rep.requests.len() > ESTIMATED_AT_MOST {
+            return matched;
+        }
         let unseen: usize = rep
             .requests
             .values()
