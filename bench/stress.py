@@ -215,7 +215,19 @@ def stream_one(fleet, max_tokens):
         c.close()
 
 
-def scenario_concurrent_streams(fleet, n=2000):
+def scenario_exact_streams(fleet, n=2000):
+    """The same streams with the router following the engines' KV events:
+    every decision runs exact mode's view and wait forecast over the
+    requests in flight (ADR 0067), which must stay cheap with thousands."""
+    fleet.until_exact()
+    scenario_concurrent_streams(fleet, n, mode=" in exact mode")
+    modes = [str(m) for m in fleet.kv_modes()]
+    row("exact mode through the streams", "every replica still exact after them",
+        f"replicas' modes after: {', '.join(modes)}", all(m == "exact" for m in modes),
+        fault="every replica exact before the streams")
+
+
+def scenario_concurrent_streams(fleet, n=2000, mode=""):
     started = time.monotonic()
     peak = [0.0]
     stop = threading.Event()
@@ -234,7 +246,7 @@ def scenario_concurrent_streams(fleet, n=2000):
     wall = time.monotonic() - started
     wait_until(lambda: "inferrail_leases 0\n" in fleet.metrics(), "every lease released", timeout=60)
     failed = [d for d in done if d != "ok"]
-    row(f"clients: {n:,} concurrent streams of 200 tokens",
+    row(f"clients: {n:,} concurrent streams of 200 tokens{mode}",
         "every stream completes with [DONE]; leases back to zero",
         f"{n - len(failed):,} of {n:,} complete in {wall:.0f} s, up to {peak[0]:.0f} in flight at once (sampled); leases 0"
         + (f"; failures: {sorted(set(failed))[:3]}" if failed else ""),
@@ -1088,6 +1100,7 @@ SCENARIOS = {
     "admission": ("admission", scenario_admission),
     "disconnects": ("paced", scenario_disconnects),
     "streams": ("paced", scenario_concurrent_streams),
+    "streams-exact": ("paced-exact", scenario_exact_streams),
     "slow-readers": ("zero", scenario_slow_readers),
     "scraper-killed": ("sidecar", scenario_scraper_killed),
     "picker-restart": ("picker", scenario_picker_restart),
@@ -1111,6 +1124,9 @@ FLEETS = {
     "zero": {"sim_flags": ["--zero-latency", "--max-num-seqs", "4096"]},
     "paced": {"sim_flags": ["--decode-token-ms", "2", "--prefill-fixed-ms", "1", "--max-num-seqs", "4096"],
               "replica_extra": ", max_concurrency: 4096, max_pending: 4096"},
+    # The same, the router following the engines' KV events (exact mode).
+    "paced-exact": {"sim_flags": ["--decode-token-ms", "2", "--prefill-fixed-ms", "1", "--max-num-seqs", "4096"],
+                    "replica_extra": ", max_concurrency: 4096, max_pending: 4096", "kv_events": {}},
     "peers": {"sim_flags": ["--zero-latency"], "routers": 2},
     # Two slots a replica and two bands: the fleet is full, requests wait their band's turn or are shed.
     "admission": {"sim_flags": ["--decode-token-ms", "2", "--prefill-fixed-ms", "1"], "replica_extra": ", max_concurrency: 2, max_pending: 2",
