@@ -139,7 +139,7 @@ up LOAD="embedded": setup
     # setsid: the fleet outlives this recipe and its process group.
     start() { name=$1; shift; setsid "$@" > "$run/$name.log" 2>&1 < /dev/null & echo $! > "$run/$name.pid"; }
     for i in 1 2 3; do
-        start "sim-$i" target/debug/inferrail-sim --port "800$i" --served-model-name inferrail/sim-8b --enable-prompt-tokens-details --seed "$i"
+        start "sim-$i" target/debug/inferrail-sim --port "800$i" --served-model-name inferrail/sim-8b sim --enable-prompt-tokens-details --seed "$i"
     done
     config=envoy/local-inferrail.yaml
     if [ "{{LOAD}}" = sidecar ]; then

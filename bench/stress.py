@@ -228,6 +228,7 @@ def scenario_exact_streams(fleet, n=2000):
 
 
 def scenario_concurrent_streams(fleet, n=2000, mode=""):
+    undecided = fleet.envoy_stat("failure_mode_allowed") or 0
     started = time.monotonic()
     peak = [0.0]
     stop = threading.Event()
@@ -246,9 +247,12 @@ def scenario_concurrent_streams(fleet, n=2000, mode=""):
     wall = time.monotonic() - started
     wait_until(lambda: "inferrail_leases 0\n" in fleet.metrics(), "every lease released", timeout=60)
     failed = [d for d in done if d != "ok"]
+    # Those the router did not answer in time go on undecided, naming the alias the client sent.
+    undecided = (fleet.envoy_stat("failure_mode_allowed") or 0) - undecided
     row(f"clients: {n:,} concurrent streams of 200 tokens{mode}",
         "every stream completes with [DONE]; leases back to zero",
-        f"{n - len(failed):,} of {n:,} complete in {wall:.0f} s, up to {peak[0]:.0f} in flight at once (sampled); leases 0"
+        f"{n - len(failed):,} of {n:,} complete in {wall:.0f} s, up to {peak[0]:.0f} in flight at once (sampled); leases 0; "
+        f"{undecided:.0f} sent on undecided by Envoy"
         + (f"; failures: {sorted(set(failed))[:3]}" if failed else ""),
         not failed, fault=f"{peak[0]:.0f} streams open at once")
 
@@ -740,7 +744,7 @@ def churn_sims(fleet, ips, port):
     """Starts a zero-latency simulator on each of `ips` at `port`, owned by `fleet`."""
     for k, ip in enumerate(ips):
         fleet.procs[f"member-{ip}"] = fleet._spawn(f"member-{ip}", [
-            TARGET / "inferrail-sim", "--host", ip, "--port", str(port), "--served-model-name", MODEL,
+            TARGET / "inferrail-sim", "--host", ip, "--port", str(port), "--served-model-name", MODEL, "sim",
             "--zero-latency", "--seed", str(10 + k)])
         wait_until(lambda ip=ip: http("GET", f"http://{ip}:{port}/health").status == 200, f"the simulator on {ip}")
 

@@ -189,7 +189,7 @@ class Fleet:
     def start_sim(self, i):
         port = self.inner_ports[i]
         self.procs[f"sim-{i + 1}"] = self._spawn(
-            f"sim-{i + 1}", [TARGET / "inferrail-sim", "--port", str(port), "--served-model-name", MODEL, "--enable-prompt-tokens-details",
+            f"sim-{i + 1}", [TARGET / "inferrail-sim", "--port", str(port), "--served-model-name", MODEL, "sim", "--enable-prompt-tokens-details",
                              "--seed", str(i + 1), *self.sim_flags, *self._sim_events_flags(i), *self._sim_transfer_flags(i)])
         wait_until(lambda: http("GET", f"http://127.0.0.1:{port}/health").status == 200, f"sim-{i + 1}")
         if self.sidecars:

@@ -171,8 +171,7 @@ def test_a_client_that_leaves_the_queue_takes_its_request_out(admitting):
 
 
 def test_a_panic_in_a_callback_lets_the_request_through_and_envoy_lives(fleet_factory):
-    fleet = fleet_factory(policy="cost_model", module=True, module_env={"INFERRAIL_MODULE_FAILPOINT": "request_body"},
-                          sim_flags=["--served-model-name", "inferrail/sim-8b", "sim"])
+    fleet = fleet_factory(policy="cost_model", module=True, module_env={"INFERRAIL_MODULE_FAILPOINT": "request_body"})
     served = set()
     for n in range(6):
         # The body goes on as the client sent it: the engines answer to the alias too.
@@ -197,7 +196,7 @@ def test_a_decision_the_stuck_runtime_never_makes_lets_the_request_go_on_unroute
     sha = hashlib.sha256(KEY.encode()).hexdigest()
     # The body goes on as the client sent it: the engines answer to the alias too.
     fleet = fleet_factory(policy="least_request", replica_extra=", max_concurrency: 1", config_extra=ADMISSION % sha, module=True,
-                          module_env={"INFERRAIL_MODULE_FAILPOINT": "stall_runtime"}, sim_flags=["--served-model-name", MODEL, "sim"])
+                          module_env={"INFERRAIL_MODULE_FAILPOINT": "stall_runtime"})
     streams = fill(fleet)
     r = fleet.chat(headers={"x-inferrail-band": "batch"})
     assert r.status == 200, r.body
