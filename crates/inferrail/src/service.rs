@@ -109,6 +109,12 @@ pub async fn start(config: Config, shutdown: impl Future<Output = ()> + Send + '
         .initial_connection_window_size(64 << 20)
         .initial_stream_window_size(16 << 20)
         .max_frame_size(1 << 20)
+        // Envoy resets every stream it stops waiting for (message_timeout).
+        // Past h2's default of 20 such resets not yet accepted (its rapid
+        // reset guard), the server ended the whole connection, and every
+        // stream on it failed: 60 of a cold burst of 2,000 (`bench/stress.py
+        // --only streams`), none with this. This port serves Envoy and peers.
+        .http2_max_pending_accept_reset_streams(Some(4096))
         .add_service(health_service)
         .add_service(ext_proc)
         .add_service(PeerServer::new(PeerService::new(router.clone())).max_decoding_message_size(64 << 20))
