@@ -215,9 +215,11 @@ impl Replica {
     /// request takes its output blocks, which an estimated first token only
     /// guesses. Its first token is placed where its pace has it take that
     /// block now. A prompt that several requests in flight end with, or a
-    /// request not forecast (no first token foretold), is left alone.
+    /// request not forecast (no first token foretold), is left alone; so is
+    /// every request past `ESTIMATED_AT_MOST` in flight, where none is
+    /// forecast and a pass over them for each event would cost the most.
     fn filled_by_events(&mut self, grown: &[(BlockHash, usize)]) {
-        let Some(per_block) = self.per_block() else { return };
+        let Some(per_block) = self.per_block().filter(|_| self.requests.len() <= ESTIMATED_AT_MOST) else { return };
         for &(last, generated) in grown {
             let mut ending = self.requests.values_mut().filter_map(|r| match r {
                 Request::Claiming { keys, since, .. } if keys.last() == Some(&last) => Some(since),

@@ -295,12 +295,22 @@ fn starts(
     })
 }
 
-/// A request in flight on an exact replica, for the wait forecast: when it
-/// ends, the blocks it frees then (deepest first: what was generated so
-/// far, then its prompt's), how many of those were generated, its output in
-/// blocks, its first token and pace, and the output blocks the events show
-/// it took by now.
-type InFlight = (Duration, Vec<BlockHash>, usize, usize, Option<(Duration, Pace)>, usize);
+/// A request in flight on an exact replica, for the wait forecast.
+struct InFlight {
+    /// When it ends.
+    end: Duration,
+    /// The blocks it frees then, deepest first: what was generated so far,
+    /// then its prompt's.
+    frees: Vec<BlockHash>,
+    /// How many of those were generated.
+    generated: usize,
+    /// Its output in blocks.
+    output: usize,
+    /// Its first token and pace.
+    since: Option<(Duration, Pace)>,
+    /// The output blocks it took by now, as far as the events tell.
+    told: usize,
+}
 
 /// `kept` on a replica in exact mode (ADR 0055, ADR 0061): the engine's events say
 /// what it holds now and the claims what the requests sent will allocate;
@@ -325,18 +335,17 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
         Some((at, pace)) if t >= at => pace.filled(t - at, per_block).min(output),
         _ => 0,
     };
-    // The output blocks a request in flight took by now as far as the
-    // events tell: one for each block it stored after its prompt, and the
-    // first at its first token where its prompt filled its last block (ADR
-    // 0067). Those its pace has taken beyond them are taken in the step
-    // under way, their events still to come, or the request is behind its
-    // pace and takes them soon: either way they evict as the ones to come.
-    let before = |keys: &[BlockHash], since: Option<(Duration, Pace)>, output: usize| {
-        let seen = match since {
-            Some((_, pace)) => keys.last().map_or(0, |&last| exact.generated_count(last)) + usize::from(pace.lead <= 0.0),
-            None => 0,
-        };
-        filled(since, now, output).min(seen)
+    // The output blocks a request in flight took by now: by its pace, and
+    // as far as the events tell (one for each block it stored after its
+    // prompt, and the first at its first token where its prompt filled its
+    // last block, ADR 0067). Those its pace has taken beyond what the events
+    // tell are taken in the step under way, their events still to come, or
+    // the request is behind its pace and takes them soon: either way they
+    // evict as the ones to come.
+    let taken = |keys: &[BlockHash], since: Option<(Duration, Pace)>, output: usize| {
+        let paced = filled(since, now, output);
+        let told = since.map_or(0, |(_, pace)| keys.last().map_or(0, |&last| exact.generated_count(last)) + usize::from(pace.lead <= 0.0));
+        (paced, paced.min(told))
     };
     if demand <= available && prefilled <= now {
         // Past the bound on estimated first tokens, as cheap as before: a
@@ -348,7 +357,10 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
             .requests
             .values()
             .map(|r| match r {
-                Request::Claiming { keys, output, since, .. } => filled(*since, now, *output) - before(keys, *since, *output),
+                Request::Claiming { keys, output, since, .. } => {
+                    let (paced, told) = taken(keys, *since, *output);
+                    paced - told
+                }
                 _ => 0,
             })
             .sum();
@@ -364,7 +376,7 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
         .values()
         .filter_map(|r| match r {
             Request::Claiming { keys, output, since, .. } => {
-                Some((ends_by(*since, *output, per_block, now), keys.as_slice(), *output, *since, before(keys, *since, *output)))
+                Some((ends_by(*since, *output, per_block, now), keys.as_slice(), *output, *since, taken(keys, *since, *output).1))
             }
             _ => None,
         })
@@ -376,9 +388,9 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
     let running: Vec<InFlight> = running
         .into_iter()
         .zip(freed)
-        .map(|((end, _, output, since, before), freed)| {
-            let generated = freed.iter().filter(|&&h| exact.generated(h)).count();
-            (end, freed, generated, output, since, before)
+        .map(|((end, _, output, since, told), frees)| {
+            let generated = frees.iter().filter(|&&h| exact.generated(h)).count();
+            InFlight { end, frees, generated, output, since, told }
         })
         .collect();
     // By `t` (now at the earliest: a request may be taken to have ended
@@ -387,26 +399,26 @@ fn kept_exact(rep: &Replica, exact: &Exact, hashes: &[BlockHash], w: &Wait, now:
     let by = |t: Duration| {
         let t = t.max(now);
         let (mut freed, mut grown) = (0, 0);
-        for &(end, ref own, generated, output, since, before) in &running {
-            if end <= t {
+        for r in &running {
+            if r.end <= t {
                 // Its prompt blocks left unclaimed, and its whole output
                 // (what it stored so far is among its own blocks too).
-                freed += own.len() - generated + output;
-                grown += output - before;
+                freed += r.frees.len() - r.generated + r.output;
+                grown += r.output - r.told;
             } else {
-                grown += filled(since, t, output) - before;
+                grown += filled(r.since, t, r.output) - r.told;
             }
         }
         (freed, grown)
     };
-    let Some(start) = starts(prefilled, running.iter().map(|r| r.0), &by, available, demand) else { return matched };
+    let Some(start) = starts(prefilled, running.iter().map(|r| r.end), &by, available, demand) else { return matched };
     // The allocations to come: the claims not held, a block for each request
     // in flight, and the outputs' growth; each request that ended leaves the
     // block it held unnamed as room.
     let ended = running
         .iter()
-        .take_while(|r| r.0 <= start)
-        .map(|(end, own, _, output, _, before)| (exact.to_allocate() + by(*end).1, 1, output - before, own.as_slice()));
+        .take_while(|r| r.end <= start)
+        .map(|r| (exact.to_allocate() + by(r.end).1, 1, r.output - r.told, r.frees.as_slice()));
     let evicted = evicted(exact.empty(), ended, exact.to_allocate() + by(start).1, exact.free_order());
     prefix.iter().position(|h| evicted.contains(h)).unwrap_or(matched)
 }
