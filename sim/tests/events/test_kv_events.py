@@ -53,19 +53,25 @@ def sim_and_subscriber():
     sub = ctx.socket(zmq.SUB)
     port = sub.bind_to_random_port("tcp://127.0.0.1")
     sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
-    replay = ctx.socket(zmq.ROUTER)  # only to find a free port for the simulator's replay service
-    replay_port = replay.bind_to_random_port("tcp://127.0.0.1")
-    replay.close(linger=0)
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
-              "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": TOPIC.decode()}
     binary = os.environ.get("INFERRAIL_SIM", str(ROOT / "target/debug/inferrail-sim"))
-    proc = subprocess.Popen(
-        [binary, "--port", "0", "--zero-latency", "--enable-prompt-tokens-details", "--block-size", "16",
-         "--num-gpu-blocks-override", "24", "--max-model-len", "384", "--kv-events-config", json.dumps(config)],
-        stdout=subprocess.PIPE, text=True,
-    )
-    try:
+    # The replay service's port is found free here and bound by the simulator
+    # a moment later; another process can take it in between, and the
+    # simulator then exits before listening. It is started again on another.
+    for _ in range(5):
+        replay = ctx.socket(zmq.ROUTER)
+        replay_port = replay.bind_to_random_port("tcp://127.0.0.1")
+        replay.close(linger=0)
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}",
+                  "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": TOPIC.decode()}
+        proc = subprocess.Popen(
+            [binary, "--port", "0", "--zero-latency", "--enable-prompt-tokens-details", "--block-size", "16",
+             "--num-gpu-blocks-override", "24", "--max-model-len", "384", "--kv-events-config", json.dumps(config)],
+            stdout=subprocess.PIPE, text=True,
+        )
         line = proc.stdout.readline()
+        if line or proc.wait(timeout=10) == 0:
+            break
+    try:
         match = re.search(r"listening on (http://\S+)", line)
         assert match, f"unexpected first line from the simulator: {line!r}"
         yield match.group(1), sub, ctx, f"tcp://127.0.0.1:{replay_port}"
